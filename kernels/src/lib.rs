@@ -1,0 +1,1 @@
+//! CUDA kernels for both paths. Not built yet: see the GPU issue.

@@ -1,0 +1,78 @@
+//! What every path offers a rank, so tests and benchmarks drive them the same way.
+
+use std::time::Duration;
+
+use crate::config::Config;
+use crate::error::Result;
+use crate::output::{DispatchOutput, Handle};
+use crate::transport::CallStats;
+use half::bf16;
+
+/// One rank's endpoint of an expert-parallel group, as DeepEP's low-latency `Buffer` offers it.
+/// Every rank of the group must make the same sequence of calls (each call is collective).
+pub trait EpRank: Send {
+    fn rank(&self) -> usize;
+    fn config(&self) -> &Config;
+
+    /// Sends this rank's tokens (`x`: n x H, `topk_idx`: n x K) to their experts and returns what
+    /// this rank's local experts received, plus the handle combine needs.
+    ///
+    /// A call rejected for bad input moves nothing and does not count as a collective step.
+    fn dispatch(&mut self, x: &[bf16], topk_idx: &[i64]) -> Result<(DispatchOutput, Handle)>;
+
+    /// Sends the expert outputs `y` (L x (R*T) x H, in the dispatch layout) back and returns this
+    /// rank's tokens, reduced with `topk_weights` in the contract's order (n x H).
+    fn combine(
+        &mut self,
+        y: &[bf16],
+        topk_idx: &[i64],
+        topk_weights: &[f32],
+        handle: &Handle,
+    ) -> Result<Vec<bf16>>;
+
+    /// What the last successful call put on the wire.
+    fn last_stats(&self) -> CallStats;
+}
+
+/// Knobs of the CPU backend.
+#[derive(Debug, Clone, Copy)]
+pub struct CpuOptions {
+    /// Bound on every wait of one call.
+    pub timeout: Duration,
+    /// Staging workers per rank (batched path only).
+    pub staging_workers: usize,
+    /// Communication memory allowed; `None` means what the OS reports available.
+    pub memory_limit: Option<u64>,
+}
+
+impl Default for CpuOptions {
+    fn default() -> Self {
+        CpuOptions {
+            timeout: Duration::from_secs(10),
+            staging_workers: 2,
+            memory_limit: None,
+        }
+    }
+}
+
+/// A fresh id for a communicator, so handles from another one are recognised.
+pub fn next_group_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Runs `f` on every rank at once, one thread per rank, and returns the results in rank order.
+pub fn run_ranks<R, T, F>(ranks: &mut [R], f: F) -> Vec<T>
+where
+    R: Send,
+    T: Send,
+    F: Fn(&mut R) -> T + Sync,
+{
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ranks.iter_mut().map(|r| s.spawn(|| f(r))).collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
+}

@@ -1,0 +1,200 @@
+//! The per-expert protocol on the CPU backend: every selection is its own message, written into
+//! the owning rank's region for (local expert, source rank); one signal per expert per source.
+//! Combine sends every expert row back on its own. Simple, obviously right, slow: the
+//! executable form of DESIGN.md's "Per-expert (the reference)".
+
+mod combine;
+mod dispatch;
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::output::{DispatchOutput, Handle};
+use crate::path::{next_group_id, CpuOptions, EpRank};
+use crate::sync::{Arc, SharedRows};
+use crate::transport::{memory, CallStats, Credit, Signal};
+use half::bf16;
+
+/// Bytes of metadata in front of each per-expert dispatch message (the source token index,
+/// padded to 16 bytes as DeepEP does).
+pub const MESSAGE_META_BYTES: usize = 16;
+
+/// One receiving region: rows, the signal its one sender posts, for one call at a time.
+pub(crate) struct Region {
+    pub rows: SharedRows,
+    pub signal: Signal,
+}
+
+impl Region {
+    fn new(rows: usize, row_bytes: usize) -> Region {
+        Region {
+            rows: SharedRows::new(rows, row_bytes),
+            signal: Signal::new(),
+        }
+    }
+}
+
+/// Memory every rank can write: the group's communication buffers.
+pub(crate) struct Shared {
+    pub cfg: Config,
+    pub opts: CpuOptions,
+    pub group_id: u64,
+    /// Dispatch regions, index `(dst * L + l) * R + src`: T messages each.
+    pub dispatch: Vec<Region>,
+    /// Dispatch credits, index `dst * R + src`.
+    pub dispatch_credit: Vec<Credit>,
+    /// Combine regions, index `dst * E + e` (dst: the token's rank, e: the global expert):
+    /// T rows of 2H bytes, indexed by token.
+    pub combine: Vec<Region>,
+    /// Combine credits, index `dst * R + src` (src: the expert's rank).
+    pub combine_credit: Vec<Credit>,
+}
+
+impl Shared {
+    fn dispatch_message_bytes(cfg: &Config) -> usize {
+        MESSAGE_META_BYTES + cfg.payload_bytes()
+    }
+
+    /// Communication memory of the whole group, in bytes.
+    pub fn bytes_needed(cfg: &Config) -> u64 {
+        let (r, e, t) = (
+            cfg.num_ranks as u64,
+            cfg.num_experts as u64,
+            cfg.max_tokens_per_rank as u64,
+        );
+        r * e * t * (Self::dispatch_message_bytes(cfg) as u64 + 2 * cfg.hidden as u64)
+    }
+}
+
+/// The per-expert path's endpoint for one rank.
+pub struct PerExpertRank {
+    shared: Arc<Shared>,
+    rank: usize,
+    dispatch_calls: u64,
+    combine_calls: u64,
+    stats: CallStats,
+}
+
+/// Builds the group: one endpoint per rank, sharing its buffers.
+pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<PerExpertRank>> {
+    cfg.validate()?;
+    memory::check(Shared::bytes_needed(cfg), opts.memory_limit)?;
+    let (r, e, t) = (cfg.num_ranks, cfg.num_experts, cfg.max_tokens_per_rank);
+    let shared = Arc::new(Shared {
+        cfg: *cfg,
+        opts,
+        group_id: next_group_id(),
+        dispatch: (0..r * e)
+            .map(|_| Region::new(t, Shared::dispatch_message_bytes(cfg)))
+            .collect(),
+        dispatch_credit: (0..r * r).map(|_| Credit::new()).collect(),
+        combine: (0..r * e).map(|_| Region::new(t, 2 * cfg.hidden)).collect(),
+        combine_credit: (0..r * r).map(|_| Credit::new()).collect(),
+    });
+    Ok((0..r)
+        .map(|rank| PerExpertRank {
+            shared: shared.clone(),
+            rank,
+            dispatch_calls: 0,
+            combine_calls: 0,
+            stats: CallStats::default(),
+        })
+        .collect())
+}
+
+impl PerExpertRank {
+    /// Gives up on call `epoch` after an error: grants the credits so that peers may reuse
+    /// this rank's buffers (see `transport::signal`).
+    fn abandon(credits: &[Credit], rank: usize, r: usize, epoch: u64) {
+        for c in &credits[rank * r..(rank + 1) * r] {
+            c.grant(epoch);
+        }
+    }
+}
+
+impl EpRank for PerExpertRank {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn config(&self) -> &Config {
+        &self.shared.cfg
+    }
+
+    fn dispatch(&mut self, x: &[bf16], topk_idx: &[i64]) -> Result<(DispatchOutput, Handle)> {
+        let n =
+            crate::input::check_dispatch_inputs(&self.shared.cfg, self.rank, x.len(), topk_idx)?;
+        self.dispatch_calls += 1;
+        let epoch = self.dispatch_calls;
+        let sh = &*self.shared;
+        let res = dispatch::run(sh, self.rank, epoch, n, x, topk_idx);
+        match res {
+            Ok((out, stats)) => {
+                self.stats = stats;
+                let handle = Handle::new(sh.group_id, self.rank, topk_idx, &out);
+                Ok((out, handle))
+            }
+            Err(e) => {
+                Self::abandon(&sh.dispatch_credit, self.rank, sh.cfg.num_ranks, epoch);
+                Err(e)
+            }
+        }
+    }
+
+    fn combine(
+        &mut self,
+        y: &[bf16],
+        topk_idx: &[i64],
+        topk_weights: &[f32],
+        handle: &Handle,
+    ) -> Result<Vec<bf16>> {
+        let sh = &*self.shared;
+        crate::input::check_combine_inputs(
+            &sh.cfg,
+            self.rank,
+            y.len(),
+            topk_idx,
+            topk_weights.len(),
+        )?;
+        handle.check(sh.group_id, self.rank, &sh.cfg, topk_idx)?;
+        self.combine_calls += 1;
+        let epoch = self.combine_calls;
+        match combine::run(sh, self.rank, epoch, y, topk_weights, handle) {
+            Ok((out, stats)) => {
+                self.stats = stats;
+                Ok(out)
+            }
+            Err(e) => {
+                Self::abandon(&sh.combine_credit, self.rank, sh.cfg.num_ranks, epoch);
+                Err(e)
+            }
+        }
+    }
+
+    fn last_stats(&self) -> CallStats {
+        self.stats
+    }
+}
+
+/// Waits for every destination's credit for call `epoch`.
+pub(crate) fn wait_credits(
+    credits: &[Credit],
+    r: usize,
+    src: usize,
+    epoch: u64,
+    deadline: &crate::sync::Deadline,
+    op: crate::error::Op,
+) -> Result<()> {
+    for d in 0..r {
+        if !credits[d * r + src].wait_writable(epoch, deadline) {
+            return Err(Error::timeout(
+                src,
+                d,
+                op,
+                crate::error::Side::Send,
+                epoch,
+                deadline,
+            ));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,10 @@
+//! The CPU backend's communication primitives, shared by the per-expert and batched paths:
+//! epoch-tagged signals, credits that make buffer reuse safe, per-call statistics, and the
+//! memory check. All atomics come from [`crate::sync`], so loom checks this code as shipped.
+
+pub mod memory;
+pub mod signal;
+pub mod stats;
+
+pub use signal::{Credit, Signal};
+pub use stats::CallStats;

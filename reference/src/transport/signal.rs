@@ -1,0 +1,96 @@
+//! Signals (sender -> receiver: "call `epoch`'s data is in, `count` items") and credits
+//! (receiver -> sender: "I am done reading call `epoch`, you may overwrite").
+//!
+//! # The ordering argument
+//!
+//! *Payload before signal.* The sender writes every payload row of a call with plain stores,
+//! then [`Signal::post`]s with `Release`. The receiver [`Signal::wait`]s with `Acquire` and
+//! only then reads the rows. The acquire load that returns the posted word synchronizes with
+//! the release store that wrote it, so every payload write happens-before every payload read.
+//! A `Relaxed` post would let the receiver see the word without the rows (the loom mutant
+//! `signal_relaxed` shows exactly that).
+//!
+//! *No stale signal.* The word is `(epoch << 32) | count` and the receiver accepts only its own
+//! call's epoch, so the word left over from call i (the buffers are reused) is never taken for
+//! call i+1. Epoch 0 is never posted: the zeroed word means "nothing yet".
+//!
+//! *No overwrite of unread data.* Before writing call i's rows the sender waits, with
+//! `Acquire`, for the receiver's credit to reach i - 1; the receiver grants it with `Release`
+//! after its last read of call i - 1. So the reads of call i - 1 happen-before the writes of
+//! call i. A receiver that gives up on a call (timeout) grants the credit anyway: it will not
+//! read that call's rows any more, and a late writer of call i finishes those writes before its
+//! own writes of call i + 1 (program order), which the receiver reads only after their signal.
+
+use crate::sync::{AtomicU64, Deadline, Ordering};
+
+#[cfg(not(ep_mutant = "signal_relaxed"))]
+const POST: Ordering = Ordering::Release;
+/// Mutant for the loom self-check: the signal no longer publishes the payload.
+#[cfg(ep_mutant = "signal_relaxed")]
+const POST: Ordering = Ordering::Relaxed;
+
+/// One sender's signal word in one receiver's memory.
+#[derive(Debug)]
+pub struct Signal(AtomicU64);
+
+impl Default for Signal {
+    fn default() -> Self {
+        Signal::new()
+    }
+}
+
+impl Signal {
+    pub fn new() -> Signal {
+        Signal(AtomicU64::new(0))
+    }
+
+    fn word(epoch: u64, count: u32) -> u64 {
+        ((epoch & 0xFFFF_FFFF) << 32) | count as u64
+    }
+
+    /// Publishes call `epoch` (>= 1) with `count` items. Every write of the call's payload must
+    /// precede this in program order (or happen-before it).
+    pub fn post(&self, epoch: u64, count: u32) {
+        debug_assert!(epoch & 0xFFFF_FFFF != 0, "epoch 0 is never posted");
+        self.0.store(Self::word(epoch, count), POST);
+    }
+
+    /// Waits for call `epoch`'s signal and returns its count, or `None` past the deadline.
+    /// After `Some`, the payload written before the post is visible.
+    pub fn wait(&self, epoch: u64, deadline: &Deadline) -> Option<u32> {
+        let want = epoch & 0xFFFF_FFFF;
+        deadline.spin_until(|| {
+            let w = self.0.load(Ordering::Acquire);
+            (w >> 32 == want).then_some(w as u32)
+        })
+    }
+}
+
+/// The receiver's permission to overwrite its buffer: the last call it finished reading.
+#[derive(Debug)]
+pub struct Credit(AtomicU64);
+
+impl Default for Credit {
+    fn default() -> Self {
+        Credit::new()
+    }
+}
+
+impl Credit {
+    pub fn new() -> Credit {
+        Credit(AtomicU64::new(0))
+    }
+
+    /// The receiver is done with call `epoch` (all its reads precede this in program order).
+    pub fn grant(&self, epoch: u64) {
+        self.0.fetch_max(epoch, Ordering::Release);
+    }
+
+    /// The sender of call `epoch` waits until call `epoch - 1` was released. Returns `false`
+    /// past the deadline.
+    pub fn wait_writable(&self, epoch: u64, deadline: &Deadline) -> bool {
+        deadline
+            .spin_until(|| (self.0.load(Ordering::Acquire) + 1 >= epoch).then_some(()))
+            .is_some()
+    }
+}
