@@ -19,6 +19,7 @@ pub mod payload;
 pub mod per_expert;
 pub mod sync;
 pub mod transport;
+pub mod workload;
 
 pub use config::{Config, Mode};
 pub use error::{Error, Op, Phase, Result, Side};
