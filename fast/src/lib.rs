@@ -1,1 +1,235 @@
-//! placeholder
+//! # ep-fast
+//!
+//! The per-destination batched path (DESIGN.md "Two ways to move the same data"): every token
+//! bound for a destination rank travels in one batch, once, with its list of local experts there;
+//! one put and one signal per (source, destination) pair; the receiver expands the batch into the
+//! canonical per-expert layout. Combine batches every row bound for a rank the same way.
+//!
+//! On the CPU backend each rank stages with several workers that follow the finish-counter
+//! protocol ([`finish`]); the buffers are allocated once per group and reused call after call,
+//! with epoch-tagged signals and credits (`ep_reference::transport`).
+//!
+//! Under `--cfg ep_loom` the staging workers cannot be spawned as scoped threads (loom has no
+//! scope): drive [`DispatchCall`] / [`CombineCall`] from loom threads instead, or use one worker.
+
+pub mod batch;
+mod combine;
+mod dispatch;
+pub mod finish;
+
+pub use combine::CombineCall;
+pub use dispatch::DispatchCall;
+
+use ep_reference::bf16;
+use ep_reference::path::next_group_id;
+use ep_reference::sync::{Arc, SharedRows};
+use ep_reference::transport::{memory, Credit, Signal};
+use ep_reference::{CallStats, Config, CpuOptions, DispatchOutput, EpRank, Handle, Result};
+
+use finish::FinishCounter;
+
+/// A (destination, source) receiving region: the batch rows and the one signal.
+pub(crate) struct Region {
+    pub rows: SharedRows,
+    pub signal: Signal,
+}
+
+/// The group's communication buffers, allocated once.
+pub struct Shared {
+    pub(crate) cfg: Config,
+    pub(crate) opts: CpuOptions,
+    pub(crate) group_id: u64,
+    /// Dispatch batches, index `dst * R + src`: up to T entries each.
+    pub(crate) dispatch: Vec<Region>,
+    pub(crate) dispatch_credit: Vec<Credit>,
+    /// Dispatch finish counters, index `src * R + dst` (owned by the source).
+    pub(crate) dispatch_finish: Vec<FinishCounter>,
+    /// Combine batches, index `dst * R + src` (dst: the tokens' rank, src: the experts' rank):
+    /// up to T * min(K, L) rows of 2H bytes.
+    pub(crate) combine: Vec<Region>,
+    pub(crate) combine_credit: Vec<Credit>,
+    pub(crate) combine_finish: Vec<FinishCounter>,
+}
+
+impl Shared {
+    fn combine_rows(cfg: &Config) -> usize {
+        cfg.max_tokens_per_rank * cfg.top_k.min(cfg.num_local_experts())
+    }
+
+    /// Communication memory of the whole group, in bytes.
+    pub fn bytes_needed(cfg: &Config) -> u64 {
+        let pairs = (cfg.num_ranks * cfg.num_ranks) as u64;
+        let d = cfg.max_tokens_per_rank as u64 * batch::entry_bytes(cfg) as u64;
+        let c = Self::combine_rows(cfg) as u64 * 2 * cfg.hidden as u64;
+        pairs * (d + c)
+    }
+}
+
+/// Builds the group: one endpoint per rank, sharing its buffers.
+pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<BatchedRank>> {
+    cfg.validate()?;
+    memory::check(Shared::bytes_needed(cfg), opts.memory_limit)?;
+    let r = cfg.num_ranks;
+    let region = |rows, bytes| Region {
+        rows: SharedRows::new(rows, bytes),
+        signal: Signal::new(),
+    };
+    let shared = Arc::new(Shared {
+        cfg: *cfg,
+        opts: CpuOptions {
+            staging_workers: opts.staging_workers.max(1),
+            ..opts
+        },
+        group_id: next_group_id(),
+        dispatch: (0..r * r)
+            .map(|_| region(cfg.max_tokens_per_rank, batch::entry_bytes(cfg)))
+            .collect(),
+        dispatch_credit: (0..r * r).map(|_| Credit::new()).collect(),
+        dispatch_finish: (0..r * r).map(|_| FinishCounter::new()).collect(),
+        combine: (0..r * r)
+            .map(|_| region(Shared::combine_rows(cfg), 2 * cfg.hidden))
+            .collect(),
+        combine_credit: (0..r * r).map(|_| Credit::new()).collect(),
+        combine_finish: (0..r * r).map(|_| FinishCounter::new()).collect(),
+    });
+    Ok((0..r)
+        .map(|rank| BatchedRank {
+            shared: shared.clone(),
+            rank,
+            dispatch_calls: 0,
+            combine_calls: 0,
+            stats: CallStats::default(),
+        })
+        .collect())
+}
+
+/// The batched path's endpoint for one rank.
+pub struct BatchedRank {
+    shared: Arc<Shared>,
+    rank: usize,
+    dispatch_calls: u64,
+    combine_calls: u64,
+    stats: CallStats,
+}
+
+impl BatchedRank {
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// Starts a dispatch: checks the inputs, advances the call number, waits until every
+    /// destination has released our previous batch, and opens the finish counters. Drive the
+    /// returned call with [`DispatchCall::stage`] (once per worker, from any threads) and
+    /// [`DispatchCall::receive`], then [`DispatchCall::end`] it.
+    pub fn dispatch_begin<'a>(
+        &mut self,
+        x: &'a [bf16],
+        topk_idx: &'a [i64],
+    ) -> Result<DispatchCall<'a>> {
+        let cfg = self.shared.cfg;
+        ep_reference::input::check_dispatch_inputs(&cfg, self.rank, x.len(), topk_idx)?;
+        self.dispatch_calls += 1;
+        DispatchCall::begin(
+            self.shared.clone(),
+            self.rank,
+            self.dispatch_calls,
+            x,
+            topk_idx,
+        )
+    }
+
+    /// Starts a combine; drive it like a dispatch ([`CombineCall::stage`], then
+    /// [`CombineCall::receive`] and [`CombineCall::end`]).
+    pub fn combine_begin<'a>(
+        &mut self,
+        y: &'a [bf16],
+        topk_idx: &[i64],
+        topk_weights: &'a [f32],
+        handle: &'a Handle,
+    ) -> Result<CombineCall<'a>> {
+        let sh = &self.shared;
+        ep_reference::input::check_combine_inputs(
+            &sh.cfg,
+            self.rank,
+            y.len(),
+            topk_idx,
+            topk_weights.len(),
+        )?;
+        handle.check(sh.group_id, self.rank, &sh.cfg, topk_idx)?;
+        self.combine_calls += 1;
+        CombineCall::begin(
+            sh.clone(),
+            self.rank,
+            self.combine_calls,
+            y,
+            topk_weights,
+            handle,
+        )
+    }
+}
+
+/// Runs `stage(worker, workers)` on `workers` threads (the caller's among them), then
+/// `receive` on the caller's thread, and returns the first error (the caller's own first).
+fn drive<T>(
+    workers: usize,
+    stage: impl Fn(usize, usize) -> Result<()> + Sync,
+    receive: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    if workers == 1 {
+        stage(0, 1)?;
+        return receive();
+    }
+    std::thread::scope(|s| {
+        let stage = &stage;
+        let others: Vec<_> = (1..workers)
+            .map(|w| s.spawn(move || stage(w, workers)))
+            .collect();
+        let received = stage(0, workers).and_then(|()| receive());
+        let mut joined = Ok(());
+        for h in others {
+            let r = h.join().expect("staging worker panicked");
+            if joined.is_ok() {
+                joined = r;
+            }
+        }
+        received.and_then(|v| joined.map(|()| v))
+    })
+}
+
+impl EpRank for BatchedRank {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn config(&self) -> &Config {
+        &self.shared.cfg
+    }
+
+    fn dispatch(&mut self, x: &[bf16], topk_idx: &[i64]) -> Result<(DispatchOutput, Handle)> {
+        let call = self.dispatch_begin(x, topk_idx)?;
+        let res = drive(call.workers(), |w, n| call.stage(w, n), || call.receive());
+        let (stats, res) = call.end(res);
+        let done = res?;
+        self.stats = stats;
+        Ok(done)
+    }
+
+    fn combine(
+        &mut self,
+        y: &[bf16],
+        topk_idx: &[i64],
+        topk_weights: &[f32],
+        handle: &Handle,
+    ) -> Result<Vec<bf16>> {
+        let call = self.combine_begin(y, topk_idx, topk_weights, handle)?;
+        let res = drive(call.workers(), |w, n| call.stage(w, n), || call.receive());
+        let (stats, res) = call.end(res);
+        let out = res?;
+        self.stats = stats;
+        Ok(out)
+    }
+
+    fn last_stats(&self) -> CallStats {
+        self.stats
+    }
+}

@@ -108,6 +108,17 @@ pub enum Error {
         expected: i64,
         got: i64,
     },
+    #[error(
+        "rank {rank}: rank {peer} announced {got} items in {phase} of call {call}, expected {expected}"
+    )]
+    PeerMismatch {
+        rank: usize,
+        peer: usize,
+        phase: Phase,
+        call: u64,
+        expected: usize,
+        got: usize,
+    },
     #[error("config needs {needed} bytes of communication memory, only {available} are available")]
     OutOfMemory { needed: u64, available: u64 },
     #[error(

@@ -1,1 +1,85 @@
-//! placeholder
+//! # ep-verify
+//!
+//! The checks every change is gated on: the batched path equals the per-expert path equals the
+//! oracle, bit for bit, on every output (tests in `tests/`), and loom models of the signaling
+//! protocol run on the shipped code (`tests/loom_*.rs`, built with `--cfg ep_loom`).
+//!
+//! This library holds the harness the tests share: run a path on a workload and compare it.
+
+use ep_reference::oracle;
+use ep_reference::path::run_ranks;
+use ep_reference::workload::Workload;
+use ep_reference::{bf16, DispatchOutput, EpRank, Handle, Result};
+
+/// Every rank's dispatch, run collectively.
+pub fn dispatch_all<R: EpRank>(
+    ranks: &mut [R],
+    w: &Workload,
+) -> Vec<Result<(DispatchOutput, Handle)>> {
+    run_ranks(ranks, |rk| {
+        let r = rk.rank();
+        rk.dispatch(&w.x[r], &w.topk_idx[r])
+    })
+}
+
+/// Every rank's combine of `ys` with the handles of a dispatch, run collectively.
+pub fn combine_all<R: EpRank>(
+    ranks: &mut [R],
+    w: &Workload,
+    ys: &[Vec<bf16>],
+    handles: &[Handle],
+) -> Vec<Result<Vec<bf16>>> {
+    run_ranks(ranks, |rk| {
+        let r = rk.rank();
+        rk.combine(&ys[r], &w.topk_idx[r], &w.topk_weights[r], &handles[r])
+    })
+}
+
+/// Dispatch then combine on `ranks`, compared with the oracle; `Err` describes the first
+/// difference (or the error a rank returned).
+pub fn check_against_oracle<R: EpRank>(
+    name: &str,
+    ranks: &mut [R],
+    w: &Workload,
+    seed: u64,
+) -> std::result::Result<(), String> {
+    let cfg = &w.config;
+    let want = oracle::dispatch(cfg, &w.dispatch_inputs()).map_err(|e| format!("oracle: {e}"))?;
+    let got = dispatch_all(ranks, w);
+    let mut handles = Vec::new();
+    for (r, (g, wo)) in got.into_iter().zip(&want).enumerate() {
+        let (out, h) = g.map_err(|e| format!("{name} dispatch rank {r}: {e}"))?;
+        if let Some(d) = wo.diff(&out) {
+            return Err(format!(
+                "{name} dispatch rank {r} differs from the oracle: {d}"
+            ));
+        }
+        handles.push(h);
+    }
+    let ys = w.expert_outputs(seed);
+    let want = oracle::combine(cfg, &w.combine_inputs(&ys)).map_err(|e| format!("oracle: {e}"))?;
+    let got = combine_all(ranks, w, &ys, &handles);
+    for (r, (g, wo)) in got.into_iter().zip(&want).enumerate() {
+        let out = g.map_err(|e| format!("{name} combine rank {r}: {e}"))?;
+        if let Some(i) = first_bit_difference(wo, &out) {
+            return Err(format!(
+                "{name} combine rank {r} differs from the oracle at token {} channel {}: {:#06x} vs {:#06x}",
+                i / cfg.hidden,
+                i % cfg.hidden,
+                wo[i].to_bits(),
+                out[i].to_bits()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The index of the first element whose bits differ (or the shorter length).
+pub fn first_bit_difference(a: &[bf16], b: &[bf16]) -> Option<usize> {
+    if a.len() != b.len() {
+        return Some(a.len().min(b.len()));
+    }
+    a.iter()
+        .zip(b)
+        .position(|(x, y)| x.to_bits() != y.to_bits())
+}

@@ -1,0 +1,255 @@
+//! Batched combine: the experts' rank packs, per destination, every row bound there into one
+//! contiguous batch (local expert ascending, then the dispatch layout's row order, i.e. token
+//! order) with one signal; the tokens' rank finds each row from its own routing and reduces in
+//! the contract's order.
+
+use ep_reference::error::{Error, Op, Phase, Side};
+use ep_reference::payload::{bf16_at, bf16_bytes};
+use ep_reference::sync::{Arc, Deadline};
+use ep_reference::{bf16, bf16_from_f32, bf16_to_f32, CallStats, Handle, Result};
+
+use crate::Shared;
+
+/// One rank's combine call in flight. `stage` may run on several threads at once.
+pub struct CombineCall<'a> {
+    sh: Arc<Shared>,
+    rank: usize,
+    epoch: u64,
+    y: &'a [bf16],
+    topk_weights: &'a [f32],
+    handle: &'a Handle,
+    /// Per destination s: (local expert, first row in the layout, rows, offset in the batch).
+    segments: Vec<Vec<(usize, usize, usize, usize)>>,
+    totals: Vec<usize>,
+    deadline: Deadline,
+}
+
+impl<'a> CombineCall<'a> {
+    pub(crate) fn begin(
+        sh: Arc<Shared>,
+        rank: usize,
+        epoch: u64,
+        y: &'a [bf16],
+        topk_weights: &'a [f32],
+        handle: &'a Handle,
+    ) -> Result<CombineCall<'a>> {
+        let cfg = sh.cfg;
+        let (r, l_n) = (cfg.num_ranks, cfg.num_local_experts());
+        let deadline = Deadline::after(sh.opts.timeout);
+        for s in 0..r {
+            if !sh.combine_credit[s * r + rank].wait_writable(epoch, &deadline) {
+                abandon(&sh, rank, epoch);
+                return Err(Error::timeout(
+                    rank,
+                    s,
+                    Op::Combine,
+                    Side::Send,
+                    epoch,
+                    &deadline,
+                ));
+            }
+        }
+        for f in &sh.combine_finish[rank * r..(rank + 1) * r] {
+            f.open();
+        }
+        let mut segments = vec![Vec::new(); r];
+        let mut totals = vec![0usize; r];
+        for (s, segs) in segments.iter_mut().enumerate() {
+            for l in 0..l_n {
+                let (begin, count) = handle.range(l, s);
+                if count > 0 {
+                    segs.push((l, begin, count, totals[s]));
+                    totals[s] += count;
+                }
+            }
+        }
+        Ok(CombineCall {
+            sh,
+            rank,
+            epoch,
+            y,
+            topk_weights,
+            handle,
+            segments,
+            totals,
+            deadline,
+        })
+    }
+
+    pub fn workers(&self) -> usize {
+        self.sh.opts.staging_workers
+    }
+
+    /// Worker `worker` of `workers`: copies its share of the segments into the destinations'
+    /// batches, counts (worker 0), then signals the destinations `s % workers == worker`.
+    pub fn stage(&self, worker: usize, workers: usize) -> Result<()> {
+        let sh = &*self.sh;
+        let cfg = &sh.cfg;
+        let (r, h) = (cfg.num_ranks, cfg.hidden);
+        let per = cfg.rows_per_expert();
+        let finish = &sh.combine_finish[self.rank * r..(self.rank + 1) * r];
+        let all = self
+            .segments
+            .iter()
+            .enumerate()
+            .flat_map(|(s, segs)| segs.iter().map(move |seg| (s, seg)));
+        for (s, &(l, begin, count, offset)) in all.skip(worker).step_by(workers) {
+            let region = &sh.combine[s * r + self.rank];
+            for i in 0..count {
+                let row = l * per + begin + i;
+                let src = bf16_bytes(&self.y[row * h..(row + 1) * h]);
+                // SAFETY: batch row offset + i of region (s, rank) is this segment's alone and
+                // the segment is this worker's alone; `begin` acquired s's credit for the
+                // previous call; s reads after our signal, which follows the finish counter.
+                unsafe {
+                    region
+                        .rows
+                        .with_row_mut(offset + i, |m| m.copy_from_slice(src))
+                };
+            }
+            finish[s].staged(count as u64);
+        }
+        if worker == 0 {
+            for (f, &total) in finish.iter().zip(&self.totals) {
+                f.counted(total as u64);
+            }
+        }
+        for s in (worker..r).step_by(workers) {
+            let total = finish[s].wait_done(&self.deadline).ok_or_else(|| {
+                Error::timeout(
+                    self.rank,
+                    self.rank,
+                    Op::Combine,
+                    Side::Send,
+                    self.epoch,
+                    &self.deadline,
+                )
+            })?;
+            sh.combine[s * r + self.rank]
+                .signal
+                .post(self.epoch, total as u32);
+        }
+        Ok(())
+    }
+
+    /// Waits for every experts' rank's batch and reduces this rank's tokens.
+    pub fn receive(&self) -> Result<Vec<bf16>> {
+        let sh = &*self.sh;
+        let cfg = &sh.cfg;
+        let (r, e_n, l_n, h, k) = (
+            cfg.num_ranks,
+            cfg.num_experts,
+            cfg.num_local_experts(),
+            cfg.hidden,
+            cfg.top_k,
+        );
+        let topk = &self.handle.topk_idx;
+        // Where each (token, slot) row sits in its batch: rows of expert e from this rank are in
+        // token order, after the rows of the same rank's lower local experts.
+        let mut per_expert = vec![0usize; e_n];
+        let mut row_of = vec![usize::MAX; topk.len()];
+        for (i, &e) in topk.iter().enumerate() {
+            if e >= 0 {
+                row_of[i] = per_expert[e as usize];
+                per_expert[e as usize] += 1;
+            }
+        }
+        let mut offset = vec![0usize; e_n];
+        let mut expected = vec![0usize; r];
+        for e in 0..e_n {
+            offset[e] = expected[e / l_n];
+            expected[e / l_n] += per_expert[e];
+        }
+        for (d, &want) in expected.iter().enumerate() {
+            let got = sh.combine[self.rank * r + d]
+                .signal
+                .wait(self.epoch, &self.deadline)
+                .ok_or_else(|| {
+                    Error::timeout(
+                        self.rank,
+                        d,
+                        Op::Combine,
+                        Side::Recv,
+                        self.epoch,
+                        &self.deadline,
+                    )
+                })? as usize;
+            if got != want {
+                return Err(Error::PeerMismatch {
+                    rank: self.rank,
+                    peer: d,
+                    phase: Phase {
+                        op: Op::Combine,
+                        side: Side::Recv,
+                    },
+                    call: self.epoch,
+                    expected: want,
+                    got,
+                });
+            }
+        }
+        let n = self.handle.num_tokens();
+        let mut out = vec![bf16::ZERO; n * h];
+        let mut acc = vec![0f32; h];
+        for t in 0..n {
+            acc.fill(0.0);
+            for slot in 0..k {
+                let i = t * k + slot;
+                let e = topk[i];
+                if e < 0 {
+                    continue;
+                }
+                let e = e as usize;
+                let w = self.topk_weights[i];
+                let region = &sh.combine[self.rank * r + e / l_n];
+                // SAFETY: the signal's acquire above synchronized with the experts' rank's
+                // release post, which followed every write of its batch; it is not rewritten
+                // before our credit below.
+                unsafe {
+                    region.rows.with_rows(offset[e] + row_of[i], 1, |row| {
+                        for (c, a) in acc.iter_mut().enumerate() {
+                            *a = w.mul_add(bf16_to_f32(bf16_at(row, c)), *a);
+                        }
+                    });
+                }
+            }
+            for (o, a) in out[t * h..(t + 1) * h].iter_mut().zip(&acc) {
+                *o = bf16_from_f32(*a);
+            }
+        }
+        for d in 0..r {
+            sh.combine_credit[self.rank * r + d].grant(self.epoch);
+        }
+        Ok(out)
+    }
+
+    /// Ends the call after every worker returned (see `DispatchCall::end`).
+    pub fn end(self, res: Result<Vec<bf16>>) -> (CallStats, Result<Vec<bf16>>) {
+        let sh = &*self.sh;
+        let r = sh.cfg.num_ranks;
+        for f in &sh.combine_finish[self.rank * r..(self.rank + 1) * r] {
+            f.reset();
+        }
+        let stats = CallStats {
+            messages: self.totals.iter().filter(|&&c| c > 0).count() as u64,
+            signals: r as u64,
+            wire_bytes: self
+                .totals
+                .iter()
+                .map(|&c| (c * 2 * sh.cfg.hidden) as u64)
+                .sum(),
+        };
+        if res.is_err() {
+            abandon(sh, self.rank, self.epoch);
+        }
+        (stats, res)
+    }
+}
+
+/// Gives up combine call `epoch` on `rank` (see `DispatchCall::end`).
+fn abandon(sh: &Shared, rank: usize, epoch: u64) {
+    let r = sh.cfg.num_ranks;
+    for c in &sh.combine_credit[rank * r..(rank + 1) * r] {
+        c.grant(epoch);
+    }
+}

@@ -1,0 +1,232 @@
+//! Batched dispatch: stage each token once per destination straight into the destination's
+//! batch region, let the finish counter tell the sender when the batch is whole, post one signal
+//! per (source, destination); the receiver expands every batch into the canonical layout.
+
+use ep_reference::error::{Error, Op, Side};
+use ep_reference::payload::Encoder;
+use ep_reference::sync::{Arc, Deadline};
+use ep_reference::{bf16, CallStats, DispatchOutput, Handle, Result};
+
+use crate::batch::{self, Plan};
+use crate::Shared;
+
+/// One rank's dispatch call in flight. `stage` may run on several threads at once.
+pub struct DispatchCall<'a> {
+    sh: Arc<Shared>,
+    rank: usize,
+    epoch: u64,
+    x: &'a [bf16],
+    topk_idx: &'a [i64],
+    plan: Plan,
+    deadline: Deadline,
+}
+
+impl<'a> DispatchCall<'a> {
+    pub(crate) fn begin(
+        sh: Arc<Shared>,
+        rank: usize,
+        epoch: u64,
+        x: &'a [bf16],
+        topk_idx: &'a [i64],
+    ) -> Result<DispatchCall<'a>> {
+        let cfg = sh.cfg;
+        let r = cfg.num_ranks;
+        let deadline = Deadline::after(sh.opts.timeout);
+        // Staging writes straight into the destinations' regions: each must have finished
+        // reading our previous batch (the credit's acquire orders those reads first).
+        for d in 0..r {
+            if !sh.dispatch_credit[d * r + rank].wait_writable(epoch, &deadline) {
+                abandon(&sh, rank, epoch);
+                return Err(Error::timeout(
+                    rank,
+                    d,
+                    Op::Dispatch,
+                    Side::Send,
+                    epoch,
+                    &deadline,
+                ));
+            }
+        }
+        for f in &sh.dispatch_finish[rank * r..(rank + 1) * r] {
+            f.open();
+        }
+        let plan = Plan::build(&cfg, topk_idx);
+        Ok(DispatchCall {
+            sh,
+            rank,
+            epoch,
+            x,
+            topk_idx,
+            plan,
+            deadline,
+        })
+    }
+
+    pub fn workers(&self) -> usize {
+        self.sh.opts.staging_workers
+    }
+
+    /// Worker `worker` of `workers`: stages its share of the tokens, counts (worker 0), then
+    /// sends the batches of destinations `d % workers == worker` once they are whole.
+    pub fn stage(&self, worker: usize, workers: usize) -> Result<()> {
+        let sh = &*self.sh;
+        let cfg = &sh.cfg;
+        let (r, h) = (cfg.num_ranks, cfg.hidden);
+        let n = self.plan.routes.len();
+        let (lo, hi) = (n * worker / workers, n * (worker + 1) / workers);
+        let meta = batch::meta_bytes(cfg);
+        let mut enc = Encoder::new(cfg);
+        let finish = &sh.dispatch_finish[self.rank * r..(self.rank + 1) * r];
+        for t in lo..hi {
+            let routes = &self.plan.routes[t];
+            if routes.is_empty() {
+                continue;
+            }
+            // Quantize once per token, into the first destination's entry; the others copy it.
+            let mut first: Option<(usize, usize)> = None;
+            for (d, pos, locals) in routes {
+                let region = &sh.dispatch[d * r + self.rank];
+                // SAFETY: entry `pos` of region (d, rank) belongs to token t alone (the plan
+                // gives every token its own position) and to this worker alone (tokens are
+                // split between workers); `begin` acquired d's credit for the previous call;
+                // d reads it only after our signal, which follows this write's release below.
+                unsafe {
+                    region.rows.with_row_mut(*pos, |entry| {
+                        batch::write_meta(&mut entry[..meta], t, locals);
+                        match first {
+                            None => enc.encode(&self.x[t * h..(t + 1) * h], &mut entry[meta..]),
+                            Some((d0, p0)) => {
+                                sh.dispatch[d0 * r + self.rank]
+                                    .rows
+                                    .with_rows(p0, 1, |src| {
+                                        entry[meta..].copy_from_slice(&src[meta..])
+                                    })
+                            }
+                        }
+                    });
+                }
+                first.get_or_insert((*d, *pos));
+                finish[*d].staged(1);
+            }
+        }
+        if worker == 0 {
+            for (f, &count) in finish.iter().zip(&self.plan.counts) {
+                f.counted(count as u64);
+            }
+        }
+        for d in (worker..r).step_by(workers) {
+            let count = finish[d].wait_done(&self.deadline).ok_or_else(|| {
+                Error::timeout(
+                    self.rank,
+                    self.rank,
+                    Op::Dispatch,
+                    Side::Send,
+                    self.epoch,
+                    &self.deadline,
+                )
+            })?;
+            sh.dispatch[d * r + self.rank]
+                .signal
+                .post(self.epoch, count as u32);
+        }
+        Ok(())
+    }
+
+    /// Waits for every source's batch and expands them into the canonical layout.
+    pub fn receive(&self) -> Result<DispatchOutput> {
+        let sh = &*self.sh;
+        let cfg = &sh.cfg;
+        let (r, l_n) = (cfg.num_ranks, cfg.num_local_experts());
+        let meta = batch::meta_bytes(cfg);
+        let mut counts = vec![0usize; r];
+        for (s, c) in counts.iter_mut().enumerate() {
+            *c = sh.dispatch[self.rank * r + s]
+                .signal
+                .wait(self.epoch, &self.deadline)
+                .ok_or_else(|| {
+                    Error::timeout(
+                        self.rank,
+                        s,
+                        Op::Dispatch,
+                        Side::Recv,
+                        self.epoch,
+                        &self.deadline,
+                    )
+                })? as usize;
+        }
+        // Rows per (local expert, source), from the batches' metadata.
+        let mut per = vec![0usize; l_n * r];
+        for (s, &c) in counts.iter().enumerate() {
+            let region = &sh.dispatch[self.rank * r + s];
+            // SAFETY: the signal's acquire above synchronized with the sender's release post,
+            // which followed every staged write of these entries (finish counter); the sender
+            // rewrites them only after our credit, granted below.
+            unsafe {
+                region.rows.with_rows(0, c, |bytes| {
+                    for entry in bytes.chunks_exact(region.rows.row_bytes()) {
+                        for l in batch::read_meta(&entry[..meta]).1 {
+                            per[l * r + s] += 1;
+                        }
+                    }
+                });
+            }
+        }
+        let mut out = DispatchOutput::zeroed(cfg);
+        out.set_layout(&per);
+        for (s, &c) in counts.iter().enumerate() {
+            let region = &sh.dispatch[self.rank * r + s];
+            let mut next: Vec<usize> = (0..l_n).map(|l| out.range(l, s).0).collect();
+            // SAFETY: as above.
+            unsafe {
+                region.rows.with_rows(0, c, |bytes| {
+                    for entry in bytes.chunks_exact(region.rows.row_bytes()) {
+                        let (t, locals) = batch::read_meta(&entry[..meta]);
+                        for l in locals {
+                            out.write_row(l, next[l], t, &entry[meta..]);
+                            next[l] += 1;
+                        }
+                    }
+                });
+            }
+        }
+        for s in 0..r {
+            sh.dispatch_credit[self.rank * r + s].grant(self.epoch);
+        }
+        Ok(out)
+    }
+
+    /// Ends the call after every worker returned: resets the finish counters, gives up the call
+    /// on error (granting credits so peers can go on), and builds the handle.
+    pub fn end(self, res: Result<DispatchOutput>) -> (CallStats, Result<(DispatchOutput, Handle)>) {
+        let sh = &*self.sh;
+        let r = sh.cfg.num_ranks;
+        for f in &sh.dispatch_finish[self.rank * r..(self.rank + 1) * r] {
+            f.reset();
+        }
+        let entry = batch::entry_bytes(&sh.cfg) as u64;
+        let stats = CallStats {
+            messages: self.plan.counts.iter().filter(|&&c| c > 0).count() as u64,
+            signals: r as u64,
+            wire_bytes: self.plan.counts.iter().map(|&c| c as u64 * entry).sum(),
+        };
+        match res {
+            Ok(out) => {
+                let handle = Handle::new(sh.group_id, self.rank, self.topk_idx, &out);
+                (stats, Ok((out, handle)))
+            }
+            Err(e) => {
+                abandon(sh, self.rank, self.epoch);
+                (stats, Err(e))
+            }
+        }
+    }
+}
+
+/// Gives up dispatch call `epoch` on `rank`: it will read no more of that call, so every source
+/// may reuse its region (see `ep_reference::transport::signal`).
+fn abandon(sh: &Shared, rank: usize, epoch: u64) {
+    let r = sh.cfg.num_ranks;
+    for c in &sh.dispatch_credit[rank * r..(rank + 1) * r] {
+        c.grant(epoch);
+    }
+}

@@ -1,0 +1,148 @@
+//! fast == per-expert == oracle, bit for bit, on every output, over random configs and routings.
+//! proptest prints the failing case (config, token counts, routing, seed) and shrinks it.
+
+use ep_reference::workload::{Routing, Workload};
+use ep_reference::{per_expert, Config, CpuOptions, Mode};
+use ep_verify::check_against_oracle;
+use proptest::prelude::*;
+
+/// Elements of all ranks' dispatch outputs (E x R*T x H) allowed per case, to bound memory.
+const OUTPUT_BUDGET: usize = 60_000_000;
+/// Multiply-adds of the oracle's combine (R x T x K x H) allowed per case, to bound time.
+const WORK_BUDGET: usize = 8_000_000;
+
+#[derive(Debug, Clone)]
+struct Case {
+    cfg: Config,
+    tokens: Vec<usize>,
+    routing: Routing,
+    workers: usize,
+    seed: u64,
+}
+
+fn mode() -> impl Strategy<Value = Mode> {
+    prop_oneof![
+        Just(Mode::Bf16),
+        Just(Mode::FP8),
+        Just(Mode::FP8_ROUND),
+        Just(Mode::FP8_UE8M0)
+    ]
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    (
+        prop::sample::select(vec![1usize, 2, 3, 4, 8, 16]),
+        prop::sample::select(vec![128usize, 256, 7168]),
+        1usize..=16,
+        mode(),
+        any::<u64>(),
+        1usize..=3,
+    )
+        .prop_flat_map(|(r, h, k, mode, seed, workers)| {
+            let h = if matches!(mode, Mode::Fp8 { ue8m0: true, .. }) && h % 512 != 0 {
+                512
+            } else {
+                h
+            };
+            let max_local = 288 / r;
+            (Just((r, h, k, mode, seed, workers)), 1usize..=max_local)
+        })
+        .prop_flat_map(|((r, h, k, mode, seed, workers), l)| {
+            let e = r * l;
+            let t_mem = OUTPUT_BUDGET / (e * r * h);
+            let t_work = WORK_BUDGET / (r * k * h);
+            let t_max = t_mem.min(t_work).clamp(1, 512);
+            (
+                Just((r, h, k, mode, seed, workers, e)),
+                1usize..=t_max,
+                prop_oneof![
+                    6 => (0.0f64..0.5).prop_map(|m| Routing::Random { masked: m }),
+                    1 => Just(Routing::OneExpert),
+                    1 => (0usize..r).prop_map(|rank| Routing::OneRank { rank }),
+                    1 => Just(Routing::EveryRank),
+                ],
+            )
+        })
+        .prop_flat_map(|((r, h, k, mode, seed, workers, e), t, routing)| {
+            let cfg = Config::new(r, e, t, h, k, mode).expect("generated config is valid");
+            (
+                prop::collection::vec(
+                    prop_oneof![1 => Just(0usize), 1 => Just(t), 3 => 0usize..=t],
+                    r,
+                ),
+                Just((cfg, routing, workers, seed)),
+            )
+        })
+        .prop_map(|(tokens, (cfg, routing, workers, seed))| Case {
+            cfg,
+            tokens,
+            routing,
+            workers,
+            seed,
+        })
+}
+
+fn run_case(c: &Case) -> Result<(), String> {
+    let w = Workload::generate(&c.cfg, &c.tokens, c.routing, c.seed);
+    let opts = CpuOptions {
+        staging_workers: c.workers,
+        ..CpuOptions::default()
+    };
+    let mut reference = per_expert::group(&c.cfg, opts).map_err(|e| e.to_string())?;
+    check_against_oracle("per-expert", &mut reference, &w, c.seed)?;
+    let mut fast = ep_fast::group(&c.cfg, opts).map_err(|e| e.to_string())?;
+    check_against_oracle("batched", &mut fast, &w, c.seed)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn batched_equals_per_expert_equals_oracle(c in case()) {
+        if let Err(msg) = run_case(&c) {
+            prop_assert!(false, "{msg}\ncase: {} tokens {:?} routing {:?} workers {} seed {}",
+                c.cfg.describe(), c.tokens, c.routing, c.workers, c.seed);
+        }
+    }
+}
+
+/// The standard decode setting at 8 ranks, every dispatch mode, both paths.
+#[test]
+fn standard_setting_all_modes() {
+    for mode in [Mode::Bf16, Mode::FP8, Mode::FP8_ROUND, Mode::FP8_UE8M0] {
+        let cfg = Config::new(8, 256, 32, 7168, 8, mode).unwrap();
+        let w = Workload::uniform(&cfg, 32, Routing::Random { masked: 0.05 }, 7);
+        let mut a = per_expert::group(&cfg, CpuOptions::default()).unwrap();
+        check_against_oracle("per-expert", &mut a, &w, 7).unwrap();
+        let mut b = ep_fast::group(&cfg, CpuOptions::default()).unwrap();
+        check_against_oracle("batched", &mut b, &w, 7).unwrap();
+    }
+}
+
+/// Many consecutive calls on the same buffers, each with new inputs, stay equal to the oracle;
+/// the same inputs twice give the same bytes.
+#[test]
+fn consecutive_calls_reuse_buffers() {
+    let cfg = Config::new(4, 32, 16, 256, 6, Mode::FP8).unwrap();
+    let opts = CpuOptions {
+        staging_workers: 3,
+        ..CpuOptions::default()
+    };
+    let mut a = per_expert::group(&cfg, opts).unwrap();
+    let mut b = ep_fast::group(&cfg, opts).unwrap();
+    for call in 0..60u64 {
+        let tokens: Vec<usize> = (0..4)
+            .map(|r| ((call as usize * 7 + r * 5) % 17).min(16))
+            .collect();
+        let w = Workload::generate(&cfg, &tokens, Routing::Random { masked: 0.2 }, call);
+        check_against_oracle("per-expert", &mut a, &w, call).unwrap();
+        check_against_oracle("batched", &mut b, &w, call).unwrap();
+    }
+    let w = Workload::uniform(&cfg, 16, Routing::Random { masked: 0.1 }, 99);
+    let first = ep_verify::dispatch_all(&mut b, &w);
+    let second = ep_verify::dispatch_all(&mut b, &w);
+    for (x, y) in first.iter().zip(&second) {
+        let (x, y) = (&x.as_ref().unwrap().0, &y.as_ref().unwrap().0);
+        assert_eq!(x.diff(y), None);
+    }
+}
