@@ -65,6 +65,11 @@ impl Shared {
     }
 }
 
+/// Communication memory the per-expert path needs for `cfg`, in bytes.
+pub fn bytes_needed(cfg: &Config) -> u64 {
+    Shared::bytes_needed(cfg)
+}
+
 /// The per-expert path's endpoint for one rank.
 pub struct PerExpertRank {
     shared: Arc<Shared>,

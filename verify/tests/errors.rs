@@ -1,0 +1,215 @@
+//! Every bad input of DESIGN.md gets its own typed error, on both paths, before anything moves;
+//! a rank that never shows up makes the others fail with a timeout that names it, not hang.
+
+use std::time::{Duration, Instant};
+
+use ep_reference::error::{Op, Phase, Side};
+use ep_reference::path::run_ranks;
+use ep_reference::workload::{Routing, Workload};
+use ep_reference::{bf16, oracle, per_expert, Config, CpuOptions, EpRank, Error, Mode};
+
+fn cfg() -> Config {
+    Config::new(2, 8, 4, 128, 2, Mode::FP8).unwrap()
+}
+
+#[test]
+fn config_errors_have_their_variants() {
+    assert_eq!(
+        Config::new(3, 8, 4, 128, 2, Mode::Bf16),
+        Err(Error::ExpertsNotDivisible { experts: 8, ranks: 3 })
+    );
+    assert_eq!(
+        Config::new(2, 8, 4, 200, 2, Mode::FP8),
+        Err(Error::HiddenNotMultiple { hidden: 200, multiple: 128, mode: "fp8" })
+    );
+    assert_eq!(
+        Config::new(2, 8, 4, 384, 2, Mode::FP8_UE8M0),
+        Err(Error::HiddenNotMultiple { hidden: 384, multiple: 512, mode: "fp8+ue8m0" })
+    );
+    assert_eq!(Config::new(2, 8, 4, 128, 0, Mode::Bf16), Err(Error::TopKOutOfRange { top_k: 0 }));
+    assert_eq!(Config::new(2, 8, 4, 128, 17, Mode::Bf16), Err(Error::TopKOutOfRange { top_k: 17 }));
+    assert_eq!(
+        Config::new(2, 8, 4, 128, 2, Mode::Fp8 { round_scale: false, ue8m0: true }),
+        Err(Error::Ue8m0WithoutRoundScale)
+    );
+    assert_eq!(Config::new(0, 8, 4, 128, 2, Mode::Bf16), Err(Error::ZeroSize { what: "num_ranks" }));
+    // A BF16 config has no hidden-size rule beyond being non-zero.
+    assert!(Config::new(2, 8, 4, 200, 2, Mode::Bf16).is_ok());
+}
+
+/// Runs `f` on one rank of each path and returns both errors.
+fn both<F>(f: F) -> Vec<Error>
+where
+    F: Fn(&mut dyn EpRank) -> Result<(), Error>,
+{
+    let c = cfg();
+    let mut a = per_expert::group(&c, CpuOptions::default()).unwrap();
+    let mut b = ep_fast::group(&c, CpuOptions::default()).unwrap();
+    vec![f(&mut a[0]).unwrap_err(), f(&mut b[0]).unwrap_err()]
+}
+
+fn x(n: usize) -> Vec<bf16> {
+    vec![bf16::from_f32(1.0); n * 128]
+}
+
+#[test]
+fn dispatch_input_errors_name_the_values() {
+    for e in both(|r| r.dispatch(&x(5), &[0; 10]).map(|_| ())) {
+        assert_eq!(e, Error::TooManyTokens { rank: 0, tokens: 5, max: 4 });
+    }
+    for e in both(|r| r.dispatch(&x(1), &[0, 8]).map(|_| ())) {
+        assert_eq!(
+            e,
+            Error::ExpertOutOfRange { rank: 0, token: 0, slot: 1, expert: 8, num_experts: 8 }
+        );
+    }
+    for e in both(|r| r.dispatch(&x(2), &[0, 1, -2, 3]).map(|_| ())) {
+        assert_eq!(
+            e,
+            Error::ExpertOutOfRange { rank: 0, token: 1, slot: 0, expert: -2, num_experts: 8 }
+        );
+    }
+    for e in both(|r| r.dispatch(&x(2), &[0, 1, 5, 5]).map(|_| ())) {
+        assert_eq!(
+            e,
+            Error::DuplicateExpert { rank: 0, token: 1, expert: 5, first_slot: 0, second_slot: 1 }
+        );
+    }
+    for e in both(|r| r.dispatch(&x(1), &[0, 1, 2]).map(|_| ())) {
+        assert!(matches!(e, Error::ShapeMismatch { tensor: "topk_idx", got: 3, .. }), "{e}");
+    }
+    for e in both(|r| r.dispatch(&x(3), &[0, 1, 2, 3]).map(|_| ())) {
+        assert!(
+            matches!(e, Error::ShapeMismatch { tensor: "x", expected: 256, got: 384, .. }),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn combine_input_errors_and_foreign_handles() {
+    let c = cfg();
+    let w = Workload::uniform(&c, 3, Routing::Random { masked: 0.0 }, 1);
+    let ys = w.expert_outputs(1);
+    let other = Config::new(2, 8, 4, 256, 2, Mode::FP8).unwrap();
+    let wo = Workload::uniform(&other, 3, Routing::Random { masked: 0.0 }, 1);
+
+    fn check<R: EpRank>(
+        ranks: &mut [R],
+        foreign: &mut [impl EpRank],
+        w: &Workload,
+        wo: &Workload,
+        ys: &[Vec<bf16>],
+    ) {
+        let handles: Vec<_> = ep_verify::dispatch_all(ranks, w)
+            .into_iter()
+            .map(|r| r.unwrap().1)
+            .collect();
+        let foreign_handles: Vec<_> = ep_verify::dispatch_all(foreign, wo)
+            .into_iter()
+            .map(|r| r.unwrap().1)
+            .collect();
+        let r0 = &mut ranks[0];
+        // Wrong y shape.
+        let e = r0.combine(&ys[0][1..], &w.topk_idx[0], &w.topk_weights[0], &handles[0]).unwrap_err();
+        assert!(matches!(e, Error::ShapeMismatch { tensor: "y", .. }), "{e}");
+        // Wrong weights shape.
+        let e = r0.combine(&ys[0], &w.topk_idx[0], &w.topk_weights[0][1..], &handles[0]).unwrap_err();
+        assert!(matches!(e, Error::ShapeMismatch { tensor: "topk_weights", .. }), "{e}");
+        // Handle of another rank, and of another communicator with another config.
+        let e = r0.combine(&ys[0], &w.topk_idx[0], &w.topk_weights[0], &handles[1]).unwrap_err();
+        assert!(matches!(e, Error::HandleMismatch { rank: 0, .. }), "{e}");
+        let e = r0
+            .combine(&ys[0], &w.topk_idx[0], &w.topk_weights[0], &foreign_handles[0])
+            .unwrap_err();
+        assert!(matches!(e, Error::HandleMismatch { .. }), "{e}");
+        // Routing that differs from the dispatched one.
+        let mut idx = w.topk_idx[0].clone();
+        idx[1] = if idx[1] == 7 { 6 } else { 7 };
+        if idx[0] == idx[1] {
+            idx[0] = -1;
+        }
+        let e = r0.combine(&ys[0], &idx, &w.topk_weights[0], &handles[0]).unwrap_err();
+        assert!(matches!(e, Error::TopkMismatch { rank: 0, .. }), "{e}");
+    }
+    let mut a = per_expert::group(&c, CpuOptions::default()).unwrap();
+    let mut fa = per_expert::group(&other, CpuOptions::default()).unwrap();
+    check(&mut a, &mut fa, &w, &wo, &ys);
+    let mut b = ep_fast::group(&c, CpuOptions::default()).unwrap();
+    let mut fb = ep_fast::group(&other, CpuOptions::default()).unwrap();
+    check(&mut b, &mut fb, &w, &wo, &ys);
+}
+
+#[test]
+fn a_config_too_big_for_memory_fails_at_construction_with_its_size() {
+    let c = Config::new(8, 256, 512, 7168, 8, Mode::Bf16).unwrap();
+    let opts = CpuOptions {
+        memory_limit: Some(1 << 30),
+        ..CpuOptions::default()
+    };
+    match per_expert::group(&c, opts) {
+        Err(Error::OutOfMemory { needed, available }) => {
+            assert_eq!(needed, per_expert::bytes_needed(&c));
+            assert_eq!(available, 1 << 30);
+        }
+        Err(e) => panic!("wrong error {e}"),
+        Ok(_) => panic!("a 1 GiB limit accepted {} bytes", per_expert::bytes_needed(&c)),
+    }
+    match ep_fast::group(&c, opts) {
+        Err(Error::OutOfMemory { needed, .. }) => assert_eq!(needed, ep_fast::Shared::bytes_needed(&c)),
+        Err(e) => panic!("wrong error {e}"),
+        Ok(_) => panic!("a 1 GiB limit accepted {} bytes", ep_fast::Shared::bytes_needed(&c)),
+    }
+}
+
+/// Rank 2 of 3 never calls: ranks 0 and 1 fail within the timeout with an error naming rank 2;
+/// then rank 2 catches up and the group goes on, correct.
+fn missing_rank_times_out<R: EpRank>(mut ranks: Vec<R>) {
+    let c = *ranks[0].config();
+    let w = Workload::uniform(&c, 4, Routing::EveryRank, 3);
+    let start = Instant::now();
+    let (present, absent) = ranks.split_at_mut(2);
+    let results = run_ranks(present, |r| {
+        let me = r.rank();
+        r.dispatch(&w.x[me], &w.topk_idx[me]).map(|_| ())
+    });
+    assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
+    for (me, res) in results.into_iter().enumerate() {
+        let msg = res.as_ref().err().map(|e| e.to_string()).unwrap_or_default();
+        match res {
+            Err(Error::Timeout { rank, peer, phase, call, .. }) => {
+                assert_eq!((rank, peer, call), (me, 2, 1));
+                assert_eq!(phase, Phase { op: Op::Dispatch, side: Side::Recv });
+                let want = format!("rank {me} timed out");
+                assert!(msg.contains(&want) && msg.contains("for rank 2 in dispatch/recv (call 1)"), "{msg}");
+            }
+            other => panic!("rank {me}: expected a timeout naming rank 2, got {other:?}"),
+        }
+    }
+    // The late rank finds its peers' call-1 batches and completes call 1 on its own.
+    let late = absent[0].dispatch(&w.x[2], &w.topk_idx[2]);
+    let want = oracle::dispatch(&c, &w.dispatch_inputs()).unwrap();
+    assert_eq!(late.unwrap().0.diff(&want[2]), None);
+    // Call 2, everyone present: correct again.
+    let w2 = Workload::uniform(&c, 4, Routing::Random { masked: 0.1 }, 4);
+    ep_verify::check_against_oracle("after timeout", &mut ranks, &w2, 4).unwrap();
+}
+
+fn short() -> CpuOptions {
+    CpuOptions {
+        timeout: Duration::from_millis(300),
+        ..CpuOptions::default()
+    }
+}
+
+#[test]
+fn per_expert_rank_that_never_sends_times_out() {
+    let c = Config::new(3, 6, 4, 128, 3, Mode::FP8).unwrap();
+    missing_rank_times_out(per_expert::group(&c, short()).unwrap());
+}
+
+#[test]
+fn batched_rank_that_never_sends_times_out() {
+    let c = Config::new(3, 6, 4, 128, 3, Mode::FP8).unwrap();
+    missing_rank_times_out(ep_fast::group(&c, short()).unwrap());
+}
