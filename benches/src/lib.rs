@@ -1,1 +1,19 @@
-//! placeholder
+//! # ep-benches
+//!
+//! The side-by-side comparison of ep-dispatch's two paths, per-expert and per-destination
+//! batched, on the same inputs and the same machine: the `ep-bench` program and the criterion
+//! benches (`cargo bench -p ep-benches`).
+//!
+//! - [`backend`]: which machine runs it (`--backend auto|cpu|gpu`) and the point to run;
+//! - [`cpu`]: the CPU backend: checks both paths bitwise against the oracle and each other,
+//!   then times every rank's own dispatch and combine;
+//! - [`gpu`]: the place where the GPU backend is wired in (not built in yet);
+//! - [`report`]: the figures derived from raw samples and how they print;
+//! - [`accounting`], [`stats`]: DESIGN.md's bandwidth accounting and the percentile math.
+
+pub mod accounting;
+pub mod backend;
+pub mod cpu;
+pub mod gpu;
+pub mod report;
+pub mod stats;

@@ -1,0 +1,154 @@
+//! Which machine runs the comparison: the CPU backend (always there) or the GPU backend
+//! ([`crate::gpu`], wired in by the GPU work). Both take a [`BenchSpec`] and return a
+//! [`PointResult`] assembled by [`crate::report::assemble`].
+
+use std::fmt;
+
+use ep_reference::workload::{Routing, Workload};
+use ep_reference::{Config, CpuOptions};
+
+use crate::report::PointResult;
+use crate::{cpu, gpu};
+
+/// What `--backend` asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// The GPU when one is usable, the CPU otherwise.
+    Auto,
+    Cpu,
+    Gpu,
+}
+
+/// The backend that runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Backend {
+    Cpu,
+    /// With the device's name.
+    Gpu(String),
+}
+
+impl Backend {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::Gpu(_) => "gpu",
+        }
+    }
+
+    /// Default (timed iterations, warm-up iterations): the CPU backend copies every byte with
+    /// the cores the ranks share, so it takes few; a GPU takes the usual hundreds.
+    pub fn default_iters(&self) -> (usize, usize) {
+        match self {
+            Backend::Cpu => (20, 3),
+            Backend::Gpu(_) => (200, 20),
+        }
+    }
+}
+
+/// Resolves `--backend`. `Auto` falls back to the CPU and says why in the second value.
+pub fn choose(choice: BackendChoice) -> Result<(Backend, Option<String>), BenchError> {
+    match choice {
+        BackendChoice::Cpu => Ok((Backend::Cpu, None)),
+        BackendChoice::Gpu => gpu::probe()
+            .map(|d| (Backend::Gpu(d), None))
+            .map_err(|why| BenchError::Backend(format!("--backend gpu: {why}"))),
+        BackendChoice::Auto => Ok(match gpu::probe() {
+            Ok(d) => (Backend::Gpu(d), None),
+            Err(why) => (
+                Backend::Cpu,
+                Some(format!("no GPU backend ({why}); using the CPU backend")),
+            ),
+        }),
+    }
+}
+
+/// One benchmark point.
+#[derive(Debug, Clone)]
+pub struct BenchSpec {
+    pub cfg: Config,
+    /// Tokens on every rank (<= T).
+    pub tokens: usize,
+    /// Probability that a top-k slot is -1.
+    pub masked: f64,
+    pub seed: u64,
+    pub iters: usize,
+    pub warmup: usize,
+    /// CPU backend knobs (staging workers, timeout).
+    pub cpu: CpuOptions,
+}
+
+impl BenchSpec {
+    /// Every rank's inputs: random routing with `masked` -1 slots.
+    pub fn workload(&self) -> Workload {
+        Workload::uniform(
+            &self.cfg,
+            self.tokens,
+            Routing::Random {
+                masked: self.masked,
+            },
+            self.seed,
+        )
+    }
+}
+
+/// Why a point produced no figures.
+#[derive(Debug)]
+pub enum BenchError {
+    /// Bad config or inputs, or a group that cannot be built (e.g. out of memory): the typed
+    /// error of ep-reference.
+    Config(ep_reference::Error),
+    /// A path failed while running.
+    Path {
+        path: &'static str,
+        err: ep_reference::Error,
+    },
+    /// The paths' outputs differ from each other or from the oracle: nothing is timed.
+    Mismatch(String),
+    /// The backend is not usable.
+    Backend(String),
+}
+
+impl BenchError {
+    /// The process exit code for this error.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            BenchError::Config(_) => 2,
+            BenchError::Mismatch(_) => 3,
+            BenchError::Path { .. } | BenchError::Backend(_) => 1,
+        }
+    }
+}
+
+impl fmt::Display for BenchError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BenchError::Config(e) => write!(f, "{e}"),
+            BenchError::Path { path, err } => write!(f, "{path} path failed: {err}"),
+            BenchError::Mismatch(m) => write!(
+                f,
+                "outputs are not bitwise equal, refusing to time anything: {m}"
+            ),
+            BenchError::Backend(m) => write!(f, "{m}"),
+        }
+    }
+}
+
+impl std::error::Error for BenchError {}
+
+impl From<ep_reference::Error> for BenchError {
+    fn from(e: ep_reference::Error) -> BenchError {
+        BenchError::Config(e)
+    }
+}
+
+/// Runs one point on `backend`; `progress` gets short status lines.
+pub fn run_point(
+    backend: &Backend,
+    spec: &BenchSpec,
+    progress: &dyn Fn(&str),
+) -> Result<PointResult, BenchError> {
+    match backend {
+        Backend::Cpu => cpu::run(spec, progress),
+        Backend::Gpu(device) => gpu::run(device, spec, progress),
+    }
+}

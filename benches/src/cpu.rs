@@ -1,0 +1,568 @@
+//! The CPU backend: both paths as threads of this process, one thread per rank.
+//!
+//! Every call is collective: [`run_ranks`] starts one thread per rank, the threads meet at a
+//! barrier, and each rank times its own call from the barrier to its return (as DeepEP times
+//! each rank's kernel). Building the returned output's buffers is part of the call (both paths
+//! return owned outputs); dropping them is not timed.
+
+use std::sync::Barrier;
+use std::time::Instant;
+
+use ep_reference::oracle;
+use ep_reference::path::run_ranks;
+use ep_reference::per_expert;
+use ep_reference::workload::Workload;
+use ep_reference::{bf16, CallStats, Config, CpuOptions, DispatchOutput, EpRank, Handle};
+
+use crate::accounting;
+use crate::backend::{BenchError, BenchSpec};
+use crate::report::{assemble, PathSamples, PointInfo, PointResult, RankSamples, Traffic};
+
+/// The two ways to move the same data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PathKind {
+    PerExpert,
+    Batched,
+}
+
+/// Both paths, the reference first.
+pub const PATHS: [PathKind; 2] = [PathKind::PerExpert, PathKind::Batched];
+
+impl PathKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            PathKind::PerExpert => "per-expert",
+            PathKind::Batched => "batched",
+        }
+    }
+
+    /// Builds this path's group: one endpoint per rank.
+    pub fn group(self, cfg: &Config, opts: CpuOptions) -> ep_reference::Result<Vec<Rank>> {
+        Ok(match self {
+            PathKind::PerExpert => boxed(per_expert::group(cfg, opts)?),
+            PathKind::Batched => boxed(ep_fast::group(cfg, opts)?),
+        })
+    }
+}
+
+/// One rank of either path.
+pub type Rank = Box<dyn EpRank>;
+
+fn boxed<R: EpRank + 'static>(ranks: Vec<R>) -> Vec<Rank> {
+    ranks.into_iter().map(|r| Box::new(r) as Rank).collect()
+}
+
+/// One path's group.
+pub struct Group {
+    pub kind: PathKind,
+    pub ranks: Vec<Rank>,
+}
+
+impl Group {
+    pub fn new(kind: PathKind, cfg: &Config, opts: CpuOptions) -> ep_reference::Result<Group> {
+        Ok(Group {
+            kind,
+            ranks: kind.group(cfg, opts)?,
+        })
+    }
+}
+
+/// Inputs shared by both paths and what the oracle says they must produce.
+pub struct Setup {
+    pub workload: Workload,
+    /// Every rank's expert outputs `y` (L x (R*T) x H) for combine.
+    pub ys: Vec<Vec<bf16>>,
+    pub oracle_dispatch: Vec<DispatchOutput>,
+    pub oracle_combine: Vec<Vec<bf16>>,
+}
+
+impl Setup {
+    pub fn new(workload: Workload, seed: u64) -> ep_reference::Result<Setup> {
+        let cfg = workload.config;
+        let oracle_dispatch = oracle::dispatch(&cfg, &workload.dispatch_inputs())?;
+        let ys = expert_outputs(&cfg, &oracle_dispatch, seed);
+        let oracle_combine = oracle::combine(&cfg, &workload.combine_inputs(&ys))?;
+        Ok(Setup {
+            workload,
+            ys,
+            oracle_dispatch,
+            oracle_combine,
+        })
+    }
+
+    pub fn config(&self) -> Config {
+        self.workload.config
+    }
+}
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Expert outputs for combine, values in [-8, 8], that differ per rank, expert, row and channel.
+/// Only the meaningful rows (below `recv_count`, the only ones combine reads) are written; the
+/// rest stay the allocator's untouched zero pages. At the standard setting that is ~3% of the
+/// L x (R*T) x H buffer, so `y` costs ~100 MB instead of 3.7 GB, and T = 512 stays possible.
+pub fn expert_outputs(cfg: &Config, dispatch: &[DispatchOutput], seed: u64) -> Vec<Vec<bf16>> {
+    let (h, per) = (cfg.hidden, cfg.rows_per_expert());
+    let len = cfg.num_local_experts() * per * h;
+    dispatch
+        .iter()
+        .enumerate()
+        .map(|(rank, out)| {
+            let mut y = zeroed_bf16(len);
+            for (l, &count) in out.recv_count.iter().enumerate() {
+                for row in 0..count as usize {
+                    let mut s = splitmix(seed ^ splitmix(((rank * per + row) * 65_536 + l) as u64));
+                    let dst = &mut y[(l * per + row) * h..(l * per + row + 1) * h];
+                    for v in dst.iter_mut() {
+                        s = splitmix(s);
+                        let u = (s >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
+                        *v = bf16::from_f32(u * 16.0 - 8.0);
+                    }
+                }
+            }
+            y
+        })
+        .collect()
+}
+
+/// `len` zero bf16 values from the allocator's zeroed pages: unlike `vec![bf16::ZERO; len]`,
+/// which writes every element, untouched pages cost no physical memory.
+pub fn zeroed_bf16(len: usize) -> Vec<bf16> {
+    let mut v = std::mem::ManuallyDrop::new(vec![0u16; len]);
+    let (ptr, len, cap) = (v.as_mut_ptr(), v.len(), v.capacity());
+    // SAFETY: `bf16` is `#[repr(transparent)]` over `u16` (same size and alignment, every bit
+    // pattern valid), so the allocation of a Vec<u16> is a valid Vec<bf16> of the same length
+    // and capacity; the original Vec is never dropped (ManuallyDrop).
+    unsafe { Vec::from_raw_parts(ptr as *mut bf16, len, cap) }
+}
+
+fn bits(v: &[bf16]) -> impl Iterator<Item = u16> + '_ {
+    v.iter().map(|b| b.to_bits())
+}
+
+/// The first difference between two ranks' combine outputs, bit for bit.
+pub fn combine_diff(a: &[bf16], b: &[bf16], hidden: usize) -> Option<String> {
+    if a.len() != b.len() {
+        return Some(format!("lengths differ: {} vs {}", a.len(), b.len()));
+    }
+    let i = bits(a).zip(bits(b)).position(|(x, y)| x != y)?;
+    Some(format!(
+        "token {} channel {}: {:#06x} vs {:#06x}",
+        i / hidden,
+        i % hidden,
+        a[i].to_bits(),
+        b[i].to_bits()
+    ))
+}
+
+/// Every rank's dispatch (untimed), in rank order.
+fn dispatch_all(g: &mut Group, w: &Workload) -> Result<Vec<(DispatchOutput, Handle)>, BenchError> {
+    let path = g.kind.name();
+    run_ranks(&mut g.ranks, |r| {
+        let me = r.rank();
+        r.dispatch(&w.x[me], &w.topk_idx[me])
+    })
+    .into_iter()
+    .collect::<Result<_, _>>()
+    .map_err(|err| BenchError::Path { path, err })
+}
+
+/// Every rank's combine (untimed), in rank order.
+fn combine_all(
+    g: &mut Group,
+    w: &Workload,
+    ys: &[Vec<bf16>],
+    handles: &[Handle],
+) -> Result<Vec<Vec<bf16>>, BenchError> {
+    let path = g.kind.name();
+    run_ranks(&mut g.ranks, |r| {
+        let me = r.rank();
+        r.combine(&ys[me], &w.topk_idx[me], &w.topk_weights[me], &handles[me])
+    })
+    .into_iter()
+    .collect::<Result<_, _>>()
+    .map_err(|err| BenchError::Path { path, err })
+}
+
+/// Checks the dispatch outputs of `got` against `want`, rank by rank.
+pub fn check_dispatch(
+    what: &str,
+    got: &[DispatchOutput],
+    want: &[DispatchOutput],
+) -> Result<(), BenchError> {
+    if got.len() != want.len() {
+        return Err(BenchError::Mismatch(format!(
+            "{what}: {} dispatch outputs, expected {}",
+            got.len(),
+            want.len()
+        )));
+    }
+    for (rank, (g, o)) in got.iter().zip(want).enumerate() {
+        if let Some(d) = g.diff(o) {
+            return Err(BenchError::Mismatch(format!(
+                "{what}: dispatch on rank {rank}: {d}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Checks the combine outputs of `got` against `want`, rank by rank.
+pub fn check_combine(
+    what: &str,
+    got: &[Vec<bf16>],
+    want: &[Vec<bf16>],
+    hidden: usize,
+) -> Result<(), BenchError> {
+    if got.len() != want.len() {
+        return Err(BenchError::Mismatch(format!(
+            "{what}: {} combine outputs, expected {}",
+            got.len(),
+            want.len()
+        )));
+    }
+    for (rank, (g, o)) in got.iter().zip(want).enumerate() {
+        if let Some(d) = combine_diff(g, o, hidden) {
+            return Err(BenchError::Mismatch(format!(
+                "{what}: combine on rank {rank}: {d}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Runs every group once, untimed, and checks that all of them produce bitwise the oracle's
+/// dispatch and combine outputs on every rank, and the same as each other.
+pub fn verify(setup: &Setup, groups: &mut [Group]) -> Result<String, BenchError> {
+    let h = setup.config().hidden;
+    let w = &setup.workload;
+    let mut first: Option<(&'static str, Vec<DispatchOutput>, Vec<Vec<bf16>>)> = None;
+    for g in groups.iter_mut() {
+        let name = g.kind.name();
+        let (outs, handles): (Vec<_>, Vec<_>) = dispatch_all(g, w)?.into_iter().unzip();
+        check_dispatch(&format!("{name} vs oracle"), &outs, &setup.oracle_dispatch)?;
+        let comb = combine_all(g, w, &setup.ys, &handles)?;
+        check_combine(
+            &format!("{name} vs oracle"),
+            &comb,
+            &setup.oracle_combine,
+            h,
+        )?;
+        match &first {
+            None => first = Some((name, outs, comb)),
+            Some((other, o, c)) => {
+                check_dispatch(&format!("{name} vs {other}"), &outs, o)?;
+                check_combine(&format!("{name} vs {other}"), &comb, c, h)?;
+            }
+        }
+    }
+    let names: Vec<&str> = groups.iter().map(|g| g.kind.name()).collect();
+    Ok(format!(
+        "{} and the oracle: dispatch (recv_x, scales, counts, layout, src_info) and combine bitwise equal on all {} ranks",
+        names.join(", "),
+        setup.config().num_ranks
+    ))
+}
+
+/// One rank's result of one timed call.
+pub struct Timed<T> {
+    pub us: f64,
+    pub stats: CallStats,
+    pub value: T,
+}
+
+/// One collective dispatch, timed per rank; returns every rank's handle. The dispatch output is
+/// dropped after the clock stops.
+pub fn timed_dispatch(g: &mut Group, w: &Workload) -> Result<Vec<Timed<Handle>>, BenchError> {
+    let path = g.kind.name();
+    let barrier = Barrier::new(g.ranks.len());
+    run_ranks(&mut g.ranks, |r| {
+        let me = r.rank();
+        barrier.wait();
+        let t0 = Instant::now();
+        let res = r.dispatch(&w.x[me], &w.topk_idx[me]);
+        let us = t0.elapsed().as_secs_f64() * 1e6;
+        let (out, handle) = res?;
+        drop(out);
+        Ok(Timed {
+            us,
+            stats: r.last_stats(),
+            value: handle,
+        })
+    })
+    .into_iter()
+    .collect::<Result<_, _>>()
+    .map_err(|err| BenchError::Path { path, err })
+}
+
+/// One collective combine with `handles`, timed per rank.
+pub fn timed_combine(
+    g: &mut Group,
+    w: &Workload,
+    ys: &[Vec<bf16>],
+    handles: &[Handle],
+) -> Result<Vec<Timed<()>>, BenchError> {
+    let path = g.kind.name();
+    let barrier = Barrier::new(g.ranks.len());
+    run_ranks(&mut g.ranks, |r| {
+        let me = r.rank();
+        barrier.wait();
+        let t0 = Instant::now();
+        let res = r.combine(&ys[me], &w.topk_idx[me], &w.topk_weights[me], &handles[me]);
+        let us = t0.elapsed().as_secs_f64() * 1e6;
+        drop(res?);
+        Ok(Timed {
+            us,
+            stats: r.last_stats(),
+            value: (),
+        })
+    })
+    .into_iter()
+    .collect::<Result<_, _>>()
+    .map_err(|err| BenchError::Path { path, err })
+}
+
+fn sum_stats<T>(v: &[Timed<T>]) -> CallStats {
+    let mut s = CallStats::default();
+    for t in v {
+        s += t.stats;
+    }
+    s
+}
+
+fn traffic(s: CallStats) -> Traffic {
+    Traffic {
+        messages: s.messages,
+        signals: Some(s.signals),
+        wire_bytes: s.wire_bytes,
+        logical_bytes: 0,
+    }
+}
+
+/// A human description of this machine's CPU.
+pub fn device() -> String {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".to_string());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!("{model}, {cores} cores")
+}
+
+/// Runs one point: inputs and oracle, both groups, verification, then `warmup + iters` rounds.
+/// In every round each path does one dispatch and one combine (the paths alternate, so a
+/// slow spell of a shared machine hits both alike).
+pub fn run(spec: &BenchSpec, progress: &dyn Fn(&str)) -> Result<PointResult, BenchError> {
+    let cfg = spec.cfg;
+    progress("generating inputs, expert outputs and the oracle's results");
+    let setup = Setup::new(spec.workload(), spec.seed)?;
+    progress("building both groups");
+    let mut groups = PATHS
+        .iter()
+        .map(|&k| Group::new(k, &cfg, spec.cpu))
+        .collect::<ep_reference::Result<Vec<_>>>()?;
+    progress("checking both paths against the oracle and each other");
+    let verified = verify(&setup, &mut groups)?;
+
+    let w = &setup.workload;
+    let r = cfg.num_ranks;
+    let mut samples: Vec<PathSamples> = groups
+        .iter()
+        .map(|g| PathSamples {
+            path: g.kind.name(),
+            ranks: (0..r)
+                .map(|rank| RankSamples {
+                    rank,
+                    ..Default::default()
+                })
+                .collect(),
+            dispatch: Traffic::default(),
+            combine: Traffic::default(),
+            signals_total: 0,
+        })
+        .collect();
+    let total = spec.warmup + spec.iters;
+    for i in 0..total {
+        let phase = if i < spec.warmup { "warm-up" } else { "timing" };
+        progress(&format!("{phase} round {}/{total}", i + 1));
+        for (g, s) in groups.iter_mut().zip(samples.iter_mut()) {
+            let d = timed_dispatch(g, w)?;
+            let handles: Vec<Handle> = d.iter().map(|t| t.value.clone()).collect();
+            let c = timed_combine(g, w, &setup.ys, &handles)?;
+            if i < spec.warmup {
+                continue;
+            }
+            for (rank, (dt, ct)) in d.iter().zip(&c).enumerate() {
+                s.ranks[rank].dispatch_us.push(dt.us);
+                s.ranks[rank].combine_us.push(ct.us);
+            }
+            let (ds, cs) = (sum_stats(&d), sum_stats(&c));
+            s.dispatch = traffic(ds);
+            s.combine = traffic(cs);
+            s.signals_total = ds.signals + cs.signals;
+        }
+    }
+    drop(groups);
+    let selections: Vec<u64> = w
+        .topk_idx
+        .iter()
+        .map(|t| accounting::selections(t))
+        .collect();
+    let device = device();
+    Ok(assemble(
+        &PointInfo {
+            backend: "cpu",
+            device: &device,
+            cfg: &cfg,
+            tokens_per_rank: spec.tokens,
+            masked: spec.masked,
+            seed: spec.seed,
+            iters: spec.iters,
+            warmup: spec.warmup,
+            selections: &selections,
+            verified: &verified,
+        },
+        samples,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ep_reference::{Mode, RecvX};
+
+    fn small(mode: Mode) -> BenchSpec {
+        let hidden = if mode == Mode::FP8_UE8M0 { 512 } else { 256 };
+        BenchSpec {
+            cfg: Config::new(2, 8, 6, hidden, 3, mode).unwrap(),
+            tokens: 5,
+            masked: 0.1,
+            seed: 7,
+            iters: 3,
+            warmup: 1,
+            cpu: CpuOptions::default(),
+        }
+    }
+
+    #[test]
+    fn expert_outputs_fill_exactly_the_meaningful_rows() {
+        let spec = small(Mode::FP8);
+        let w = spec.workload();
+        let outs = oracle::dispatch(&spec.cfg, &w.dispatch_inputs()).unwrap();
+        let ys = expert_outputs(&spec.cfg, &outs, 1);
+        let (h, per) = (spec.cfg.hidden, spec.cfg.rows_per_expert());
+        for (rank, out) in outs.iter().enumerate() {
+            for (l, &count) in out.recv_count.iter().enumerate() {
+                for row in 0..per {
+                    let r = &ys[rank][(l * per + row) * h..(l * per + row + 1) * h];
+                    let nonzero = r.iter().filter(|v| v.to_f32() != 0.0).count();
+                    if row < count as usize {
+                        assert!(
+                            nonzero > h / 2,
+                            "rank {rank} expert {l} row {row} not filled"
+                        );
+                        assert!(r.iter().all(|v| (-8.0..=8.0).contains(&v.to_f32())));
+                    } else {
+                        assert_eq!(nonzero, 0);
+                    }
+                }
+            }
+        }
+        // Deterministic in the seed, different across seeds.
+        assert_eq!(ys, expert_outputs(&spec.cfg, &outs, 1));
+        assert_ne!(ys, expert_outputs(&spec.cfg, &outs, 2));
+    }
+
+    #[test]
+    fn zeroed_bf16_is_zero() {
+        let v = zeroed_bf16(1000);
+        assert_eq!(v.len(), 1000);
+        assert!(v.iter().all(|x| x.to_bits() == 0));
+    }
+
+    #[test]
+    fn a_flipped_byte_is_refused() {
+        let spec = small(Mode::FP8);
+        let setup = Setup::new(spec.workload(), 3).unwrap();
+        let mut bad = setup.oracle_dispatch.clone();
+        assert!(check_dispatch("x", &bad, &setup.oracle_dispatch).is_ok());
+        // Flip one bit of a meaningful row of rank 1.
+        let l = bad[1].recv_count.iter().position(|&c| c > 0).unwrap();
+        let i = l * spec.cfg.rows_per_expert() * spec.cfg.hidden + 5;
+        match &mut bad[1].recv_x {
+            RecvX::Fp8(v) => v[i] ^= 1,
+            RecvX::Bf16(_) => unreachable!(),
+        }
+        let e = check_dispatch("x", &bad, &setup.oracle_dispatch).unwrap_err();
+        assert!(
+            matches!(e, BenchError::Mismatch(ref m) if m.contains("rank 1")),
+            "{e}"
+        );
+        assert_eq!(e.exit_code(), 3);
+
+        let mut badc = setup.oracle_combine.clone();
+        assert!(check_combine("x", &badc, &setup.oracle_combine, 256).is_ok());
+        badc[0][300] = bf16::from_bits(badc[0][300].to_bits() ^ 1);
+        let e = check_combine("x", &badc, &setup.oracle_combine, 256).unwrap_err();
+        assert!(e.to_string().contains("token 1 channel 44"), "{e}");
+    }
+
+    #[test]
+    fn verify_refuses_a_path_that_disagrees_with_the_oracle() {
+        let spec = small(Mode::Bf16);
+        let mut setup = Setup::new(spec.workload(), 3).unwrap();
+        // Pretend the oracle wanted other weights: combine outputs then differ.
+        setup.oracle_combine[0][0] = bf16::from_f32(setup.oracle_combine[0][0].to_f32() + 1.0);
+        let mut groups = vec![Group::new(PathKind::PerExpert, &spec.cfg, spec.cpu).unwrap()];
+        let e = verify(&setup, &mut groups).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("per-expert vs oracle: combine on rank 0"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn run_produces_a_point_with_both_paths() {
+        for mode in [Mode::FP8, Mode::Bf16, Mode::FP8_UE8M0] {
+            let spec = small(mode);
+            let p = run(&spec, &|_| {}).unwrap();
+            assert_eq!(p.paths.len(), 2);
+            let w = spec.workload();
+            let sel = w.selections() as u64;
+            assert_eq!(p.selections, sel);
+            for path in &p.paths {
+                assert_eq!(path.ranks.len(), 2);
+                assert_eq!(path.dispatch.samples, 2 * spec.iters);
+                assert_eq!(
+                    path.dispatch_traffic.logical_bytes,
+                    sel * spec.cfg.logical_dispatch_message_bytes() as u64
+                );
+                assert!(path.dispatch_traffic.wire_bytes > 0);
+            }
+            // The per-expert path sends one message per selection in each direction.
+            assert_eq!(p.paths[0].dispatch_traffic.messages, sel);
+            assert_eq!(p.paths[0].combine_traffic.messages, sel);
+            assert!(p.speedup.is_some());
+        }
+    }
+
+    #[test]
+    fn too_many_tokens_is_a_config_error() {
+        let mut spec = small(Mode::FP8);
+        spec.tokens = 7; // T = 6
+        let e = run(&spec, &|_| {}).unwrap_err();
+        assert!(matches!(e, BenchError::Config(_)), "{e}");
+        assert_eq!(e.exit_code(), 2);
+    }
+}
