@@ -29,13 +29,13 @@ impl<'a> CombineCall<'a> {
         sh: Arc<Shared>,
         rank: usize,
         epoch: u64,
+        deadline: Deadline,
         y: &'a [bf16],
         topk_weights: &'a [f32],
         handle: &'a Handle,
     ) -> Result<CombineCall<'a>> {
         let cfg = sh.cfg;
         let (r, l_n) = (cfg.num_ranks, cfg.num_local_experts());
-        let deadline = Deadline::after(sh.opts.timeout);
         for s in 0..r {
             if !sh.combine_credit[s * r + rank].wait_writable(epoch, &deadline) {
                 abandon(&sh, rank, epoch);

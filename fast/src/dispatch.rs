@@ -26,12 +26,12 @@ impl<'a> DispatchCall<'a> {
         sh: Arc<Shared>,
         rank: usize,
         epoch: u64,
+        deadline: Deadline,
         x: &'a [bf16],
         topk_idx: &'a [i64],
     ) -> Result<DispatchCall<'a>> {
         let cfg = sh.cfg;
         let r = cfg.num_ranks;
-        let deadline = Deadline::after(sh.opts.timeout);
         // Staging writes straight into the destinations' regions: each must have finished
         // reading our previous batch (the credit's acquire orders those reads first).
         for d in 0..r {

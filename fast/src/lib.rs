@@ -22,7 +22,7 @@ pub use dispatch::DispatchCall;
 
 use ep_reference::bf16;
 use ep_reference::path::next_group_id;
-use ep_reference::sync::{Arc, SharedRows};
+use ep_reference::sync::{Arc, Deadline, SharedRows};
 use ep_reference::transport::{memory, Credit, Signal};
 use ep_reference::{CallStats, Config, CpuOptions, DispatchOutput, EpRank, Handle, Result};
 
@@ -96,6 +96,7 @@ pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<BatchedRank>> {
         .map(|rank| BatchedRank {
             shared: shared.clone(),
             rank,
+            timeout: opts.timeout,
             dispatch_calls: 0,
             combine_calls: 0,
             stats: CallStats::default(),
@@ -107,6 +108,7 @@ pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<BatchedRank>> {
 pub struct BatchedRank {
     shared: Arc<Shared>,
     rank: usize,
+    timeout: std::time::Duration,
     dispatch_calls: u64,
     combine_calls: u64,
     stats: CallStats,
@@ -115,6 +117,11 @@ pub struct BatchedRank {
 impl BatchedRank {
     pub fn shared(&self) -> &Arc<Shared> {
         &self.shared
+    }
+
+    /// The bound on every wait of this rank's next calls (initially `CpuOptions::timeout`).
+    pub fn set_timeout(&mut self, timeout: std::time::Duration) {
+        self.timeout = timeout;
     }
 
     /// Starts a dispatch: checks the inputs, advances the call number, waits until every
@@ -133,6 +140,7 @@ impl BatchedRank {
             self.shared.clone(),
             self.rank,
             self.dispatch_calls,
+            Deadline::after(self.timeout),
             x,
             topk_idx,
         )
@@ -161,6 +169,7 @@ impl BatchedRank {
             sh.clone(),
             self.rank,
             self.combine_calls,
+            Deadline::after(self.timeout),
             y,
             topk_weights,
             handle,

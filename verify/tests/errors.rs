@@ -16,23 +16,53 @@ fn cfg() -> Config {
 fn config_errors_have_their_variants() {
     assert_eq!(
         Config::new(3, 8, 4, 128, 2, Mode::Bf16),
-        Err(Error::ExpertsNotDivisible { experts: 8, ranks: 3 })
+        Err(Error::ExpertsNotDivisible {
+            experts: 8,
+            ranks: 3
+        })
     );
     assert_eq!(
         Config::new(2, 8, 4, 200, 2, Mode::FP8),
-        Err(Error::HiddenNotMultiple { hidden: 200, multiple: 128, mode: "fp8" })
+        Err(Error::HiddenNotMultiple {
+            hidden: 200,
+            multiple: 128,
+            mode: "fp8"
+        })
     );
     assert_eq!(
         Config::new(2, 8, 4, 384, 2, Mode::FP8_UE8M0),
-        Err(Error::HiddenNotMultiple { hidden: 384, multiple: 512, mode: "fp8+ue8m0" })
+        Err(Error::HiddenNotMultiple {
+            hidden: 384,
+            multiple: 512,
+            mode: "fp8+ue8m0"
+        })
     );
-    assert_eq!(Config::new(2, 8, 4, 128, 0, Mode::Bf16), Err(Error::TopKOutOfRange { top_k: 0 }));
-    assert_eq!(Config::new(2, 8, 4, 128, 17, Mode::Bf16), Err(Error::TopKOutOfRange { top_k: 17 }));
     assert_eq!(
-        Config::new(2, 8, 4, 128, 2, Mode::Fp8 { round_scale: false, ue8m0: true }),
+        Config::new(2, 8, 4, 128, 0, Mode::Bf16),
+        Err(Error::TopKOutOfRange { top_k: 0 })
+    );
+    assert_eq!(
+        Config::new(2, 8, 4, 128, 17, Mode::Bf16),
+        Err(Error::TopKOutOfRange { top_k: 17 })
+    );
+    assert_eq!(
+        Config::new(
+            2,
+            8,
+            4,
+            128,
+            2,
+            Mode::Fp8 {
+                round_scale: false,
+                ue8m0: true
+            }
+        ),
         Err(Error::Ue8m0WithoutRoundScale)
     );
-    assert_eq!(Config::new(0, 8, 4, 128, 2, Mode::Bf16), Err(Error::ZeroSize { what: "num_ranks" }));
+    assert_eq!(
+        Config::new(0, 8, 4, 128, 2, Mode::Bf16),
+        Err(Error::ZeroSize { what: "num_ranks" })
+    );
     // A BF16 config has no hidden-size rule beyond being non-zero.
     assert!(Config::new(2, 8, 4, 200, 2, Mode::Bf16).is_ok());
 }
@@ -55,32 +85,75 @@ fn x(n: usize) -> Vec<bf16> {
 #[test]
 fn dispatch_input_errors_name_the_values() {
     for e in both(|r| r.dispatch(&x(5), &[0; 10]).map(|_| ())) {
-        assert_eq!(e, Error::TooManyTokens { rank: 0, tokens: 5, max: 4 });
+        assert_eq!(
+            e,
+            Error::TooManyTokens {
+                rank: 0,
+                tokens: 5,
+                max: 4
+            }
+        );
     }
     for e in both(|r| r.dispatch(&x(1), &[0, 8]).map(|_| ())) {
         assert_eq!(
             e,
-            Error::ExpertOutOfRange { rank: 0, token: 0, slot: 1, expert: 8, num_experts: 8 }
+            Error::ExpertOutOfRange {
+                rank: 0,
+                token: 0,
+                slot: 1,
+                expert: 8,
+                num_experts: 8
+            }
         );
     }
     for e in both(|r| r.dispatch(&x(2), &[0, 1, -2, 3]).map(|_| ())) {
         assert_eq!(
             e,
-            Error::ExpertOutOfRange { rank: 0, token: 1, slot: 0, expert: -2, num_experts: 8 }
+            Error::ExpertOutOfRange {
+                rank: 0,
+                token: 1,
+                slot: 0,
+                expert: -2,
+                num_experts: 8
+            }
         );
     }
     for e in both(|r| r.dispatch(&x(2), &[0, 1, 5, 5]).map(|_| ())) {
         assert_eq!(
             e,
-            Error::DuplicateExpert { rank: 0, token: 1, expert: 5, first_slot: 0, second_slot: 1 }
+            Error::DuplicateExpert {
+                rank: 0,
+                token: 1,
+                expert: 5,
+                first_slot: 0,
+                second_slot: 1
+            }
         );
     }
     for e in both(|r| r.dispatch(&x(1), &[0, 1, 2]).map(|_| ())) {
-        assert!(matches!(e, Error::ShapeMismatch { tensor: "topk_idx", got: 3, .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                Error::ShapeMismatch {
+                    tensor: "topk_idx",
+                    got: 3,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
     for e in both(|r| r.dispatch(&x(3), &[0, 1, 2, 3]).map(|_| ())) {
         assert!(
-            matches!(e, Error::ShapeMismatch { tensor: "x", expected: 256, got: 384, .. }),
+            matches!(
+                e,
+                Error::ShapeMismatch {
+                    tensor: "x",
+                    expected: 256,
+                    got: 384,
+                    ..
+                }
+            ),
             "{e}"
         );
     }
@@ -111,16 +184,36 @@ fn combine_input_errors_and_foreign_handles() {
             .collect();
         let r0 = &mut ranks[0];
         // Wrong y shape.
-        let e = r0.combine(&ys[0][1..], &w.topk_idx[0], &w.topk_weights[0], &handles[0]).unwrap_err();
+        let e = r0
+            .combine(&ys[0][1..], &w.topk_idx[0], &w.topk_weights[0], &handles[0])
+            .unwrap_err();
         assert!(matches!(e, Error::ShapeMismatch { tensor: "y", .. }), "{e}");
         // Wrong weights shape.
-        let e = r0.combine(&ys[0], &w.topk_idx[0], &w.topk_weights[0][1..], &handles[0]).unwrap_err();
-        assert!(matches!(e, Error::ShapeMismatch { tensor: "topk_weights", .. }), "{e}");
+        let e = r0
+            .combine(&ys[0], &w.topk_idx[0], &w.topk_weights[0][1..], &handles[0])
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::ShapeMismatch {
+                    tensor: "topk_weights",
+                    ..
+                }
+            ),
+            "{e}"
+        );
         // Handle of another rank, and of another communicator with another config.
-        let e = r0.combine(&ys[0], &w.topk_idx[0], &w.topk_weights[0], &handles[1]).unwrap_err();
+        let e = r0
+            .combine(&ys[0], &w.topk_idx[0], &w.topk_weights[0], &handles[1])
+            .unwrap_err();
         assert!(matches!(e, Error::HandleMismatch { rank: 0, .. }), "{e}");
         let e = r0
-            .combine(&ys[0], &w.topk_idx[0], &w.topk_weights[0], &foreign_handles[0])
+            .combine(
+                &ys[0],
+                &w.topk_idx[0],
+                &w.topk_weights[0],
+                &foreign_handles[0],
+            )
             .unwrap_err();
         assert!(matches!(e, Error::HandleMismatch { .. }), "{e}");
         // Routing that differs from the dispatched one.
@@ -129,7 +222,9 @@ fn combine_input_errors_and_foreign_handles() {
         if idx[0] == idx[1] {
             idx[0] = -1;
         }
-        let e = r0.combine(&ys[0], &idx, &w.topk_weights[0], &handles[0]).unwrap_err();
+        let e = r0
+            .combine(&ys[0], &idx, &w.topk_weights[0], &handles[0])
+            .unwrap_err();
         assert!(matches!(e, Error::TopkMismatch { rank: 0, .. }), "{e}");
     }
     let mut a = per_expert::group(&c, CpuOptions::default()).unwrap();
@@ -153,12 +248,20 @@ fn a_config_too_big_for_memory_fails_at_construction_with_its_size() {
             assert_eq!(available, 1 << 30);
         }
         Err(e) => panic!("wrong error {e}"),
-        Ok(_) => panic!("a 1 GiB limit accepted {} bytes", per_expert::bytes_needed(&c)),
+        Ok(_) => panic!(
+            "a 1 GiB limit accepted {} bytes",
+            per_expert::bytes_needed(&c)
+        ),
     }
     match ep_fast::group(&c, opts) {
-        Err(Error::OutOfMemory { needed, .. }) => assert_eq!(needed, ep_fast::Shared::bytes_needed(&c)),
+        Err(Error::OutOfMemory { needed, .. }) => {
+            assert_eq!(needed, ep_fast::Shared::bytes_needed(&c))
+        }
         Err(e) => panic!("wrong error {e}"),
-        Ok(_) => panic!("a 1 GiB limit accepted {} bytes", ep_fast::Shared::bytes_needed(&c)),
+        Ok(_) => panic!(
+            "a 1 GiB limit accepted {} bytes",
+            ep_fast::Shared::bytes_needed(&c)
+        ),
     }
 }
 
@@ -173,15 +276,38 @@ fn missing_rank_times_out<R: EpRank>(mut ranks: Vec<R>) {
         let me = r.rank();
         r.dispatch(&w.x[me], &w.topk_idx[me]).map(|_| ())
     });
-    assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        start.elapsed()
+    );
     for (me, res) in results.into_iter().enumerate() {
-        let msg = res.as_ref().err().map(|e| e.to_string()).unwrap_or_default();
+        let msg = res
+            .as_ref()
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         match res {
-            Err(Error::Timeout { rank, peer, phase, call, .. }) => {
+            Err(Error::Timeout {
+                rank,
+                peer,
+                phase,
+                call,
+                ..
+            }) => {
                 assert_eq!((rank, peer, call), (me, 2, 1));
-                assert_eq!(phase, Phase { op: Op::Dispatch, side: Side::Recv });
+                assert_eq!(
+                    phase,
+                    Phase {
+                        op: Op::Dispatch,
+                        side: Side::Recv
+                    }
+                );
                 let want = format!("rank {me} timed out");
-                assert!(msg.contains(&want) && msg.contains("for rank 2 in dispatch/recv (call 1)"), "{msg}");
+                assert!(
+                    msg.contains(&want) && msg.contains("for rank 2 in dispatch/recv (call 1)"),
+                    "{msg}"
+                );
             }
             other => panic!("rank {me}: expected a timeout naming rank 2, got {other:?}"),
         }

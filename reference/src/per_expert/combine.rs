@@ -14,6 +14,7 @@ pub(super) fn run(
     sh: &Shared,
     rank: usize,
     epoch: u64,
+    timeout: std::time::Duration,
     y: &[bf16],
     topk_weights: &[f32],
     handle: &Handle,
@@ -27,7 +28,7 @@ pub(super) fn run(
         cfg.top_k,
     );
     let per = cfg.rows_per_expert();
-    let deadline = Deadline::after(sh.opts.timeout);
+    let deadline = Deadline::after(timeout);
     let mut stats = CallStats::default();
 
     // Send every received row of every local expert back to its token's rank, at the token's

@@ -12,6 +12,7 @@ pub(super) fn run(
     sh: &Shared,
     rank: usize,
     epoch: u64,
+    timeout: std::time::Duration,
     n: usize,
     x: &[bf16],
     topk_idx: &[i64],
@@ -24,7 +25,7 @@ pub(super) fn run(
         cfg.hidden,
         cfg.top_k,
     );
-    let deadline = Deadline::after(sh.opts.timeout);
+    let deadline = Deadline::after(timeout);
     let mut stats = CallStats::default();
 
     // Send. The credits say every destination finished reading our previous call's messages.

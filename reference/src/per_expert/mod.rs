@@ -36,7 +36,6 @@ impl Region {
 /// Memory every rank can write: the group's communication buffers.
 pub(crate) struct Shared {
     pub cfg: Config,
-    pub opts: CpuOptions,
     pub group_id: u64,
     /// Dispatch regions, index `(dst * L + l) * R + src`: T messages each.
     pub dispatch: Vec<Region>,
@@ -74,6 +73,7 @@ pub fn bytes_needed(cfg: &Config) -> u64 {
 pub struct PerExpertRank {
     shared: Arc<Shared>,
     rank: usize,
+    timeout: std::time::Duration,
     dispatch_calls: u64,
     combine_calls: u64,
     stats: CallStats,
@@ -86,7 +86,6 @@ pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<PerExpertRank>> {
     let (r, e, t) = (cfg.num_ranks, cfg.num_experts, cfg.max_tokens_per_rank);
     let shared = Arc::new(Shared {
         cfg: *cfg,
-        opts,
         group_id: next_group_id(),
         dispatch: (0..r * e)
             .map(|_| Region::new(t, Shared::dispatch_message_bytes(cfg)))
@@ -99,6 +98,7 @@ pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<PerExpertRank>> {
         .map(|rank| PerExpertRank {
             shared: shared.clone(),
             rank,
+            timeout: opts.timeout,
             dispatch_calls: 0,
             combine_calls: 0,
             stats: CallStats::default(),
@@ -107,6 +107,11 @@ pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<PerExpertRank>> {
 }
 
 impl PerExpertRank {
+    /// The bound on every wait of this rank's next calls (initially `CpuOptions::timeout`).
+    pub fn set_timeout(&mut self, timeout: std::time::Duration) {
+        self.timeout = timeout;
+    }
+
     /// Gives up on call `epoch` after an error: grants the credits so that peers may reuse
     /// this rank's buffers (see `transport::signal`).
     fn abandon(credits: &[Credit], rank: usize, r: usize, epoch: u64) {
@@ -131,7 +136,7 @@ impl EpRank for PerExpertRank {
         self.dispatch_calls += 1;
         let epoch = self.dispatch_calls;
         let sh = &*self.shared;
-        let res = dispatch::run(sh, self.rank, epoch, n, x, topk_idx);
+        let res = dispatch::run(sh, self.rank, epoch, self.timeout, n, x, topk_idx);
         match res {
             Ok((out, stats)) => {
                 self.stats = stats;
@@ -163,7 +168,7 @@ impl EpRank for PerExpertRank {
         handle.check(sh.group_id, self.rank, &sh.cfg, topk_idx)?;
         self.combine_calls += 1;
         let epoch = self.combine_calls;
-        match combine::run(sh, self.rank, epoch, y, topk_weights, handle) {
+        match combine::run(sh, self.rank, epoch, self.timeout, y, topk_weights, handle) {
             Ok((out, stats)) => {
                 self.stats = stats;
                 Ok(out)

@@ -1,0 +1,202 @@
+//! loom models of the signaling protocol, run on the code that ships: the CPU paths' atomics and
+//! shared rows come from `ep_reference::sync`, which `--cfg ep_loom` switches to loom's. Every
+//! payload row access also touches a loom cell, so loom reports any read that the protocol's
+//! release/acquire pairs do not order after its write.
+//!
+//! Run: `RUSTFLAGS="--cfg ep_loom" LOOM_MAX_PREEMPTIONS=2 cargo test --release -p ep-verify
+//! --test loom_protocol` (`.ci/loom.sh` does, with a target dir of its own, and also builds the
+//! mutants `--cfg ep_mutant="signal_relaxed"` / `"finish_relaxed"`, which must fail).
+//!
+//! Under loom a timeout of N ms allows N polls, and one of an hour or more never expires
+//! (`ep_reference::sync::Deadline`).
+#![cfg(ep_loom)]
+
+use std::time::Duration;
+
+use ep_reference::error::{Op, Phase, Side};
+use ep_reference::oracle;
+use ep_reference::workload::{Routing, Workload};
+use ep_reference::{per_expert, Config, CpuOptions, EpRank, Error, Mode};
+use loom::sync::atomic::{AtomicBool, Ordering};
+use loom::sync::Arc;
+
+const FOREVER: Duration = Duration::from_secs(7200);
+
+fn opts(workers: usize) -> CpuOptions {
+    CpuOptions {
+        timeout: FOREVER,
+        staging_workers: workers,
+        memory_limit: Some(1 << 30),
+    }
+}
+
+/// A tiny workload; `leak` gives the 'static borrows loom threads need.
+fn workload(cfg: &Config, tokens: &[usize], seed: u64) -> &'static Workload {
+    Box::leak(Box::new(Workload::generate(
+        cfg,
+        tokens,
+        Routing::Random { masked: 0.0 },
+        seed,
+    )))
+}
+
+fn expect_dispatch(w: &Workload, rank: usize, got: &ep_reference::DispatchOutput) {
+    let want = oracle::dispatch(&w.config, &w.dispatch_inputs()).unwrap();
+    assert_eq!(got.diff(&want[rank]), None, "rank {rank}");
+}
+
+/// Model 1: two staging workers and the sender (worker 0, which also counts and receives).
+/// The sender must not signal before worker 1's token is staged, and must read the full count:
+/// the receiver reads both tokens' rows and the output equals the oracle's.
+#[test]
+fn staging_workers_then_sender() {
+    loom::model(|| {
+        // One rank, one expert row per token: tokens 0 and 1 go to different workers.
+        let cfg = Config::new(1, 2, 2, 128, 1, Mode::Bf16).unwrap();
+        let w = workload(&cfg, &[2], 1);
+        let mut ranks = ep_fast::group(&cfg, opts(2)).unwrap();
+        let call = Arc::new(ranks[0].dispatch_begin(&w.x[0], &w.topk_idx[0]).unwrap());
+        let worker1 = {
+            let call = call.clone();
+            loom::thread::spawn(move || call.stage(1, 2))
+        };
+        call.stage(0, 2).unwrap();
+        let out = call.receive().unwrap();
+        worker1.join().unwrap().unwrap();
+        let call = Arc::try_unwrap(call).ok().expect("workers joined");
+        let (stats, res) = call.end(Ok(out));
+        let (out, _) = res.unwrap();
+        assert_eq!(stats.messages, 1);
+        expect_dispatch(w, 0, &out);
+    });
+}
+
+/// Model 2: payload, then release signal; acquire, then read. Two ranks dispatch to each other
+/// (every token goes to both), on both paths; each must read the other's rows only after its
+/// signal, and get exactly the oracle's bytes.
+#[test]
+fn payload_then_signal_batched() {
+    loom::model(|| {
+        let cfg = Config::new(2, 2, 1, 128, 2, Mode::Bf16).unwrap();
+        let w = workload(&cfg, &[1, 1], 2);
+        let mut ranks = ep_fast::group(&cfg, opts(1)).unwrap();
+        let mut r1 = ranks.pop().unwrap();
+        let mut r0 = ranks.pop().unwrap();
+        let t = loom::thread::spawn(move || {
+            let (out, _) = r1.dispatch(&w.x[1], &w.topk_idx[1]).unwrap();
+            expect_dispatch(w, 1, &out);
+        });
+        let (out, _) = r0.dispatch(&w.x[0], &w.topk_idx[0]).unwrap();
+        expect_dispatch(w, 0, &out);
+        t.join().unwrap();
+    });
+}
+
+#[test]
+fn payload_then_signal_per_expert() {
+    loom::model(|| {
+        let cfg = Config::new(2, 2, 1, 128, 2, Mode::Bf16).unwrap();
+        let w = workload(&cfg, &[1, 1], 3);
+        let mut ranks = per_expert::group(&cfg, opts(1)).unwrap();
+        let mut r1 = ranks.pop().unwrap();
+        let mut r0 = ranks.pop().unwrap();
+        let t = loom::thread::spawn(move || {
+            let (out, _) = r1.dispatch(&w.x[1], &w.topk_idx[1]).unwrap();
+            expect_dispatch(w, 1, &out);
+        });
+        let (out, _) = r0.dispatch(&w.x[0], &w.topk_idx[0]).unwrap();
+        expect_dispatch(w, 0, &out);
+        t.join().unwrap();
+    });
+}
+
+/// Model 3: two consecutive calls on the same buffers (different tokens each call), dispatch
+/// then combine. No signal of call 1 is taken for call 2 (the epoch tag), no row of call 2
+/// overwrites one call 1 still reads (the credit), nothing is lost or duplicated (the outputs
+/// equal the oracle's).
+#[test]
+fn consecutive_calls_batched() {
+    loom::model(|| {
+        // K = E = 2: every token goes to both ranks, so every call crosses in both directions.
+        let cfg = Config::new(2, 2, 1, 128, 2, Mode::Bf16).unwrap();
+        let calls: [&'static Workload; 2] =
+            [workload(&cfg, &[1, 1], 4), workload(&cfg, &[1, 1], 5)];
+        let mut ranks = ep_fast::group(&cfg, opts(1)).unwrap();
+        let mut r1 = ranks.pop().unwrap();
+        let mut r0 = ranks.pop().unwrap();
+        let body = move |r: &mut ep_fast::BatchedRank| {
+            let me = r.rank();
+            for w in calls {
+                let (out, h) = r.dispatch(&w.x[me], &w.topk_idx[me]).unwrap();
+                expect_dispatch(w, me, &out);
+                let ys = w.expert_outputs(9);
+                let got = r
+                    .combine(&ys[me], &w.topk_idx[me], &w.topk_weights[me], &h)
+                    .unwrap();
+                let want = oracle::combine(&w.config, &w.combine_inputs(&ys)).unwrap();
+                assert!(got
+                    .iter()
+                    .zip(&want[me])
+                    .all(|(a, b)| a.to_bits() == b.to_bits()));
+            }
+        };
+        let t = loom::thread::spawn(move || body(&mut r1));
+        body(&mut r0);
+        t.join().unwrap();
+    });
+}
+
+/// Model 4: a wait that times out reports the error (waiter, peer, phase, call) and leaves the
+/// next call usable. Rank 1 arrives for call 1 only after rank 0 gave up on it; it still gets
+/// rank 0's call-1 batch, and call 2 is correct on both.
+#[test]
+fn timeout_then_next_call() {
+    loom::model(|| {
+        let cfg = Config::new(2, 2, 1, 128, 2, Mode::Bf16).unwrap();
+        let calls: [&'static Workload; 2] =
+            [workload(&cfg, &[1, 1], 6), workload(&cfg, &[1, 1], 7)];
+        let mut ranks = ep_fast::group(&cfg, opts(1)).unwrap();
+        let mut r1 = ranks.pop().unwrap();
+        let mut r0 = ranks.pop().unwrap();
+        let gave_up = Arc::new(AtomicBool::new(false));
+        let t = {
+            let gave_up = gave_up.clone();
+            loom::thread::spawn(move || {
+                while !gave_up.load(Ordering::Acquire) {
+                    loom::thread::yield_now();
+                }
+                for w in calls {
+                    let (out, _) = r1.dispatch(&w.x[1], &w.topk_idx[1]).unwrap();
+                    expect_dispatch(w, 1, &out);
+                }
+            })
+        };
+        r0.set_timeout(Duration::from_millis(3));
+        let err = r0
+            .dispatch(&calls[0].x[0], &calls[0].topk_idx[0])
+            .unwrap_err();
+        match err {
+            Error::Timeout {
+                rank: 0,
+                peer: 1,
+                phase,
+                call: 1,
+                ..
+            } => {
+                assert_eq!(
+                    phase,
+                    Phase {
+                        op: Op::Dispatch,
+                        side: Side::Recv
+                    }
+                )
+            }
+            other => panic!("expected rank 0's timeout on rank 1, got {other}"),
+        }
+        gave_up.store(true, Ordering::Release);
+        r0.set_timeout(FOREVER);
+        let (out, _) = r0.dispatch(&calls[1].x[0], &calls[1].topk_idx[0]).unwrap();
+        expect_dispatch(calls[1], 0, &out);
+        t.join().unwrap();
+    });
+}
