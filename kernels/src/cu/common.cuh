@@ -1,0 +1,335 @@
+// common.cuh: types, the rank-address table, memory-ordering primitives, bounded waits, bf16.
+// Prepended to every module's source by the Rust side (NVRTC sees one translation unit).
+// Compiled with --fmad=false: no multiply-add is contracted unless written as fmaf.
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef long long i64;
+
+#define NTHREADS 512
+#define NWARPS (NTHREADS / 32)
+#define HDR_BYTES 64
+#define MAX_K 16
+#define NO_LOCAL 0xFFFFu
+
+// Phases reported in the error word (match kernels/src/runtime.rs).
+#define PH_DISPATCH_SEND 0
+#define PH_DISPATCH_RECV 1
+#define PH_COMBINE_SEND 2
+#define PH_COMBINE_RECV 3
+
+// Layout of the u32 state words of one rank.
+#define ST_EPOCH 0      // [kind]: calls completed, one per kernel kind (4 kinds)
+#define ST_EXIT 4       // [kind]: blocks that left the current call
+#define ST_SENT 8       // [kind]: blocks that finished sending in the current call
+#define NUM_KINDS 4
+#define KIND_BAT_DISPATCH 0
+#define KIND_PE_DISPATCH 1
+#define KIND_BAT_COMBINE 2
+#define KIND_PE_COMBINE 3
+
+// Every device address of one rank. The table (one entry per rank) lives on every GPU; the
+// addresses are valid there through peer access (or are local).
+struct RankPtrs {
+    u64 x;           // bf16 [T*H]
+    u64 topk;        // i64 [T*K]
+    u64 weights;     // f32 [T*K]
+    u64 y;           // bf16 [L*RT*H]
+    u64 meta;        // int [4]: [0] = n tokens
+    u64 recv_x;      // L*RT rows of xrow bytes
+    u64 recv_scales; // L*RT rows of spr*4 bytes
+    u64 recv_count;  // int [L]
+    u64 layout;      // int [L*R*2] (begin, count)
+    u64 src_info;    // int [L*RT]
+    u64 out;         // bf16 [T*H]
+    u64 row_tk;      // int [L*RT]: t*K+k of each received row (per-expert combine)
+    u64 comb_map;    // int [R*T*K]: batch(d->s) position -> y row l*RT+row (batched combine, on d)
+    u64 comb_pos;    // int [T*K]: position of (t,k) in batch(owner->me) (batched combine, on s)
+    u64 comb_cnt;    // int [R]: selections received from s (rows to send back to s)
+    u64 bat_buf;     // R*T entries of entry_bytes (batched dispatch, receive side)
+    u64 bat_meta;    // int [R*2]: (tokens, selections) of batch(s->me)
+    u64 pe_buf;      // L*R*T entries of pe_entry_bytes (per-expert dispatch, receive side)
+    u64 cmb_buf;     // R*T*K rows of 2H bytes (combine, receive side)
+    u64 sig;         // u64 signal words, see SIG_* below
+    u64 state;       // u32 state words
+};
+
+// Offsets (in u64 words) of the signal arrays inside `sig`, given R, L, E.
+__device__ __forceinline__ u64* sig_bat(const RankPtrs& p) { return (u64*)p.sig; }               // [R] from s
+__device__ __forceinline__ u64* sig_bat_ack(const RankPtrs& p, int R) { return (u64*)p.sig + R; } // [R] from d
+__device__ __forceinline__ u64* sig_cb(const RankPtrs& p, int R) { return (u64*)p.sig + 2 * R; }  // [R] from d
+__device__ __forceinline__ u64* sig_cb_ack(const RankPtrs& p, int R) { return (u64*)p.sig + 3 * R; }
+__device__ __forceinline__ u64* sig_pe_ack(const RankPtrs& p, int R) { return (u64*)p.sig + 4 * R; }
+__device__ __forceinline__ u64* sig_pc_ack(const RankPtrs& p, int R) { return (u64*)p.sig + 5 * R; }
+__device__ __forceinline__ u64* sig_pe(const RankPtrs& p, int R) { return (u64*)p.sig + 6 * R; }  // [L*R] (l, s)
+__device__ __forceinline__ u64* sig_pc(const RankPtrs& p, int R, int L) {                       // [E] expert e
+    return (u64*)p.sig + 6 * R + (u64)L * R;
+}
+
+// Kernel parameters, passed by value (matches `KParams` in kernels/src/runtime.rs).
+struct KParams {
+    u64 table;        // const RankPtrs* on this GPU
+    u64 err;          // u32[8] error word on this GPU
+    u64 timeout_ns;
+    int R, E, L, T, H, K;
+    int fp8, round_scale, ue8m0;
+    int rank_base, ranks_here, blocks_per_rank;
+    int xrow, spr;           // bytes of a received x row; scale words per row
+    int entry_bytes;         // batched entry: header + payload, 16-aligned
+    int pe_entry_bytes;      // per-expert entry: header + payload, 16-aligned
+    int fault_rank;          // test hook: this rank never signals (-1: none)
+    int pad0;
+};
+
+// ---------------------------------------------------------------- memory ordering
+__device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ u32 ld_volatile_u32(const u32* p) {
+    u32 v;
+    asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u64 globaltimer() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// ---------------------------------------------------------------- errors and bounded waits
+// err[0]: 0 = ok, 1 = a wait timed out; [1] waiting rank; [2] peer; [3] phase; [4] call (low);
+// [5] waited ns / 1000 (low). The first failing wait wins; later ones only see the flag.
+__device__ __forceinline__ bool failed(const KParams& p) {
+    return ld_volatile_u32((const u32*)p.err) != 0;
+}
+__device__ void report_timeout(const KParams& p, int rank, int peer, int phase, u32 call, u64 waited) {
+    u32* e = (u32*)p.err;
+    if (atomicCAS(e + 7, 0u, 1u) == 0u) {
+        e[1] = (u32)rank;
+        e[2] = (u32)peer;
+        e[3] = (u32)phase;
+        e[4] = call;
+        e[5] = (u32)(waited / 1000ull);
+        __threadfence_system();
+        atomicExch(e, 1u);
+    }
+}
+// Waits until the signal word carries `epoch` in its upper half. Returns the lower half, or -1
+// on timeout (reported) or when another wait already failed.
+__device__ long long wait_signal(const KParams& p, const u64* addr, u32 epoch, int rank, int peer, int phase) {
+    u64 t0 = globaltimer();
+    u32 spins = 0;
+    while (true) {
+        u64 v = ld_acquire_sys(addr);
+        if ((u32)(v >> 32) == epoch) return (long long)(u32)v;
+        if ((++spins & 63u) == 0u) {
+            if (failed(p)) return -1;
+            u64 now = globaltimer();
+            if (now - t0 > p.timeout_ns) {
+                report_timeout(p, rank, peer, phase, epoch, now - t0);
+                return -1;
+            }
+        }
+    }
+}
+// Waits until an acknowledgement word is at least `need` (the peer has consumed call need).
+__device__ bool wait_ack(const KParams& p, const u64* addr, u32 need, u32 call, int rank, int peer, int phase) {
+    u64 t0 = globaltimer();
+    u32 spins = 0;
+    while (true) {
+        u64 v = ld_acquire_sys(addr);
+        if ((u32)v >= need) return true;
+        if ((++spins & 63u) == 0u) {
+            if (failed(p)) return false;
+            u64 now = globaltimer();
+            if (now - t0 > p.timeout_ns) {
+                report_timeout(p, rank, peer, phase, call, now - t0);
+                return false;
+            }
+        }
+    }
+}
+__device__ __forceinline__ u64 signal_word(u32 epoch, u32 count) { return ((u64)epoch << 32) | (u64)count; }
+
+// ---------------------------------------------------------------- bf16
+__device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
+// Round to nearest even; NaN -> 0x7FFF (DESIGN.md, numerics/bf16.rs).
+__device__ __forceinline__ u16 f32_to_bf16_rne(float f) {
+    if (f != f) return (u16)0x7FFF;
+    u32 b = __float_as_uint(f);
+    u32 lsb = (b >> 16) & 1u;
+    return (u16)((b + 0x7FFFu + lsb) >> 16);
+}
+
+// ---------------------------------------------------------------- block helpers
+// Exclusive prefix of `flag` over the block's threads; returns it and writes the block total to
+// *total. All threads must call it. Uses `scratch` (NWARPS+1 ints of shared memory).
+__device__ __forceinline__ int block_excl_scan(int flag, int* scratch, int* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // inclusive warp scan
+    int v = flag;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        int u = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += u;
+    }
+    if (lane == 31) scratch[warp] = v;
+    __syncthreads();
+    int base = 0, tot = 0;
+#pragma unroll
+    for (int w = 0; w < NWARPS; w++) {
+        int s = scratch[w];
+        if (w < warp) base += s;
+        tot += s;
+    }
+    __syncthreads();
+    *total = tot;
+    return base + v - flag;
+}
+
+// Copies n bytes (n % 16 == 0, both 16-aligned) with one warp.
+__device__ __forceinline__ void warp_copy16(u8* dst, const u8* src, int n) {
+    const int lane = threadIdx.x & 31;
+    int i = lane * 16;
+    for (; i + 3 * 512 < n; i += 4 * 512) {
+        uint4 a = *(const uint4*)(src + i);
+        uint4 b = *(const uint4*)(src + i + 512);
+        uint4 c = *(const uint4*)(src + i + 1024);
+        uint4 d = *(const uint4*)(src + i + 1536);
+        *(uint4*)(dst + i) = a;
+        *(uint4*)(dst + i + 512) = b;
+        *(uint4*)(dst + i + 1024) = c;
+        *(uint4*)(dst + i + 1536) = d;
+    }
+    for (; i < n; i += 512) *(uint4*)(dst + i) = *(const uint4*)(src + i);
+}
+// Copies n bytes (n even, 2-aligned) with one warp, 16 bytes at a time where alignment allows.
+__device__ __forceinline__ void warp_copy(u8* dst, const u8* src, int n) {
+    if (((((u64)dst) | ((u64)src) | (u64)n) & 15ull) == 0ull) {
+        warp_copy16(dst, src, n);
+    } else if (((((u64)dst) | ((u64)src) | (u64)n) & 3ull) == 0ull) {
+        for (int i = (threadIdx.x & 31) * 4; i < n; i += 128) *(u32*)(dst + i) = *(const u32*)(src + i);
+    } else {
+        for (int i = (threadIdx.x & 31) * 2; i < n; i += 64) *(u16*)(dst + i) = *(const u16*)(src + i);
+    }
+}
+
+// Routing of one rank, loaded into shared memory: sk[t*K+k] = expert or -1.
+__device__ __forceinline__ void load_topk(const KParams& p, const RankPtrs& me, int n, int* sk) {
+    const i64* topk = (const i64*)me.topk;
+    for (int i = threadIdx.x; i < n * p.K; i += NTHREADS) sk[i] = (int)topk[i];
+}
+
+// The end of a kernel for one rank: the last block to leave publishes the epoch, resets the
+// counters and acknowledges to every peer that this rank has consumed the call's data.
+// `ack` points to the ack array index base in each peer: ack_of(peer)[rank].
+__device__ __forceinline__ bool last_block_out(const KParams& p, u32* state, int kind) {
+    __shared__ int s_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        u32 old = atomicAdd(state + ST_EXIT + kind, 1u);
+        s_last = (old == (u32)p.blocks_per_rank - 1u);
+        if (s_last) {
+            state[ST_EXIT + kind] = 0u;
+            __threadfence_system();
+        }
+    }
+    __syncthreads();
+    return s_last != 0;
+}
+
+// The combine reduction of DESIGN.md for the tokens of one rank: for each token t and channel h,
+// acc = 0; for k ascending over valid slots: acc = fmaf(w[t][k], float(y_row(t,k)[h]), acc);
+// out = bf16_rne(acc). `rowbase[k]` is computed by the caller's functor ROW(t, k) -> row pointer.
+// Units are (token, 256-channel chunk), spread over every warp of the rank's blocks.
+template <typename RowFn>
+__device__ __forceinline__ void reduce_tokens(const KParams& p, const RankPtrs& me, int n, const int* sk, int bid, RowFn row_of) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int H = p.H, K = p.K;
+    const float* wts = (const float*)me.weights;
+    u16* out = (u16*)me.out;
+    if ((H & 7) == 0) {
+        const int chunks = (H + 255) / 256;
+        for (int u = bid * NWARPS + warp; u < n * chunks; u += p.blocks_per_rank * NWARPS) {
+            const int t = u / chunks;
+            const int c = (u % chunks) * 256 + lane * 8;
+            if (c >= H) continue;
+            uint4 yv[MAX_K];
+            float w[MAX_K];
+#pragma unroll
+            for (int k = 0; k < MAX_K; k++) {
+                w[k] = 0.0f;
+                if (k < K && sk[t * K + k] >= 0) {
+                    w[k] = wts[t * K + k];
+                    yv[k] = *(const uint4*)(row_of(t, k) + 2 * c);
+                }
+            }
+            float acc[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[j] = 0.0f;
+#pragma unroll
+            for (int k = 0; k < MAX_K; k++) {
+                if (k < K && sk[t * K + k] >= 0) {
+                    const u32 yw[4] = {yv[k].x, yv[k].y, yv[k].z, yv[k].w};
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        acc[2 * j] = fmaf(w[k], __uint_as_float(yw[j] << 16), acc[2 * j]);
+                        acc[2 * j + 1] = fmaf(w[k], __uint_as_float(yw[j] & 0xFFFF0000u), acc[2 * j + 1]);
+                    }
+                }
+            }
+            uint4 o;
+            o.x = (u32)f32_to_bf16_rne(acc[0]) | ((u32)f32_to_bf16_rne(acc[1]) << 16);
+            o.y = (u32)f32_to_bf16_rne(acc[2]) | ((u32)f32_to_bf16_rne(acc[3]) << 16);
+            o.z = (u32)f32_to_bf16_rne(acc[4]) | ((u32)f32_to_bf16_rne(acc[5]) << 16);
+            o.w = (u32)f32_to_bf16_rne(acc[6]) | ((u32)f32_to_bf16_rne(acc[7]) << 16);
+            *(uint4*)(out + (u64)t * H + c) = o;
+        }
+    } else {
+        const int chunks = (H + 31) / 32;
+        for (int u = bid * NWARPS + warp; u < n * chunks; u += p.blocks_per_rank * NWARPS) {
+            const int t = u / chunks;
+            const int c = (u % chunks) * 32 + lane;
+            if (c >= H) continue;
+            float acc = 0.0f;
+            for (int k = 0; k < K; k++) {
+                if (sk[t * K + k] < 0) continue;
+                u16 y = *(const u16*)(row_of(t, k) + 2 * c);
+                acc = fmaf(wts[t * K + k], bf16_to_f32(y), acc);
+            }
+            out[(u64)t * H + c] = f32_to_bf16_rne(acc);
+        }
+    }
+}
+
+// Shared-memory carve-up used by every kernel (the host sizes it the same way).
+struct Smem {
+    int* sk;       // T*K
+    int* tokpos;   // T*R
+    int* selpos;   // T*R
+    int* tot;      // 2R
+    int* scratch;  // 32
+    int* m_a;      // NTHREADS
+    int* m_b;      // NTHREADS
+    int* m_c;      // NTHREADS
+};
+__device__ __forceinline__ Smem carve(const KParams& p, int* base) {
+    Smem s;
+    s.sk = base;
+    s.tokpos = s.sk + p.T * p.K;
+    s.selpos = s.tokpos + p.T * p.R;
+    s.tot = s.selpos + p.T * p.R;
+    s.scratch = s.tot + 2 * p.R;
+    s.m_a = s.scratch + 32;
+    s.m_b = s.m_a + NTHREADS;
+    s.m_c = s.m_b + NTHREADS;
+    return s;
+}

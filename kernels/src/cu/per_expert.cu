@@ -1,0 +1,206 @@
+// per_expert.cu: the per-expert path (DESIGN.md, "Per-expert (the reference)").
+//
+// Dispatch, on source rank s: block b owns experts e = b, b + B, ...; for each it lists the
+//   tokens that selected e and writes every selection as its own message (a 16-byte header
+//   {epoch, token, slot} + payload, quantized per message) into the owner's region (l, s) at slot
+//   t; then one signal per (expert, source) with the count. On owner d, block per local expert:
+//   for every source in order, wait for the (l, s) signal, find the slots stamped with this
+//   call's epoch (token order), copy them into the canonical rows.
+// Combine, on owner d: block per local expert copies every row back to its source's slot
+//   t*K + k, then one signal per (expert, source). On s: wait for all E experts' signals and
+//   reduce in k order.
+
+#define PE_HDR 16
+
+#define KIND KIND_PE_DISPATCH
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch(KParams p) {
+    extern __shared__ int smem_raw[];
+    const RankPtrs* tab = (const RankPtrs*)p.table;
+    const int bid = blockIdx.x % p.blocks_per_rank;
+    const int rank = p.rank_base + blockIdx.x / p.blocks_per_rank;
+    const RankPtrs& me = tab[rank];
+    u32* state = (u32*)me.state;
+    const int R = p.R, K = p.K, L = p.L, T = p.T, E = p.E;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    Smem sm = carve(p, smem_raw);
+    __shared__ u32 s_epoch;
+    __shared__ int s_n, s_cnt;
+    if (tid == 0) {
+        s_epoch = ld_volatile_u32(state + ST_EPOCH + KIND) + 1u;
+        s_n = ((const int*)me.meta)[0];
+    }
+    __syncthreads();
+    const u32 epoch = s_epoch;
+    const int n = s_n;
+    load_topk(p, me, n, sm.sk);
+    int bad = 0;
+    if (tid < R) bad = !wait_ack(p, sig_pe_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_DISPATCH_SEND);
+    if (__syncthreads_or(bad)) goto finish;
+    {
+        const int segs = (p.H + 511) / 512;
+        // ---- send: one message per selection, one signal per expert
+        for (int e = bid; e < E; e += p.blocks_per_rank) {
+            const int d = e / L, l = e % L;
+            u8* region = (u8*)tab[d].pe_buf + ((u64)l * R + rank) * T * p.pe_entry_bytes;
+            int count = 0;
+            for (int c = 0; c < n; c += NTHREADS) {
+                const int t = c + tid;
+                int has = 0, slot = 0;
+                if (t < n)
+                    for (int k = 0; k < K; k++)
+                        if (sm.sk[t * K + k] == e) {
+                            has = 1;
+                            slot = k;
+                        }
+                int total;
+                const int idx = block_excl_scan(has, sm.scratch, &total);
+                if (has) {
+                    sm.m_a[idx] = t;
+                    sm.m_b[idx] = slot;
+                }
+                __syncthreads();
+                for (int u = warp; u < total * segs; u += NWARPS) {
+                    const int m = u / segs, g = u % segs;
+                    const int tt = sm.m_a[m];
+                    u8* entry = region + (u64)tt * p.pe_entry_bytes;
+                    const u16* xr = (const u16*)me.x + (u64)tt * p.H;
+                    Seg sg = seg_load(p, xr, g * 512);
+                    seg_store(p, sg, xr, g * 512, entry + PE_HDR);
+                    if (g == 0 && lane == 0) {
+                        ((u32*)entry)[0] = epoch;
+                        ((int*)entry)[1] = tt;
+                        ((int*)entry)[2] = sm.m_b[m];
+                    }
+                }
+                count += total;
+                __syncthreads();
+            }
+            __threadfence_system();
+            __syncthreads();
+            if (tid == 0 && rank != p.fault_rank)
+                st_release_sys(sig_pe(tab[d], R) + (u64)l * R + rank, signal_word(epoch, (u32)count));
+        }
+        // ---- receive: block per local expert, sources in order, slots in token order
+        const u64 RT = (u64)R * T;
+        for (int l = bid; l < L; l += p.blocks_per_rank) {
+            int base = 0;
+            for (int s = 0; s < R; s++) {
+                if (tid == 0) s_cnt = (int)wait_signal(p, sig_pe(me, R) + (u64)l * R + s, epoch, rank, s, PH_DISPATCH_RECV);
+                __syncthreads();
+                const int cnt = s_cnt;
+                if (cnt < 0) goto finish;
+                const int begin = base;
+                const u8* region = (const u8*)me.pe_buf + ((u64)l * R + s) * T * p.pe_entry_bytes;
+                for (int c = 0; c < T && base - begin < cnt; c += NTHREADS) {
+                    const int j = c + tid;
+                    const int has = (j < T) && ((const u32*)(region + (u64)j * p.pe_entry_bytes))[0] == epoch;
+                    int total;
+                    const int idx = block_excl_scan(has, sm.scratch, &total);
+                    if (has) sm.m_a[idx] = j;
+                    __syncthreads();
+                    for (int m = warp; m < total; m += NWARPS) {
+                        const u8* h = region + (u64)sm.m_a[m] * p.pe_entry_bytes;
+                        const u64 row = (u64)l * RT + base + m;
+                        warp_copy((u8*)me.recv_x + row * p.xrow, h + PE_HDR, p.xrow);
+                        if (p.spr) {
+                            const u32* src = (const u32*)(h + PE_HDR + p.xrow);
+                            u32* dst = (u32*)me.recv_scales + row * p.spr;
+                            for (int i = lane; i < p.spr; i += 32) dst[i] = src[i];
+                        }
+                        if (lane == 0) {
+                            const int t = ((const int*)h)[1];
+                            ((int*)me.src_info)[row] = t;
+                            ((int*)me.row_tk)[row] = t * K + ((const int*)h)[2];
+                        }
+                    }
+                    base += total;
+                    __syncthreads();
+                }
+                if (tid == 0) {
+                    ((int*)me.layout)[(l * R + s) * 2] = begin;
+                    ((int*)me.layout)[(l * R + s) * 2 + 1] = base - begin;
+                }
+                __syncthreads();
+            }
+            if (tid == 0) ((int*)me.recv_count)[l] = base;
+        }
+    }
+finish:
+    if (last_block_out(p, state, KIND)) {
+        if (threadIdx.x == 0) {
+            state[ST_EPOCH + KIND] = epoch;
+            for (int s = 0; s < R; s++) st_release_sys(sig_pe_ack(tab[s], R) + rank, (u64)epoch);
+        }
+    }
+}
+#undef KIND
+
+#define KIND KIND_PE_COMBINE
+#define SEGB 4096
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(KParams p) {
+    extern __shared__ int smem_raw[];
+    const RankPtrs* tab = (const RankPtrs*)p.table;
+    const int bid = blockIdx.x % p.blocks_per_rank;
+    const int rank = p.rank_base + blockIdx.x / p.blocks_per_rank;
+    const RankPtrs& me = tab[rank];
+    u32* state = (u32*)me.state;
+    const int R = p.R, K = p.K, L = p.L, T = p.T, E = p.E;
+    const int tid = threadIdx.x, warp = tid >> 5;
+    const u64 rowb = 2ull * p.H;
+    const u64 RT = (u64)R * T;
+    Smem sm = carve(p, smem_raw);
+    __shared__ u32 s_epoch;
+    __shared__ int s_n;
+    if (tid == 0) {
+        s_epoch = ld_volatile_u32(state + ST_EPOCH + KIND) + 1u;
+        s_n = ((const int*)me.meta)[0];
+    }
+    __syncthreads();
+    const u32 epoch = s_epoch;
+    const int n = s_n;
+    load_topk(p, me, n, sm.sk);
+    int bad = 0;
+    if (tid < R) bad = !wait_ack(p, sig_pc_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_COMBINE_SEND);
+    if (__syncthreads_or(bad)) goto finish;
+    {
+        const int G = (int)((rowb + SEGB - 1) / SEGB);
+        const int* layout = (const int*)me.layout;
+        // ---- send: every row of local expert l back to its source's slot t*K+k
+        for (int l = bid; l < L; l += p.blocks_per_rank) {
+            const int cnt = ((const int*)me.recv_count)[l];
+            for (int u = warp; u < cnt * G; u += NWARPS) {
+                const int i = u / G, g = u % G;
+                int s = 0;
+                while (s + 1 < R && i >= layout[(l * R + s + 1) * 2]) s++;
+                const u64 row = (u64)l * RT + i;
+                const u64 tk = (u64)((const int*)me.row_tk)[row];
+                const u8* src = (const u8*)me.y + row * rowb + (u64)g * SEGB;
+                u8* dst = (u8*)tab[s].cmb_buf + tk * rowb + (u64)g * SEGB;
+                const u64 left = rowb - (u64)g * SEGB;
+                warp_copy(dst, src, (int)(left < SEGB ? left : SEGB));
+            }
+            __threadfence_system();
+            __syncthreads();
+            if (rank != p.fault_rank)
+                for (int s = tid; s < R; s += NTHREADS)
+                    st_release_sys(sig_pc(tab[s], R, L) + (u64)rank * L + l,
+                                   signal_word(epoch, (u32)layout[(l * R + s) * 2 + 1]));
+        }
+        // ---- receive: every expert's signal, then the reduction in k order
+        bad = 0;
+        for (int e = tid; e < E; e += NTHREADS)
+            bad |= wait_signal(p, sig_pc(me, R, L) + e, epoch, rank, e / L, PH_COMBINE_RECV) < 0;
+        if (__syncthreads_or(bad)) goto finish;
+        const u8* cbuf = (const u8*)me.cmb_buf;
+        reduce_tokens(p, me, n, sm.sk, bid, [&](int t, int k) -> const u8* { return cbuf + ((u64)t * K + k) * rowb; });
+    }
+finish:
+    if (last_block_out(p, state, KIND)) {
+        if (threadIdx.x == 0) {
+            state[ST_EPOCH + KIND] = epoch;
+            for (int d = 0; d < R; d++) st_release_sys(sig_pc_ack(tab[d], R) + rank, (u64)epoch);
+        }
+    }
+}
+#undef KIND
+#undef SEGB

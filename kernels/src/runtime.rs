@@ -1,0 +1,907 @@
+//! The GPU runtime: contexts, peer access, communication buffers, the rank-address table, and
+//! the launches of both paths.
+//!
+//! Ranks are spread over `num_gpus` devices (R / G consecutive ranks per device). All ranks of one
+//! device run in ONE launch (`blocks_per_rank` blocks each, at most one block per multiprocessor,
+//! so every block is resident at once and ranks may wait for one another). Every buffer a peer
+//! writes comes from `cuMemAlloc` (not cudarc's stream-ordered pool, which peers cannot reach).
+//! Signals carry the call's epoch (kept on the device, advanced by the kernels themselves), so a
+//! call never takes an earlier call's signal and no host value changes between calls: a call is a
+//! single kernel launch per device with no host synchronisation, and can be captured in a graph.
+//! Every wait is bounded by `%globaltimer`; a wait that runs out writes (rank, peer, phase, call)
+//! to a host-visible error word and the kernel exits; the host turns it into
+//! [`ep_reference::Error::Timeout`].
+
+use crate::compile::{self, Family};
+use crate::GpuError;
+use cudarc::driver::{result, sys, CudaContext};
+use ep_reference::{
+    input::{check_combine_inputs, check_dispatch_inputs},
+    Config, DispatchOutput, Error, Mode, Op, Phase, RecvScales, RecvX, Side,
+};
+use half::bf16;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+/// Which of the two transports to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Path {
+    /// One message per selection, one signal per (expert, source).
+    PerExpert,
+    /// One deduplicated batch and one signal per (source, destination).
+    Batched,
+}
+
+impl Path {
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::PerExpert => "per-expert",
+            Path::Batched => "batched",
+        }
+    }
+}
+
+/// Threads per block (NTHREADS in common.cuh).
+pub const NTHREADS: u32 = 512;
+const HDR_BYTES: usize = 64;
+const PE_HDR: usize = 16;
+const MAX_RANKS: usize = 32;
+
+/// Every device address of one rank (`struct RankPtrs` in common.cuh).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct RankPtrs {
+    x: u64,
+    topk: u64,
+    weights: u64,
+    y: u64,
+    meta: u64,
+    recv_x: u64,
+    recv_scales: u64,
+    recv_count: u64,
+    layout: u64,
+    src_info: u64,
+    out: u64,
+    row_tk: u64,
+    comb_map: u64,
+    comb_pos: u64,
+    comb_cnt: u64,
+    bat_buf: u64,
+    bat_meta: u64,
+    pe_buf: u64,
+    cmb_buf: u64,
+    sig: u64,
+    state: u64,
+}
+
+/// Kernel parameters (`struct KParams` in common.cuh), passed by value.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct KParams {
+    pub table: u64,
+    pub err: u64,
+    pub timeout_ns: u64,
+    pub r: i32,
+    pub e: i32,
+    pub l: i32,
+    pub t: i32,
+    pub h: i32,
+    pub k: i32,
+    pub fp8: i32,
+    pub round_scale: i32,
+    pub ue8m0: i32,
+    pub rank_base: i32,
+    pub ranks_here: i32,
+    pub blocks_per_rank: i32,
+    pub xrow: i32,
+    pub spr: i32,
+    pub entry_bytes: i32,
+    pub pe_entry_bytes: i32,
+    pub fault_rank: i32,
+    pub pad0: i32,
+}
+
+/// Byte sizes of one rank's buffers, in the order of [`RankPtrs`].
+fn rank_sizes(c: &Config) -> [usize; 21] {
+    let (r, e, l, t, h, k) = (
+        c.num_ranks,
+        c.num_experts,
+        c.num_local_experts(),
+        c.max_tokens_per_rank,
+        c.hidden,
+        c.top_k,
+    );
+    let rt = r * t;
+    [
+        t * h * 2,                                // x
+        t * k * 8,                                // topk
+        t * k * 4,                                // weights
+        l * rt * h * 2,                           // y
+        16,                                       // meta
+        l * rt * c.recv_x_row_bytes(),            // recv_x
+        (l * rt * c.scales_per_row() * 4).max(4), // recv_scales
+        l * 4,                                    // recv_count
+        l * r * 8,                                // layout
+        l * rt * 4,                               // src_info
+        t * h * 2,                                // out
+        l * rt * 4,                               // row_tk
+        r * t * k * 4,                            // comb_map
+        t * k * 4,                                // comb_pos
+        r * 4,                                    // comb_cnt
+        r * t * entry_bytes(c),                   // bat_buf
+        r * 8,                                    // bat_meta
+        l * r * t * pe_entry_bytes(c),            // pe_buf
+        r * t * k * h * 2,                        // cmb_buf
+        (6 * r + l * r + e) * 8,                  // sig
+        64,                                       // state
+    ]
+}
+
+fn align(v: usize, a: usize) -> usize {
+    v.div_ceil(a) * a
+}
+
+/// Bytes of one batched-dispatch entry: 64-byte header + payload, 16-aligned.
+pub fn entry_bytes(c: &Config) -> usize {
+    align(HDR_BYTES + c.payload_bytes(), 16)
+}
+/// Bytes of one per-expert message: 16-byte header + payload, 16-aligned.
+pub fn pe_entry_bytes(c: &Config) -> usize {
+    align(PE_HDR + c.payload_bytes(), 16)
+}
+
+/// Device memory one rank needs.
+pub fn bytes_per_rank(c: &Config) -> usize {
+    rank_sizes(c).iter().map(|&s| align(s, 256)).sum()
+}
+
+/// Dynamic shared memory of every kernel (the `Smem` carve-up in common.cuh).
+fn smem_bytes(c: &Config) -> usize {
+    let (r, t, k) = (c.num_ranks, c.max_tokens_per_rank, c.top_k);
+    4 * (t * k + 2 * t * r + 2 * r + 32 + 3 * NTHREADS as usize)
+}
+
+fn cuda<T>(what: &str, r: Result<T, result::DriverError>) -> Result<T, GpuError> {
+    r.map_err(|e| GpuError::Cuda(format!("{what}: {e:?}")))
+}
+
+/// A usable CUDA driver and at least `need` devices, or why not. Never panics.
+pub fn probe_devices(need: usize) -> Result<usize, String> {
+    // SAFETY: only tries to dlopen libcuda and reports whether that worked.
+    if !unsafe { sys::is_culib_present() } {
+        return Err("no CUDA driver (libcuda not found)".into());
+    }
+    if !compile::nvrtc_present() {
+        return Err("no NVRTC (libnvrtc not found on LD_LIBRARY_PATH)".into());
+    }
+    result::init().map_err(|e| format!("cuInit failed: {e:?}"))?;
+    let n = result::device::get_count().map_err(|e| format!("cuDeviceGetCount: {e:?}"))? as usize;
+    if n < need {
+        return Err(format!("{n} CUDA device(s), {need} needed"));
+    }
+    Ok(n)
+}
+
+/// The loaded kernels of one device.
+struct Funcs {
+    fp8: sys::CUfunction,
+    pe_dispatch: sys::CUfunction,
+    pe_combine: sys::CUfunction,
+    bat_dispatch: sys::CUfunction,
+    bat_combine: sys::CUfunction,
+}
+
+/// One GPU: its context, stream, modules and the table of every rank's addresses.
+struct Dev {
+    ctx: Arc<CudaContext>,
+    stream: sys::CUstream,
+    funcs: Funcs,
+    modules: Vec<sys::CUmodule>,
+    table: sys::CUdeviceptr,
+    err: sys::CUdeviceptr,
+    sms: usize,
+    first_rank: usize,
+    ranks: usize,
+    allocs: Vec<sys::CUdeviceptr>,
+}
+
+fn load_family(f: &Family, arch: &str) -> Result<(sys::CUmodule, Vec<sys::CUfunction>), GpuError> {
+    let cubin = compile::cubin(f, arch)?;
+    // SAFETY: `cubin` is a complete CUBIN image produced by NVRTC for this device's arch; the
+    // right context is bound by the caller.
+    let module = cuda("cuModuleLoadData", unsafe {
+        result::module::load_data(cubin.as_ptr().cast())
+    })?;
+    let mut fs = Vec::new();
+    for k in f.kernels {
+        let name = std::ffi::CString::new(*k).expect("kernel names have no NUL");
+        // SAFETY: `module` was just loaded; `name` is a kernel it defines.
+        fs.push(cuda(k, unsafe {
+            result::module::get_function(module, name)
+        })?);
+    }
+    Ok((module, fs))
+}
+
+impl Dev {
+    fn new(ordinal: usize, first_rank: usize, ranks: usize) -> Result<Dev, GpuError> {
+        let ctx = cuda("context", CudaContext::new(ordinal))?;
+        cuda("bind", ctx.bind_to_thread())?;
+        let (major, minor) = cuda("compute capability", ctx.compute_capability())?;
+        let arch = format!("sm_{major}{minor}");
+        let sms = cuda(
+            "SM count",
+            ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+        )? as usize;
+        let mut modules = Vec::new();
+        let mut all = Vec::new();
+        for f in [compile::FP8, compile::PER_EXPERT, compile::BATCHED] {
+            let (m, fs) = load_family(&f, &arch)?;
+            modules.push(m);
+            all.extend(fs);
+        }
+        let funcs = Funcs {
+            fp8: all[0],
+            pe_dispatch: all[1],
+            pe_combine: all[2],
+            bat_dispatch: all[3],
+            bat_combine: all[4],
+        };
+        let stream = cuda(
+            "stream",
+            result::stream::create(result::stream::StreamKind::NonBlocking),
+        )?;
+        Ok(Dev {
+            ctx,
+            stream,
+            funcs,
+            modules,
+            table: 0,
+            err: 0,
+            sms,
+            first_rank,
+            ranks,
+            allocs: Vec::new(),
+        })
+    }
+
+    fn bind(&self) -> Result<(), GpuError> {
+        cuda("bind", self.ctx.bind_to_thread())
+    }
+
+    fn alloc(&mut self, bytes: usize) -> Result<sys::CUdeviceptr, GpuError> {
+        // SAFETY: the context of this device is bound; plain cuMemAlloc memory (reachable by
+        // peers once peer access is on), freed in Drop.
+        let p = cuda("cuMemAlloc", unsafe { result::malloc_sync(bytes.max(16)) })?;
+        self.allocs.push(p);
+        // SAFETY: `p` is a fresh allocation of at least `bytes` bytes on the bound context.
+        cuda("memset", unsafe {
+            result::memset_d8_sync(p, 0, bytes.max(16))
+        })?;
+        Ok(p)
+    }
+}
+
+impl Drop for Dev {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: all work on this device is finished (synchronised below) before anything is
+        // freed; the pointers and handles were created on this context and are not used again.
+        unsafe {
+            let _ = result::stream::synchronize(self.stream);
+            for &p in &self.allocs {
+                let _ = result::free_sync(p);
+            }
+            for &m in &self.modules {
+                let _ = result::module::unload(m);
+            }
+            let _ = result::stream::destroy(self.stream);
+        }
+    }
+}
+
+/// Options of a [`GpuGroup`].
+#[derive(Debug, Clone, Copy)]
+pub struct GpuOptions {
+    /// Devices to spread the ranks over (R % num_gpus == 0).
+    pub num_gpus: usize,
+    /// Bound of every wait, in nanoseconds.
+    pub timeout_ns: u64,
+    /// Blocks per rank; None: the multiprocessors of a device divided among its ranks.
+    pub blocks_per_rank: Option<usize>,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            num_gpus: 1,
+            timeout_ns: 2_000_000_000,
+            blocks_per_rank: None,
+        }
+    }
+}
+
+/// R ranks on one or more GPUs: the communication buffers, and dispatch/combine on both paths.
+pub struct GpuGroup {
+    cfg: Config,
+    devs: Vec<Dev>,
+    ptrs: Vec<RankPtrs>,
+    params: KParams,
+    blocks_per_rank: usize,
+    smem: usize,
+    n_tokens: Vec<usize>,
+    topk: Vec<Vec<i64>>,
+    last_dispatch: Option<Path>,
+    calls: [u64; 4],
+    broken: Option<GpuError>,
+}
+
+fn kind(op: Op, path: Path) -> usize {
+    match (op, path) {
+        (Op::Dispatch, Path::Batched) => 0,
+        (Op::Dispatch, Path::PerExpert) => 1,
+        (Op::Combine, Path::Batched) => 2,
+        (Op::Combine, Path::PerExpert) => 3,
+    }
+}
+
+impl GpuGroup {
+    /// Allocates every rank's buffers (R / num_gpus ranks per device), enables peer access,
+    /// uploads the address table. Fails with [`Error::OutOfMemory`] (the size it needed) when a
+    /// device lacks the memory.
+    pub fn new(cfg: &Config, opts: GpuOptions) -> Result<GpuGroup, GpuError> {
+        cfg.validate()?;
+        let g = opts.num_gpus.max(1);
+        probe_devices(g).map_err(GpuError::NoDevice)?;
+        let r = cfg.num_ranks;
+        if r > MAX_RANKS {
+            return Err(GpuError::Unsupported(format!(
+                "{r} ranks; the GPU kernels support at most {MAX_RANKS}"
+            )));
+        }
+        if r % g != 0 {
+            return Err(GpuError::Unsupported(format!(
+                "{r} ranks cannot be spread evenly over {g} GPUs"
+            )));
+        }
+        let per = r / g;
+        let mut devs = Vec::new();
+        for d in 0..g {
+            devs.push(Dev::new(d, d * per, per)?);
+        }
+        // Peer access between every pair of devices.
+        for a in 0..g {
+            for b in 0..g {
+                if a == b {
+                    continue;
+                }
+                devs[a].bind()?;
+                let mut can = 0i32;
+                // SAFETY: valid device handles; `can` receives the answer.
+                let rc = unsafe {
+                    sys::cuDeviceCanAccessPeer(
+                        &mut can,
+                        devs[a].ctx.cu_device(),
+                        devs[b].ctx.cu_device(),
+                    )
+                };
+                cuda("cuDeviceCanAccessPeer", rc.result())?;
+                if can == 0 {
+                    return Err(GpuError::Unsupported(format!(
+                        "GPU {a} cannot access GPU {b}"
+                    )));
+                }
+                // SAFETY: the context of `a` is bound; `b`'s context is live.
+                let rc = unsafe { sys::cuCtxEnablePeerAccess(devs[b].ctx.cu_ctx(), 0) };
+                if rc != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+                    cuda("cuCtxEnablePeerAccess", rc.result())?;
+                }
+            }
+        }
+        // Memory.
+        let need = bytes_per_rank(cfg) * per + (1 << 20);
+        for dev in &devs {
+            dev.bind()?;
+            let (free, _) = cuda("cuMemGetInfo", result::mem_get_info())?;
+            if need > free {
+                return Err(Error::OutOfMemory {
+                    needed: need as u64,
+                    available: free as u64,
+                }
+                .into());
+            }
+        }
+        // Co-residency: every block of a launch must be resident at once.
+        let smem = smem_bytes(cfg);
+        let sms = devs[0].sms;
+        let bpr = opts.blocks_per_rank.unwrap_or((sms / per).max(1)).max(1);
+        for dev in &devs {
+            dev.bind()?;
+            for f in [
+                dev.funcs.pe_dispatch,
+                dev.funcs.pe_combine,
+                dev.funcs.bat_dispatch,
+                dev.funcs.bat_combine,
+            ] {
+                if smem > 48 * 1024 {
+                    // SAFETY: `f` is a loaded kernel of the bound context.
+                    let rc = unsafe {
+                        sys::cuFuncSetAttribute(
+                            f,
+                            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            smem as i32,
+                        )
+                    };
+                    cuda("cuFuncSetAttribute", rc.result())?;
+                }
+                let mut per_sm = 0i32;
+                // SAFETY: `f` is a loaded kernel; `per_sm` receives the answer.
+                let rc = unsafe {
+                    sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                        &mut per_sm,
+                        f,
+                        NTHREADS as i32,
+                        smem,
+                    )
+                };
+                cuda("occupancy", rc.result())?;
+                if per_sm < 1 || per * bpr > dev.sms * per_sm as usize {
+                    return Err(GpuError::Unsupported(format!(
+                        "{per} ranks x {bpr} blocks cannot be resident together on a GPU with {} SMs \
+                         ({per_sm} blocks/SM at {smem} bytes of shared memory)",
+                        dev.sms
+                    )));
+                }
+            }
+        }
+        let sizes = rank_sizes(cfg);
+        let mut ptrs = vec![RankPtrs::default(); r];
+        for dev in devs.iter_mut() {
+            dev.bind()?;
+            for rank in dev.first_rank..dev.first_rank + dev.ranks {
+                let total: usize = sizes.iter().map(|&s| align(s, 256)).sum();
+                let base = dev.alloc(total)?;
+                let mut off = 0u64;
+                let mut fields = [0u64; 21];
+                for (i, &s) in sizes.iter().enumerate() {
+                    fields[i] = base + off;
+                    off += align(s, 256) as u64;
+                }
+                ptrs[rank] = RankPtrs {
+                    x: fields[0],
+                    topk: fields[1],
+                    weights: fields[2],
+                    y: fields[3],
+                    meta: fields[4],
+                    recv_x: fields[5],
+                    recv_scales: fields[6],
+                    recv_count: fields[7],
+                    layout: fields[8],
+                    src_info: fields[9],
+                    out: fields[10],
+                    row_tk: fields[11],
+                    comb_map: fields[12],
+                    comb_pos: fields[13],
+                    comb_cnt: fields[14],
+                    bat_buf: fields[15],
+                    bat_meta: fields[16],
+                    pe_buf: fields[17],
+                    cmb_buf: fields[18],
+                    sig: fields[19],
+                    state: fields[20],
+                };
+            }
+        }
+        for dev in devs.iter_mut() {
+            dev.bind()?;
+            let table = dev.alloc(std::mem::size_of::<RankPtrs>() * r)?;
+            // SAFETY: `table` holds R RankPtrs; RankPtrs is plain old data.
+            cuda("upload table", unsafe {
+                result::memcpy_htod_sync(table, &ptrs)
+            })?;
+            dev.table = table;
+            dev.err = dev.alloc(32)?;
+        }
+        let (fp8, round_scale, ue8m0) = match cfg.mode {
+            Mode::Bf16 => (0, 0, 0),
+            Mode::Fp8 { round_scale, ue8m0 } => (1, round_scale as i32, ue8m0 as i32),
+        };
+        let params = KParams {
+            table: 0,
+            err: 0,
+            timeout_ns: opts.timeout_ns,
+            r: r as i32,
+            e: cfg.num_experts as i32,
+            l: cfg.num_local_experts() as i32,
+            t: cfg.max_tokens_per_rank as i32,
+            h: cfg.hidden as i32,
+            k: cfg.top_k as i32,
+            fp8,
+            round_scale,
+            ue8m0,
+            rank_base: 0,
+            ranks_here: per as i32,
+            blocks_per_rank: bpr as i32,
+            xrow: cfg.recv_x_row_bytes() as i32,
+            spr: cfg.scales_per_row() as i32,
+            entry_bytes: entry_bytes(cfg) as i32,
+            pe_entry_bytes: pe_entry_bytes(cfg) as i32,
+            fault_rank: -1,
+            pad0: 0,
+        };
+        Ok(GpuGroup {
+            cfg: *cfg,
+            devs,
+            ptrs,
+            params,
+            blocks_per_rank: bpr,
+            smem,
+            n_tokens: vec![0; r],
+            topk: vec![Vec::new(); r],
+            last_dispatch: None,
+            calls: [0; 4],
+            broken: None,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+    pub fn num_gpus(&self) -> usize {
+        self.devs.len()
+    }
+    pub fn blocks_per_rank(&self) -> usize {
+        self.blocks_per_rank
+    }
+    /// "NVIDIA H200 (sm_90, 132 SMs) x 1".
+    pub fn describe_devices(&self) -> String {
+        let d = &self.devs[0];
+        let name = d.ctx.name().unwrap_or_else(|_| "?".into());
+        let (a, b) = d.ctx.compute_capability().unwrap_or((0, 0));
+        format!("{name} (sm_{a}{b}, {} SMs) x {}", d.sms, self.devs.len())
+    }
+
+    /// Test hook: `Some(r)` makes rank r never signal in dispatch (its peers' waits time out).
+    #[doc(hidden)]
+    pub fn set_fault_rank(&mut self, rank: Option<usize>) {
+        self.params.fault_rank = rank.map(|r| r as i32).unwrap_or(-1);
+    }
+    /// The bound of every wait.
+    pub fn set_timeout_ns(&mut self, ns: u64) {
+        self.params.timeout_ns = ns;
+    }
+
+    fn check_usable(&self) -> Result<(), GpuError> {
+        match &self.broken {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Uploads every rank's dispatch inputs (checked first). Nothing is launched.
+    pub fn upload_dispatch_inputs(
+        &mut self,
+        x: &[Vec<bf16>],
+        topk_idx: &[Vec<i64>],
+    ) -> Result<(), GpuError> {
+        let cfg = self.cfg;
+        if x.len() != cfg.num_ranks || topk_idx.len() != cfg.num_ranks {
+            return Err(Error::ShapeMismatch {
+                rank: 0,
+                tensor: "inputs",
+                expected: cfg.num_ranks,
+                got: x.len().min(topk_idx.len()),
+                shape: "one x and one topk_idx per rank".into(),
+            }
+            .into());
+        }
+        let mut ns = Vec::with_capacity(cfg.num_ranks);
+        for r in 0..cfg.num_ranks {
+            ns.push(check_dispatch_inputs(&cfg, r, x[r].len(), &topk_idx[r])?);
+        }
+        for r in 0..cfg.num_ranks {
+            let dev = self.dev_of(r);
+            self.devs[dev].bind()?;
+            let p = self.ptrs[r];
+            let meta = [ns[r] as i32, 0, 0, 0];
+            // SAFETY: each destination was allocated with room for T rows (n <= T checked above)
+            // on the bound context; the host slices are plain data.
+            unsafe {
+                if !x[r].is_empty() {
+                    cuda("upload x", result::memcpy_htod_sync(p.x, &x[r]))?;
+                    cuda(
+                        "upload topk",
+                        result::memcpy_htod_sync(p.topk, &topk_idx[r]),
+                    )?;
+                }
+                cuda("upload meta", result::memcpy_htod_sync(p.meta, &meta))?;
+            }
+            self.n_tokens[r] = ns[r];
+            self.topk[r] = topk_idx[r].clone();
+        }
+        Ok(())
+    }
+
+    /// Uploads every rank's combine inputs (y in the dispatch layout, and the weights), checked
+    /// against the routing of the last dispatch.
+    pub fn upload_combine_inputs(
+        &mut self,
+        y: &[Vec<bf16>],
+        topk_weights: &[Vec<f32>],
+    ) -> Result<(), GpuError> {
+        let cfg = self.cfg;
+        if y.len() != cfg.num_ranks || topk_weights.len() != cfg.num_ranks {
+            return Err(Error::ShapeMismatch {
+                rank: 0,
+                tensor: "inputs",
+                expected: cfg.num_ranks,
+                got: y.len().min(topk_weights.len()),
+                shape: "one y and one topk_weights per rank".into(),
+            }
+            .into());
+        }
+        for r in 0..cfg.num_ranks {
+            check_combine_inputs(&cfg, r, y[r].len(), &self.topk[r], topk_weights[r].len())?;
+        }
+        for r in 0..cfg.num_ranks {
+            let dev = self.dev_of(r);
+            self.devs[dev].bind()?;
+            let p = self.ptrs[r];
+            // SAFETY: y holds L*R*T*H values (checked), the weights n*K <= T*K; the buffers were
+            // allocated with those sizes on the bound context.
+            unsafe {
+                cuda("upload y", result::memcpy_htod_sync(p.y, &y[r]))?;
+                if !topk_weights[r].is_empty() {
+                    cuda(
+                        "upload weights",
+                        result::memcpy_htod_sync(p.weights, &topk_weights[r]),
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn dev_of(&self, rank: usize) -> usize {
+        rank / (self.cfg.num_ranks / self.devs.len())
+    }
+
+    /// Launches one call of `op` on `path` on every device. No host synchronisation.
+    pub fn launch(&mut self, op: Op, path: Path) -> Result<(), GpuError> {
+        self.check_usable()?;
+        if op == Op::Combine && self.last_dispatch != Some(path) {
+            return Err(GpuError::PathMismatch {
+                combine: path.name(),
+                dispatch: self.last_dispatch.map(|p| p.name()).unwrap_or("none"),
+            });
+        }
+        for dev in &self.devs {
+            let f = match (op, path) {
+                (Op::Dispatch, Path::Batched) => dev.funcs.bat_dispatch,
+                (Op::Dispatch, Path::PerExpert) => dev.funcs.pe_dispatch,
+                (Op::Combine, Path::Batched) => dev.funcs.bat_combine,
+                (Op::Combine, Path::PerExpert) => dev.funcs.pe_combine,
+            };
+            let mut kp = self.params;
+            kp.table = dev.table;
+            kp.err = dev.err;
+            kp.rank_base = dev.first_rank as i32;
+            kp.ranks_here = dev.ranks as i32;
+            dev.bind()?;
+            let mut args = [(&mut kp as *mut KParams).cast::<c_void>()];
+            let grid = (dev.ranks * self.blocks_per_rank) as u32;
+            // SAFETY: `f` is a kernel of this device's module taking one KParams by value (the
+            // same #[repr(C)] layout as in common.cuh); every address in it and in the table is
+            // a live allocation of this group; the grid fits on the device at once (checked in
+            // new); the launch copies the parameter before returning.
+            cuda("launch", unsafe {
+                result::launch_kernel(
+                    f,
+                    (grid, 1, 1),
+                    (NTHREADS, 1, 1),
+                    self.smem as u32,
+                    dev.stream,
+                    &mut args,
+                )
+            })?;
+        }
+        if op == Op::Dispatch {
+            self.last_dispatch = Some(path);
+        }
+        self.calls[kind(op, path)] += 1;
+        Ok(())
+    }
+
+    /// Waits for every device and turns a timed-out wait into [`Error::Timeout`].
+    pub fn sync(&mut self) -> Result<(), GpuError> {
+        self.check_usable()?;
+        for dev in &self.devs {
+            dev.bind()?;
+            // SAFETY: the stream belongs to this device's bound context.
+            if let Err(e) = unsafe { result::stream::synchronize(dev.stream) } {
+                let err = GpuError::Cuda(format!("kernel failed: {e:?}"));
+                self.broken = Some(err.clone());
+                return Err(err);
+            }
+        }
+        for dev in &self.devs {
+            dev.bind()?;
+            let mut w = [0u32; 8];
+            // SAFETY: `err` holds 8 u32 on the bound context; the stream is idle.
+            cuda("read error word", unsafe {
+                result::memcpy_dtoh_sync(&mut w, dev.err)
+            })?;
+            if w[0] != 0 {
+                let (op, side) = match w[3] {
+                    0 => (Op::Dispatch, Side::Send),
+                    1 => (Op::Dispatch, Side::Recv),
+                    2 => (Op::Combine, Side::Send),
+                    _ => (Op::Combine, Side::Recv),
+                };
+                let e = Error::Timeout {
+                    rank: w[1] as usize,
+                    peer: w[2] as usize,
+                    phase: Phase { op, side },
+                    call: w[4] as u64,
+                    waited_ms: w[5] as u64 / 1000,
+                };
+                self.broken = Some(GpuError::from(e.clone()));
+                return Err(e.into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Dispatch on every rank: uploads, launches, waits, reads every rank's output back.
+    pub fn dispatch(
+        &mut self,
+        path: Path,
+        x: &[Vec<bf16>],
+        topk_idx: &[Vec<i64>],
+    ) -> Result<Vec<DispatchOutput>, GpuError> {
+        self.check_usable()?;
+        self.upload_dispatch_inputs(x, topk_idx)?;
+        self.launch(Op::Dispatch, path)?;
+        self.sync()?;
+        (0..self.cfg.num_ranks)
+            .map(|r| self.read_dispatch_output(r))
+            .collect()
+    }
+
+    /// Combine on every rank (after a dispatch on the same path): returns each rank's n_r x H.
+    pub fn combine(
+        &mut self,
+        path: Path,
+        y: &[Vec<bf16>],
+        topk_weights: &[Vec<f32>],
+    ) -> Result<Vec<Vec<bf16>>, GpuError> {
+        self.check_usable()?;
+        self.upload_combine_inputs(y, topk_weights)?;
+        self.launch(Op::Combine, path)?;
+        self.sync()?;
+        (0..self.cfg.num_ranks)
+            .map(|r| self.read_combine_output(r))
+            .collect()
+    }
+
+    /// Reads rank r's dispatch output (after [`GpuGroup::sync`]).
+    pub fn read_dispatch_output(&self, r: usize) -> Result<DispatchOutput, GpuError> {
+        let cfg = self.cfg;
+        let p = self.ptrs[r];
+        self.devs[self.dev_of(r)].bind()?;
+        let mut out = DispatchOutput::zeroed(&cfg);
+        let l = cfg.num_local_experts();
+        let mut counts = vec![0i32; l];
+        let mut layout = vec![0i32; l * cfg.num_ranks * 2];
+        // SAFETY: every buffer was allocated with exactly these element counts (rank_sizes) on
+        // the bound context; the device is idle (synchronised).
+        unsafe {
+            cuda(
+                "read recv_count",
+                result::memcpy_dtoh_sync(&mut counts, p.recv_count),
+            )?;
+            cuda(
+                "read layout",
+                result::memcpy_dtoh_sync(&mut layout, p.layout),
+            )?;
+            cuda(
+                "read src_info",
+                result::memcpy_dtoh_sync(&mut out.src_info, p.src_info),
+            )?;
+            match &mut out.recv_x {
+                RecvX::Bf16(v) => cuda("read recv_x", result::memcpy_dtoh_sync(v, p.recv_x))?,
+                RecvX::Fp8(v) => cuda("read recv_x", result::memcpy_dtoh_sync(v, p.recv_x))?,
+            }
+            match &mut out.recv_scales {
+                None => {}
+                Some(RecvScales::F32(v)) => {
+                    cuda("read scales", result::memcpy_dtoh_sync(v, p.recv_scales))?
+                }
+                Some(RecvScales::Ue8m0(v)) => {
+                    cuda("read scales", result::memcpy_dtoh_sync(v, p.recv_scales))?
+                }
+            }
+        }
+        out.recv_count = counts;
+        out.layout_range = layout.chunks_exact(2).map(|c| (c[0], c[1])).collect();
+        Ok(out)
+    }
+
+    /// Reads rank r's combine output (n_r x H, after [`GpuGroup::sync`]).
+    pub fn read_combine_output(&self, r: usize) -> Result<Vec<bf16>, GpuError> {
+        let p = self.ptrs[r];
+        self.devs[self.dev_of(r)].bind()?;
+        let mut out = vec![bf16::ZERO; self.n_tokens[r] * self.cfg.hidden];
+        if !out.is_empty() {
+            // SAFETY: `out` holds n_r*H <= T*H values of the rank's output buffer; device idle.
+            cuda("read out", unsafe {
+                result::memcpy_dtoh_sync(&mut out, p.out)
+            })?;
+        }
+        Ok(out)
+    }
+
+    /// Runs the payload encoder alone on `rows` (n x H bf16) on device 0: per row, the bytes the
+    /// wire carries (e4m3 + scales, or bf16). For testing the FP8 cast bit for bit.
+    pub fn encode_rows(&mut self, rows: &[bf16]) -> Result<Vec<Vec<u8>>, GpuError> {
+        let cfg = self.cfg;
+        let n = rows.len() / cfg.hidden;
+        let eb = align(cfg.payload_bytes(), 16);
+        let mut kp = self.params;
+        kp.entry_bytes = eb as i32;
+        let dev = &mut self.devs[0];
+        dev.bind()?;
+        let x = dev.alloc(rows.len() * 2)?;
+        let out = dev.alloc(n * eb)?;
+        // SAFETY: `x` was allocated for exactly rows.len() bf16 on the bound context.
+        cuda("upload rows", unsafe { result::memcpy_htod_sync(x, rows) })?;
+        let (mut a, mut b, mut c) = (kp, x, out);
+        let mut nn = n as i32;
+        let mut args = [
+            (&mut a as *mut KParams).cast::<c_void>(),
+            (&mut b as *mut u64).cast::<c_void>(),
+            (&mut c as *mut u64).cast::<c_void>(),
+            (&mut nn as *mut i32).cast::<c_void>(),
+        ];
+        let grid = (n as u32).clamp(1, 1024);
+        // SAFETY: ep_fp8_encode_rows(KParams, const u16*, u8*, int): the argument types match;
+        // x holds n*H values, out n rows of eb bytes.
+        cuda("launch encode", unsafe {
+            result::launch_kernel(
+                dev.funcs.fp8,
+                (grid, 1, 1),
+                (NTHREADS, 1, 1),
+                0,
+                dev.stream,
+                &mut args,
+            )
+        })?;
+        // SAFETY: the stream belongs to the bound context.
+        cuda("sync encode", unsafe {
+            result::stream::synchronize(dev.stream)
+        })?;
+        let mut host = vec![0u8; n * eb];
+        // SAFETY: `out` holds n*eb bytes; the device is idle.
+        cuda("read encode", unsafe {
+            result::memcpy_dtoh_sync(&mut host, out)
+        })?;
+        Ok(host
+            .chunks_exact(eb)
+            .map(|c| c[..cfg.payload_bytes()].to_vec())
+            .collect())
+    }
+
+    /// Calls launched so far per (op, path): [batched dispatch, per-expert dispatch, batched
+    /// combine, per-expert combine].
+    pub fn calls(&self) -> [u64; 4] {
+        self.calls
+    }
+
+    /// The streams and contexts, for event timing (crate-internal).
+    pub(crate) fn streams(&self) -> Vec<(Arc<CudaContext>, sys::CUstream)> {
+        self.devs
+            .iter()
+            .map(|d| (d.ctx.clone(), d.stream))
+            .collect()
+    }
+}
