@@ -60,6 +60,8 @@ pub enum Error {
     Ue8m0WithoutRoundScale,
     #[error("config: rank {rank} does not exist in a group of {ranks} ranks")]
     RankOutOfRange { rank: usize, ranks: usize },
+    #[error("expected inputs for {expected} ranks, got {got}")]
+    WrongRankCount { expected: usize, got: usize },
     #[error("rank {rank}: {tokens} tokens exceed num_max_dispatch_tokens_per_rank = {max}")]
     TooManyTokens {
         rank: usize,

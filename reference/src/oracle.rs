@@ -2,7 +2,7 @@
 //! threads. It is the simplest code that is obviously right, and every path is tested against it.
 
 use crate::config::{Config, Mode};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::input::{check_combine_inputs, check_dispatch_inputs};
 use crate::numerics::bf16::{from_f32_rne, to_f32};
 use crate::numerics::fp8;
@@ -52,10 +52,20 @@ fn positions(cfg: &Config, topk: &[&[i64]]) -> Positions {
     Positions { row, counts }
 }
 
+fn check_rank_count(cfg: &Config, got: usize) -> Result<()> {
+    if got != cfg.num_ranks {
+        return Err(Error::WrongRankCount {
+            expected: cfg.num_ranks,
+            got,
+        });
+    }
+    Ok(())
+}
+
 /// Every rank's dispatch output.
 pub fn dispatch(cfg: &Config, inputs: &[RankInput<'_>]) -> Result<Vec<DispatchOutput>> {
     cfg.validate()?;
-    assert_eq!(inputs.len(), cfg.num_ranks, "one input per rank");
+    check_rank_count(cfg, inputs.len())?;
     for (s, inp) in inputs.iter().enumerate() {
         check_dispatch_inputs(cfg, s, inp.x.len(), inp.topk_idx)?;
     }
@@ -124,7 +134,7 @@ pub struct CombineInput<'a> {
 /// Every rank's combine output (n_r x H).
 pub fn combine(cfg: &Config, inputs: &[CombineInput<'_>]) -> Result<Vec<Vec<bf16>>> {
     cfg.validate()?;
-    assert_eq!(inputs.len(), cfg.num_ranks, "one input per rank");
+    check_rank_count(cfg, inputs.len())?;
     for (s, inp) in inputs.iter().enumerate() {
         check_combine_inputs(cfg, s, inp.y.len(), inp.topk_idx, inp.topk_weights.len())?;
     }
