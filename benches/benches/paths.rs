@@ -6,7 +6,7 @@
 //! Each iteration is one collective call of all 8 ranks (one thread each, released together by a
 //! barrier); its time is the mean over ranks of each rank's own latency, the figure ep-bench
 //! prints as `avg_t` (criterion's throughput is one rank's logical bytes, DESIGN.md's accounting,
-//! so its GB/s matches the DeepEP-style lines). Before timing a T, both paths are checked bitwise
+//! in decimal units, so its MB/s is ep-bench's GB/s x 1000). Before timing a T, both paths are checked bitwise
 //! against the oracle and each other. Combine reuses one dispatch's handle for every call.
 //!
 //! A T whose groups do not fit this machine's memory is skipped with the typed error's message.
@@ -56,7 +56,7 @@ fn paths(c: &mut Criterion) {
 
         let mut g = c.benchmark_group(format!("dispatch/T={t}"));
         g.sampling_mode(SamplingMode::Flat);
-        g.throughput(Throughput::Bytes(
+        g.throughput(Throughput::BytesDecimal(
             accounting::dispatch_logical_bytes(&cfg, sel) / RANKS as u64,
         ));
         for grp in groups.iter_mut() {
@@ -72,7 +72,7 @@ fn paths(c: &mut Criterion) {
 
         let mut g = c.benchmark_group(format!("combine/T={t}"));
         g.sampling_mode(SamplingMode::Flat);
-        g.throughput(Throughput::Bytes(
+        g.throughput(Throughput::BytesDecimal(
             accounting::combine_logical_bytes(&cfg, sel) / RANKS as u64,
         ));
         for grp in groups.iter_mut() {

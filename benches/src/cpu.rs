@@ -359,11 +359,18 @@ pub fn device() -> String {
     format!("{model}, {cores} cores")
 }
 
+/// The first three fields of /proc/loadavg.
+pub fn load_average() -> Option<String> {
+    let t = std::fs::read_to_string("/proc/loadavg").ok()?;
+    Some(t.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+}
+
 /// Runs one point: inputs and oracle, both groups, verification, then `warmup + iters` rounds.
 /// In every round each path does one dispatch and one combine (the paths alternate, so a
 /// slow spell of a shared machine hits both alike).
 pub fn run(spec: &BenchSpec, progress: &dyn Fn(&str)) -> Result<PointResult, BenchError> {
     let cfg = spec.cfg;
+    let load_average = load_average();
     progress("generating inputs, expert outputs and the oracle's results");
     let setup = Setup::new(spec.workload(), spec.seed)?;
     progress("building both groups");
@@ -431,6 +438,7 @@ pub fn run(spec: &BenchSpec, progress: &dyn Fn(&str)) -> Result<PointResult, Ben
             warmup: spec.warmup,
             selections: &selections,
             verified: &verified,
+            load_average,
         },
         samples,
     ))

@@ -22,7 +22,7 @@
 //!    }
 //!    ```
 //!    then `Ok(assemble(&PointInfo { backend: "gpu", device: &report.device, verified:
-//!    "ep-kernels verified both paths against the oracle", .. }, paths))` exactly as
+//!    "ep-kernels verified both paths against the oracle", load_average: None, .. }, paths))` exactly as
 //!    `cpu::run` does.
 
 use crate::backend::{BenchError, BenchSpec};

@@ -125,6 +125,9 @@ pub struct PointResult {
     pub selections: u64,
     /// How the outputs were checked before timing.
     pub verified: String,
+    /// The host's load average (1, 5, 15 min) when the point started, where known: the CPU
+    /// backend shares the cores with whatever else runs.
+    pub load_average: Option<String>,
     pub paths: Vec<PathResult>,
     /// Present when both paths ran.
     pub speedup: Option<Speedup>,
@@ -143,6 +146,7 @@ pub struct PointInfo<'a> {
     /// Selections of every rank.
     pub selections: &'a [u64],
     pub verified: &'a str,
+    pub load_average: Option<String>,
 }
 
 fn summary(samples: &[f64]) -> Summary {
@@ -227,6 +231,7 @@ pub fn assemble(info: &PointInfo<'_>, paths: Vec<PathSamples>) -> PointResult {
         warmup: info.warmup,
         selections: info.selections.iter().sum(),
         verified: info.verified.to_string(),
+        load_average: info.load_average.clone(),
         paths: results,
         speedup,
     }
@@ -406,6 +411,7 @@ mod tests {
             warmup: 0,
             selections: &sel,
             verified: "yes",
+            load_average: None,
         };
         let p = assemble(
             &info,

@@ -307,6 +307,9 @@ fn print_point(p: &PointResult) {
         c.dispatch, c.combine, p.tokens_per_rank, p.masked * 100.0, p.seed, p.selections,
         p.iters, p.warmup
     );
+    if let Some(l) = &p.load_average {
+        println!("host load average at start (1/5/15 min): {l}");
+    }
     println!("verified before timing: {}", p.verified);
     print!("{}", report::deepep_lines(p));
     print!("{}", report::table(p));
