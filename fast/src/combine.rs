@@ -4,9 +4,10 @@
 //! the contract's order.
 
 use ep_reference::error::{Error, Op, Phase, Side};
-use ep_reference::payload::{bf16_at, bf16_bytes};
+use ep_reference::numerics::reduce::fma_bf16_row;
+use ep_reference::payload::bf16_bytes;
 use ep_reference::sync::{Arc, Deadline};
-use ep_reference::{bf16, bf16_from_f32, bf16_to_f32, CallStats, Handle, Result};
+use ep_reference::{bf16, bf16_from_f32, CallStats, Handle, Result};
 
 use crate::Shared;
 
@@ -207,9 +208,7 @@ impl<'a> CombineCall<'a> {
                 // before our credit below.
                 unsafe {
                     region.rows.with_rows(offset[e] + row_of[i], 1, |row| {
-                        for (c, a) in acc.iter_mut().enumerate() {
-                            *a = w.mul_add(bf16_to_f32(bf16_at(row, c)), *a);
-                        }
+                        fma_bf16_row(&mut acc, w, row)
                     });
                 }
             }

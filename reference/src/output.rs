@@ -99,10 +99,8 @@ impl DispatchOutput {
         let xb = cfg.recv_x_row_bytes();
         match &mut self.recv_x {
             RecvX::Bf16(v) => {
-                let dst = &mut v[idx * cfg.hidden..(idx + 1) * cfg.hidden];
-                for (d, c) in dst.iter_mut().zip(payload[..xb].chunks_exact(2)) {
-                    *d = bf16::from_bits(u16::from_le_bytes([c[0], c[1]]));
-                }
+                crate::payload::bf16_bytes_mut(&mut v[idx * cfg.hidden..(idx + 1) * cfg.hidden])
+                    .copy_from_slice(&payload[..xb])
             }
             RecvX::Fp8(v) => v[idx * xb..(idx + 1) * xb].copy_from_slice(&payload[..xb]),
         }

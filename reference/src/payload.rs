@@ -33,11 +33,7 @@ impl Encoder {
         debug_assert_eq!(x_row.len(), h);
         debug_assert_eq!(out.len(), self.cfg.payload_bytes());
         match self.cfg.mode {
-            Mode::Bf16 => {
-                for (o, v) in out.chunks_exact_mut(2).zip(x_row) {
-                    o.copy_from_slice(&v.to_bits().to_le_bytes());
-                }
-            }
+            Mode::Bf16 => out.copy_from_slice(bf16_bytes(x_row)),
             Mode::Fp8 { round_scale, ue8m0 } => {
                 let (q, scales) = out.split_at_mut(h);
                 fp8::quantize_row(x_row, round_scale, q, &mut self.scale_inv);
@@ -64,8 +60,9 @@ pub fn bf16_bytes(v: &[bf16]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }
 
-/// The `i`-th bf16 of a byte row written by [`bf16_bytes`] or [`Encoder::encode`].
-#[inline]
-pub fn bf16_at(bytes: &[u8], i: usize) -> bf16 {
-    bf16::from_bits(u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]))
+/// The bytes of a mutable bf16 slice (see [`bf16_bytes`]).
+pub fn bf16_bytes_mut(v: &mut [bf16]) -> &mut [u8] {
+    // SAFETY: as in `bf16_bytes`; every byte pattern is also a valid bf16, so writes through the
+    // byte view cannot create an invalid value.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v)) }
 }

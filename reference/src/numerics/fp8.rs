@@ -10,6 +10,7 @@ pub const E4M3_MAX: f32 = 448.0;
 
 /// f32 -> e4m3, round to nearest even, saturate finite overflow (and infinities) to +-448,
 /// NaN -> 0x7F with the input's sign, as `cvt.rn.satfinite.e4m3x2.f32`.
+#[inline(always)]
 pub fn e4m3_rn_satfinite(x: f32) -> u8 {
     let sign: u8 = if x.is_sign_negative() { 0x80 } else { 0 };
     if x.is_nan() {
@@ -101,6 +102,33 @@ pub fn ue8m0_byte(scale_inv: f32) -> u8 {
 
 /// Quantizes one token row. `q` gets `x.len()` e4m3 bytes, `scale_inv` one f32 per group.
 pub fn quantize_row(x: &[half::bf16], round_scale: bool, q: &mut [u8], scale_inv: &mut [f32]) {
+    // `round_ties_even` is one instruction with SSE4.1 and a library call without it: where the
+    // CPU has it, run the same code compiled for it (IEEE results do not change).
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("sse4.1") {
+            // SAFETY: the CPU has SSE4.1 (checked just above), the target feature's only
+            // requirement; the function itself is safe code.
+            unsafe { quantize_row_sse41(x, round_scale, q, scale_inv) };
+            return;
+        }
+    }
+    quantize_row_generic(x, round_scale, q, scale_inv)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.1")]
+unsafe fn quantize_row_sse41(
+    x: &[half::bf16],
+    round_scale: bool,
+    q: &mut [u8],
+    scale_inv: &mut [f32],
+) {
+    quantize_row_generic(x, round_scale, q, scale_inv)
+}
+
+#[inline(always)]
+fn quantize_row_generic(x: &[half::bf16], round_scale: bool, q: &mut [u8], scale_inv: &mut [f32]) {
     debug_assert_eq!(x.len() % GROUP, 0);
     debug_assert_eq!(q.len(), x.len());
     debug_assert_eq!(scale_inv.len(), x.len() / GROUP);

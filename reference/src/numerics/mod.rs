@@ -3,3 +3,4 @@
 
 pub mod bf16;
 pub mod fp8;
+pub mod reduce;

@@ -3,9 +3,10 @@
 
 use super::{wait_credits, Shared};
 use crate::error::{Error, Op, Result, Side};
-use crate::numerics::bf16::{from_f32_rne, to_f32};
+use crate::numerics::bf16::from_f32_rne;
+use crate::numerics::reduce::fma_bf16_row;
 use crate::output::Handle;
-use crate::payload::{bf16_at, bf16_bytes};
+use crate::payload::bf16_bytes;
 use crate::sync::Deadline;
 use crate::transport::CallStats;
 use half::bf16;
@@ -85,11 +86,9 @@ pub(super) fn run(
             // SAFETY: the signal wait above acquired the expert rank's release post, which
             // followed its write of this row; it is not rewritten before our credit below.
             unsafe {
-                region.rows.with_rows(t, 1, |row| {
-                    for (c, a) in acc.iter_mut().enumerate() {
-                        *a = w.mul_add(to_f32(bf16_at(row, c)), *a);
-                    }
-                });
+                region
+                    .rows
+                    .with_rows(t, 1, |row| fma_bf16_row(&mut acc, w, row));
             }
         }
         for (o, a) in out[t * h..(t + 1) * h].iter_mut().zip(&acc) {
