@@ -85,7 +85,8 @@ pub fn accounting(cfg: &Config, topk_idx: &[Vec<i64>], path: Path) -> (u64, u64,
 /// Runs both paths on the same inputs (one Vec per rank), checks both bitwise against the oracle
 /// first (Err if not equal), then times each path with CUDA events: `warmup` calls, then `iters`
 /// timed calls, each sample one dispatch or one combine launch (events around the launch on
-/// every device; the sample is the slowest device's).
+/// every device; the sample is the slowest device's). On one GPU the timed calls are replayed
+/// from a CUDA graph (event nodes inside the graph); on several, launched one by one.
 pub fn run(
     cfg: &Config,
     x: &[Vec<bf16>],
@@ -94,6 +95,30 @@ pub fn run(
     iters: usize,
     warmup: usize,
     num_gpus: usize,
+) -> Result<GpuReport, String> {
+    run_timed(
+        cfg,
+        x,
+        topk_idx,
+        topk_weights,
+        iters,
+        warmup,
+        num_gpus,
+        num_gpus == 1,
+    )
+}
+
+/// [`run`], choosing graph replay (`graph`, one GPU only) or one launch per call.
+#[allow(clippy::too_many_arguments)]
+pub fn run_timed(
+    cfg: &Config,
+    x: &[Vec<bf16>],
+    topk_idx: &[Vec<i64>],
+    topk_weights: &[Vec<f32>],
+    iters: usize,
+    warmup: usize,
+    num_gpus: usize,
+    graph: bool,
 ) -> Result<GpuReport, String> {
     let inner = || -> Result<GpuReport, String> {
         let inputs: Vec<RankInput> = (0..cfg.num_ranks)
@@ -146,7 +171,8 @@ pub fn run(
                     ));
                 }
             }
-            let (dt, ct) = time_path(&mut g, path, iters, warmup).map_err(|e| e.to_string())?;
+            let (dt, ct) = time_path(&mut g, path, iters, warmup, graph && num_gpus == 1)
+                .map_err(|e| e.to_string())?;
             let (dw, cw, dm, cm, sig) = accounting(cfg, topk_idx, path);
             paths.push(GpuTimings {
                 path: path.name(),
@@ -176,6 +202,7 @@ pub fn time_path(
     path: Path,
     iters: usize,
     warmup: usize,
+    graph: bool,
 ) -> Result<(Vec<f64>, Vec<f64>), crate::GpuError> {
     use cudarc::driver::{result, sys};
     let err = |w: &str, e: result::DriverError| crate::GpuError::Cuda(format!("{w}: {e:?}"));
@@ -199,20 +226,49 @@ pub fn time_path(
         }
         evs.push(v);
     }
+    let graph = graph && streams.len() == 1;
     let record = |i: usize, evs: &Vec<Vec<sys::CUevent>>| -> Result<(), crate::GpuError> {
         for (d, (ctx, s)) in streams.iter().enumerate() {
             ctx.bind_to_thread().map_err(|e| err("bind", e))?;
-            // SAFETY: the event and stream belong to this (bound) context.
-            unsafe { result::event::record(evs[d][i], *s) }.map_err(|e| err("record", e))?;
+            let flags = if graph {
+                sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL as u32
+            } else {
+                0
+            };
+            // SAFETY: the event and stream belong to this (bound) context. Inside a capture the
+            // EXTERNAL flag makes it a real event-record node of the graph.
+            let rc = unsafe { sys::cuEventRecordWithFlags(evs[d][i], *s, flags) };
+            rc.result().map_err(|e| err("record", e))?;
         }
         Ok(())
     };
+    if graph {
+        let (ctx, s) = &streams[0];
+        ctx.bind_to_thread().map_err(|e| err("bind", e))?;
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        // SAFETY: the stream belongs to the bound context and is idle (synchronised above).
+        unsafe { result::stream::begin_capture(*s, mode) }.map_err(|e| err("begin capture", e))?;
+    }
     for it in 0..iters {
         record(3 * it, &evs)?;
         g.launch(Op::Dispatch, path)?;
         record(3 * it + 1, &evs)?;
         g.launch(Op::Combine, path)?;
         record(3 * it + 2, &evs)?;
+    }
+    if graph {
+        let (_, s) = &streams[0];
+        // SAFETY: ends the capture begun above on the same stream; the graph and its executable
+        // are destroyed after their one replay has finished.
+        unsafe {
+            let gr = result::stream::end_capture(*s).map_err(|e| err("end capture", e))?;
+            let exec = result::graph::instantiate(gr, sys::CUgraphInstantiate_flags(0))
+                .map_err(|e| err("instantiate", e))?;
+            result::graph::launch(exec, *s).map_err(|e| err("graph launch", e))?;
+            result::stream::synchronize(*s).map_err(|e| err("graph sync", e))?;
+            let _ = result::graph::exec_destroy(exec);
+            let _ = result::graph::destroy(gr);
+        }
     }
     g.sync()?;
     let mut disp = vec![0f64; iters];

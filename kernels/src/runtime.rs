@@ -98,7 +98,7 @@ pub(crate) struct KParams {
     pub entry_bytes: i32,
     pub pe_entry_bytes: i32,
     pub fault_rank: i32,
-    pub pad0: i32,
+    pub sys_scope: i32,
 }
 
 /// Byte sizes of one rank's buffers, in the order of [`RankPtrs`].
@@ -527,7 +527,7 @@ impl GpuGroup {
             entry_bytes: entry_bytes(cfg) as i32,
             pe_entry_bytes: pe_entry_bytes(cfg) as i32,
             fault_rank: -1,
-            pad0: 0,
+            sys_scope: (g > 1) as i32,
         };
         Ok(GpuGroup {
             cfg: *cfg,
@@ -619,7 +619,7 @@ impl GpuGroup {
             self.n_tokens[r] = ns[r];
             self.topk[r] = topk_idx[r].clone();
         }
-        Ok(())
+        self.finish_uploads()
     }
 
     /// Uploads every rank's combine inputs (y in the dispatch layout, and the weights), checked
@@ -659,6 +659,26 @@ impl GpuGroup {
                 }
             }
         }
+        self.finish_uploads()
+    }
+
+    /// The uploads go through the legacy stream, the kernels through this group's non-blocking
+    /// stream: wait until every copy has landed before anything is launched.
+    fn finish_uploads(&self) -> Result<(), GpuError> {
+        for dev in &self.devs {
+            cuda("synchronize after upload", dev.ctx.synchronize())?;
+        }
+        Ok(())
+    }
+
+    /// Combine reads the handle the last dispatch left on the device: it must be on the same path.
+    fn check_combine_path(&self, path: Path) -> Result<(), GpuError> {
+        if self.last_dispatch != Some(path) {
+            return Err(GpuError::PathMismatch {
+                combine: path.name(),
+                dispatch: self.last_dispatch.map(|p| p.name()).unwrap_or("none"),
+            });
+        }
         Ok(())
     }
 
@@ -669,11 +689,8 @@ impl GpuGroup {
     /// Launches one call of `op` on `path` on every device. No host synchronisation.
     pub fn launch(&mut self, op: Op, path: Path) -> Result<(), GpuError> {
         self.check_usable()?;
-        if op == Op::Combine && self.last_dispatch != Some(path) {
-            return Err(GpuError::PathMismatch {
-                combine: path.name(),
-                dispatch: self.last_dispatch.map(|p| p.name()).unwrap_or("none"),
-            });
+        if op == Op::Combine {
+            self.check_combine_path(path)?;
         }
         for dev in &self.devs {
             let f = match (op, path) {
@@ -776,6 +793,7 @@ impl GpuGroup {
         topk_weights: &[Vec<f32>],
     ) -> Result<Vec<Vec<bf16>>, GpuError> {
         self.check_usable()?;
+        self.check_combine_path(path)?;
         self.upload_combine_inputs(y, topk_weights)?;
         self.launch(Op::Combine, path)?;
         self.sync()?;
@@ -855,6 +873,7 @@ impl GpuGroup {
         let out = dev.alloc(n * eb)?;
         // SAFETY: `x` was allocated for exactly rows.len() bf16 on the bound context.
         cuda("upload rows", unsafe { result::memcpy_htod_sync(x, rows) })?;
+        cuda("synchronize after upload", dev.ctx.synchronize())?;
         let (mut a, mut b, mut c) = (kp, x, out);
         let mut nn = n as i32;
         let mut args = [

@@ -54,7 +54,15 @@ fn main() {
     }
     let mut table = Vec::new();
     let mut failed = false;
-    for (r, g) in runs {
+    for (r, g, graph) in runs.iter().flat_map(|&(r, g)| {
+        let modes = if g == 1 {
+            vec![false, true]
+        } else {
+            vec![false]
+        };
+        modes.into_iter().map(move |m| (r, g, m))
+    }) {
+        let timing = if graph { "graph" } else { "stream" };
         let cfg = Config::new(r, experts, 128, 7168, 8, Mode::FP8).unwrap();
         let mut rng = Rng::new(2024 + r as u64);
         let data = random_inputs(
@@ -67,7 +75,7 @@ fn main() {
         let idx: Vec<_> = data.iter().map(|d| d.topk_idx.clone()).collect();
         let w: Vec<_> = data.iter().map(|d| d.topk_weights.clone()).collect();
         let t0 = std::time::Instant::now();
-        let rep = match bench::run(&cfg, &x, &idx, &w, iters, warmup, g) {
+        let rep = match bench::run_timed(&cfg, &x, &idx, &w, iters, warmup, g, graph) {
             Ok(rep) => rep,
             Err(e) => {
                 println!("FAIL: EP{r} on {g} GPU(s): {e}");
@@ -76,7 +84,7 @@ fn main() {
             }
         };
         println!(
-            "EP{r} on {g} GPU(s) [{}]: both paths verified bit-exact against the oracle ({:.1} s)",
+            "EP{r} on {g} GPU(s), {timing} timing [{}]: both paths verified bit-exact against the oracle ({:.1} s)",
             rep.device,
             t0.elapsed().as_secs_f64()
         );
@@ -119,6 +127,7 @@ fn main() {
             table.push((
                 r,
                 g,
+                timing,
                 t.clone(),
                 sel,
                 disp_floor,
@@ -136,11 +145,11 @@ fn main() {
         }
     }
     println!("\nsummary (us; bandwidth DeepEP-format GB/s = selections x message bytes / mean time; floor = byte floor)");
-    println!("| EP | GPUs | path | dispatch p50 | p99 | GB/s | floor | combine p50 | p99 | GB/s | floor | dispatch wire MB | combine wire MB | signals |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
-    for (r, g, t, sel, df, cf, dm, cm) in &table {
+    println!("| EP | GPUs | timing | path | dispatch p50 | p99 | GB/s | floor | combine p50 | p99 | GB/s | floor | dispatch wire MB | combine wire MB | signals |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for (r, g, timing, t, sel, df, cf, dm, cm) in &table {
         println!(
-            "| {r} | {g} | {} | {:.2} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {} |",
+            "| {r} | {g} | {timing} | {} | {:.2} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {} |",
             t.path,
             pct(&t.dispatch_us, 0.5),
             pct(&t.dispatch_us, 0.99),

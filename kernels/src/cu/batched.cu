@@ -118,21 +118,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             }
         }
         // ---- one signal per (source, destination) once every block of this rank has sent
-        __threadfence_system();
         __syncthreads();
         if (tid == 0) {
+            fence_rel(p);
             u32 old = atomicAdd(state + ST_SENT + KIND, 1u);
             if (old == (u32)p.blocks_per_rank - 1u) {
                 state[ST_SENT + KIND] = 0u;
-                __threadfence_system();
+                fence_rel(p);
                 if (rank != p.fault_rank) {
                     for (int d = 0; d < R; d++) {
                         int* meta = (int*)tab[d].bat_meta + 2 * rank;
                         meta[0] = sm.tot[d];
                         meta[1] = sm.tot[R + d];
                     }
-                    __threadfence_system();
-                    for (int d = 0; d < R; d++) st_release_sys(sig_bat(tab[d]) + rank, signal_word(epoch, (u32)sm.tot[d]));
+                    for (int d = 0; d < R; d++) st_release(p, sig_bat(tab[d]) + rank, signal_word(epoch, (u32)sm.tot[d]));
                 }
             }
         }
@@ -156,17 +155,22 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                     int has = 0, slot = 0, cpos = 0;
                     if (j < cnt) {
                         const u8* h = region + (u64)j * p.entry_bytes;
-                        const u16* lex = (const u16*)(h + 16);
-                        int nl = 0;
-                        for (int k = 0; k < K; k++) {
-                            u16 v = lex[k];
-                            if (v == (u16)l) {
-                                has = 1;
-                                slot = k;
-                                cpos = ((const int*)h)[1] + nl;
+                        const uint4 a = ((const uint4*)h)[1], b2 = ((const uint4*)h)[2];
+                        const u32 w[8] = {a.x, a.y, a.z, a.w, b2.x, b2.y, b2.z, b2.w};
+                        int nl = 0, pos = 0;
+#pragma unroll
+                        for (int k = 0; k < MAX_K; k++) {
+                            const u32 v = (w[k >> 1] >> ((k & 1) * 16)) & 0xFFFFu;
+                            if (k < K) {
+                                if (v == (u32)l) {
+                                    has = 1;
+                                    slot = k;
+                                    pos = nl;
+                                }
+                                nl += (v != NO_LOCAL);
                             }
-                            nl += (v != NO_LOCAL);
                         }
+                        if (has) cpos = ((const int*)h)[1] + pos;
                     }
                     int total;
                     const int idx = block_excl_scan(has, sm.scratch, &total);
@@ -176,10 +180,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                         sm.m_c[idx] = cpos;
                     }
                     __syncthreads();
+                    const bool vec = (p.xrow & 15) == 0;
+                    if (vec)
+                        block_copy_rows(
+                            total, p.xrow, [&](int m) { return region + (u64)sm.m_a[m] * p.entry_bytes + HDR_BYTES; },
+                            [&](int m) { return (u8*)me.recv_x + ((u64)l * RT + base + m) * p.xrow; });
                     for (int m = warp; m < total; m += NWARPS) {
                         const u8* h = region + (u64)sm.m_a[m] * p.entry_bytes;
                         const u64 row = (u64)l * RT + base + m;
-                        warp_copy((u8*)me.recv_x + row * p.xrow, h + HDR_BYTES, p.xrow);
+                        if (!vec) warp_copy((u8*)me.recv_x + row * p.xrow, h + HDR_BYTES, p.xrow);
                         if (p.spr) {
                             const u32* src = (const u32*)(h + HDR_BYTES + p.xrow);
                             u32* dst = (u32*)me.recv_scales + row * p.spr;
@@ -208,14 +217,14 @@ finish:
     if (last_block_out(p, state, KIND)) {
         if (threadIdx.x == 0) {
             state[ST_EPOCH + KIND] = epoch;
-            for (int s = 0; s < R; s++) st_release_sys(sig_bat_ack(tab[s], R) + rank, (u64)epoch);
+            for (int s = 0; s < R; s++) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
         }
     }
 }
 #undef KIND
 
 #define KIND KIND_BAT_COMBINE
-#define SEGB 4096
+#define SEGB 2048
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KParams p) {
     extern __shared__ int smem_raw[];
     const RankPtrs* tab = (const RankPtrs*)p.table;
@@ -260,15 +269,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
             const u64 left = rowb - (u64)g * SEGB;
             warp_copy(dst, src, (int)(left < SEGB ? left : SEGB));
         }
-        __threadfence_system();
         __syncthreads();
         if (tid == 0) {
+            fence_rel(p);
             u32 old = atomicAdd(state + ST_SENT + KIND, 1u);
             if (old == (u32)p.blocks_per_rank - 1u) {
                 state[ST_SENT + KIND] = 0u;
-                __threadfence_system();
-                if (rank != p.fault_rank)
-                    for (int s = 0; s < R; s++) st_release_sys(sig_cb(tab[s], R) + rank, signal_word(epoch, (u32)sm.tot[s]));
+                fence_rel(p);
+                for (int s = 0; s < R; s++) st_release(p, sig_cb(tab[s], R) + rank, signal_word(epoch, (u32)sm.tot[s]));
             }
         }
         // ---- receive: every owner's batch, then the reduction in k order
@@ -288,7 +296,7 @@ finish:
     if (last_block_out(p, state, KIND)) {
         if (threadIdx.x == 0) {
             state[ST_EPOCH + KIND] = epoch;
-            for (int d = 0; d < R; d++) st_release_sys(sig_cb_ack(tab[d], R) + rank, (u64)epoch);
+            for (int d = 0; d < R; d++) st_release(p, sig_cb_ack(tab[d], R) + rank, (u64)epoch);
         }
     }
 }

@@ -80,7 +80,7 @@ struct KParams {
     int entry_bytes;         // batched entry: header + payload, 16-aligned
     int pe_entry_bytes;      // per-expert entry: header + payload, 16-aligned
     int fault_rank;          // test hook: this rank never signals (-1: none)
-    int pad0;
+    int sys_scope;           // 1: ranks on several GPUs (system-scope ordering), 0: one GPU
 };
 
 // ---------------------------------------------------------------- memory ordering
@@ -91,6 +91,29 @@ __device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
 }
 __device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ u64 ld_acquire_gpu(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_gpu(u64* p, u64 v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+// Signals and fences at the narrowest scope that covers every rank: the GPU when all ranks share
+// one device, the system when peers sit on other GPUs (NVLink peer memory).
+__device__ __forceinline__ u64 ld_acquire(const KParams& p, const u64* a) {
+    return p.sys_scope ? ld_acquire_sys(a) : ld_acquire_gpu(a);
+}
+__device__ __forceinline__ void st_release(const KParams& p, u64* a, u64 v) {
+    if (p.sys_scope) st_release_sys(a, v);
+    else st_release_gpu(a, v);
+}
+// Release fence of one thread after a __syncthreads: by cumulativity it orders every store the
+// block made before the barrier ahead of this thread's later signal or counter update.
+__device__ __forceinline__ void fence_rel(const KParams& p) {
+    if (p.sys_scope) asm volatile("fence.acq_rel.sys;" ::: "memory");
+    else asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 __device__ __forceinline__ u32 ld_volatile_u32(const u32* p) {
     u32 v;
@@ -127,7 +150,7 @@ __device__ long long wait_signal(const KParams& p, const u64* addr, u32 epoch, i
     u64 t0 = globaltimer();
     u32 spins = 0;
     while (true) {
-        u64 v = ld_acquire_sys(addr);
+        u64 v = ld_acquire(p, addr);
         if ((u32)(v >> 32) == epoch) return (long long)(u32)v;
         if ((++spins & 63u) == 0u) {
             if (failed(p)) return -1;
@@ -144,7 +167,7 @@ __device__ bool wait_ack(const KParams& p, const u64* addr, u32 need, u32 call, 
     u64 t0 = globaltimer();
     u32 spins = 0;
     while (true) {
-        u64 v = ld_acquire_sys(addr);
+        u64 v = ld_acquire(p, addr);
         if ((u32)v >= need) return true;
         if ((++spins & 63u) == 0u) {
             if (failed(p)) return false;
@@ -234,12 +257,12 @@ __device__ __forceinline__ bool last_block_out(const KParams& p, u32* state, int
     __shared__ int s_last;
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence_system();
+        fence_rel(p);
         u32 old = atomicAdd(state + ST_EXIT + kind, 1u);
         s_last = (old == (u32)p.blocks_per_rank - 1u);
         if (s_last) {
             state[ST_EXIT + kind] = 0u;
-            __threadfence_system();
+            fence_rel(p);
         }
     }
     __syncthreads();
@@ -332,4 +355,31 @@ __device__ __forceinline__ Smem carve(const KParams& p, int* base) {
     s.m_b = s.m_a + NTHREADS;
     s.m_c = s.m_b + NTHREADS;
     return s;
+}
+
+// Copies `rows` payload rows with the whole block: unit (row, 512-byte chunk), one 16-byte access
+// per lane, four units in flight per warp. src_of(m) / dst_of(m) give row m's addresses; n bytes
+// per row, n % 16 == 0 and every address 16-aligned (else the caller uses warp_copy).
+template <typename Src, typename Dst>
+__device__ __forceinline__ void block_copy_rows(int rows, int n, Src src_of, Dst dst_of) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int chunks = (n + 511) / 512;
+    const int units = rows * chunks;
+    for (int u0 = warp * 4; u0 < units; u0 += NWARPS * 4) {
+        uint4 v[4];
+        bool ok[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int u = u0 + i;
+            const int off = (u % chunks) * 512 + lane * 16;
+            ok[i] = u < units && off < n;
+            if (ok[i]) v[i] = *(const uint4*)(src_of(u / chunks) + off);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int u = u0 + i;
+            const int off = (u % chunks) * 512 + lane * 16;
+            if (ok[i]) *(uint4*)(dst_of(u / chunks) + off) = v[i];
+        }
+    }
 }

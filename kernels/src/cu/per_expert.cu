@@ -75,10 +75,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
                 count += total;
                 __syncthreads();
             }
-            __threadfence_system();
             __syncthreads();
-            if (tid == 0 && rank != p.fault_rank)
-                st_release_sys(sig_pe(tab[d], R) + (u64)l * R + rank, signal_word(epoch, (u32)count));
+            if (tid == 0 && rank != p.fault_rank) {
+                fence_rel(p);
+                st_release(p, sig_pe(tab[d], R) + (u64)l * R + rank, signal_word(epoch, (u32)count));
+            }
         }
         // ---- receive: block per local expert, sources in order, slots in token order
         const u64 RT = (u64)R * T;
@@ -98,10 +99,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
                     const int idx = block_excl_scan(has, sm.scratch, &total);
                     if (has) sm.m_a[idx] = j;
                     __syncthreads();
+                    const bool vec = (p.xrow & 15) == 0;
+                    if (vec)
+                        block_copy_rows(
+                            total, p.xrow, [&](int m) { return region + (u64)sm.m_a[m] * p.pe_entry_bytes + PE_HDR; },
+                            [&](int m) { return (u8*)me.recv_x + ((u64)l * RT + base + m) * p.xrow; });
                     for (int m = warp; m < total; m += NWARPS) {
                         const u8* h = region + (u64)sm.m_a[m] * p.pe_entry_bytes;
                         const u64 row = (u64)l * RT + base + m;
-                        warp_copy((u8*)me.recv_x + row * p.xrow, h + PE_HDR, p.xrow);
+                        if (!vec) warp_copy((u8*)me.recv_x + row * p.xrow, h + PE_HDR, p.xrow);
                         if (p.spr) {
                             const u32* src = (const u32*)(h + PE_HDR + p.xrow);
                             u32* dst = (u32*)me.recv_scales + row * p.spr;
@@ -129,14 +135,14 @@ finish:
     if (last_block_out(p, state, KIND)) {
         if (threadIdx.x == 0) {
             state[ST_EPOCH + KIND] = epoch;
-            for (int s = 0; s < R; s++) st_release_sys(sig_pe_ack(tab[s], R) + rank, (u64)epoch);
+            for (int s = 0; s < R; s++) st_release(p, sig_pe_ack(tab[s], R) + rank, (u64)epoch);
         }
     }
 }
 #undef KIND
 
 #define KIND KIND_PE_COMBINE
-#define SEGB 4096
+#define SEGB 2048
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(KParams p) {
     extern __shared__ int smem_raw[];
     const RankPtrs* tab = (const RankPtrs*)p.table;
@@ -179,12 +185,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
                 const u64 left = rowb - (u64)g * SEGB;
                 warp_copy(dst, src, (int)(left < SEGB ? left : SEGB));
             }
-            __threadfence_system();
             __syncthreads();
-            if (rank != p.fault_rank)
-                for (int s = tid; s < R; s += NTHREADS)
-                    st_release_sys(sig_pc(tab[s], R, L) + (u64)rank * L + l,
-                                   signal_word(epoch, (u32)layout[(l * R + s) * 2 + 1]));
+            for (int s = tid; s < R; s += NTHREADS) {
+                fence_rel(p);
+                st_release(p, sig_pc(tab[s], R, L) + (u64)rank * L + l, signal_word(epoch, (u32)layout[(l * R + s) * 2 + 1]));
+            }
         }
         // ---- receive: every expert's signal, then the reduction in k order
         bad = 0;
@@ -198,7 +203,7 @@ finish:
     if (last_block_out(p, state, KIND)) {
         if (threadIdx.x == 0) {
             state[ST_EPOCH + KIND] = epoch;
-            for (int d = 0; d < R; d++) st_release_sys(sig_pc_ack(tab[d], R) + rank, (u64)epoch);
+            for (int d = 0; d < R; d++) st_release(p, sig_pc_ack(tab[d], R) + rank, (u64)epoch);
         }
     }
 }
