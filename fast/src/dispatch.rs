@@ -132,8 +132,9 @@ impl<'a> DispatchCall<'a> {
         Ok(())
     }
 
-    /// Waits for every source's batch and expands them into the canonical layout.
-    pub fn receive(&self) -> Result<DispatchOutput> {
+    /// Waits for every source's batch and expands them into the canonical layout in `out`
+    /// (made for this config).
+    pub fn receive(&self, out: &mut DispatchOutput) -> Result<()> {
         let sh = &*self.sh;
         let cfg = &sh.cfg;
         let (r, l_n) = (cfg.num_ranks, cfg.num_local_experts());
@@ -171,7 +172,6 @@ impl<'a> DispatchCall<'a> {
                 });
             }
         }
-        let mut out = DispatchOutput::zeroed(cfg);
         out.set_layout(&per);
         for (s, &c) in counts.iter().enumerate() {
             let region = &sh.dispatch[self.rank * r + s];
@@ -192,12 +192,12 @@ impl<'a> DispatchCall<'a> {
         for s in 0..r {
             sh.dispatch_credit[self.rank * r + s].grant(self.epoch);
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Ends the call after every worker returned: resets the finish counters, gives up the call
     /// on error (granting credits so peers can go on), and builds the handle.
-    pub fn end(self, res: Result<DispatchOutput>) -> (CallStats, Result<(DispatchOutput, Handle)>) {
+    pub fn end(self, res: Result<()>, out: &DispatchOutput) -> (CallStats, Result<Handle>) {
         let sh = &*self.sh;
         let r = sh.cfg.num_ranks;
         for f in &sh.dispatch_finish[self.rank * r..(self.rank + 1) * r] {
@@ -210,10 +210,10 @@ impl<'a> DispatchCall<'a> {
             wire_bytes: self.plan.counts.iter().map(|&c| c as u64 * entry).sum(),
         };
         match res {
-            Ok(out) => {
-                let handle = Handle::new(sh.group_id, self.rank, self.topk_idx, &out);
-                (stats, Ok((out, handle)))
-            }
+            Ok(()) => (
+                stats,
+                Ok(Handle::new(sh.group_id, self.rank, self.topk_idx, out)),
+            ),
             Err(e) => {
                 abandon(sh, self.rank, self.epoch);
                 (stats, Err(e))

@@ -214,13 +214,23 @@ impl EpRank for BatchedRank {
         &self.shared.cfg
     }
 
-    fn dispatch(&mut self, x: &[bf16], topk_idx: &[i64]) -> Result<(DispatchOutput, Handle)> {
+    fn dispatch_into(
+        &mut self,
+        x: &[bf16],
+        topk_idx: &[i64],
+        out: &mut DispatchOutput,
+    ) -> Result<Handle> {
+        ep_reference::input::check_output(&self.shared.cfg, self.rank, out)?;
         let call = self.dispatch_begin(x, topk_idx)?;
-        let res = drive(call.workers(), |w, n| call.stage(w, n), || call.receive());
-        let (stats, res) = call.end(res);
-        let done = res?;
+        let res = drive(
+            call.workers(),
+            |w, n| call.stage(w, n),
+            || call.receive(out),
+        );
+        let (stats, res) = call.end(res, out);
+        let handle = res?;
         self.stats = stats;
-        Ok(done)
+        Ok(handle)
     }
 
     fn combine(

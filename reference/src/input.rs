@@ -111,3 +111,21 @@ pub fn check_combine_inputs(
     }
     Ok(n)
 }
+
+/// An output buffer handed to `dispatch_into` must have been made for this config.
+pub fn check_output(cfg: &Config, rank: usize, out: &crate::output::DispatchOutput) -> Result<()> {
+    if out.config != *cfg {
+        return Err(Error::ShapeMismatch {
+            rank,
+            tensor: "dispatch output",
+            expected: cfg.num_local_experts() * cfg.rows_per_expert() * cfg.hidden,
+            got: out.config.num_local_experts() * out.config.rows_per_expert() * out.config.hidden,
+            shape: format!(
+                "made for {}, this group is {}",
+                out.config.describe(),
+                cfg.describe()
+            ),
+        });
+    }
+    Ok(())
+}

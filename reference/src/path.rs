@@ -18,7 +18,21 @@ pub trait EpRank: Send {
     /// this rank's local experts received, plus the handle combine needs.
     ///
     /// A call rejected for bad input moves nothing and does not count as a collective step.
-    fn dispatch(&mut self, x: &[bf16], topk_idx: &[i64]) -> Result<(DispatchOutput, Handle)>;
+    fn dispatch(&mut self, x: &[bf16], topk_idx: &[i64]) -> Result<(DispatchOutput, Handle)> {
+        let mut out = DispatchOutput::zeroed(self.config());
+        let handle = self.dispatch_into(x, topk_idx, &mut out)?;
+        Ok((out, handle))
+    }
+
+    /// [`EpRank::dispatch`] into an output allocated once (by [`DispatchOutput::zeroed`] for
+    /// this config) and reused call after call, as DeepEP's callers reuse their tensors. Rows
+    /// past `recv_count` keep whatever an earlier call left there.
+    fn dispatch_into(
+        &mut self,
+        x: &[bf16],
+        topk_idx: &[i64],
+        out: &mut DispatchOutput,
+    ) -> Result<Handle>;
 
     /// Sends the expert outputs `y` (L x (R*T) x H, in the dispatch layout) back and returns this
     /// rank's tokens, reduced with `topk_weights` in the contract's order (n x H).

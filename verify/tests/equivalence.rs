@@ -146,3 +146,65 @@ fn consecutive_calls_reuse_buffers() {
         assert_eq!(x.diff(y), None);
     }
 }
+
+/// `dispatch_into` reuses one output across calls: every call still equals the oracle on the
+/// meaningful rows, although rows past `recv_count` keep older contents. An output made for
+/// another config is refused.
+#[test]
+fn dispatch_into_reuses_outputs() {
+    use ep_reference::path::run_ranks;
+    use ep_reference::{oracle, DispatchOutput, EpRank, Error};
+
+    fn run<R: EpRank>(mut ranks: Vec<R>, cfg: &Config) {
+        let mut outs: Vec<DispatchOutput> = (0..cfg.num_ranks)
+            .map(|_| DispatchOutput::zeroed(cfg))
+            .collect();
+        for call in 0..6u64 {
+            let tokens: Vec<usize> = (0..cfg.num_ranks)
+                .map(|r| (call as usize * 3 + r) % 9)
+                .collect();
+            let w = Workload::generate(cfg, &tokens, Routing::Random { masked: 0.1 }, call);
+            let want = oracle::dispatch(cfg, &w.dispatch_inputs()).unwrap();
+            let mut pairs: Vec<(&mut R, &mut DispatchOutput)> =
+                ranks.iter_mut().zip(outs.iter_mut()).collect();
+            let res = run_ranks(&mut pairs, |(rk, out)| {
+                let me = rk.rank();
+                rk.dispatch_into(&w.x[me], &w.topk_idx[me], out)
+            });
+            for (r, res) in res.into_iter().enumerate() {
+                res.unwrap();
+                assert_eq!(outs[r].diff(&want[r]), None, "call {call} rank {r}");
+            }
+        }
+        let other = Config::new(
+            cfg.num_ranks,
+            cfg.num_experts,
+            cfg.max_tokens_per_rank,
+            256,
+            cfg.top_k,
+            cfg.mode,
+        )
+        .unwrap();
+        let mut wrong = DispatchOutput::zeroed(&other);
+        let w = Workload::uniform(cfg, 1, Routing::Random { masked: 0.0 }, 1);
+        let e = ranks[0]
+            .dispatch_into(&w.x[0], &w.topk_idx[0], &mut wrong)
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::ShapeMismatch {
+                    tensor: "dispatch output",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+    let cfg = Config::new(3, 12, 8, 128, 4, Mode::FP8_ROUND).unwrap();
+    run(
+        per_expert::group(&cfg, CpuOptions::default()).unwrap(),
+        &cfg,
+    );
+    run(ep_fast::group(&cfg, CpuOptions::default()).unwrap(), &cfg);
+}

@@ -61,11 +61,12 @@ fn staging_workers_then_sender() {
             loom::thread::spawn(move || call.stage(1, 2))
         };
         call.stage(0, 2).unwrap();
-        let out = call.receive().unwrap();
+        let mut out = ep_reference::DispatchOutput::zeroed(&cfg);
+        call.receive(&mut out).unwrap();
         worker1.join().unwrap().unwrap();
         let call = Arc::try_unwrap(call).ok().expect("workers joined");
-        let (stats, res) = call.end(Ok(out));
-        let (out, _) = res.unwrap();
+        let (stats, res) = call.end(Ok(()), &out);
+        res.unwrap();
         assert_eq!(stats.messages, 1);
         expect_dispatch(w, 0, &out);
     });

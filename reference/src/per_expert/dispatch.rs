@@ -8,6 +8,7 @@ use crate::sync::Deadline;
 use crate::transport::CallStats;
 use half::bf16;
 
+#[allow(clippy::too_many_arguments)]
 pub(super) fn run(
     sh: &Shared,
     rank: usize,
@@ -16,7 +17,8 @@ pub(super) fn run(
     n: usize,
     x: &[bf16],
     topk_idx: &[i64],
-) -> Result<(DispatchOutput, CallStats)> {
+    out: &mut DispatchOutput,
+) -> Result<CallStats> {
     let cfg = &sh.cfg;
     let (r, e_n, l_n, h, k) = (
         cfg.num_ranks,
@@ -72,7 +74,6 @@ pub(super) fn run(
             })? as usize;
         }
     }
-    let mut out = DispatchOutput::zeroed(cfg);
     out.set_layout(&counts);
     for l in 0..l_n {
         for s in 0..r {
@@ -94,5 +95,5 @@ pub(super) fn run(
     for s in 0..r {
         sh.dispatch_credit[rank * r + s].grant(epoch);
     }
-    Ok((out, stats))
+    Ok(stats)
 }

@@ -130,18 +130,23 @@ impl EpRank for PerExpertRank {
         &self.shared.cfg
     }
 
-    fn dispatch(&mut self, x: &[bf16], topk_idx: &[i64]) -> Result<(DispatchOutput, Handle)> {
+    fn dispatch_into(
+        &mut self,
+        x: &[bf16],
+        topk_idx: &[i64],
+        out: &mut DispatchOutput,
+    ) -> Result<Handle> {
         let n =
             crate::input::check_dispatch_inputs(&self.shared.cfg, self.rank, x.len(), topk_idx)?;
+        crate::input::check_output(&self.shared.cfg, self.rank, out)?;
         self.dispatch_calls += 1;
         let epoch = self.dispatch_calls;
         let sh = &*self.shared;
-        let res = dispatch::run(sh, self.rank, epoch, self.timeout, n, x, topk_idx);
+        let res = dispatch::run(sh, self.rank, epoch, self.timeout, n, x, topk_idx, out);
         match res {
-            Ok((out, stats)) => {
+            Ok(stats) => {
                 self.stats = stats;
-                let handle = Handle::new(sh.group_id, self.rank, topk_idx, &out);
-                Ok((out, handle))
+                Ok(Handle::new(sh.group_id, self.rank, topk_idx, out))
             }
             Err(e) => {
                 Self::abandon(&sh.dispatch_credit, self.rank, sh.cfg.num_ranks, epoch);
