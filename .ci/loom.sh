@@ -3,7 +3,7 @@
 # Each build has its own target dir (RUSTFLAGS differ), so the normal build is not disturbed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-2}"
+export LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-4}"
 
 echo "-- loom models (LOOM_MAX_PREEMPTIONS=$LOOM_MAX_PREEMPTIONS)"
 RUSTFLAGS="--cfg ep_loom" CARGO_TARGET_DIR=target/loom \

@@ -3,7 +3,7 @@
 //! payload row access also touches a loom cell, so loom reports any read that the protocol's
 //! release/acquire pairs do not order after its write.
 //!
-//! Run: `RUSTFLAGS="--cfg ep_loom" LOOM_MAX_PREEMPTIONS=2 cargo test --release -p ep-verify
+//! Run: `RUSTFLAGS="--cfg ep_loom" LOOM_MAX_PREEMPTIONS=4 cargo test --release -p ep-verify
 //! --test loom_protocol` (`.ci/loom.sh` does, with a target dir of its own, and also builds the
 //! mutants `--cfg ep_mutant="signal_relaxed"` / `"finish_relaxed"`, which must fail).
 //!
