@@ -7,7 +7,8 @@
 //! barrier); its time is the mean over ranks of each rank's own latency, the figure ep-bench
 //! prints as `avg_t` (criterion's throughput is one rank's logical bytes, DESIGN.md's accounting,
 //! in decimal units, so its MB/s is ep-bench's GB/s x 1000). Before timing a T, both paths are checked bitwise
-//! against the oracle and each other. Combine reuses one dispatch's handle for every call.
+//! against the oracle and each other. Dispatch writes into one output per rank allocated once
+//! (`dispatch_into`); combine reuses one dispatch's handle for every call.
 //!
 //! A T whose groups do not fit this machine's memory is skipped with the typed error's message.
 

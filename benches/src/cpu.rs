@@ -2,8 +2,8 @@
 //!
 //! Every call is collective: [`run_ranks`] starts one thread per rank, the threads meet at a
 //! barrier, and each rank times its own call from the barrier to its return (as DeepEP times
-//! each rank's kernel). Building the returned output's buffers is part of the call (both paths
-//! return owned outputs); dropping them is not timed.
+//! each rank's kernel). Dispatch writes into one output per rank allocated once per group and
+//! reused call after call ([`EpRank::dispatch_into`]), as DeepEP's callers reuse their tensors.
 
 use std::sync::Barrier;
 use std::time::Instant;
@@ -52,18 +52,36 @@ fn boxed<R: EpRank + 'static>(ranks: Vec<R>) -> Vec<Rank> {
     ranks.into_iter().map(|r| Box::new(r) as Rank).collect()
 }
 
+/// One rank of a group with the dispatch output it reuses.
+pub struct Slot {
+    pub rank: Rank,
+    pub out: DispatchOutput,
+}
+
 /// One path's group.
 pub struct Group {
     pub kind: PathKind,
-    pub ranks: Vec<Rank>,
+    pub slots: Vec<Slot>,
 }
 
 impl Group {
     pub fn new(kind: PathKind, cfg: &Config, opts: CpuOptions) -> ep_reference::Result<Group> {
         Ok(Group {
             kind,
-            ranks: kind.group(cfg, opts)?,
+            slots: kind
+                .group(cfg, opts)?
+                .into_iter()
+                .map(|rank| Slot {
+                    rank,
+                    out: DispatchOutput::zeroed(cfg),
+                })
+                .collect(),
         })
+    }
+
+    /// The dispatch outputs of the last call, in rank order.
+    pub fn outputs(&self) -> Vec<&DispatchOutput> {
+        self.slots.iter().map(|s| &s.out).collect()
     }
 }
 
@@ -160,12 +178,12 @@ pub fn combine_diff(a: &[bf16], b: &[bf16], hidden: usize) -> Option<String> {
     ))
 }
 
-/// Every rank's dispatch (untimed), in rank order.
-fn dispatch_all(g: &mut Group, w: &Workload) -> Result<Vec<(DispatchOutput, Handle)>, BenchError> {
+/// Every rank's dispatch (untimed) into its reused output; the handles in rank order.
+fn dispatch_all(g: &mut Group, w: &Workload) -> Result<Vec<Handle>, BenchError> {
     let path = g.kind.name();
-    run_ranks(&mut g.ranks, |r| {
-        let me = r.rank();
-        r.dispatch(&w.x[me], &w.topk_idx[me])
+    run_ranks(&mut g.slots, |s| {
+        let me = s.rank.rank();
+        s.rank.dispatch_into(&w.x[me], &w.topk_idx[me], &mut s.out)
     })
     .into_iter()
     .collect::<Result<_, _>>()
@@ -180,9 +198,10 @@ fn combine_all(
     handles: &[Handle],
 ) -> Result<Vec<Vec<bf16>>, BenchError> {
     let path = g.kind.name();
-    run_ranks(&mut g.ranks, |r| {
-        let me = r.rank();
-        r.combine(&ys[me], &w.topk_idx[me], &w.topk_weights[me], &handles[me])
+    run_ranks(&mut g.slots, |s| {
+        let me = s.rank.rank();
+        s.rank
+            .combine(&ys[me], &w.topk_idx[me], &w.topk_weights[me], &handles[me])
     })
     .into_iter()
     .collect::<Result<_, _>>()
@@ -192,8 +211,8 @@ fn combine_all(
 /// Checks the dispatch outputs of `got` against `want`, rank by rank.
 pub fn check_dispatch(
     what: &str,
-    got: &[DispatchOutput],
-    want: &[DispatchOutput],
+    got: &[&DispatchOutput],
+    want: &[&DispatchOutput],
 ) -> Result<(), BenchError> {
     if got.len() != want.len() {
         return Err(BenchError::Mismatch(format!(
@@ -241,11 +260,12 @@ pub fn check_combine(
 pub fn verify(setup: &Setup, groups: &mut [Group]) -> Result<String, BenchError> {
     let h = setup.config().hidden;
     let w = &setup.workload;
-    let mut first: Option<(&'static str, Vec<DispatchOutput>, Vec<Vec<bf16>>)> = None;
+    let oracle: Vec<&DispatchOutput> = setup.oracle_dispatch.iter().collect();
+    let mut combined: Vec<Vec<Vec<bf16>>> = Vec::new();
     for g in groups.iter_mut() {
         let name = g.kind.name();
-        let (outs, handles): (Vec<_>, Vec<_>) = dispatch_all(g, w)?.into_iter().unzip();
-        check_dispatch(&format!("{name} vs oracle"), &outs, &setup.oracle_dispatch)?;
+        let handles = dispatch_all(g, w)?;
+        check_dispatch(&format!("{name} vs oracle"), &g.outputs(), &oracle)?;
         let comb = combine_all(g, w, &setup.ys, &handles)?;
         check_combine(
             &format!("{name} vs oracle"),
@@ -253,12 +273,14 @@ pub fn verify(setup: &Setup, groups: &mut [Group]) -> Result<String, BenchError>
             &setup.oracle_combine,
             h,
         )?;
-        match &first {
-            None => first = Some((name, outs, comb)),
-            Some((other, o, c)) => {
-                check_dispatch(&format!("{name} vs {other}"), &outs, o)?;
-                check_combine(&format!("{name} vs {other}"), &comb, c, h)?;
-            }
+        combined.push(comb);
+    }
+    // Each group keeps its dispatch outputs in its slots: compare the paths directly too.
+    if let Some((g0, rest)) = groups.split_first() {
+        for (g, comb) in rest.iter().zip(&combined[1..]) {
+            let what = format!("{} vs {}", g.kind.name(), g0.kind.name());
+            check_dispatch(&what, &g.outputs(), &g0.outputs())?;
+            check_combine(&what, comb, &combined[0], h)?;
         }
     }
     let names: Vec<&str> = groups.iter().map(|g| g.kind.name()).collect();
@@ -276,23 +298,21 @@ pub struct Timed<T> {
     pub value: T,
 }
 
-/// One collective dispatch, timed per rank; returns every rank's handle. The dispatch output is
-/// dropped after the clock stops.
+/// One collective dispatch into the group's reused outputs, timed per rank; returns every
+/// rank's handle.
 pub fn timed_dispatch(g: &mut Group, w: &Workload) -> Result<Vec<Timed<Handle>>, BenchError> {
     let path = g.kind.name();
-    let barrier = Barrier::new(g.ranks.len());
-    run_ranks(&mut g.ranks, |r| {
-        let me = r.rank();
+    let barrier = Barrier::new(g.slots.len());
+    run_ranks(&mut g.slots, |s| {
+        let me = s.rank.rank();
         barrier.wait();
         let t0 = Instant::now();
-        let res = r.dispatch(&w.x[me], &w.topk_idx[me]);
+        let res = s.rank.dispatch_into(&w.x[me], &w.topk_idx[me], &mut s.out);
         let us = t0.elapsed().as_secs_f64() * 1e6;
-        let (out, handle) = res?;
-        drop(out);
         Ok(Timed {
             us,
-            stats: r.last_stats(),
-            value: handle,
+            stats: s.rank.last_stats(),
+            value: res?,
         })
     })
     .into_iter()
@@ -308,17 +328,19 @@ pub fn timed_combine(
     handles: &[Handle],
 ) -> Result<Vec<Timed<()>>, BenchError> {
     let path = g.kind.name();
-    let barrier = Barrier::new(g.ranks.len());
-    run_ranks(&mut g.ranks, |r| {
-        let me = r.rank();
+    let barrier = Barrier::new(g.slots.len());
+    run_ranks(&mut g.slots, |s| {
+        let me = s.rank.rank();
         barrier.wait();
         let t0 = Instant::now();
-        let res = r.combine(&ys[me], &w.topk_idx[me], &w.topk_weights[me], &handles[me]);
+        let res = s
+            .rank
+            .combine(&ys[me], &w.topk_idx[me], &w.topk_weights[me], &handles[me]);
         let us = t0.elapsed().as_secs_f64() * 1e6;
         drop(res?);
         Ok(Timed {
             us,
-            stats: r.last_stats(),
+            stats: s.rank.last_stats(),
             value: (),
         })
     })
@@ -419,7 +441,16 @@ pub fn run(spec: &BenchSpec, progress: &dyn Fn(&str)) -> Result<PointResult, Ben
             s.signals_total = ds.signals + cs.signals;
         }
     }
+    // The reused outputs of the last timed call must still be the oracle's.
+    for g in &groups {
+        check_dispatch(
+            &format!("{} (last timed call) vs oracle", g.kind.name()),
+            &g.outputs(),
+            &setup.oracle_dispatch.iter().collect::<Vec<_>>(),
+        )?;
+    }
     drop(groups);
+    let verified = format!("{verified}; the last timed dispatch's reused outputs checked again");
     let selections: Vec<u64> = w
         .topk_idx
         .iter()
@@ -503,7 +534,8 @@ mod tests {
         let spec = small(Mode::FP8);
         let setup = Setup::new(spec.workload(), 3).unwrap();
         let mut bad = setup.oracle_dispatch.clone();
-        assert!(check_dispatch("x", &bad, &setup.oracle_dispatch).is_ok());
+        let want: Vec<&DispatchOutput> = setup.oracle_dispatch.iter().collect();
+        assert!(check_dispatch("x", &bad.iter().collect::<Vec<_>>(), &want).is_ok());
         // Flip one bit of a meaningful row of rank 1.
         let l = bad[1].recv_count.iter().position(|&c| c > 0).unwrap();
         let i = l * spec.cfg.rows_per_expert() * spec.cfg.hidden + 5;
@@ -511,7 +543,7 @@ mod tests {
             RecvX::Fp8(v) => v[i] ^= 1,
             RecvX::Bf16(_) => unreachable!(),
         }
-        let e = check_dispatch("x", &bad, &setup.oracle_dispatch).unwrap_err();
+        let e = check_dispatch("x", &bad.iter().collect::<Vec<_>>(), &want).unwrap_err();
         assert!(
             matches!(e, BenchError::Mismatch(ref m) if m.contains("rank 1")),
             "{e}"
