@@ -37,22 +37,14 @@ impl<'a> CombineCall<'a> {
     ) -> Result<CombineCall<'a>> {
         let cfg = sh.cfg;
         let (r, l_n) = (cfg.num_ranks, cfg.num_local_experts());
-        for s in 0..r {
-            if !sh.combine_credit[s * r + rank].wait_writable(epoch, &deadline) {
-                abandon(&sh, rank, epoch);
-                return Err(Error::timeout(
-                    rank,
-                    s,
-                    Op::Combine,
-                    Side::Send,
-                    epoch,
-                    &deadline,
-                ));
-            }
-        }
-        for f in &sh.combine_finish[rank * r..(rank + 1) * r] {
-            f.open();
-        }
+        crate::open_call(
+            &sh.combine_credit,
+            &sh.combine_finish[rank * r..(rank + 1) * r],
+            rank,
+            epoch,
+            &deadline,
+            Op::Combine,
+        )?;
         let mut segments = vec![Vec::new(); r];
         let mut totals = vec![0usize; r];
         for (s, segs) in segments.iter_mut().enumerate() {
@@ -216,9 +208,7 @@ impl<'a> CombineCall<'a> {
                 *o = bf16_from_f32(*a);
             }
         }
-        for d in 0..r {
-            sh.combine_credit[self.rank * r + d].grant(self.epoch);
-        }
+        sh.combine_credit.grant_all(self.rank, self.epoch);
         Ok(out)
     }
 
@@ -239,16 +229,8 @@ impl<'a> CombineCall<'a> {
                 .sum(),
         };
         if res.is_err() {
-            abandon(sh, self.rank, self.epoch);
+            sh.combine_credit.grant_all(self.rank, self.epoch);
         }
         (stats, res)
-    }
-}
-
-/// Gives up combine call `epoch` on `rank` (see `DispatchCall::end`).
-fn abandon(sh: &Shared, rank: usize, epoch: u64) {
-    let r = sh.cfg.num_ranks;
-    for c in &sh.combine_credit[rank * r..(rank + 1) * r] {
-        c.grant(epoch);
     }
 }

@@ -34,22 +34,14 @@ impl<'a> DispatchCall<'a> {
         let r = cfg.num_ranks;
         // Staging writes straight into the destinations' regions: each must have finished
         // reading our previous batch (the credit's acquire orders those reads first).
-        for d in 0..r {
-            if !sh.dispatch_credit[d * r + rank].wait_writable(epoch, &deadline) {
-                abandon(&sh, rank, epoch);
-                return Err(Error::timeout(
-                    rank,
-                    d,
-                    Op::Dispatch,
-                    Side::Send,
-                    epoch,
-                    &deadline,
-                ));
-            }
-        }
-        for f in &sh.dispatch_finish[rank * r..(rank + 1) * r] {
-            f.open();
-        }
+        crate::open_call(
+            &sh.dispatch_credit,
+            &sh.dispatch_finish[rank * r..(rank + 1) * r],
+            rank,
+            epoch,
+            &deadline,
+            Op::Dispatch,
+        )?;
         let plan = Plan::build(&cfg, topk_idx);
         Ok(DispatchCall {
             sh,
@@ -189,9 +181,7 @@ impl<'a> DispatchCall<'a> {
                 });
             }
         }
-        for s in 0..r {
-            sh.dispatch_credit[self.rank * r + s].grant(self.epoch);
-        }
+        sh.dispatch_credit.grant_all(self.rank, self.epoch);
         Ok(())
     }
 
@@ -215,18 +205,9 @@ impl<'a> DispatchCall<'a> {
                 Ok(Handle::new(sh.group_id, self.rank, self.topk_idx, out)),
             ),
             Err(e) => {
-                abandon(sh, self.rank, self.epoch);
+                sh.dispatch_credit.grant_all(self.rank, self.epoch);
                 (stats, Err(e))
             }
         }
-    }
-}
-
-/// Gives up dispatch call `epoch` on `rank`: it will read no more of that call, so every source
-/// may reuse its region (see `ep_reference::transport::signal`).
-fn abandon(sh: &Shared, rank: usize, epoch: u64) {
-    let r = sh.cfg.num_ranks;
-    for c in &sh.dispatch_credit[rank * r..(rank + 1) * r] {
-        c.grant(epoch);
     }
 }

@@ -23,7 +23,7 @@ pub use dispatch::DispatchCall;
 use ep_reference::bf16;
 use ep_reference::path::next_group_id;
 use ep_reference::sync::{Arc, Deadline, SharedRows};
-use ep_reference::transport::{memory, Credit, Signal};
+use ep_reference::transport::{memory, CreditTable, Signal};
 use ep_reference::{CallStats, Config, CpuOptions, DispatchOutput, EpRank, Handle, Result};
 
 use finish::FinishCounter;
@@ -41,13 +41,13 @@ pub struct Shared {
     pub(crate) group_id: u64,
     /// Dispatch batches, index `dst * R + src`: up to T entries each.
     pub(crate) dispatch: Vec<Region>,
-    pub(crate) dispatch_credit: Vec<Credit>,
+    pub(crate) dispatch_credit: CreditTable,
     /// Dispatch finish counters, index `src * R + dst` (owned by the source).
     pub(crate) dispatch_finish: Vec<FinishCounter>,
     /// Combine batches, index `dst * R + src` (dst: the tokens' rank, src: the experts' rank):
     /// up to T * min(K, L) rows of 2H bytes.
     pub(crate) combine: Vec<Region>,
-    pub(crate) combine_credit: Vec<Credit>,
+    pub(crate) combine_credit: CreditTable,
     pub(crate) combine_finish: Vec<FinishCounter>,
 }
 
@@ -84,12 +84,12 @@ pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<BatchedRank>> {
         dispatch: (0..r * r)
             .map(|_| region(cfg.max_tokens_per_rank, batch::entry_bytes(cfg)))
             .collect(),
-        dispatch_credit: (0..r * r).map(|_| Credit::new()).collect(),
+        dispatch_credit: CreditTable::new(r),
         dispatch_finish: (0..r * r).map(|_| FinishCounter::new()).collect(),
         combine: (0..r * r)
             .map(|_| region(Shared::combine_rows(cfg), 2 * cfg.hidden))
             .collect(),
-        combine_credit: (0..r * r).map(|_| Credit::new()).collect(),
+        combine_credit: CreditTable::new(r),
         combine_finish: (0..r * r).map(|_| FinishCounter::new()).collect(),
     });
     Ok((0..r)
@@ -175,6 +175,34 @@ impl BatchedRank {
             handle,
         )
     }
+}
+
+/// Opens call `epoch` of `rank` on one side (dispatch or combine): every destination must have
+/// released our previous batch before staging writes into it (on timeout the call is given up,
+/// see [`CreditTable::grant_all`]), then the finish counters are opened.
+pub(crate) fn open_call(
+    credits: &CreditTable,
+    finish: &[FinishCounter],
+    rank: usize,
+    epoch: u64,
+    deadline: &Deadline,
+    op: ep_reference::Op,
+) -> Result<()> {
+    if let Err(peer) = credits.wait_all_writable(rank, epoch, deadline) {
+        credits.grant_all(rank, epoch);
+        return Err(ep_reference::Error::timeout(
+            rank,
+            peer,
+            op,
+            ep_reference::Side::Send,
+            epoch,
+            deadline,
+        ));
+    }
+    for f in finish {
+        f.open();
+    }
+    Ok(())
 }
 
 /// Runs `stage(worker, workers)` on `workers` threads (the caller's among them), then

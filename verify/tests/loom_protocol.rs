@@ -75,12 +75,13 @@ fn staging_workers_then_sender() {
 /// Model 2: payload, then release signal; acquire, then read. Two ranks dispatch to each other
 /// (every token goes to both), on both paths; each must read the other's rows only after its
 /// signal, and get exactly the oracle's bytes.
-#[test]
-fn payload_then_signal_batched() {
-    loom::model(|| {
+fn payload_then_signal<R: EpRank + 'static>(
+    group: fn(&Config, CpuOptions) -> ep_reference::Result<Vec<R>>,
+) {
+    loom::model(move || {
         let cfg = Config::new(2, 2, 1, 128, 2, Mode::Bf16).unwrap();
         let w = workload(&cfg, &[1, 1], 2);
-        let mut ranks = ep_fast::group(&cfg, opts(1)).unwrap();
+        let mut ranks = group(&cfg, opts(1)).unwrap();
         let mut r1 = ranks.pop().unwrap();
         let mut r0 = ranks.pop().unwrap();
         let t = loom::thread::spawn(move || {
@@ -94,21 +95,13 @@ fn payload_then_signal_batched() {
 }
 
 #[test]
+fn payload_then_signal_batched() {
+    payload_then_signal(ep_fast::group);
+}
+
+#[test]
 fn payload_then_signal_per_expert() {
-    loom::model(|| {
-        let cfg = Config::new(2, 2, 1, 128, 2, Mode::Bf16).unwrap();
-        let w = workload(&cfg, &[1, 1], 3);
-        let mut ranks = per_expert::group(&cfg, opts(1)).unwrap();
-        let mut r1 = ranks.pop().unwrap();
-        let mut r0 = ranks.pop().unwrap();
-        let t = loom::thread::spawn(move || {
-            let (out, _) = r1.dispatch(&w.x[1], &w.topk_idx[1]).unwrap();
-            expect_dispatch(w, 1, &out);
-        });
-        let (out, _) = r0.dispatch(&w.x[0], &w.topk_idx[0]).unwrap();
-        expect_dispatch(w, 0, &out);
-        t.join().unwrap();
-    });
+    payload_then_signal(per_expert::group);
 }
 
 /// Model 3: two consecutive calls on the same buffers (different tokens each call), dispatch

@@ -34,7 +34,7 @@ pub(super) fn run(
 
     // Send every received row of every local expert back to its token's rank, at the token's
     // index in the (destination, expert) region.
-    wait_credits(&sh.combine_credit, r, rank, epoch, &deadline, Op::Combine)?;
+    wait_credits(&sh.combine_credit, rank, epoch, &deadline, Op::Combine)?;
     for l in 0..l_n {
         let e = rank * l_n + l;
         for s in 0..r {
@@ -95,8 +95,6 @@ pub(super) fn run(
             *o = from_f32_rne(*a);
         }
     }
-    for d in 0..r {
-        sh.combine_credit[rank * r + d].grant(epoch);
-    }
+    sh.combine_credit.grant_all(rank, epoch);
     Ok((out, stats))
 }

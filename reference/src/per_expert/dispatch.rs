@@ -31,7 +31,7 @@ pub(super) fn run(
     let mut stats = CallStats::default();
 
     // Send. The credits say every destination finished reading our previous call's messages.
-    wait_credits(&sh.dispatch_credit, r, rank, epoch, &deadline, Op::Dispatch)?;
+    wait_credits(&sh.dispatch_credit, rank, epoch, &deadline, Op::Dispatch)?;
     let mut enc = Encoder::new(cfg);
     let mut payload = vec![0u8; cfg.payload_bytes()];
     let mut sent = vec![0usize; e_n];
@@ -92,8 +92,6 @@ pub(super) fn run(
             }
         }
     }
-    for s in 0..r {
-        sh.dispatch_credit[rank * r + s].grant(epoch);
-    }
+    sh.dispatch_credit.grant_all(rank, epoch);
     Ok(stats)
 }

@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::output::{DispatchOutput, Handle};
 use crate::path::{next_group_id, CpuOptions, EpRank};
 use crate::sync::{Arc, SharedRows};
-use crate::transport::{memory, CallStats, Credit, Signal};
+use crate::transport::{memory, CallStats, CreditTable, Signal};
 use half::bf16;
 
 /// Bytes of metadata in front of each per-expert dispatch message (the source token index,
@@ -39,13 +39,12 @@ pub(crate) struct Shared {
     pub group_id: u64,
     /// Dispatch regions, index `(dst * L + l) * R + src`: T messages each.
     pub dispatch: Vec<Region>,
-    /// Dispatch credits, index `dst * R + src`.
-    pub dispatch_credit: Vec<Credit>,
+    pub dispatch_credit: CreditTable,
     /// Combine regions, index `dst * E + e` (dst: the token's rank, e: the global expert):
     /// T rows of 2H bytes, indexed by token.
     pub combine: Vec<Region>,
-    /// Combine credits, index `dst * R + src` (src: the expert's rank).
-    pub combine_credit: Vec<Credit>,
+    /// Combine credits (src: the experts' rank, dst: the tokens' rank).
+    pub combine_credit: CreditTable,
 }
 
 impl Shared {
@@ -90,9 +89,9 @@ pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<PerExpertRank>> {
         dispatch: (0..r * e)
             .map(|_| Region::new(t, Shared::dispatch_message_bytes(cfg)))
             .collect(),
-        dispatch_credit: (0..r * r).map(|_| Credit::new()).collect(),
+        dispatch_credit: CreditTable::new(r),
         combine: (0..r * e).map(|_| Region::new(t, 2 * cfg.hidden)).collect(),
-        combine_credit: (0..r * r).map(|_| Credit::new()).collect(),
+        combine_credit: CreditTable::new(r),
     });
     Ok((0..r)
         .map(|rank| PerExpertRank {
@@ -110,14 +109,6 @@ impl PerExpertRank {
     /// The bound on every wait of this rank's next calls (initially `CpuOptions::timeout`).
     pub fn set_timeout(&mut self, timeout: std::time::Duration) {
         self.timeout = timeout;
-    }
-
-    /// Gives up on call `epoch` after an error: grants the credits so that peers may reuse
-    /// this rank's buffers (see `transport::signal`).
-    fn abandon(credits: &[Credit], rank: usize, r: usize, epoch: u64) {
-        for c in &credits[rank * r..(rank + 1) * r] {
-            c.grant(epoch);
-        }
     }
 }
 
@@ -149,7 +140,8 @@ impl EpRank for PerExpertRank {
                 Ok(Handle::new(sh.group_id, self.rank, topk_idx, out))
             }
             Err(e) => {
-                Self::abandon(&sh.dispatch_credit, self.rank, sh.cfg.num_ranks, epoch);
+                // Give the call up: peers may reuse our buffers (see `transport::signal`).
+                sh.dispatch_credit.grant_all(self.rank, epoch);
                 Err(e)
             }
         }
@@ -179,7 +171,7 @@ impl EpRank for PerExpertRank {
                 Ok(out)
             }
             Err(e) => {
-                Self::abandon(&sh.combine_credit, self.rank, sh.cfg.num_ranks, epoch);
+                sh.combine_credit.grant_all(self.rank, epoch);
                 Err(e)
             }
         }
@@ -192,24 +184,13 @@ impl EpRank for PerExpertRank {
 
 /// Waits for every destination's credit for call `epoch`.
 pub(crate) fn wait_credits(
-    credits: &[Credit],
-    r: usize,
+    credits: &CreditTable,
     src: usize,
     epoch: u64,
     deadline: &crate::sync::Deadline,
     op: crate::error::Op,
 ) -> Result<()> {
-    for d in 0..r {
-        if !credits[d * r + src].wait_writable(epoch, deadline) {
-            return Err(Error::timeout(
-                src,
-                d,
-                op,
-                crate::error::Side::Send,
-                epoch,
-                deadline,
-            ));
-        }
-    }
-    Ok(())
+    credits
+        .wait_all_writable(src, epoch, deadline)
+        .map_err(|d| Error::timeout(src, d, op, crate::error::Side::Send, epoch, deadline))
 }

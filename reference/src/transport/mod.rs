@@ -6,5 +6,5 @@ pub mod memory;
 pub mod signal;
 pub mod stats;
 
-pub use signal::{Credit, Signal};
+pub use signal::{Credit, CreditTable, Signal};
 pub use stats::CallStats;

@@ -94,3 +94,44 @@ impl Credit {
             .is_some()
     }
 }
+
+/// The R x R credits of one kind of call: entry `dst * R + src` is `dst`'s permission for `src`
+/// to overwrite `src`'s region in `dst`'s memory.
+#[derive(Debug)]
+pub struct CreditTable {
+    credits: Vec<Credit>,
+    ranks: usize,
+}
+
+impl CreditTable {
+    pub fn new(ranks: usize) -> CreditTable {
+        CreditTable {
+            credits: (0..ranks * ranks).map(|_| Credit::new()).collect(),
+            ranks,
+        }
+    }
+
+    /// Sender `src` waits until every destination has released call `epoch - 1`; on timeout
+    /// returns the destination it was waiting for.
+    pub fn wait_all_writable(
+        &self,
+        src: usize,
+        epoch: u64,
+        deadline: &Deadline,
+    ) -> Result<(), usize> {
+        for dst in 0..self.ranks {
+            if !self.credits[dst * self.ranks + src].wait_writable(epoch, deadline) {
+                return Err(dst);
+            }
+        }
+        Ok(())
+    }
+
+    /// Receiver `dst` is done with call `epoch` from every source: after its last read, or when
+    /// it gives the call up.
+    pub fn grant_all(&self, dst: usize, epoch: u64) {
+        for c in &self.credits[dst * self.ranks..(dst + 1) * self.ranks] {
+            c.grant(epoch);
+        }
+    }
+}
