@@ -1,0 +1,356 @@
+//! The torchrun-style process configuration, read from the environment.
+//!
+//! A launcher (torchrun, `mpirun` with a wrapper, Slurm with a wrapper, or this crate's
+//! [`spawn_local`](crate::launcher::spawn_local)) starts one process per GPU and tells each one who
+//! it is through environment variables:
+//!
+//! | variable           | meaning                                          | required |
+//! |--------------------|--------------------------------------------------|----------|
+//! | `RANK`             | global rank, `0..WORLD_SIZE`                     | yes      |
+//! | `WORLD_SIZE`       | number of processes in the job, `>= 1`           | yes      |
+//! | `LOCAL_RANK`       | rank on this node (picks the GPU), `0..LOCAL_WORLD_SIZE` | yes |
+//! | `LOCAL_WORLD_SIZE` | processes on this node                           | no       |
+//! | `MASTER_ADDR`      | host (name or IP) where rank 0 listens           | yes      |
+//! | `MASTER_PORT`      | TCP port where rank 0 listens, `1..=65535`       | yes      |
+//!
+//! Every problem is a typed [`EnvError`] naming the variable and the value it had; nothing here
+//! panics.
+
+use std::time::Duration;
+
+/// Names of the variables, so callers and launchers spell them the same way.
+pub const RANK: &str = "RANK";
+pub const WORLD_SIZE: &str = "WORLD_SIZE";
+pub const LOCAL_RANK: &str = "LOCAL_RANK";
+pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
+pub const MASTER_ADDR: &str = "MASTER_ADDR";
+pub const MASTER_PORT: &str = "MASTER_PORT";
+/// Set by [`spawn_local`](crate::launcher::spawn_local) in its children (value `ep-launch`), so a
+/// program can tell this launcher from an external one.
+pub const EP_LAUNCHER: &str = "EP_LAUNCHER";
+
+/// What went wrong reading the process configuration.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EnvError {
+    #[error("environment variable {var} is not set (a torchrun-style launcher sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)")]
+    Missing { var: &'static str },
+    #[error("environment variable {var} is not valid unicode: {value}")]
+    NotUnicode { var: &'static str, value: String },
+    #[error("environment variable {var}={value:?} is invalid: {reason}")]
+    Invalid {
+        var: &'static str,
+        value: String,
+        reason: String,
+    },
+    #[error(
+        "environment variable {var}={value} is out of range: must be below {limit_var}={limit}"
+    )]
+    OutOfRange {
+        var: &'static str,
+        value: usize,
+        limit_var: &'static str,
+        limit: usize,
+    },
+}
+
+/// One process's place in the job, as a torchrun-style launcher describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessConfig {
+    pub rank: usize,
+    pub world_size: usize,
+    pub local_rank: usize,
+    /// `LOCAL_WORLD_SIZE` when the launcher sets it (torchrun and `spawn_local` do).
+    pub local_world_size: Option<usize>,
+    pub master_addr: String,
+    pub master_port: u16,
+}
+
+impl ProcessConfig {
+    /// Reads the configuration from this process's environment.
+    pub fn from_env() -> Result<Self, EnvError> {
+        Self::from_lookup(|var| match std::env::var(var) {
+            Ok(v) => Ok(Some(v)),
+            Err(std::env::VarError::NotPresent) => Ok(None),
+            Err(std::env::VarError::NotUnicode(os)) => Err(os.to_string_lossy().into_owned()),
+        })
+    }
+
+    /// Reads the configuration through `lookup` (a variable name to `Ok(Some(value))`,
+    /// `Ok(None)` when unset, or `Err(lossy value)` when it is not unicode). For tests and for
+    /// programs that take the same settings from somewhere else.
+    pub fn from_lookup<F>(lookup: F) -> Result<Self, EnvError>
+    where
+        F: Fn(&str) -> Result<Option<String>, String>,
+    {
+        let get = |var: &'static str| -> Result<Option<String>, EnvError> {
+            lookup(var).map_err(|value| EnvError::NotUnicode { var, value })
+        };
+        let required = |var: &'static str| -> Result<String, EnvError> {
+            get(var)?.ok_or(EnvError::Missing { var })
+        };
+
+        let world_size = parse_count(WORLD_SIZE, &required(WORLD_SIZE)?, 1)?;
+        let rank = parse_count(RANK, &required(RANK)?, 0)?;
+        if rank >= world_size {
+            return Err(EnvError::OutOfRange {
+                var: RANK,
+                value: rank,
+                limit_var: WORLD_SIZE,
+                limit: world_size,
+            });
+        }
+        let local_world_size = match get(LOCAL_WORLD_SIZE)? {
+            None => None,
+            Some(v) => {
+                let n = parse_count(LOCAL_WORLD_SIZE, &v, 1)?;
+                if n > world_size {
+                    return Err(EnvError::Invalid {
+                        var: LOCAL_WORLD_SIZE,
+                        value: v,
+                        reason: format!("more processes on this node than WORLD_SIZE={world_size}"),
+                    });
+                }
+                Some(n)
+            }
+        };
+        let local_rank = parse_count(LOCAL_RANK, &required(LOCAL_RANK)?, 0)?;
+        let local_limit =
+            local_world_size.map_or((WORLD_SIZE, world_size), |n| (LOCAL_WORLD_SIZE, n));
+        if local_rank >= local_limit.1 {
+            return Err(EnvError::OutOfRange {
+                var: LOCAL_RANK,
+                value: local_rank,
+                limit_var: local_limit.0,
+                limit: local_limit.1,
+            });
+        }
+
+        let master_addr = required(MASTER_ADDR)?;
+        let trimmed = master_addr.trim();
+        if trimmed.is_empty() || trimmed.chars().any(char::is_whitespace) {
+            return Err(EnvError::Invalid {
+                var: MASTER_ADDR,
+                value: master_addr,
+                reason: "expected a host name or an IP address".into(),
+            });
+        }
+        let master_addr = trimmed.to_string();
+
+        let port_text = required(MASTER_PORT)?;
+        let master_port = match port_text.trim().parse::<u16>() {
+            Ok(0) => {
+                return Err(EnvError::Invalid {
+                    var: MASTER_PORT,
+                    value: port_text,
+                    reason: "port 0 cannot be connected to; pick a port in 1..=65535".into(),
+                })
+            }
+            Ok(p) => p,
+            Err(e) => {
+                return Err(EnvError::Invalid {
+                    var: MASTER_PORT,
+                    value: port_text,
+                    reason: format!("expected a TCP port in 1..=65535 ({e})"),
+                })
+            }
+        };
+
+        Ok(Self {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port,
+        })
+    }
+
+    /// The rendezvous settings for this process, with the given timeouts.
+    pub fn rendezvous_config(
+        &self,
+        connect_timeout: Duration,
+        op_timeout: Duration,
+    ) -> crate::rendezvous::RendezvousConfig {
+        crate::rendezvous::RendezvousConfig {
+            rank: self.rank,
+            world_size: self.world_size,
+            master_addr: self.master_addr.clone(),
+            master_port: self.master_port,
+            connect_timeout,
+            op_timeout,
+        }
+    }
+}
+
+fn parse_count(var: &'static str, value: &str, min: usize) -> Result<usize, EnvError> {
+    match value.trim().parse::<usize>() {
+        Ok(n) if n >= min => Ok(n),
+        Ok(n) => Err(EnvError::Invalid {
+            var,
+            value: value.to_string(),
+            reason: format!("{n} is below the minimum {min}"),
+        }),
+        Err(e) => Err(EnvError::Invalid {
+            var,
+            value: value.to_string(),
+            reason: format!("expected a non-negative integer ({e})"),
+        }),
+    }
+}
+
+/// Whether a launcher (torchrun, [`spawn_local`](crate::launcher::spawn_local), or any other
+/// torchrun-style one) started this process: `RANK` and `WORLD_SIZE` are both set. A program such
+/// as `ep-bench --nprocs N` uses it to decide between running as one rank and spawning the N local
+/// ranks itself.
+pub fn is_launched_externally() -> bool {
+    std::env::var_os(RANK).is_some() && std::env::var_os(WORLD_SIZE).is_some()
+}
+
+/// Whether this process was started by this crate's own launcher (`EP_LAUNCHER=ep-launch`).
+pub fn is_launched_by_ep_launch() -> bool {
+    std::env::var_os(EP_LAUNCHER).is_some_and(|v| v == "ep-launch")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn cfg(pairs: &[(&str, &str)]) -> Result<ProcessConfig, EnvError> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        ProcessConfig::from_lookup(|k| Ok(map.get(k).cloned()))
+    }
+
+    const GOOD: &[(&str, &str)] = &[
+        ("RANK", "3"),
+        ("WORLD_SIZE", "8"),
+        ("LOCAL_RANK", "3"),
+        ("LOCAL_WORLD_SIZE", "4"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+    ];
+
+    fn with(over: &[(&'static str, Option<&'static str>)]) -> Result<ProcessConfig, EnvError> {
+        let mut v: Vec<(&str, &str)> = GOOD.to_vec();
+        for (k, val) in over {
+            v.retain(|(kk, _)| kk != k);
+            if let Some(val) = val {
+                v.push((k, val));
+            }
+        }
+        cfg(&v)
+    }
+
+    #[test]
+    fn good_config_parses() {
+        let c = cfg(GOOD).unwrap();
+        assert_eq!(
+            c,
+            ProcessConfig {
+                rank: 3,
+                world_size: 8,
+                local_rank: 3,
+                local_world_size: Some(4),
+                master_addr: "127.0.0.1".into(),
+                master_port: 29500
+            }
+        );
+        let c = with(&[("LOCAL_WORLD_SIZE", None)]).unwrap();
+        assert_eq!(c.local_world_size, None);
+    }
+
+    #[test]
+    fn each_missing_variable_is_named() {
+        for var in [RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT] {
+            let err = with(&[(var, None)]).unwrap_err();
+            assert_eq!(err, EnvError::Missing { var }, "removing {var}");
+            assert!(err.to_string().contains(var));
+        }
+    }
+
+    #[test]
+    fn invalid_values_name_variable_and_value() {
+        let cases: &[(&'static str, &'static str)] = &[
+            (RANK, "two"),
+            (RANK, "-1"),
+            (WORLD_SIZE, "0"),
+            (WORLD_SIZE, "1.5"),
+            (LOCAL_RANK, ""),
+            (LOCAL_WORLD_SIZE, "0"),
+            (LOCAL_WORLD_SIZE, "9"),
+            (MASTER_ADDR, ""),
+            (MASTER_ADDR, "bad host"),
+            (MASTER_PORT, "0"),
+            (MASTER_PORT, "65536"),
+            (MASTER_PORT, "http"),
+        ];
+        for &(var, value) in cases {
+            match with(&[(var, Some(value))]) {
+                Err(EnvError::Invalid {
+                    var: v, value: got, ..
+                }) => {
+                    assert_eq!((v, got.as_str()), (var, value));
+                    let msg = with(&[(var, Some(value))]).unwrap_err().to_string();
+                    assert!(
+                        msg.contains(var) && msg.contains(&format!("{value:?}")),
+                        "{msg}"
+                    );
+                }
+                other => panic!("{var}={value:?}: expected Invalid, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn ranks_out_of_range_are_rejected() {
+        assert_eq!(
+            with(&[(RANK, Some("8"))]).unwrap_err(),
+            EnvError::OutOfRange {
+                var: RANK,
+                value: 8,
+                limit_var: WORLD_SIZE,
+                limit: 8
+            }
+        );
+        assert_eq!(
+            with(&[(LOCAL_RANK, Some("4"))]).unwrap_err(),
+            EnvError::OutOfRange {
+                var: LOCAL_RANK,
+                value: 4,
+                limit_var: LOCAL_WORLD_SIZE,
+                limit: 4
+            }
+        );
+        assert_eq!(
+            with(&[(LOCAL_RANK, Some("8")), (LOCAL_WORLD_SIZE, None)]).unwrap_err(),
+            EnvError::OutOfRange {
+                var: LOCAL_RANK,
+                value: 8,
+                limit_var: WORLD_SIZE,
+                limit: 8
+            }
+        );
+    }
+
+    #[test]
+    fn non_unicode_value_is_typed() {
+        let err = ProcessConfig::from_lookup(|k| {
+            if k == RANK {
+                Err("\u{fffd}".into())
+            } else {
+                Ok(GOOD
+                    .iter()
+                    .find(|(kk, _)| *kk == k)
+                    .map(|(_, v)| v.to_string()))
+            }
+        })
+        .unwrap_err();
+        assert!(
+            matches!(err, EnvError::NotUnicode { var: RANK, .. }),
+            "{err:?}"
+        );
+    }
+}

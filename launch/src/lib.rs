@@ -1,0 +1,34 @@
+//! `ep-launch`: the CPU-side foundation for running ep-dispatch as one process per GPU.
+//!
+//! - [`env`]: the torchrun-style process configuration (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+//!   `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`).
+//! - [`rendezvous`]: a small TCP rendezvous (std only) with `all_gather`, `broadcast` and `barrier`
+//!   of opaque byte blobs: how the NCCL unique id and the CUDA IPC handles of the communication
+//!   buffers are exchanged. Every wait is bounded; a dead peer is reported promptly by rank.
+//! - [`launcher`]: `spawn_local`, which starts N local ranks of a program (what
+//!   `ep-bench --nprocs N` uses), and reports a failing rank.
+
+pub mod env;
+#[cfg(unix)]
+pub mod launcher;
+pub mod rendezvous;
+
+pub use env::{is_launched_by_ep_launch, is_launched_externally, EnvError, ProcessConfig};
+#[cfg(unix)]
+pub use launcher::{
+    spawn_local, spawn_local_with, ExitHow, Launch, LaunchError, LaunchOptions, LaunchReport,
+    RankExit,
+};
+pub use rendezvous::{Op, Rendezvous, RendezvousConfig, RendezvousError};
+
+/// Any error of this crate, for callers that go from the environment to a formed group.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Env(#[from] EnvError),
+    #[error(transparent)]
+    Rendezvous(#[from] RendezvousError),
+    #[cfg(unix)]
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
+}

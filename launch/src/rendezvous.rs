@@ -1,0 +1,1438 @@
+//! A small TCP rendezvous for the control plane of a multi-process job.
+//!
+//! Rank 0 listens on `MASTER_ADDR:MASTER_PORT`; every other rank connects to it (retrying until a
+//! deadline, since rank 0 may start last). The group is a star around rank 0 and its connections
+//! stay open for its whole life, so later collectives reuse them and a peer's death is seen on
+//! them.
+//!
+//! Collectives move opaque byte blobs (the NCCL unique id, CUDA IPC handles of communication
+//! buffers, host names, ...): [`Rendezvous::all_gather`], [`Rendezvous::broadcast`] and
+//! [`Rendezvous::barrier`]. Every rank must call the same collectives in the same order; each call
+//! has a sequence number (1, 2, ...) that travels in every frame, with the operation, so a peer in
+//! another call is detected and reported instead of silently mixing data.
+//!
+//! # Wire format
+//!
+//! Every frame is a 28-byte little-endian header followed by `len` payload bytes:
+//! `magic "EPRZ" | version u16 | kind u8 | op u8 | seq u64 | src rank u32 | len u64`.
+//! Kinds: `Hello` (rank -> 0: world size), `Welcome` (0 -> rank, once all ranks are in), `Data`,
+//! `Abort` (a failure report: kind u8, culprit rank u32, message), `Bye` (clean close).
+//!
+//! # Failure
+//!
+//! Every wait is bounded (`connect_timeout` while connecting, `op_timeout` per collective) and
+//! every error names this rank, the peer, the operation and the sequence number. A peer whose
+//! connection closes or resets is reported as [`RendezvousError::PeerLost`] as soon as it is seen
+//! (the sockets are polled every fraction of a millisecond while waiting), not at the timeout.
+//! When rank 0 sees a failure it relays it (an `Abort` frame naming the culprit) to every other
+//! rank, so they fail promptly with an error naming the rank that died, not merely rank 0. After
+//! a failure the group is broken: further calls fail at once with [`RendezvousError::Broken`].
+
+use std::collections::VecDeque;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+const MAGIC: [u8; 4] = *b"EPRZ";
+/// Bumped whenever the wire format changes; a peer with another version is refused.
+pub const PROTOCOL_VERSION: u16 = 1;
+const HEADER_LEN: usize = 28;
+/// The largest payload one frame may carry (an all-gather result included). Far above what the
+/// control plane needs (an NCCL unique id is 128 bytes, a CUDA IPC handle 64), low enough that a
+/// garbage length from a stray peer cannot make us allocate the machine away.
+pub const MAX_PAYLOAD: u64 = 1 << 30;
+/// How long the poll loops sleep when no socket made progress.
+const POLL_SLEEP: Duration = Duration::from_micros(200);
+
+/// The collective (or phase) an error happened in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    Connect,
+    AllGather,
+    Broadcast,
+    Barrier,
+    CheckPeers,
+}
+
+impl Op {
+    fn code(self) -> u8 {
+        match self {
+            Op::Connect => 0,
+            Op::AllGather => 1,
+            Op::Broadcast => 2,
+            Op::Barrier => 3,
+            Op::CheckPeers => 4,
+        }
+    }
+    fn from_code(c: u8) -> Option<Op> {
+        Some(match c {
+            0 => Op::Connect,
+            1 => Op::AllGather,
+            2 => Op::Broadcast,
+            3 => Op::Barrier,
+            4 => Op::CheckPeers,
+            _ => return None,
+        })
+    }
+}
+
+impl std::fmt::Display for Op {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Op::Connect => "connect",
+            Op::AllGather => "all_gather",
+            Op::Broadcast => "broadcast",
+            Op::Barrier => "barrier",
+            Op::CheckPeers => "check_peers",
+        })
+    }
+}
+
+/// A rendezvous failure. Every variant names this rank (`rank`); those about a peer name it
+/// (`peer`), the operation (`op`) and the call's sequence number (`seq`, 0 while connecting).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RendezvousError {
+    #[error("rank {rank}: invalid rendezvous configuration: {detail}")]
+    InvalidConfig { rank: usize, detail: String },
+    #[error("rank {rank}: cannot listen on {addr}: {cause}")]
+    Bind {
+        rank: usize,
+        addr: String,
+        cause: String,
+    },
+    #[error("rank {rank}: could not connect to rank {peer} at {addr} within {timeout:?}: {cause}")]
+    Connect {
+        rank: usize,
+        peer: usize,
+        addr: String,
+        timeout: Duration,
+        cause: String,
+    },
+    #[error("rank {rank}: {op} #{seq} timed out after {timeout:?} waiting for rank {peer}")]
+    Timeout {
+        rank: usize,
+        peer: usize,
+        op: Op,
+        seq: u64,
+        timeout: Duration,
+    },
+    #[error("rank {rank}: peer rank {peer} lost during {op} #{seq}: {cause}")]
+    PeerLost {
+        rank: usize,
+        peer: usize,
+        op: Op,
+        seq: u64,
+        cause: String,
+    },
+    #[error("rank {rank}: protocol error with rank {peer} in {op} #{seq}: {detail}")]
+    Protocol {
+        rank: usize,
+        peer: usize,
+        op: Op,
+        seq: u64,
+        detail: String,
+    },
+    #[error(
+        "rank {rank}: barrier #{seq} with tag {tag:?}, but rank {peer} is at barrier {peer_tag:?}"
+    )]
+    BarrierMismatch {
+        rank: usize,
+        peer: usize,
+        seq: u64,
+        tag: String,
+        peer_tag: String,
+    },
+    #[error("rank {rank}: {op} #{seq} aborted: rank {reporter} reported a failure of rank {peer}: {detail}")]
+    Aborted {
+        rank: usize,
+        peer: usize,
+        reporter: usize,
+        op: Op,
+        seq: u64,
+        detail: String,
+    },
+    #[error("rank {rank}: {op} #{seq} refused: the group already failed ({first})")]
+    Broken {
+        rank: usize,
+        op: Op,
+        seq: u64,
+        first: Box<RendezvousError>,
+    },
+}
+
+impl RendezvousError {
+    /// The rank this error is about (the one that died, timed out or misbehaved), if any.
+    pub fn peer(&self) -> Option<usize> {
+        match self {
+            RendezvousError::InvalidConfig { .. } | RendezvousError::Bind { .. } => None,
+            RendezvousError::Connect { peer, .. }
+            | RendezvousError::Timeout { peer, .. }
+            | RendezvousError::PeerLost { peer, .. }
+            | RendezvousError::Protocol { peer, .. }
+            | RendezvousError::BarrierMismatch { peer, .. }
+            | RendezvousError::Aborted { peer, .. } => Some(*peer),
+            RendezvousError::Broken { first, .. } => first.peer(),
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, RendezvousError>;
+
+/// Where rank 0 is, who this process is, and the time bounds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RendezvousConfig {
+    pub rank: usize,
+    pub world_size: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    /// Bound on forming the group: rank 0 waits this long for all ranks, the others this long
+    /// to reach rank 0 and be welcomed.
+    pub connect_timeout: Duration,
+    /// Bound on each collective call.
+    pub op_timeout: Duration,
+}
+
+impl RendezvousConfig {
+    /// A loopback configuration (used by tests and by single-node jobs).
+    pub fn local(rank: usize, world_size: usize, port: u16, timeout: Duration) -> Self {
+        RendezvousConfig {
+            rank,
+            world_size,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            connect_timeout: timeout,
+            op_timeout: timeout,
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |detail: String| {
+            Err(RendezvousError::InvalidConfig {
+                rank: self.rank,
+                detail,
+            })
+        };
+        if self.world_size == 0 || self.world_size > u32::MAX as usize {
+            return bad(format!("world_size {} out of 1..=2^32-1", self.world_size));
+        }
+        if self.rank >= self.world_size {
+            return bad(format!(
+                "rank {} >= world_size {}",
+                self.rank, self.world_size
+            ));
+        }
+        if self.connect_timeout.is_zero() || self.op_timeout.is_zero() {
+            return bad("timeouts must be nonzero".into());
+        }
+        Ok(())
+    }
+
+    fn addr_string(&self) -> String {
+        if self.master_addr.contains(':') && !self.master_addr.starts_with('[') {
+            format!("[{}]:{}", self.master_addr, self.master_port)
+        } else {
+            format!("{}:{}", self.master_addr, self.master_port)
+        }
+    }
+
+    fn resolve(&self) -> std::result::Result<Vec<SocketAddr>, String> {
+        let addrs: Vec<SocketAddr> = (self.master_addr.as_str(), self.master_port)
+            .to_socket_addrs()
+            .map_err(|e| format!("cannot resolve {}: {e}", self.addr_string()))?
+            .collect();
+        if addrs.is_empty() {
+            return Err(format!("{} resolves to no address", self.addr_string()));
+        }
+        Ok(addrs)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Frames
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Hello = 1,
+    Welcome = 2,
+    Data = 3,
+    Abort = 4,
+    Bye = 5,
+}
+
+impl Kind {
+    fn from_code(c: u8) -> Option<Kind> {
+        Some(match c {
+            1 => Kind::Hello,
+            2 => Kind::Welcome,
+            3 => Kind::Data,
+            4 => Kind::Abort,
+            5 => Kind::Bye,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug)]
+struct Frame {
+    kind: Kind,
+    op: Op,
+    seq: u64,
+    src: usize,
+    payload: Vec<u8>,
+}
+
+fn encode(kind: Kind, op: Op, seq: u64, src: usize, payload: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(HEADER_LEN + payload.len());
+    v.extend_from_slice(&MAGIC);
+    v.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    v.push(kind as u8);
+    v.push(op.code());
+    v.extend_from_slice(&seq.to_le_bytes());
+    v.extend_from_slice(&(src as u32).to_le_bytes());
+    v.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    v.extend_from_slice(payload);
+    v
+}
+
+/// Parses one frame from the front of `buf`: `Ok(None)` when more bytes are needed.
+fn parse(buf: &[u8]) -> std::result::Result<Option<(Frame, usize)>, String> {
+    if buf.len() < HEADER_LEN {
+        // Reject a wrong magic as early as possible (a stray client, an HTTP probe, ...).
+        let n = buf.len().min(4);
+        if buf[..n] != MAGIC[..n] {
+            return Err(format!(
+                "bad magic {:02x?} (not an ep-launch rendezvous peer)",
+                &buf[..n]
+            ));
+        }
+        return Ok(None);
+    }
+    if buf[..4] != MAGIC {
+        return Err(format!(
+            "bad magic {:02x?} (not an ep-launch rendezvous peer)",
+            &buf[..4]
+        ));
+    }
+    let u16_at = |i: usize| u16::from_le_bytes([buf[i], buf[i + 1]]);
+    let u32_at = |i: usize| u32::from_le_bytes([buf[i], buf[i + 1], buf[i + 2], buf[i + 3]]);
+    let u64_at = |i: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&buf[i..i + 8]);
+        u64::from_le_bytes(b)
+    };
+    let version = u16_at(4);
+    if version != PROTOCOL_VERSION {
+        return Err(format!(
+            "peer speaks rendezvous protocol version {version}, this rank version {PROTOCOL_VERSION}"
+        ));
+    }
+    let kind = Kind::from_code(buf[6]).ok_or_else(|| format!("unknown frame kind {}", buf[6]))?;
+    let op = Op::from_code(buf[7]).ok_or_else(|| format!("unknown operation code {}", buf[7]))?;
+    let seq = u64_at(8);
+    let src = u32_at(16) as usize;
+    let len = u64_at(20);
+    if len > MAX_PAYLOAD {
+        return Err(format!(
+            "frame of {len} bytes exceeds the limit {MAX_PAYLOAD}"
+        ));
+    }
+    let total = HEADER_LEN + len as usize;
+    if buf.len() < total {
+        return Ok(None);
+    }
+    let payload = buf[HEADER_LEN..total].to_vec();
+    Ok(Some((
+        Frame {
+            kind,
+            op,
+            seq,
+            src,
+            payload,
+        },
+        total,
+    )))
+}
+
+fn encode_blobs(blobs: &[Vec<u8>]) -> Vec<u8> {
+    let total: usize = blobs.iter().map(|b| b.len() + 8).sum();
+    let mut v = Vec::with_capacity(4 + total);
+    v.extend_from_slice(&(blobs.len() as u32).to_le_bytes());
+    for b in blobs {
+        v.extend_from_slice(&(b.len() as u64).to_le_bytes());
+        v.extend_from_slice(b);
+    }
+    v
+}
+
+fn decode_blobs(buf: &[u8]) -> std::result::Result<Vec<Vec<u8>>, String> {
+    let take = |pos: &mut usize, n: usize| -> std::result::Result<&[u8], String> {
+        let end = pos
+            .checked_add(n)
+            .filter(|&e| e <= buf.len())
+            .ok_or_else(|| format!("all_gather payload truncated at byte {}", *pos))?;
+        let s = &buf[*pos..end];
+        *pos = end;
+        Ok(s)
+    };
+    let mut pos = 0;
+    let mut b4 = [0u8; 4];
+    b4.copy_from_slice(take(&mut pos, 4)?);
+    let count = u32::from_le_bytes(b4) as usize;
+    let mut out = Vec::with_capacity(count.min(1 << 16));
+    for _ in 0..count {
+        let mut b8 = [0u8; 8];
+        b8.copy_from_slice(take(&mut pos, 8)?);
+        let len = u64::from_le_bytes(b8);
+        let len = usize::try_from(len).map_err(|_| format!("blob length {len} too large"))?;
+        out.push(take(&mut pos, len)?.to_vec());
+    }
+    if pos != buf.len() {
+        return Err(format!(
+            "all_gather payload has {} trailing bytes",
+            buf.len() - pos
+        ));
+    }
+    Ok(out)
+}
+
+/// Abort payload: failure kind, culprit rank, message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AbortKind {
+    Lost = 1,
+    Timeout = 2,
+    Other = 3,
+}
+
+fn abort_payload(err: &RendezvousError) -> Vec<u8> {
+    let (kind, culprit, msg) = match err {
+        RendezvousError::PeerLost { peer, cause, .. } => (AbortKind::Lost, *peer, cause.clone()),
+        RendezvousError::Timeout { peer, .. } => (AbortKind::Timeout, *peer, err.to_string()),
+        RendezvousError::Broken { first, .. } => return abort_payload(first),
+        other => (
+            AbortKind::Other,
+            other.peer().unwrap_or(usize::MAX),
+            other.to_string(),
+        ),
+    };
+    let mut v = vec![kind as u8];
+    v.extend_from_slice(&(culprit.min(u32::MAX as usize) as u32).to_le_bytes());
+    v.extend_from_slice(msg.as_bytes());
+    v
+}
+
+// ---------------------------------------------------------------------------------------------
+// Links
+
+/// Why a link cannot deliver more frames.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Fault {
+    /// The peer said goodbye (and may have closed).
+    Clean,
+    /// The connection closed or reset without a goodbye.
+    Lost(String),
+    /// The peer sent bytes that are not a valid frame.
+    Bad(String),
+}
+
+/// One connection to a peer: a nonblocking socket, the bytes read so far and the frames parsed.
+struct Link {
+    peer: usize,
+    stream: TcpStream,
+    rbuf: Vec<u8>,
+    inbox: VecDeque<Frame>,
+    fault: Option<Fault>,
+}
+
+impl Link {
+    fn new(peer: usize, stream: TcpStream) -> std::io::Result<Link> {
+        stream.set_nonblocking(true)?;
+        stream.set_nodelay(true)?;
+        Ok(Link {
+            peer,
+            stream,
+            rbuf: Vec::new(),
+            inbox: VecDeque::new(),
+            fault: None,
+        })
+    }
+
+    /// Reads whatever is available without blocking and parses complete frames into the inbox.
+    /// Returns whether anything happened.
+    fn pump(&mut self) -> bool {
+        if self.fault.is_some() {
+            return false;
+        }
+        let mut progress = false;
+        let mut closed: Option<String> = None;
+        let mut chunk = [0u8; 64 * 1024];
+        loop {
+            match self.stream.read(&mut chunk) {
+                Ok(0) => {
+                    closed = Some(
+                        "connection closed without a goodbye (process exited or crashed)".into(),
+                    );
+                    break;
+                }
+                Ok(n) => {
+                    self.rbuf.extend_from_slice(&chunk[..n]);
+                    progress = true;
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    closed = Some(format!("connection error: {e}"));
+                    break;
+                }
+            }
+        }
+        let mut consumed = 0;
+        loop {
+            match parse(&self.rbuf[consumed..]) {
+                Ok(Some((frame, n))) => {
+                    consumed += n;
+                    self.inbox.push_back(frame);
+                }
+                Ok(None) => break,
+                Err(detail) => {
+                    self.fault = Some(Fault::Bad(detail));
+                    break;
+                }
+            }
+        }
+        self.rbuf.drain(..consumed);
+        if let Some(cause) = closed {
+            progress = true;
+            if self.fault.is_none() {
+                // Frames parsed before the close stay deliverable; the fault only says that no
+                // more will come, and whether the peer said goodbye first.
+                let clean = self.inbox.iter().any(|f| f.kind == Kind::Bye);
+                self.fault = Some(if clean {
+                    Fault::Clean
+                } else {
+                    Fault::Lost(cause)
+                });
+            }
+        }
+        progress
+    }
+
+    /// Writes one whole frame before `deadline`, reading meanwhile so neither side can block the
+    /// other on full buffers.
+    fn send(&mut self, bytes: &[u8], deadline: Instant) -> std::result::Result<(), SendFault> {
+        let mut off = 0;
+        while off < bytes.len() {
+            match self.stream.write(&bytes[off..]) {
+                Ok(0) => return Err(SendFault::Lost("connection closed (wrote 0 bytes)".into())),
+                Ok(n) => off += n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        return Err(SendFault::Timeout);
+                    }
+                    self.pump();
+                    std::thread::sleep(POLL_SLEEP);
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(SendFault::Lost(format!("send failed: {e}"))),
+            }
+        }
+        Ok(())
+    }
+}
+
+enum SendFault {
+    Lost(String),
+    Timeout,
+}
+
+// ---------------------------------------------------------------------------------------------
+// The group
+
+struct Inner {
+    /// Sequence number of the last call started (0: connecting).
+    seq: u64,
+    /// Rank 0: links to ranks 1..world_size, in rank order. Others: the one link to rank 0.
+    links: Vec<Link>,
+    /// The first failure; the group refuses further calls once set.
+    broken: Option<RendezvousError>,
+}
+
+/// A connected group of `world_size` processes (or threads). `Sync`: the collectives take
+/// `&self` and are serialized by an internal lock; every rank must call the same collectives in
+/// the same order.
+pub struct Rendezvous {
+    rank: usize,
+    world_size: usize,
+    op_timeout: Duration,
+    inner: Mutex<Inner>,
+}
+
+impl std::fmt::Debug for Rendezvous {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rendezvous")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("op_timeout", &self.op_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Rendezvous {
+    /// Forms the group: rank 0 binds `master_addr:master_port` and waits for every other rank;
+    /// the others connect to it, retrying until `connect_timeout`. Returns once all
+    /// `world_size` ranks are connected (this call is also a barrier).
+    pub fn connect(cfg: &RendezvousConfig) -> Result<Self> {
+        cfg.validate()?;
+        if cfg.rank == 0 {
+            let addrs = cfg.resolve().map_err(|cause| RendezvousError::Bind {
+                rank: 0,
+                addr: cfg.addr_string(),
+                cause,
+            })?;
+            let listener = TcpListener::bind(&addrs[..]).map_err(|e| RendezvousError::Bind {
+                rank: 0,
+                addr: cfg.addr_string(),
+                cause: e.to_string(),
+            })?;
+            Self::accept_all(cfg, listener)
+        } else {
+            Self::connect_to_root(cfg)
+        }
+    }
+
+    /// Rank 0 with a listener the caller already bound (so a test or launcher can pick a free
+    /// port with `bind("127.0.0.1:0")` without a race). `cfg.rank` must be 0.
+    pub fn with_listener(cfg: &RendezvousConfig, listener: TcpListener) -> Result<Self> {
+        cfg.validate()?;
+        if cfg.rank != 0 {
+            return Err(RendezvousError::InvalidConfig {
+                rank: cfg.rank,
+                detail: "only rank 0 listens".into(),
+            });
+        }
+        Self::accept_all(cfg, listener)
+    }
+
+    /// Reads the torchrun-style environment ([`ProcessConfig::from_env`](crate::env::ProcessConfig::from_env))
+    /// and forms the group.
+    pub fn from_env(
+        connect_timeout: Duration,
+        op_timeout: Duration,
+    ) -> std::result::Result<Self, crate::Error> {
+        let pc = crate::env::ProcessConfig::from_env()?;
+        Ok(Self::connect(
+            &pc.rendezvous_config(connect_timeout, op_timeout),
+        )?)
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// The sequence number the next collective call will carry.
+    pub fn next_seq(&self) -> u64 {
+        self.lock().seq + 1
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave Inner half-updated in a way that matters:
+        // the worst case is a group that fails its next call, which it reports.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn accept_all(cfg: &RendezvousConfig, listener: TcpListener) -> Result<Self> {
+        let rank = 0;
+        let world = cfg.world_size;
+        let deadline = Instant::now() + cfg.connect_timeout;
+        let addr = listener
+            .local_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_else(|_| cfg.addr_string());
+        let bind_err = |e: std::io::Error| RendezvousError::Bind {
+            rank,
+            addr: addr.clone(),
+            cause: e.to_string(),
+        };
+        listener.set_nonblocking(true).map_err(bind_err)?;
+
+        let mut slots: Vec<Option<Link>> = (0..world).map(|_| None).collect();
+        // Connections accepted but not yet identified (peer = usize::MAX until Hello).
+        let mut pending: Vec<Link> = Vec::new();
+        let mut connected = 1;
+        let fail = |slots: &mut Vec<Option<Link>>, err: RendezvousError| {
+            let payload = abort_payload(&err);
+            let bytes = encode(Kind::Abort, Op::Connect, 0, 0, &payload);
+            let d = Instant::now() + Duration::from_millis(100);
+            for link in slots.iter_mut().flatten() {
+                let _ = link.send(&bytes, d);
+            }
+            err
+        };
+
+        while connected < world {
+            let mut progress = false;
+            loop {
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        progress = true;
+                        // A socket we cannot configure is dropped; its rank will retry or time out.
+                        if let Ok(link) = Link::new(usize::MAX, stream) {
+                            pending.push(link);
+                        }
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    // Transient accept errors (ECONNABORTED, EMFILE, ...): try again next round.
+                    Err(_) => break,
+                }
+            }
+            // Identify pending connections.
+            let mut i = 0;
+            while i < pending.len() {
+                progress |= pending[i].pump();
+                let link = &mut pending[i];
+                if let Some(hello) = link.inbox.pop_front() {
+                    let mut link = pending.swap_remove(i);
+                    let peer = hello.src;
+                    let claimed_world = if hello.payload.len() == 4 {
+                        u32::from_le_bytes([
+                            hello.payload[0],
+                            hello.payload[1],
+                            hello.payload[2],
+                            hello.payload[3],
+                        ]) as usize
+                    } else {
+                        0
+                    };
+                    let problem = if hello.kind != Kind::Hello || hello.op != Op::Connect {
+                        Some(format!(
+                            "expected a hello, got {:?} for {}",
+                            hello.kind, hello.op
+                        ))
+                    } else if claimed_world != world {
+                        Some(format!(
+                            "rank {peer} was started with world size {claimed_world}, rank 0 with {world}"
+                        ))
+                    } else if peer == 0 || peer >= world {
+                        Some(format!("a peer claims rank {peer}, outside 1..{world}"))
+                    } else if slots[peer].is_some() {
+                        Some(format!("two processes claim rank {peer}"))
+                    } else {
+                        None
+                    };
+                    if let Some(detail) = problem {
+                        let err = RendezvousError::Protocol {
+                            rank,
+                            peer: peer.min(u32::MAX as usize),
+                            op: Op::Connect,
+                            seq: 0,
+                            detail,
+                        };
+                        let bytes = encode(Kind::Abort, Op::Connect, 0, 0, &abort_payload(&err));
+                        let _ = link.send(&bytes, Instant::now() + Duration::from_millis(100));
+                        return Err(fail(&mut slots, err));
+                    }
+                    link.peer = peer;
+                    slots[peer] = Some(link);
+                    connected += 1;
+                    progress = true;
+                } else if link.fault.is_some() {
+                    // A stray or failed connection before identifying itself: not a rank of ours.
+                    pending.swap_remove(i);
+                } else {
+                    i += 1;
+                }
+            }
+            // Ranks already in must stay alive while we wait for the rest.
+            for link in slots.iter_mut().flatten() {
+                progress |= link.pump();
+                if let Some(Fault::Lost(cause)) | Some(Fault::Bad(cause)) = &link.fault {
+                    let err = RendezvousError::PeerLost {
+                        rank,
+                        peer: link.peer,
+                        op: Op::Connect,
+                        seq: 0,
+                        cause: cause.clone(),
+                    };
+                    return Err(fail(&mut slots, err));
+                }
+                if link.fault == Some(Fault::Clean) || !link.inbox.is_empty() {
+                    let err = RendezvousError::PeerLost {
+                        rank,
+                        peer: link.peer,
+                        op: Op::Connect,
+                        seq: 0,
+                        cause: "left (or aborted) before the group was formed".into(),
+                    };
+                    return Err(fail(&mut slots, err));
+                }
+            }
+            if connected == world {
+                break;
+            }
+            if Instant::now() >= deadline {
+                let missing = (1..world).find(|&r| slots[r].is_none()).unwrap_or(1);
+                let err = RendezvousError::Timeout {
+                    rank,
+                    peer: missing,
+                    op: Op::Connect,
+                    seq: 0,
+                    timeout: cfg.connect_timeout,
+                };
+                return Err(fail(&mut slots, err));
+            }
+            if !progress {
+                std::thread::sleep(POLL_SLEEP);
+            }
+        }
+
+        let mut links: Vec<Link> = slots.into_iter().flatten().collect();
+        let welcome = encode(
+            Kind::Welcome,
+            Op::Connect,
+            0,
+            0,
+            &(world as u32).to_le_bytes(),
+        );
+        let send_deadline = Instant::now() + cfg.op_timeout.min(Duration::from_secs(10));
+        for i in 0..links.len() {
+            if let Err(f) = links[i].send(&welcome, send_deadline) {
+                let peer = links[i].peer;
+                let err = match f {
+                    SendFault::Lost(cause) => RendezvousError::PeerLost {
+                        rank,
+                        peer,
+                        op: Op::Connect,
+                        seq: 0,
+                        cause,
+                    },
+                    SendFault::Timeout => RendezvousError::Timeout {
+                        rank,
+                        peer,
+                        op: Op::Connect,
+                        seq: 0,
+                        timeout: cfg.op_timeout,
+                    },
+                };
+                let mut slots: Vec<Option<Link>> = links.into_iter().map(Some).collect();
+                return Err(fail(&mut slots, err));
+            }
+        }
+        Ok(Rendezvous {
+            rank,
+            world_size: world,
+            op_timeout: cfg.op_timeout,
+            inner: Mutex::new(Inner {
+                seq: 0,
+                links,
+                broken: None,
+            }),
+        })
+    }
+
+    fn connect_to_root(cfg: &RendezvousConfig) -> Result<Self> {
+        let rank = cfg.rank;
+        let start = Instant::now();
+        let deadline = start + cfg.connect_timeout;
+        let connect_err = |cause: String| RendezvousError::Connect {
+            rank,
+            peer: 0,
+            addr: cfg.addr_string(),
+            timeout: cfg.connect_timeout,
+            cause,
+        };
+        let hello = encode(
+            Kind::Hello,
+            Op::Connect,
+            0,
+            rank,
+            &(cfg.world_size as u32).to_le_bytes(),
+        );
+        let mut last_error = String::from("no attempt made");
+        let mut link = loop {
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(connect_err(last_error));
+            }
+            let attempt = (|| -> std::result::Result<TcpStream, String> {
+                let addrs = cfg.resolve()?;
+                let mut err = String::new();
+                for a in addrs {
+                    let budget = deadline
+                        .saturating_duration_since(Instant::now())
+                        .min(Duration::from_secs(2))
+                        .max(Duration::from_millis(1));
+                    match TcpStream::connect_timeout(&a, budget) {
+                        Ok(s) => return Ok(s),
+                        Err(e) => err = format!("{a}: {e}"),
+                    }
+                }
+                Err(err)
+            })();
+            match attempt.and_then(|s| Link::new(0, s).map_err(|e| e.to_string())) {
+                Ok(mut link) => match link.send(&hello, deadline) {
+                    Ok(()) => break link,
+                    Err(SendFault::Lost(c)) => last_error = c,
+                    Err(SendFault::Timeout) => last_error = "sending hello timed out".into(),
+                },
+                Err(e) => last_error = e,
+            }
+            // Rank 0 may not be listening yet.
+            std::thread::sleep(Duration::from_millis(20));
+        };
+
+        // Wait to be welcomed: rank 0 answers once every rank is in, so allow it the whole
+        // connect timeout plus a grace for the last rank's connection to arrive.
+        let welcome_deadline = deadline + grace(cfg.connect_timeout);
+        loop {
+            let progress = link.pump();
+            if let Some(frame) = link.inbox.pop_front() {
+                return match frame.kind {
+                    Kind::Welcome if frame.op == Op::Connect => Ok(Rendezvous {
+                        rank,
+                        world_size: cfg.world_size,
+                        op_timeout: cfg.op_timeout,
+                        inner: Mutex::new(Inner {
+                            seq: 0,
+                            links: vec![link],
+                            broken: None,
+                        }),
+                    }),
+                    Kind::Abort => Err(abort_error(rank, 0, Op::Connect, 0, &frame.payload)),
+                    other => Err(RendezvousError::Protocol {
+                        rank,
+                        peer: 0,
+                        op: Op::Connect,
+                        seq: 0,
+                        detail: format!("expected a welcome, got {other:?}"),
+                    }),
+                };
+            }
+            match &link.fault {
+                Some(Fault::Bad(detail)) => {
+                    return Err(RendezvousError::Protocol {
+                        rank,
+                        peer: 0,
+                        op: Op::Connect,
+                        seq: 0,
+                        detail: detail.clone(),
+                    })
+                }
+                Some(Fault::Lost(cause)) => {
+                    return Err(RendezvousError::PeerLost {
+                        rank,
+                        peer: 0,
+                        op: Op::Connect,
+                        seq: 0,
+                        cause: cause.clone(),
+                    })
+                }
+                Some(Fault::Clean) => {
+                    return Err(RendezvousError::PeerLost {
+                        rank,
+                        peer: 0,
+                        op: Op::Connect,
+                        seq: 0,
+                        cause: "rank 0 left before welcoming this rank".into(),
+                    })
+                }
+                None => {}
+            }
+            if Instant::now() >= welcome_deadline {
+                return Err(RendezvousError::Timeout {
+                    rank,
+                    peer: 0,
+                    op: Op::Connect,
+                    seq: 0,
+                    timeout: welcome_deadline - start,
+                });
+            }
+            if !progress {
+                std::thread::sleep(POLL_SLEEP);
+            }
+        }
+    }
+
+    /// Every rank contributes `blob`; every rank gets all `world_size` blobs, in rank order.
+    /// Blobs may differ in length (empty is fine).
+    pub fn all_gather(&self, blob: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.gather_op(Op::AllGather, blob)
+    }
+
+    /// Rank 0's `blob` on every rank. The other ranks' `blob` arguments are ignored (pass `&[]`).
+    pub fn broadcast(&self, blob: &[u8]) -> Result<Vec<u8>> {
+        let mut inner = self.lock();
+        let seq = self.begin(&mut inner, Op::Broadcast)?;
+        let r = if self.rank == 0 {
+            // Look at the links first, so a peer known to be dead fails this call.
+            self.poll_faults(&mut inner, Op::Broadcast, seq)
+                .and_then(|()| {
+                    let bytes = encode(Kind::Data, Op::Broadcast, seq, 0, blob);
+                    self.send_all(&mut inner, &bytes, Op::Broadcast, seq)?;
+                    Ok(blob.to_vec())
+                })
+        } else {
+            self.collect(&mut inner, Op::Broadcast, seq)
+                .map(|mut v| v.pop().unwrap_or_default())
+        };
+        self.finish(&mut inner, Op::Broadcast, seq, r)
+    }
+
+    /// Waits until every rank reaches the barrier with the same `tag`. A rank at a barrier with
+    /// another tag, or in another collective, fails every rank with an error naming it.
+    pub fn barrier(&self, tag: &str) -> Result<()> {
+        let tags = self.gather_op(Op::Barrier, tag.as_bytes())?;
+        for (peer, t) in tags.iter().enumerate() {
+            if t.as_slice() != tag.as_bytes() {
+                let err = RendezvousError::BarrierMismatch {
+                    rank: self.rank,
+                    peer,
+                    seq: self.lock().seq,
+                    tag: tag.to_string(),
+                    peer_tag: String::from_utf8_lossy(t).into_owned(),
+                };
+                self.lock().broken = Some(err.clone());
+                return Err(err);
+            }
+        }
+        Ok(())
+    }
+
+    /// Looks at the connections without waiting: fails if a peer died or a failure was reported,
+    /// succeeds otherwise (also when a peer left cleanly). Meant for a watchdog thread that polls
+    /// while the data plane (GPU kernels) runs, to abort instead of waiting for a dead peer. A
+    /// failure rank 0 sees is relayed to the other ranks, whose next `check_peers` sees it.
+    pub fn check_peers(&self) -> Result<()> {
+        let mut inner = self.lock();
+        let seq = inner.seq;
+        if let Some(first) = &inner.broken {
+            return Err(RendezvousError::Broken {
+                rank: self.rank,
+                op: Op::CheckPeers,
+                seq,
+                first: Box::new(first.clone()),
+            });
+        }
+        let r = self.poll_faults(&mut inner, Op::CheckPeers, seq);
+        self.finish(&mut inner, Op::CheckPeers, seq, r)
+    }
+
+    /// Closes the connections abruptly, without the goodbye a clean drop sends: the peers see
+    /// what they would see if this process crashed. For failure tests.
+    #[doc(hidden)]
+    pub fn abandon(self) {
+        // Dropping the streams closes them; Drop then finds no link to say goodbye on.
+        self.lock().links.clear();
+    }
+
+    // -- internals ------------------------------------------------------------------------
+
+    fn begin(&self, inner: &mut Inner, op: Op) -> Result<u64> {
+        inner.seq += 1;
+        let seq = inner.seq;
+        if let Some(first) = &inner.broken {
+            return Err(RendezvousError::Broken {
+                rank: self.rank,
+                op,
+                seq,
+                first: Box::new(first.clone()),
+            });
+        }
+        Ok(seq)
+    }
+
+    /// Records a failure, reports it to the peers that can still hear it (rank 0: everyone,
+    /// others: rank 0, which relays), and returns it.
+    fn finish<T>(&self, inner: &mut Inner, op: Op, seq: u64, r: Result<T>) -> Result<T> {
+        match r {
+            Ok(v) => Ok(v),
+            Err(err) => {
+                if inner.broken.is_none() {
+                    inner.broken = Some(err.clone());
+                    let bytes = encode(Kind::Abort, op, seq, self.rank, &abort_payload(&err));
+                    let d = Instant::now() + Duration::from_millis(200);
+                    for link in inner.links.iter_mut() {
+                        if link.fault.is_none() && Some(link.peer) != err.peer_if_lost() {
+                            let _ = link.send(&bytes, d);
+                        }
+                    }
+                }
+                Err(err)
+            }
+        }
+    }
+
+    fn gather_op(&self, op: Op, blob: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let mut inner = self.lock();
+        let seq = self.begin(&mut inner, op)?;
+        let r = if self.rank == 0 {
+            self.collect(&mut inner, op, seq).and_then(|rest| {
+                let mut all = Vec::with_capacity(self.world_size);
+                all.push(blob.to_vec());
+                all.extend(rest);
+                let payload = encode_blobs(&all);
+                if payload.len() as u64 > MAX_PAYLOAD {
+                    return Err(RendezvousError::Protocol {
+                        rank: 0,
+                        peer: 0,
+                        op,
+                        seq,
+                        detail: format!(
+                            "gathered {} bytes, above the frame limit {MAX_PAYLOAD}",
+                            payload.len()
+                        ),
+                    });
+                }
+                let bytes = encode(Kind::Data, op, seq, 0, &payload);
+                self.send_all(&mut inner, &bytes, op, seq)?;
+                Ok(all)
+            })
+        } else {
+            let bytes = encode(Kind::Data, op, seq, self.rank, blob);
+            let deadline = Instant::now() + self.op_timeout;
+            self.send_to(&mut inner, 0, &bytes, op, seq, deadline)
+                .and_then(|()| self.collect(&mut inner, op, seq))
+                .and_then(|mut v| {
+                    let payload = v.pop().unwrap_or_default();
+                    let all = decode_blobs(&payload).map_err(|detail| RendezvousError::Protocol {
+                        rank: self.rank,
+                        peer: 0,
+                        op,
+                        seq,
+                        detail,
+                    })?;
+                    if all.len() != self.world_size || all[self.rank] != blob {
+                        return Err(RendezvousError::Protocol {
+                            rank: self.rank,
+                            peer: 0,
+                            op,
+                            seq,
+                            detail: format!(
+                                "rank 0 returned {} blobs for world size {}, or not this rank's own blob",
+                                all.len(),
+                                self.world_size
+                            ),
+                        });
+                    }
+                    Ok(all)
+                })
+        };
+        self.finish(&mut inner, op, seq, r)
+    }
+
+    fn send_to(
+        &self,
+        inner: &mut Inner,
+        idx: usize,
+        bytes: &[u8],
+        op: Op,
+        seq: u64,
+        deadline: Instant,
+    ) -> Result<()> {
+        let link = &mut inner.links[idx];
+        let peer = link.peer;
+        if let Some(err) = self.link_error(link, op, seq) {
+            return Err(err);
+        }
+        link.send(bytes, deadline).map_err(|f| match f {
+            SendFault::Lost(cause) => RendezvousError::PeerLost {
+                rank: self.rank,
+                peer,
+                op,
+                seq,
+                cause,
+            },
+            SendFault::Timeout => RendezvousError::Timeout {
+                rank: self.rank,
+                peer,
+                op,
+                seq,
+                timeout: self.op_timeout,
+            },
+        })
+    }
+
+    fn send_all(&self, inner: &mut Inner, bytes: &[u8], op: Op, seq: u64) -> Result<()> {
+        let deadline = Instant::now() + self.op_timeout;
+        for i in 0..inner.links.len() {
+            self.send_to(inner, i, bytes, op, seq, deadline)?;
+        }
+        Ok(())
+    }
+
+    /// The error a link's state means right now, if any: a reported abort, a goodbye, a
+    /// closed/reset connection or garbage bytes. A data frame waiting in the inbox is not an
+    /// error here.
+    fn link_error(&self, link: &Link, op: Op, seq: u64) -> Option<RendezvousError> {
+        if let Some(f) = link.inbox.iter().find(|f| f.kind == Kind::Abort) {
+            return Some(abort_error(self.rank, link.peer, op, seq, &f.payload));
+        }
+        if link.inbox.iter().any(|f| f.kind == Kind::Bye) {
+            return Some(RendezvousError::PeerLost {
+                rank: self.rank,
+                peer: link.peer,
+                op,
+                seq,
+                cause: "the peer left the group (dropped its rendezvous)".into(),
+            });
+        }
+        match &link.fault {
+            None => None,
+            Some(Fault::Clean) => Some(RendezvousError::PeerLost {
+                rank: self.rank,
+                peer: link.peer,
+                op,
+                seq,
+                cause: "the peer left the group (dropped its rendezvous)".into(),
+            }),
+            Some(Fault::Lost(cause)) => Some(RendezvousError::PeerLost {
+                rank: self.rank,
+                peer: link.peer,
+                op,
+                seq,
+                cause: cause.clone(),
+            }),
+            Some(Fault::Bad(detail)) => Some(RendezvousError::Protocol {
+                rank: self.rank,
+                peer: link.peer,
+                op,
+                seq,
+                detail: detail.clone(),
+            }),
+        }
+    }
+
+    /// Reads every link once and reports a dead or aborting peer (a clean goodbye is not an error
+    /// here: a finished peer may leave).
+    fn poll_faults(&self, inner: &mut Inner, op: Op, seq: u64) -> Result<()> {
+        for link in inner.links.iter_mut() {
+            link.pump();
+        }
+        for link in inner.links.iter() {
+            let left_cleanly = link.fault == Some(Fault::Clean)
+                || (link.fault.is_none() && link.inbox.iter().any(|f| f.kind == Kind::Bye));
+            if op == Op::CheckPeers
+                && left_cleanly
+                && !link.inbox.iter().any(|f| f.kind == Kind::Abort)
+            {
+                continue;
+            }
+            if let Some(err) = self.link_error(link, op, seq) {
+                return Err(err);
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for one `Data` frame of (`op`, `seq`) on every link, in link order, watching all
+    /// links for death meanwhile. Rank 0 waits `op_timeout`; the others wait a little longer,
+    /// so that a failure rank 0 relays (naming the actual culprit) reaches them first.
+    fn collect(&self, inner: &mut Inner, op: Op, seq: u64) -> Result<Vec<Vec<u8>>> {
+        let start = Instant::now();
+        let timeout = if self.rank == 0 {
+            self.op_timeout
+        } else {
+            self.op_timeout + grace(self.op_timeout)
+        };
+        let deadline = start + timeout;
+        let n = inner.links.len();
+        let mut got: Vec<Option<Vec<u8>>> = (0..n).map(|_| None).collect();
+        loop {
+            let mut progress = false;
+            for (i, link) in inner.links.iter_mut().enumerate() {
+                progress |= link.pump();
+                if got[i].is_none() {
+                    if let Some(front) = link.inbox.front() {
+                        if front.kind == Kind::Data {
+                            let f = link.inbox.pop_front().unwrap_or_else(|| unreachable!());
+                            if f.op != op || f.seq != seq || f.src != link.peer {
+                                return Err(RendezvousError::Protocol {
+                                    rank: self.rank,
+                                    peer: link.peer,
+                                    op,
+                                    seq,
+                                    detail: format!(
+                                        "rank {} sent {} #{} (from rank {}) while this rank is in {op} #{seq}",
+                                        link.peer, f.op, f.seq, f.src
+                                    ),
+                                });
+                            }
+                            got[i] = Some(f.payload);
+                            progress = true;
+                        } else if !matches!(front.kind, Kind::Abort | Kind::Bye) {
+                            return Err(RendezvousError::Protocol {
+                                rank: self.rank,
+                                peer: link.peer,
+                                op,
+                                seq,
+                                detail: format!("unexpected {:?} frame", front.kind),
+                            });
+                        }
+                    }
+                }
+            }
+            // Death or abort on any link fails the call, even on links that already answered:
+            // the call cannot complete without every peer.
+            for link in inner.links.iter() {
+                if let Some(err) = self.link_error(link, op, seq) {
+                    return Err(err);
+                }
+            }
+            if got.iter().all(Option::is_some) {
+                return Ok(got.into_iter().map(Option::unwrap_or_default).collect());
+            }
+            if Instant::now() >= deadline {
+                let missing = got.iter().position(Option::is_none).unwrap_or(0);
+                return Err(RendezvousError::Timeout {
+                    rank: self.rank,
+                    peer: inner.links[missing].peer,
+                    op,
+                    seq,
+                    timeout,
+                });
+            }
+            if !progress {
+                std::thread::sleep(POLL_SLEEP);
+            }
+        }
+    }
+}
+
+impl RendezvousError {
+    /// The peer whose connection is gone, for which sending an abort is pointless.
+    fn peer_if_lost(&self) -> Option<usize> {
+        match self {
+            RendezvousError::PeerLost { peer, .. } => Some(*peer),
+            _ => None,
+        }
+    }
+}
+
+/// How much longer than rank 0 the other ranks wait, so rank 0's relayed report arrives first.
+fn grace(timeout: Duration) -> Duration {
+    (timeout / 8).min(Duration::from_secs(2))
+}
+
+/// The error an `Abort` frame from `reporter` means to this rank.
+fn abort_error(rank: usize, reporter: usize, op: Op, seq: u64, payload: &[u8]) -> RendezvousError {
+    if payload.len() < 5 {
+        return RendezvousError::Aborted {
+            rank,
+            peer: reporter,
+            reporter,
+            op,
+            seq,
+            detail: "malformed abort report".into(),
+        };
+    }
+    let culprit = u32::from_le_bytes([payload[1], payload[2], payload[3], payload[4]]) as usize;
+    let culprit = if culprit == u32::MAX as usize {
+        reporter
+    } else {
+        culprit
+    };
+    let msg = String::from_utf8_lossy(&payload[5..]).into_owned();
+    match payload[0] {
+        k if k == AbortKind::Lost as u8 => RendezvousError::PeerLost {
+            rank,
+            peer: culprit,
+            op,
+            seq,
+            cause: format!("reported by rank {reporter}: {msg}"),
+        },
+        k if k == AbortKind::Timeout as u8 && culprit != rank => RendezvousError::Aborted {
+            rank,
+            peer: culprit,
+            reporter,
+            op,
+            seq,
+            detail: format!("timed out: {msg}"),
+        },
+        _ => RendezvousError::Aborted {
+            rank,
+            peer: culprit,
+            reporter,
+            op,
+            seq,
+            detail: msg,
+        },
+    }
+}
+
+impl Drop for Rendezvous {
+    /// Says goodbye to every peer (so they can tell a clean exit from a crash) and closes.
+    fn drop(&mut self) {
+        let inner = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
+        let bye = encode(Kind::Bye, Op::Connect, inner.seq, self.rank, &[]);
+        let d = Instant::now() + Duration::from_millis(100);
+        for link in inner.links.iter_mut() {
+            // Drain unread bytes first: closing with unread data sends a reset, which could
+            // reach the peer before the goodbye.
+            link.pump();
+            if link.fault.is_none() {
+                let _ = link.send(&bye, d);
+            }
+            let _ = link.stream.shutdown(Shutdown::Write);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_and_reject_garbage() {
+        let bytes = encode(Kind::Data, Op::Barrier, 7, 3, b"hello");
+        let (f, n) = parse(&bytes).unwrap().unwrap();
+        assert_eq!(n, bytes.len());
+        assert_eq!(
+            (f.kind, f.op, f.seq, f.src),
+            (Kind::Data, Op::Barrier, 7, 3)
+        );
+        assert_eq!(f.payload, b"hello");
+        // Incomplete: needs more bytes, not an error.
+        assert!(parse(&bytes[..bytes.len() - 1]).unwrap().is_none());
+        assert!(parse(&bytes[..3]).unwrap().is_none());
+        // Wrong magic, wrong version, huge length.
+        assert!(parse(b"GET / HTTP/1.1\r\n").unwrap_err().contains("magic"));
+        let mut v = bytes.clone();
+        v[4] = 99;
+        assert!(parse(&v).unwrap_err().contains("version"));
+        let mut v = bytes.clone();
+        v[20..28].copy_from_slice(&(MAX_PAYLOAD + 1).to_le_bytes());
+        assert!(parse(&v).unwrap_err().contains("exceeds"));
+    }
+
+    #[test]
+    fn blob_lists_round_trip_and_truncation_is_an_error() {
+        let blobs = vec![b"a".to_vec(), vec![], vec![7u8; 300]];
+        let enc = encode_blobs(&blobs);
+        assert_eq!(decode_blobs(&enc).unwrap(), blobs);
+        for cut in 0..enc.len() {
+            assert!(decode_blobs(&enc[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut long = enc.clone();
+        long.push(0);
+        assert!(decode_blobs(&long).unwrap_err().contains("trailing"));
+    }
+
+    #[test]
+    fn invalid_configs_are_typed() {
+        let mut c = RendezvousConfig::local(2, 2, 1, Duration::from_secs(1));
+        assert!(matches!(
+            Rendezvous::connect(&c),
+            Err(RendezvousError::InvalidConfig { rank: 2, .. })
+        ));
+        c.rank = 0;
+        c.op_timeout = Duration::ZERO;
+        assert!(matches!(
+            Rendezvous::connect(&c),
+            Err(RendezvousError::InvalidConfig { rank: 0, .. })
+        ));
+    }
+}
