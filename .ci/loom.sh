@@ -13,6 +13,7 @@ RUSTFLAGS="--cfg ep_loom" CARGO_TARGET_DIR=target/loom \
 mutants=(
   "signal_relaxed:payload_then_signal"
   "finish_relaxed:staging_workers_then_sender"
+  "credit_relaxed:consecutive_dispatches"
 )
 log=$(mktemp)
 for m in "${mutants[@]}"; do

@@ -140,6 +140,31 @@ fn consecutive_calls_batched() {
     });
 }
 
+/// Model 3b: two consecutive dispatches with no combine between them, where only the credit
+/// orders the receiver's reads of call 1 before the sender's writes of call 2 (between a
+/// dispatch and a combine, the combine's own signals order them too).
+#[test]
+fn consecutive_dispatches_batched() {
+    loom::model(|| {
+        let cfg = Config::new(2, 2, 1, 128, 2, Mode::Bf16).unwrap();
+        let calls: [&'static Workload; 2] =
+            [workload(&cfg, &[1, 1], 8), workload(&cfg, &[1, 1], 9)];
+        let mut ranks = ep_fast::group(&cfg, opts(1)).unwrap();
+        let mut r1 = ranks.pop().unwrap();
+        let mut r0 = ranks.pop().unwrap();
+        let body = move |r: &mut ep_fast::BatchedRank| {
+            let me = r.rank();
+            for w in calls {
+                let (out, _) = r.dispatch(&w.x[me], &w.topk_idx[me]).unwrap();
+                expect_dispatch(w, me, &out);
+            }
+        };
+        let t = loom::thread::spawn(move || body(&mut r1));
+        body(&mut r0);
+        t.join().unwrap();
+    });
+}
+
 /// Model 4: a wait that times out reports the error (waiter, peer, phase, call) and leaves the
 /// next call usable. Rank 1 arrives for call 1 only after rank 0 gave up on it; it still gets
 /// rank 0's call-1 batch, and call 2 is correct on both.

@@ -20,6 +20,8 @@
 //! call i. A receiver that gives up on a call (timeout) grants the credit anyway: it will not
 //! read that call's rows any more, and a late writer of call i finishes those writes before its
 //! own writes of call i + 1 (program order), which the receiver reads only after their signal.
+//! A `Relaxed` credit load (the loom mutant `credit_relaxed`) lets call i + 1's writes race
+//! with call i's reads.
 
 use crate::sync::{AtomicU64, Deadline, Ordering};
 
@@ -28,6 +30,12 @@ const POST: Ordering = Ordering::Release;
 /// Mutant for the loom self-check: the signal no longer publishes the payload.
 #[cfg(ep_mutant = "signal_relaxed")]
 const POST: Ordering = Ordering::Relaxed;
+
+#[cfg(not(ep_mutant = "credit_relaxed"))]
+const CREDIT_LOAD: Ordering = Ordering::Acquire;
+/// Mutant for the loom self-check: a sender may overwrite rows the receiver still reads.
+#[cfg(ep_mutant = "credit_relaxed")]
+const CREDIT_LOAD: Ordering = Ordering::Relaxed;
 
 /// One sender's signal word in one receiver's memory.
 #[derive(Debug)]
@@ -90,7 +98,7 @@ impl Credit {
     /// past the deadline.
     pub fn wait_writable(&self, epoch: u64, deadline: &Deadline) -> bool {
         deadline
-            .spin_until(|| (self.0.load(Ordering::Acquire) + 1 >= epoch).then_some(()))
+            .spin_until(|| (self.0.load(CREDIT_LOAD) + 1 >= epoch).then_some(()))
             .is_some()
     }
 }
