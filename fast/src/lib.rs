@@ -77,7 +77,7 @@ pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<BatchedRank>> {
     let shared = Arc::new(Shared {
         cfg: *cfg,
         opts: CpuOptions {
-            staging_workers: opts.staging_workers.max(1),
+            staging_workers: opts.workers_for(r),
             ..opts
         },
         group_id: next_group_id(),

@@ -53,7 +53,8 @@ pub trait EpRank: Send {
 pub struct CpuOptions {
     /// Bound on every wait of one call.
     pub timeout: Duration,
-    /// Staging workers per rank (batched path only).
+    /// Staging workers per rank (batched path only); 0 picks one per core the ranks leave
+    /// free, at least 1 and at most 4 ([`CpuOptions::workers_for`]).
     pub staging_workers: usize,
     /// Communication memory allowed; `None` means what the OS reports available.
     pub memory_limit: Option<u64>,
@@ -63,9 +64,22 @@ impl Default for CpuOptions {
     fn default() -> Self {
         CpuOptions {
             timeout: Duration::from_secs(10),
-            staging_workers: 2,
+            staging_workers: 0,
             memory_limit: None,
         }
+    }
+}
+
+impl CpuOptions {
+    /// The staging workers each of `ranks` ranks gets: `staging_workers`, or where that is 0,
+    /// the cores per rank (each call starts its workers as threads, and on a machine with fewer
+    /// cores than ranks an extra thread costs more than it saves).
+    pub fn workers_for(&self, ranks: usize) -> usize {
+        if self.staging_workers > 0 {
+            return self.staging_workers;
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        (cores / ranks.max(1)).clamp(1, 4)
     }
 }
 

@@ -75,8 +75,9 @@ struct Cli {
     /// Fraction of top-k slots that are -1 (masked).
     #[arg(long, default_value_t = 0.05, value_parser = parse_fraction)]
     masked: f64,
-    /// CPU backend: staging workers per rank (batched path).
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
+    /// CPU backend: staging workers per rank (batched path); 0 = one per core the ranks leave
+    /// free (at least 1, at most 4).
+    #[arg(long, default_value_t = 0)]
     workers: u64,
     /// CPU backend: bound on every wait of one call, in seconds.
     #[arg(long, default_value_t = 30.0, value_parser = parse_positive)]
