@@ -195,6 +195,47 @@ pub fn run_timed(
         .unwrap_or_else(|_| Err("GPU benchmark panicked".into()))
 }
 
+/// Per-launch time of the empty kernel (same grid), stream launches: the fixed overhead.
+pub fn time_empty(g: &mut GpuGroup, iters: usize) -> Result<Vec<f64>, crate::GpuError> {
+    use cudarc::driver::{result, sys};
+    let err = |w: &str, e: result::DriverError| crate::GpuError::Cuda(format!("{w}: {e:?}"));
+    let streams = g.streams();
+    let (ctx, s) = &streams[0];
+    ctx.bind_to_thread().map_err(|e| err("bind", e))?;
+    let mut evs = Vec::new();
+    for _ in 0..=iters {
+        evs.push(
+            result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+                .map_err(|e| err("event", e))?,
+        );
+    }
+    for _ in 0..10 {
+        g.launch_empty()?;
+    }
+    for (i, &e) in evs.iter().enumerate() {
+        // SAFETY: event and stream of the bound context.
+        unsafe { result::event::record(e, *s) }.map_err(|e| err("record", e))?;
+        if i < iters {
+            g.launch_empty()?;
+        }
+    }
+    g.sync()?;
+    let mut out = Vec::new();
+    ctx.bind_to_thread().map_err(|e| err("bind", e))?;
+    for w in evs.windows(2) {
+        // SAFETY: both events completed on this context.
+        out.push(
+            unsafe { result::event::elapsed(w[0], w[1]) }.map_err(|e| err("elapsed", e))? as f64
+                * 1e3,
+        );
+    }
+    for e in evs {
+        // SAFETY: complete and unused from here on.
+        let _ = unsafe { result::event::destroy(e) };
+    }
+    Ok(out)
+}
+
 /// Times `iters` dispatch+combine pairs (after `warmup`), one event pair around each launch on
 /// every device. Returns per-call microseconds (max over devices).
 pub fn time_path(

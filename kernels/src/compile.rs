@@ -25,7 +25,7 @@ pub struct Family {
 pub const FP8: Family = Family {
     name: "fp8.cu",
     source: include_str!("cu/fp8.cu"),
-    kernels: &["ep_fp8_encode_rows"],
+    kernels: &["ep_fp8_encode_rows", "ep_empty"],
 };
 pub const PER_EXPERT: Family = Family {
     name: "per_expert.cu",

@@ -43,7 +43,7 @@ impl Path {
 
 /// Threads per block (NTHREADS in common.cuh).
 pub const NTHREADS: u32 = 512;
-const HDR_BYTES: usize = 64;
+const HDR_BYTES: usize = 80;
 const PE_HDR: usize = 16;
 const MAX_RANKS: usize = 32;
 
@@ -72,6 +72,7 @@ pub(crate) struct RankPtrs {
     cmb_buf: u64,
     sig: u64,
     state: u64,
+    bat_cnt: u64,
 }
 
 /// Kernel parameters (`struct KParams` in common.cuh), passed by value.
@@ -99,10 +100,13 @@ pub(crate) struct KParams {
     pub pe_entry_bytes: i32,
     pub fault_rank: i32,
     pub sys_scope: i32,
+    pub zero_copy: i32,
+    pub pad1: i32,
+    pub prof: u64,
 }
 
 /// Byte sizes of one rank's buffers, in the order of [`RankPtrs`].
-fn rank_sizes(c: &Config) -> [usize; 21] {
+fn rank_sizes(c: &Config) -> [usize; 22] {
     let (r, e, l, t, h, k) = (
         c.num_ranks,
         c.num_experts,
@@ -134,6 +138,7 @@ fn rank_sizes(c: &Config) -> [usize; 21] {
         r * t * k * h * 2,                        // cmb_buf
         (6 * r + l * r + e) * 8,                  // sig
         64,                                       // state
+        r * l * 4,                                // bat_cnt
     ]
 }
 
@@ -157,8 +162,15 @@ pub fn bytes_per_rank(c: &Config) -> usize {
 
 /// Dynamic shared memory of every kernel (the `Smem` carve-up in common.cuh).
 fn smem_bytes(c: &Config) -> usize {
-    let (r, t, k) = (c.num_ranks, c.max_tokens_per_rank, c.top_k);
-    4 * (t * k + 2 * t * r + 2 * r + 32 + 3 * NTHREADS as usize)
+    let (r, t, k, e, l) = (
+        c.num_ranks,
+        c.max_tokens_per_rank,
+        c.top_k,
+        c.num_experts,
+        c.num_local_experts(),
+    );
+    let w = t.div_ceil(32);
+    4 * (2 * t * k + 2 * t * r + 2 * r + 32 + 3 * NTHREADS as usize + 2 * e * w + 2 * l * r + 80)
 }
 
 fn cuda<T>(what: &str, r: Result<T, result::DriverError>) -> Result<T, GpuError> {
@@ -185,6 +197,7 @@ pub fn probe_devices(need: usize) -> Result<usize, String> {
 /// The loaded kernels of one device.
 struct Funcs {
     fp8: sys::CUfunction,
+    empty: sys::CUfunction,
     pe_dispatch: sys::CUfunction,
     pe_combine: sys::CUfunction,
     bat_dispatch: sys::CUfunction,
@@ -242,10 +255,11 @@ impl Dev {
         }
         let funcs = Funcs {
             fp8: all[0],
-            pe_dispatch: all[1],
-            pe_combine: all[2],
-            bat_dispatch: all[3],
-            bat_combine: all[4],
+            empty: all[1],
+            pe_dispatch: all[2],
+            pe_combine: all[3],
+            bat_dispatch: all[4],
+            bat_combine: all[5],
         };
         let stream = cuda(
             "stream",
@@ -309,6 +323,9 @@ pub struct GpuOptions {
     pub timeout_ns: u64,
     /// Blocks per rank; None: the multiprocessors of a device divided among its ranks.
     pub blocks_per_rank: Option<usize>,
+    /// Batched combine: a source reads the rows of owners on its own GPU in place instead of
+    /// receiving them as a put (signals unchanged). Peers on other GPUs always get the put.
+    pub zero_copy_local: bool,
 }
 
 impl Default for GpuOptions {
@@ -317,6 +334,7 @@ impl Default for GpuOptions {
             num_gpus: 1,
             timeout_ns: 2_000_000_000,
             blocks_per_rank: None,
+            zero_copy_local: true,
         }
     }
 }
@@ -462,7 +480,7 @@ impl GpuGroup {
                 let total: usize = sizes.iter().map(|&s| align(s, 256)).sum();
                 let base = dev.alloc(total)?;
                 let mut off = 0u64;
-                let mut fields = [0u64; 21];
+                let mut fields = [0u64; 22];
                 for (i, &s) in sizes.iter().enumerate() {
                     fields[i] = base + off;
                     off += align(s, 256) as u64;
@@ -489,6 +507,7 @@ impl GpuGroup {
                     cmb_buf: fields[18],
                     sig: fields[19],
                     state: fields[20],
+                    bat_cnt: fields[21],
                 };
             }
         }
@@ -528,6 +547,9 @@ impl GpuGroup {
             pe_entry_bytes: pe_entry_bytes(cfg) as i32,
             fault_rank: -1,
             sys_scope: (g > 1) as i32,
+            zero_copy: opts.zero_copy_local as i32,
+            pad1: 0,
+            prof: 0,
         };
         Ok(GpuGroup {
             cfg: *cfg,
@@ -688,12 +710,23 @@ impl GpuGroup {
 
     /// Launches one call of `op` on `path` on every device. No host synchronisation.
     pub fn launch(&mut self, op: Op, path: Path) -> Result<(), GpuError> {
+        self.launch_inner(Some((op, path)))
+    }
+
+    /// Launches the empty kernel with the same grid on every device (overhead baseline).
+    pub fn launch_empty(&mut self) -> Result<(), GpuError> {
+        self.launch_inner(None)
+    }
+
+    fn launch_inner(&mut self, what: Option<(Op, Path)>) -> Result<(), GpuError> {
         self.check_usable()?;
+        let (op, path) = what.unwrap_or((Op::Dispatch, Path::Batched));
         if op == Op::Combine {
             self.check_combine_path(path)?;
         }
         for dev in &self.devs {
             let f = match (op, path) {
+                _ if what.is_none() => dev.funcs.empty,
                 (Op::Dispatch, Path::Batched) => dev.funcs.bat_dispatch,
                 (Op::Dispatch, Path::PerExpert) => dev.funcs.pe_dispatch,
                 (Op::Combine, Path::Batched) => dev.funcs.bat_combine,
@@ -722,11 +755,36 @@ impl GpuGroup {
                 )
             })?;
         }
+        if what.is_none() {
+            return Ok(());
+        }
         if op == Op::Dispatch {
             self.last_dispatch = Some(path);
         }
         self.calls[kind(op, path)] += 1;
         Ok(())
+    }
+
+    /// One call of (op, path) with `%globaltimer` stamps: for every block of device 0, the
+    /// stamps of phases 0..8 (0 where a phase was not reached), in ns. Debugging aid.
+    pub fn profile(&mut self, op: Op, path: Path) -> Result<Vec<[u64; 8]>, GpuError> {
+        let grid = self.devs[0].ranks * self.blocks_per_rank;
+        self.devs[0].bind()?;
+        let buf = self.devs[0].alloc(grid * 64)?;
+        self.params.prof = buf;
+        let r = self.launch(op, path).and_then(|_| self.sync());
+        self.params.prof = 0;
+        r?;
+        let mut host = vec![0u64; grid * 8];
+        self.devs[0].bind()?;
+        // SAFETY: `buf` holds grid*8 u64 on the bound context; the device is idle.
+        cuda("read profile", unsafe {
+            result::memcpy_dtoh_sync(&mut host, buf)
+        })?;
+        Ok(host
+            .chunks_exact(8)
+            .map(|c| c.try_into().unwrap())
+            .collect())
     }
 
     /// Waits for every device and turns a timed-out wait into [`Error::Timeout`].

@@ -24,10 +24,15 @@ fn gpu_or_skip(test: &str, gpus: usize) -> Option<MutexGuard<'static, ()>> {
 const MODES: [Mode; 4] = [Mode::Bf16, Mode::FP8, Mode::FP8_ROUND, Mode::FP8_UE8M0];
 
 fn group(cfg: &Config, gpus: usize) -> GpuGroup {
+    group_with(cfg, gpus, true)
+}
+
+fn group_with(cfg: &Config, gpus: usize, zero_copy_local: bool) -> GpuGroup {
     GpuGroup::new(
         cfg,
         GpuOptions {
             num_gpus: gpus,
+            zero_copy_local,
             ..Default::default()
         },
     )
@@ -36,7 +41,7 @@ fn group(cfg: &Config, gpus: usize) -> GpuGroup {
 
 /// Random configs at R ranks on `gpus` GPUs, every mode, with masked slots, empty ranks and
 /// uneven token counts.
-fn random_configs(r: usize, gpus: usize, seed: u64) -> usize {
+fn random_configs(r: usize, gpus: usize, seed: u64, zero_copy_local: bool) -> usize {
     let mut rng = Rng::new(seed);
     let mut checks = 0;
     for (i, mode) in MODES.iter().enumerate() {
@@ -50,7 +55,7 @@ fn random_configs(r: usize, gpus: usize, seed: u64) -> usize {
             [72, 256, 1001, 7168][i]
         };
         let cfg = Config::new(r, e, t, h, k, *mode).unwrap();
-        let mut g = group(&cfg, gpus);
+        let mut g = group_with(&cfg, gpus, zero_copy_local);
         for round in 0..3 {
             let tokens: Vec<usize> = (0..r)
                 .map(|s| {
@@ -66,7 +71,7 @@ fn random_configs(r: usize, gpus: usize, seed: u64) -> usize {
             checks += verify_case(&mut g, &data, &y).unwrap_or_else(|e| panic!("{e}"));
         }
         println!(
-            "ok: {} tokens per rank varied, 3 rounds, both paths",
+            "ok: {} tokens per rank varied, 3 rounds, both paths, zero_copy_local={zero_copy_local}",
             cfg.describe()
         );
     }
@@ -78,7 +83,9 @@ fn gpu_r1_both_paths_equal_oracle_or_skipped() {
     let Some(_g) = gpu_or_skip("gpu_r1_both_paths_equal_oracle", 1) else {
         return;
     };
-    assert_eq!(random_configs(1, 1, 1), 4 * 3 * 4);
+    for zc in [true, false] {
+        assert_eq!(random_configs(1, 1, 1, zc), 4 * 3 * 4);
+    }
 }
 
 #[test]
@@ -87,7 +94,9 @@ fn gpu_virtual_r2_r4_r8_both_paths_equal_oracle_or_skipped() {
         return;
     };
     for (r, seed) in [(2, 2), (4, 4), (8, 8)] {
-        assert_eq!(random_configs(r, 1, seed), 4 * 3 * 4);
+        for zc in [true, false] {
+            assert_eq!(random_configs(r, 1, seed, zc), 4 * 3 * 4);
+        }
     }
 }
 
@@ -96,8 +105,8 @@ fn gpu_two_gpus_r2_r4_both_paths_equal_oracle_or_skipped() {
     let Some(_g) = gpu_or_skip("gpu_two_gpus_r2_r4_both_paths_equal_oracle", 2) else {
         return;
     };
-    assert_eq!(random_configs(2, 2, 22), 4 * 3 * 4);
-    assert_eq!(random_configs(4, 2, 44), 4 * 3 * 4);
+    assert_eq!(random_configs(2, 2, 22, true), 4 * 3 * 4);
+    assert_eq!(random_configs(4, 2, 44, true), 4 * 3 * 4);
 }
 
 #[test]

@@ -144,6 +144,13 @@ fn main() {
             );
         }
     }
+    if !args.iter().any(|a| a == "--no-profile") {
+        for &r in &ranks {
+            if let Err(e) = profile(r, experts) {
+                println!("profile EP{r}: {e}");
+            }
+        }
+    }
     println!("\nsummary (us; bandwidth DeepEP-format GB/s = selections x message bytes / mean time; floor = byte floor)");
     println!("| EP | GPUs | timing | path | dispatch p50 | p99 | GB/s | floor | combine p50 | p99 | GB/s | floor | dispatch wire MB | combine wire MB | signals |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
@@ -191,4 +198,62 @@ fn print_path(r: usize, g: usize, t: &GpuTimings, sel: u64, dm: f64, cm: f64, df
         t.signals,
         t.dispatch_us.len()
     );
+}
+
+/// Phase breakdown of one call of each kernel from `%globaltimer` stamps (phase i: median and
+/// max over blocks of stamp_i - earliest stamp_0, in us), and the empty kernel's launch time.
+fn profile(r: usize, experts: usize) -> Result<(), ep_kernels::GpuError> {
+    use ep_kernels::{GpuGroup, GpuOptions, Path};
+    use ep_reference::Op;
+    let cfg = Config::new(r, experts, 128, 7168, 8, Mode::FP8).unwrap();
+    let mut rng = Rng::new(2024 + r as u64);
+    let data = random_inputs(
+        &cfg,
+        &vec![128; r],
+        Routing::Random { masked: 0.05 },
+        &mut rng,
+    );
+    let x: Vec<_> = data.iter().map(|d| d.x.clone()).collect();
+    let idx: Vec<_> = data.iter().map(|d| d.topk_idx.clone()).collect();
+    let mut g = GpuGroup::new(&cfg, GpuOptions::default())?;
+    let empty = bench::time_empty(&mut g, 200)?;
+    println!(
+        "profile EP{r}: empty kernel ({} blocks x 512), stream launches: p50 {:.2} us",
+        g.blocks_per_rank() * r,
+        pct(&empty, 0.5)
+    );
+    let w: Vec<_> = data.iter().map(|d| d.topk_weights.clone()).collect();
+    let y = ep_kernels::testing::random_y(&cfg, &mut rng);
+    g.upload_dispatch_inputs(&x, &idx)?;
+    g.upload_combine_inputs(&y, &w)?;
+    for path in [Path::PerExpert, Path::Batched] {
+        for op in [Op::Dispatch, Op::Combine] {
+            let mut stamps = Vec::new();
+            for _ in 0..3 {
+                if op == Op::Combine {
+                    g.launch(Op::Dispatch, path)?;
+                }
+                stamps = g.profile(op, path)?;
+            }
+            let t0 = stamps
+                .iter()
+                .map(|s| s[0])
+                .filter(|&v| v > 0)
+                .min()
+                .unwrap_or(0);
+            let mut line = format!("profile EP{r} {:<10} {:?}:", path.name(), op);
+            for ph in 0..6 {
+                let v: Vec<f64> = stamps
+                    .iter()
+                    .filter(|s| s[ph] > 0)
+                    .map(|s| (s[ph] - t0) as f64 / 1e3)
+                    .collect();
+                if !v.is_empty() {
+                    line += &format!(" p{ph} {:.1}/{:.1}", pct(&v, 0.5), pct(&v, 1.0));
+                }
+            }
+            println!("{line}  (us since first block start: median/max over blocks)");
+        }
+    }
+    Ok(())
 }

@@ -23,11 +23,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     const int rank = p.rank_base + blockIdx.x / p.blocks_per_rank;
     const RankPtrs& me = tab[rank];
     u32* state = (u32*)me.state;
-    const int R = p.R, K = p.K, L = p.L, T = p.T;
+    const int R = p.R, K = p.K, L = p.L, T = p.T, E = p.E;
+    const int W = (T + 31) / 32;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     Smem sm = carve(p, smem_raw);
     __shared__ u32 s_epoch;
-    __shared__ int s_n, s_cnt;
+    __shared__ int s_n, s_last;
     if (tid == 0) {
         s_epoch = ld_volatile_u32(state + ST_EPOCH + KIND) + 1u;
         s_n = ((const int*)me.meta)[0];
@@ -35,22 +36,38 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     __syncthreads();
     const u32 epoch = s_epoch;
     const int n = s_n;
-    load_topk(p, me, n, sm.sk);
+    PROF(0);
+    load_topk(p, me, n, sm.sk, sm.sdl);
+    for (int i = tid; i < E * W; i += NTHREADS) sm.bm[i] = 0;
+    for (int i = tid; i < n * R; i += NTHREADS) sm.tokpos[i] = 0;
     // The previous call's batches must have been consumed before this call overwrites them.
     int bad = 0;
     if (tid < R) bad = !wait_ack(p, sig_bat_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_DISPATCH_SEND);
     __syncthreads();
-    // Batch positions: warp w scans the tokens for destinations w, w + NWARPS, ...
+    // Per token: selections bound for each destination; per expert: bitmap of its tokens.
+    for (int t = tid; t < n; t += NTHREADS)
+        for (int k = 0; k < K; k++) {
+            const int dl = sm.sdl[t * K + k];
+            if (dl >= 0) {
+                sm.tokpos[t * R + (dl >> 16)] += 1;
+                atomicOr((u32*)&sm.bm[sm.sk[t * K + k] * W + (t >> 5)], 1u << (t & 31));
+            }
+        }
+    __syncthreads();
+    // Per expert: selections before each bitmap word (the index of (t, k) within its expert).
+    for (int e = tid; e < E; e += NTHREADS) {
+        int run = 0;
+        for (int w = 0; w < W; w++) {
+            sm.pw[e * W + w] = run;
+            run += __popc((u32)sm.bm[e * W + w]);
+        }
+    }
+    // Per destination (warp d): batch position of each token and selection offset.
     for (int d = warp; d < R; d += NWARPS) {
         int base_tok = 0, base_sel = 0;
         for (int c = 0; c < n; c += 32) {
             const int t = c + lane;
-            int cnt = 0;
-            if (t < n)
-                for (int k = 0; k < K; k++) {
-                    int e = sm.sk[t * K + k];
-                    cnt += (e >= 0 && e / L == d);
-                }
+            const int cnt = t < n ? sm.tokpos[t * R + d] : 0;
             const u32 bal = __ballot_sync(0xffffffffu, cnt > 0);
             int incl = cnt;
 #pragma unroll
@@ -71,6 +88,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         }
     }
     if (__syncthreads_or(bad)) goto finish;
+    PROF(1);
     {
         // ---- send: units (token, 512-channel segment) over all warps of this rank
         const int segs = (p.H + 511) / 512;
@@ -78,24 +96,31 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             const int t = u / segs, g = u % segs;
             u32 mask = 0u;
             for (int k = 0; k < K; k++) {
-                int e = sm.sk[t * K + k];
-                if (e >= 0) mask |= 1u << (e / L);
+                const int dl = sm.sdl[t * K + k];
+                if (dl >= 0) mask |= 1u << (dl >> 16);
             }
             if (mask == 0u) continue;
             const u16* xr = (const u16*)me.x + (u64)t * p.H;
             Seg sg = seg_load(p, xr, g * 512);
+            // this lane's slot (lanes < K): owner, local expert, index within the expert
+            int my_dl = -1, my_idx = 0;
+            if (g == 0 && lane < K) {
+                my_dl = sm.sdl[t * K + lane];
+                if (my_dl >= 0) {
+                    const int e = sm.sk[t * K + lane];
+                    const u32 word = (u32)sm.bm[e * W + (t >> 5)];
+                    my_idx = sm.pw[e * W + (t >> 5)] + __popc(word & ((1u << (t & 31)) - 1u));
+                }
+            }
             for (u32 m = mask; m != 0u; m &= m - 1u) {
                 const int d = __ffs(m) - 1;
                 u8* entry = (u8*)tab[d].bat_buf + ((u64)rank * T + sm.tokpos[t * R + d]) * p.entry_bytes;
                 seg_store(p, sg, xr, g * 512, entry + HDR_BYTES);
                 if (g == 0) {
                     if (lane < MAX_K) {
-                        u16 lex = NO_LOCAL;
-                        if (lane < K) {
-                            int e = sm.sk[t * K + lane];
-                            if (e >= 0 && e / L == d) lex = (u16)(e % L);
-                        }
-                        ((u16*)(entry + 16))[lane] = lex;
+                        const bool mine = my_dl >= 0 && (my_dl >> 16) == d;
+                        ((u16*)(entry + 16))[lane] = mine ? (u16)(my_dl & 0xFFFF) : (u16)NO_LOCAL;
+                        ((u16*)(entry + 48))[lane] = mine ? (u16)my_idx : (u16)0;
                     } else if (lane == 16) {
                         ((int*)entry)[0] = t;
                         ((int*)entry)[1] = sm.selpos[t * R + d];
@@ -104,117 +129,145 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             }
             // Where (t, k) will come back in combine: its place in batch(owner -> me).
             if (g == 0 && lane < K) {
-                int e = sm.sk[t * K + lane], pos = -1;
-                if (e >= 0) {
-                    const int d = e / L;
+                int pos = -1;
+                if (my_dl >= 0) {
+                    const int d = my_dl >> 16;
                     int r = 0;
                     for (int k = 0; k < lane; k++) {
-                        int e2 = sm.sk[t * K + k];
-                        r += (e2 >= 0 && e2 / L == d);
+                        const int dl2 = sm.sdl[t * K + k];
+                        r += (dl2 >= 0 && (dl2 >> 16) == d);
                     }
                     pos = sm.selpos[t * R + d] + r;
                 }
                 ((int*)me.comb_pos)[t * K + lane] = pos;
             }
         }
-        // ---- one signal per (source, destination) once every block of this rank has sent
+        // ---- one signal per (source, destination) once every block of this rank has sent;
+        // the last block also ships the per-expert row counts each destination needs.
         __syncthreads();
+        PROF(2);
         if (tid == 0) {
             fence_rel(p);
-            u32 old = atomicAdd(state + ST_SENT + KIND, 1u);
-            if (old == (u32)p.blocks_per_rank - 1u) {
+            const u32 old = atomicAdd(state + ST_SENT + KIND, 1u);
+            s_last = old == (u32)p.blocks_per_rank - 1u;
+            if (s_last) {
                 state[ST_SENT + KIND] = 0u;
                 fence_rel(p);
-                if (rank != p.fault_rank) {
-                    for (int d = 0; d < R; d++) {
-                        int* meta = (int*)tab[d].bat_meta + 2 * rank;
-                        meta[0] = sm.tot[d];
-                        meta[1] = sm.tot[R + d];
-                    }
-                    for (int d = 0; d < R; d++) st_release(p, sig_bat(tab[d]) + rank, signal_word(epoch, (u32)sm.tot[d]));
+            }
+        }
+        __syncthreads();
+        if (s_last && rank != p.fault_rank) {
+            for (int i = tid; i < E; i += NTHREADS) {
+                const int d = i / L, l = i % L;
+                ((int*)tab[d].bat_cnt)[rank * L + l] = sm.pw[i * W + W - 1] + __popc((u32)sm.bm[i * W + W - 1]);
+            }
+            if (tid < R) {
+                int* meta = (int*)tab[tid].bat_meta + 2 * rank;
+                meta[0] = sm.tot[tid];
+                meta[1] = sm.tot[R + tid];
+            }
+            __syncthreads();
+            if (tid == 0) {
+                fence_rel(p);
+                for (int d = 0; d < R; d++) st_release(p, sig_bat(tab[d]) + rank, signal_word(epoch, (u32)sm.tot[d]));
+            }
+        }
+        // ---- receive: every source's batch, expanded in parallel into the canonical rows
+        bad = 0;
+        if (tid < R) {
+            const long long c = wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
+            bad = c < 0;
+            sm.rcnt[tid] = (int)c;
+        }
+        if (__syncthreads_or(bad)) goto finish;
+        PROF(3);
+        // begin(l, s) = rows of l from sources before s (canonical order)
+        for (int i = tid; i < L * R; i += NTHREADS) sm.cls[i] = ((const int*)me.bat_cnt)[(i % R) * L + i / R];
+        if (tid == 0) {
+            int a = 0;
+            for (int s = 0; s < R; s++) {
+                sm.rcnt[32 + s] = a;
+                a += sm.rcnt[s];
+            }
+            sm.rcnt[32 + R] = a;
+        }
+        __syncthreads();
+        for (int l = tid; l < L; l += NTHREADS) {
+            int b0 = 0;
+            for (int s = 0; s < R; s++) {
+                sm.beg[l * R + s] = b0;
+                b0 += sm.cls[l * R + s];
+            }
+            if (bid == 0) {
+                ((int*)me.recv_count)[l] = b0;
+                for (int s = 0; s < R; s++) {
+                    ((int*)me.layout)[(l * R + s) * 2] = sm.beg[l * R + s];
+                    ((int*)me.layout)[(l * R + s) * 2 + 1] = sm.cls[l * R + s];
                 }
             }
         }
-        // ---- receive: block per local expert, sources in order
+        if (bid == 0 && tid < R) ((int*)me.comb_cnt)[tid] = ((const int*)me.bat_meta)[2 * tid + 1];
+        __syncthreads();
         const u64 RT = (u64)R * T;
-        for (int l = bid; l < L; l += p.blocks_per_rank) {
-            int base = 0;
-            for (int s = 0; s < R; s++) {
-                if (tid == 0) {
-                    long long c = wait_signal(p, sig_bat(me) + s, epoch, rank, s, PH_DISPATCH_RECV);
-                    s_cnt = (int)c;
-                    if (c >= 0 && l == 0) ((int*)me.comb_cnt)[s] = ((const int*)me.bat_meta)[2 * s + 1];
-                }
-                __syncthreads();
-                const int cnt = s_cnt;
-                if (cnt < 0) goto finish;
-                const int begin = base;
-                const u8* region = (const u8*)me.bat_buf + (u64)s * T * p.entry_bytes;
-                for (int c = 0; c < cnt; c += NTHREADS) {
-                    const int j = c + tid;
-                    int has = 0, slot = 0, cpos = 0;
-                    if (j < cnt) {
-                        const u8* h = region + (u64)j * p.entry_bytes;
-                        const uint4 a = ((const uint4*)h)[1], b2 = ((const uint4*)h)[2];
-                        const u32 w[8] = {a.x, a.y, a.z, a.w, b2.x, b2.y, b2.z, b2.w};
-                        int nl = 0, pos = 0;
-#pragma unroll
-                        for (int k = 0; k < MAX_K; k++) {
-                            const u32 v = (w[k >> 1] >> ((k & 1) * 16)) & 0xFFFFu;
-                            if (k < K) {
-                                if (v == (u32)l) {
-                                    has = 1;
-                                    slot = k;
-                                    pos = nl;
-                                }
-                                nl += (v != NO_LOCAL);
-                            }
-                        }
-                        if (has) cpos = ((const int*)h)[1] + pos;
-                    }
-                    int total;
-                    const int idx = block_excl_scan(has, sm.scratch, &total);
-                    if (has) {
-                        sm.m_a[idx] = j;
-                        sm.m_b[idx] = slot;
-                        sm.m_c[idx] = cpos;
-                    }
-                    __syncthreads();
-                    const bool vec = (p.xrow & 15) == 0;
-                    if (vec)
-                        block_copy_rows(
-                            total, p.xrow, [&](int m) { return region + (u64)sm.m_a[m] * p.entry_bytes + HDR_BYTES; },
-                            [&](int m) { return (u8*)me.recv_x + ((u64)l * RT + base + m) * p.xrow; });
-                    for (int m = warp; m < total; m += NWARPS) {
-                        const u8* h = region + (u64)sm.m_a[m] * p.entry_bytes;
-                        const u64 row = (u64)l * RT + base + m;
-                        if (!vec) warp_copy((u8*)me.recv_x + row * p.xrow, h + HDR_BYTES, p.xrow);
-                        if (p.spr) {
-                            const u32* src = (const u32*)(h + HDR_BYTES + p.xrow);
-                            u32* dst = (u32*)me.recv_scales + row * p.spr;
-                            for (int i = lane; i < p.spr; i += 32) dst[i] = src[i];
-                        }
-                        if (lane == 0) {
-                            const int t = ((const int*)h)[0];
-                            ((int*)me.src_info)[row] = t;
-                            ((int*)me.row_tk)[row] = t * K + sm.m_b[m];
-                            ((int*)me.comb_map)[(u64)s * T * K + sm.m_c[m]] = (int)row;
-                        }
-                    }
-                    base += total;
-                    __syncthreads();
-                }
-                if (tid == 0) {
-                    ((int*)me.layout)[(l * R + s) * 2] = begin;
-                    ((int*)me.layout)[(l * R + s) * 2 + 1] = base - begin;
-                }
-                __syncthreads();  // s_cnt is rewritten for the next source
+        const u64 TK = (u64)T * K;
+        const bool vec = (p.xrow & 15) == 0;
+        const int Cx = vec ? (p.xrow + 511) / 512 : 0;  // 512-byte chunks of the row
+        const int C = Cx + 1;                            // + one unit for scales and indices
+        const int units = sm.rcnt[32 + R] * C;
+        for (int u = bid * NWARPS + warp; u < units; u += p.blocks_per_rank * NWARPS) {
+            int j = u / C;
+            const int c = u % C;
+            int s = 0;
+            while (j >= sm.rcnt[s]) {
+                j -= sm.rcnt[s];
+                s++;
             }
-            if (tid == 0) ((int*)me.recv_count)[l] = base;
+            const u8* h = (const u8*)me.bat_buf + ((u64)s * T + j) * p.entry_bytes;
+            u32 lx = NO_LOCAL, ix = 0;
+            if (lane < K) {
+                lx = ((const u16*)(h + 16))[lane];
+                ix = ((const u16*)(h + 48))[lane];
+            }
+            uint4 v;
+            const int off = c * 512 + lane * 16;
+            if (c < Cx && off < p.xrow) v = *(const uint4*)(h + HDR_BYTES + off);
+            const u32 slots = __ballot_sync(0xffffffffu, lx != NO_LOCAL);
+            if (c < Cx) {
+                for (u32 m = slots; m != 0u; m &= m - 1u) {
+                    const int k = __ffs(m) - 1;
+                    const int l = __shfl_sync(0xffffffffu, (int)lx, k);
+                    const int i = __shfl_sync(0xffffffffu, (int)ix, k);
+                    const u64 row = (u64)l * RT + sm.beg[l * R + s] + i;
+                    if (off < p.xrow) *(uint4*)((u8*)me.recv_x + row * p.xrow + off) = v;
+                }
+            } else {
+                const int t = ((const int*)h)[0];
+                const int sel = ((const int*)h)[1];
+                for (u32 m = slots; m != 0u; m &= m - 1u) {
+                    const int k = __ffs(m) - 1;
+                    const int l = __shfl_sync(0xffffffffu, (int)lx, k);
+                    const int i = __shfl_sync(0xffffffffu, (int)ix, k);
+                    const u64 row = (u64)l * RT + sm.beg[l * R + s] + i;
+                    if (!vec) warp_copy((u8*)me.recv_x + row * p.xrow, h + HDR_BYTES, p.xrow);
+                    if (p.spr) {
+                        const u32* src = (const u32*)(h + HDR_BYTES + p.xrow);
+                        u32* dst = (u32*)me.recv_scales + row * p.spr;
+                        for (int q = lane; q < p.spr; q += 32) dst[q] = src[q];
+                    }
+                    if (lane == 0) {
+                        ((int*)me.src_info)[row] = t;
+                        ((int*)me.row_tk)[row] = t * K + k;
+                        ((int*)me.comb_map)[(u64)s * TK + sel + __popc(slots & ((1u << k) - 1u))] = (int)row;
+                    }
+                }
+            }
         }
     }
 finish:
-    if (last_block_out(p, state, KIND)) {
+    PROF(4);
+    bool last_out = last_block_out(p, state, KIND);
+    PROF(5);
+    if (last_out) {
         if (threadIdx.x == 0) {
             state[ST_EPOCH + KIND] = epoch;
             for (int s = 0; s < R; s++) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
@@ -232,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
     const int rank = p.rank_base + blockIdx.x / p.blocks_per_rank;
     const RankPtrs& me = tab[rank];
     u32* state = (u32*)me.state;
-    const int R = p.R, K = p.K, L = p.L, T = p.T;
+    const int R = p.R, K = p.K, T = p.T;
     const int tid = threadIdx.x, warp = tid >> 5;
     const u64 rowb = 2ull * p.H;
     Smem sm = carve(p, smem_raw);
@@ -244,23 +297,27 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
     }
     __syncthreads();
     const u32 epoch = s_epoch;
+    PROF(0);
     const int n = s_n;
-    load_topk(p, me, n, sm.sk);
+    load_topk(p, me, n, sm.sk, sm.sdl);
     if (tid < R) sm.tot[tid] = ((const int*)me.comb_cnt)[tid];
     int bad = 0;
     if (tid < R) bad = !wait_ack(p, sig_cb_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_COMBINE_SEND);
     if (__syncthreads_or(bad)) goto finish;
+    PROF(1);
     {
         // ---- send: batch(me -> s) = rows comb_map[s][0..cnt), to s's area for me
+        // With zero_copy, sources on this GPU read the rows in place: only other GPUs get a put.
         const int G = (int)((rowb + SEGB - 1) / SEGB);
+        auto local = [&](int s) { return p.zero_copy && s >= p.rank_base && s < p.rank_base + p.ranks_here; };
         int total = 0;
-        for (int s = 0; s < R; s++) total += sm.tot[s];
+        for (int s = 0; s < R; s++) total += local(s) ? 0 : sm.tot[s];
         for (int u = bid * NWARPS + warp; u < total * G; u += p.blocks_per_rank * NWARPS) {
             int i = u / G;
             const int g = u % G;
             int s = 0;
-            while (i >= sm.tot[s]) {
-                i -= sm.tot[s];
+            while (local(s) || i >= sm.tot[s]) {
+                if (!local(s)) i -= sm.tot[s];
                 s++;
             }
             const u64 yrow = (u64)((const int*)me.comb_map)[(u64)s * T * K + i];
@@ -270,6 +327,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
             warp_copy(dst, src, (int)(left < SEGB ? left : SEGB));
         }
         __syncthreads();
+        PROF(2);
         if (tid == 0) {
             fence_rel(p);
             u32 old = atomicAdd(state + ST_SENT + KIND, 1u);
@@ -284,16 +342,22 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
         for (int d = tid; d < R; d += NTHREADS)
             bad |= wait_signal(p, sig_cb(me, R) + d, epoch, rank, d, PH_COMBINE_RECV) < 0;
         if (__syncthreads_or(bad)) goto finish;
+        PROF(3);
         const int* cpos = (const int*)me.comb_pos;
         const u8* cbuf = (const u8*)me.cmb_buf;
         const u64 TK = (u64)T * K;
         reduce_tokens(p, me, n, sm.sk, bid, [&](int t, int k) -> const u8* {
-            const int e = sm.sk[t * K + k];
-            return cbuf + ((u64)(e / L) * TK + (u64)cpos[t * K + k]) * rowb;
+            const int d = sm.sdl[t * K + k] >> 16;
+            const int pos = cpos[t * K + k];
+            if (local(d)) return (const u8*)tab[d].y + (u64)((const int*)tab[d].comb_map)[(u64)rank * TK + pos] * rowb;
+            return cbuf + ((u64)d * TK + (u64)pos) * rowb;
         });
     }
 finish:
-    if (last_block_out(p, state, KIND)) {
+    PROF(4);
+    bool last_out = last_block_out(p, state, KIND);
+    PROF(5);
+    if (last_out) {
         if (threadIdx.x == 0) {
             state[ST_EPOCH + KIND] = epoch;
             for (int d = 0; d < R; d++) st_release(p, sig_cb_ack(tab[d], R) + rank, (u64)epoch);

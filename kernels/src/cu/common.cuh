@@ -10,7 +10,7 @@ typedef long long i64;
 
 #define NTHREADS 512
 #define NWARPS (NTHREADS / 32)
-#define HDR_BYTES 64
+#define HDR_BYTES 80
 #define MAX_K 16
 #define NO_LOCAL 0xFFFFu
 
@@ -54,6 +54,7 @@ struct RankPtrs {
     u64 cmb_buf;     // R*T*K rows of 2H bytes (combine, receive side)
     u64 sig;         // u64 signal words, see SIG_* below
     u64 state;       // u32 state words
+    u64 bat_cnt;     // int [R*L]: rows of local expert l from source s (batched dispatch, on d)
 };
 
 // Offsets (in u64 words) of the signal arrays inside `sig`, given R, L, E.
@@ -81,7 +82,13 @@ struct KParams {
     int pe_entry_bytes;      // per-expert entry: header + payload, 16-aligned
     int fault_rank;          // test hook: this rank never signals (-1: none)
     int sys_scope;           // 1: ranks on several GPUs (system-scope ordering), 0: one GPU
+    int zero_copy;           // 1: combine reads the rows of owners on this GPU in place
+    int pad1;
+    u64 prof;                // 0, or u64[grid * 8]: %globaltimer stamps per block and phase
 };
+
+#define PROF(i) \
+    if (p.prof && threadIdx.x == 0) ((u64*)p.prof)[blockIdx.x * 8 + (i)] = globaltimer();
 
 // ---------------------------------------------------------------- memory ordering
 __device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
@@ -244,10 +251,15 @@ __device__ __forceinline__ void warp_copy(u8* dst, const u8* src, int n) {
     }
 }
 
-// Routing of one rank, loaded into shared memory: sk[t*K+k] = expert or -1.
-__device__ __forceinline__ void load_topk(const KParams& p, const RankPtrs& me, int n, int* sk) {
+// Routing of one rank, loaded into shared memory: sk[t*K+k] = expert or -1, and
+// sdl[t*K+k] = (owner rank << 16) | local expert, or -1 (one division per selection, here only).
+__device__ __forceinline__ void load_topk(const KParams& p, const RankPtrs& me, int n, int* sk, int* sdl) {
     const i64* topk = (const i64*)me.topk;
-    for (int i = threadIdx.x; i < n * p.K; i += NTHREADS) sk[i] = (int)topk[i];
+    for (int i = threadIdx.x; i < n * p.K; i += NTHREADS) {
+        const int e = (int)topk[i];
+        sk[i] = e;
+        sdl[i] = e >= 0 ? ((e / p.L) << 16) | (e % p.L) : -1;
+    }
 }
 
 // The end of a kernel for one rank: the last block to leave publishes the epoch, resets the
@@ -336,6 +348,7 @@ __device__ __forceinline__ void reduce_tokens(const KParams& p, const RankPtrs& 
 // Shared-memory carve-up used by every kernel (the host sizes it the same way).
 struct Smem {
     int* sk;       // T*K
+    int* sdl;      // T*K
     int* tokpos;   // T*R
     int* selpos;   // T*R
     int* tot;      // 2R
@@ -343,17 +356,29 @@ struct Smem {
     int* m_a;      // NTHREADS
     int* m_b;      // NTHREADS
     int* m_c;      // NTHREADS
+    int* bm;       // E*W: bitmap of the tokens selecting each expert (W = ceil(T/32))
+    int* pw;       // E*W: selections of the expert in the words before
+    int* cls;      // L*R: rows of (l, s)
+    int* beg;      // L*R: first row of (l, s)
+    int* rcnt;     // 80: entries per source [0, 32), their total at 32 + R
 };
 __device__ __forceinline__ Smem carve(const KParams& p, int* base) {
     Smem s;
     s.sk = base;
-    s.tokpos = s.sk + p.T * p.K;
+    s.sdl = s.sk + p.T * p.K;
+    s.tokpos = s.sdl + p.T * p.K;
     s.selpos = s.tokpos + p.T * p.R;
     s.tot = s.selpos + p.T * p.R;
     s.scratch = s.tot + 2 * p.R;
     s.m_a = s.scratch + 32;
     s.m_b = s.m_a + NTHREADS;
     s.m_c = s.m_b + NTHREADS;
+    const int W = (p.T + 31) / 32;
+    s.bm = s.m_c + NTHREADS;
+    s.pw = s.bm + p.E * W;
+    s.cls = s.pw + p.E * W;
+    s.beg = s.cls + p.L * p.R;
+    s.rcnt = s.beg + p.L * p.R;
     return s;
 }
 

@@ -12,3 +12,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) ep_fp8_encode_rows(KParam
         seg_store(p, s, xr, g * 512, out + (u64)t * p.entry_bytes);
     }
 }
+
+// An empty kernel of the same shape, to measure the launch and timing overhead.
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_empty(KParams p) { PROF(0); }

@@ -31,11 +31,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
     }
     __syncthreads();
     const u32 epoch = s_epoch;
+    PROF(0);
     const int n = s_n;
-    load_topk(p, me, n, sm.sk);
+    load_topk(p, me, n, sm.sk, sm.sdl);
     int bad = 0;
     if (tid < R) bad = !wait_ack(p, sig_pe_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_DISPATCH_SEND);
     if (__syncthreads_or(bad)) goto finish;
+    PROF(1);
     {
         const int segs = (p.H + 511) / 512;
         // ---- send: one message per selection, one signal per expert
@@ -81,6 +83,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
                 st_release(p, sig_pe(tab[d], R) + (u64)l * R + rank, signal_word(epoch, (u32)count));
             }
         }
+        PROF(2);
         // ---- receive: block per local expert, sources in order, slots in token order
         const u64 RT = (u64)R * T;
         for (int l = bid; l < L; l += p.blocks_per_rank) {
@@ -88,6 +91,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
             for (int s = 0; s < R; s++) {
                 if (tid == 0) s_cnt = (int)wait_signal(p, sig_pe(me, R) + (u64)l * R + s, epoch, rank, s, PH_DISPATCH_RECV);
                 __syncthreads();
+                if (s == 0 && l == bid) PROF(3);
                 const int cnt = s_cnt;
                 if (cnt < 0) goto finish;
                 const int begin = base;
@@ -132,7 +136,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
         }
     }
 finish:
-    if (last_block_out(p, state, KIND)) {
+    PROF(4);
+    bool last_out = last_block_out(p, state, KIND);
+    PROF(5);
+    if (last_out) {
         if (threadIdx.x == 0) {
             state[ST_EPOCH + KIND] = epoch;
             for (int s = 0; s < R; s++) st_release(p, sig_pe_ack(tab[s], R) + rank, (u64)epoch);
@@ -163,11 +170,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
     }
     __syncthreads();
     const u32 epoch = s_epoch;
+    PROF(0);
     const int n = s_n;
-    load_topk(p, me, n, sm.sk);
+    load_topk(p, me, n, sm.sk, sm.sdl);
     int bad = 0;
     if (tid < R) bad = !wait_ack(p, sig_pc_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_COMBINE_SEND);
     if (__syncthreads_or(bad)) goto finish;
+    PROF(1);
     {
         const int G = (int)((rowb + SEGB - 1) / SEGB);
         const int* layout = (const int*)me.layout;
@@ -191,16 +200,21 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
                 st_release(p, sig_pc(tab[s], R, L) + (u64)rank * L + l, signal_word(epoch, (u32)layout[(l * R + s) * 2 + 1]));
             }
         }
+        PROF(2);
         // ---- receive: every expert's signal, then the reduction in k order
         bad = 0;
         for (int e = tid; e < E; e += NTHREADS)
             bad |= wait_signal(p, sig_pc(me, R, L) + e, epoch, rank, e / L, PH_COMBINE_RECV) < 0;
         if (__syncthreads_or(bad)) goto finish;
+        PROF(3);
         const u8* cbuf = (const u8*)me.cmb_buf;
         reduce_tokens(p, me, n, sm.sk, bid, [&](int t, int k) -> const u8* { return cbuf + ((u64)t * K + k) * rowb; });
     }
 finish:
-    if (last_block_out(p, state, KIND)) {
+    PROF(4);
+    bool last_out = last_block_out(p, state, KIND);
+    PROF(5);
+    if (last_out) {
         if (threadIdx.x == 0) {
             state[ST_EPOCH + KIND] = epoch;
             for (int d = 0; d < R; d++) st_release(p, sig_pc_ack(tab[d], R) + rank, (u64)epoch);
