@@ -75,6 +75,8 @@ pub struct BenchSpec {
     pub warmup: usize,
     /// CPU backend knobs (staging workers, timeout).
     pub cpu: CpuOptions,
+    /// GPU backend: GPUs to spread the ranks over (1 = every rank a virtual rank on GPU 0).
+    pub gpus: usize,
 }
 
 impl BenchSpec {

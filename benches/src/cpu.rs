@@ -490,6 +490,7 @@ mod tests {
             iters: 3,
             warmup: 1,
             cpu: CpuOptions::default(),
+            gpus: 1,
         }
     }
 

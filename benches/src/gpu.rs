@@ -1,47 +1,90 @@
-//! ==================== THE GPU BACKEND GOES HERE ====================
-//!
-//! Not built in yet: ep-bench does not depend on ep-kernels until its `bench` module lands.
-//! To wire it (the lead's ~30-line change):
-//! 1. add `ep-kernels.workspace = true` to benches/Cargo.toml;
-//! 2. make [`probe`] return `ep_kernels::bench::probe()`;
-//! 3. make [`run`] call `ep_kernels::bench::run(&spec.cfg, &w.x, &w.topk_idx,
-//!    &w.topk_weights, spec.iters, spec.warmup, num_gpus)` on `let w = spec.workload();` (it
-//!    verifies both paths against the oracle before timing) and turn each `GpuTimings` into a
-//!    [`PathSamples`]:
-//!    ```ignore
-//!    PathSamples {
-//!        path: t.path,
-//!        // one RankSamples per rank if the timings are per rank (chunk dispatch_us by rank),
-//!        // else one entry holding every sample
-//!        ranks: vec![RankSamples { rank: 0, dispatch_us: t.dispatch_us, combine_us: t.combine_us }],
-//!        dispatch: Traffic { messages: t.dispatch_messages, signals: None,
-//!                            wire_bytes: t.dispatch_wire_bytes, logical_bytes: 0 },
-//!        combine: Traffic { messages: t.combine_messages, signals: None,
-//!                           wire_bytes: t.combine_wire_bytes, logical_bytes: 0 },
-//!        signals_total: t.signals,
-//!    }
-//!    ```
-//!    then `Ok(assemble(&PointInfo { backend: "gpu", device: &report.device, verified:
-//!    "ep-kernels verified both paths against the oracle", load_average: None, .. }, paths))` exactly as
-//!    `cpu::run` does.
+//! The GPU backend of ep-bench: `ep_kernels::bench` runs both paths' CUDA kernels on the same
+//! inputs, checks both bitwise against the oracle before timing, and times each call with CUDA
+//! events. All ranks of a GPU run in one launch, so every rank of a call shares one latency
+//! sample (the slowest GPU's); the per-rank lines differ only by each rank's own bytes.
 
+use crate::accounting;
 use crate::backend::{BenchError, BenchSpec};
-#[allow(unused_imports)]
 use crate::report::{assemble, PathSamples, PointInfo, PointResult, RankSamples, Traffic};
-
-/// Why there is no GPU backend.
-pub const NOT_BUILT_IN: &str = "GPU backend not built in yet";
 
 /// `Ok(device)` when a CUDA GPU is usable, `Err(why not)` otherwise. Never panics.
 pub fn probe() -> Result<String, String> {
-    Err(NOT_BUILT_IN.to_string())
+    ep_kernels::bench::probe()
 }
 
 /// Runs one point on the GPU.
 pub fn run(
-    _device: &str,
-    _spec: &BenchSpec,
-    _progress: &dyn Fn(&str),
+    device: &str,
+    spec: &BenchSpec,
+    progress: &dyn Fn(&str),
 ) -> Result<PointResult, BenchError> {
-    Err(BenchError::Backend(NOT_BUILT_IN.to_string()))
+    let cfg = spec.cfg;
+    progress("generating inputs");
+    let w = spec.workload();
+    progress("running both paths on the GPU: verify against the oracle, then time");
+    let report = ep_kernels::bench::run(
+        &cfg,
+        &w.x,
+        &w.topk_idx,
+        &w.topk_weights,
+        spec.iters,
+        spec.warmup,
+        spec.gpus,
+    )
+    .map_err(|e| {
+        if e.contains("differ") || e.contains("mismatch") {
+            BenchError::Mismatch(e)
+        } else {
+            BenchError::Backend(e)
+        }
+    })?;
+    let paths: Vec<PathSamples> = report
+        .paths
+        .into_iter()
+        .map(|t| PathSamples {
+            path: t.path,
+            ranks: (0..cfg.num_ranks)
+                .map(|rank| RankSamples {
+                    rank,
+                    dispatch_us: t.dispatch_us.clone(),
+                    combine_us: t.combine_us.clone(),
+                })
+                .collect(),
+            dispatch: Traffic {
+                messages: t.dispatch_messages,
+                signals: None,
+                wire_bytes: t.dispatch_wire_bytes,
+                logical_bytes: 0,
+            },
+            combine: Traffic {
+                messages: t.combine_messages,
+                signals: None,
+                wire_bytes: t.combine_wire_bytes,
+                logical_bytes: 0,
+            },
+            signals_total: t.signals,
+        })
+        .collect();
+    let selections: Vec<u64> = w
+        .topk_idx
+        .iter()
+        .map(|t| accounting::selections(t))
+        .collect();
+    let device = format!("{device} ({} GPU(s))", report.num_gpus);
+    Ok(assemble(
+        &PointInfo {
+            backend: "gpu",
+            device: &device,
+            cfg: &cfg,
+            tokens_per_rank: spec.tokens,
+            masked: spec.masked,
+            seed: spec.seed,
+            iters: spec.iters,
+            warmup: spec.warmup,
+            selections: &selections,
+            verified: "ep-kernels checked both paths bitwise against the oracle before timing",
+            load_average: None,
+        },
+        paths,
+    ))
 }

@@ -79,6 +79,9 @@ struct Cli {
     /// free (at least 1, at most 4).
     #[arg(long, default_value_t = 0)]
     workers: u64,
+    /// GPU backend: GPUs to spread the ranks over (1: all ranks as virtual ranks on one GPU).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    gpus: u64,
     /// CPU backend: bound on every wait of one call, in seconds.
     #[arg(long, default_value_t = 30.0, value_parser = parse_positive)]
     timeout_secs: f64,
@@ -213,6 +216,7 @@ fn main() -> ExitCode {
                 staging_workers: cli.workers as usize,
                 memory_limit: None,
             },
+            gpus: cli.gpus as usize,
         });
     }
     let choice = match cli.backend {
