@@ -134,6 +134,27 @@ fn summary(exits: &[RankExit]) -> String {
         .join("; ")
 }
 
+/// The exit code a rank uses when it fails *because another rank failed* (its rendezvous error
+/// names another rank: [`RendezvousError::is_caused_by_peer`](crate::RendezvousError::is_caused_by_peer)).
+/// The launcher then blames the other rank: when a rank dies, the survivors see it within
+/// milliseconds and exit too, so the order in which the exits reach the launcher says nothing
+/// about which rank failed first.
+pub const EXIT_PEER_FAILURE: i32 = 86;
+
+/// The rank to blame: the earliest failure that is not [`EXIT_PEER_FAILURE`], else the earliest.
+fn primary_failure(exits: &[RankExit]) -> Option<usize> {
+    let failed = || {
+        exits
+            .iter()
+            .filter(|e| !e.how.success() && !e.terminated_by_launcher)
+    };
+    failed()
+        .filter(|e| e.how != ExitHow::Code(EXIT_PEER_FAILURE))
+        .min_by_key(|e| e.after)
+        .or_else(|| failed().min_by_key(|e| e.after))
+        .map(|e| e.rank)
+}
+
 /// A launcher failure.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LaunchError {
@@ -153,8 +174,9 @@ pub enum LaunchError {
         how: ExitHow,
         /// Every rank's end, in rank order.
         exits: Vec<RankExit>,
-        /// The failed rank's last output lines.
-        tail: Vec<String>,
+        /// Every rank's last output lines (see [`LaunchReport::output`]): the failed rank's
+        /// last words, and the others' own errors.
+        output: Vec<Vec<String>>,
     },
     #[error("ranks {running:?} still running after the launch timeout {timeout:?}; terminated them; all ranks: {}", summary(.exits))]
     Timeout {
@@ -392,8 +414,9 @@ impl Launch {
     }
 
     /// Waits for every rank, at most `timeout` in all (then terminates those still running).
-    /// `Ok` when all exited with code 0; otherwise the first failure, by time, with every rank's
-    /// exit.
+    /// `Ok` when all exited with code 0; otherwise [`LaunchError::RankFailed`] naming the rank to
+    /// blame (the earliest failure that is not [`EXIT_PEER_FAILURE`]), with every rank's exit
+    /// and last output lines.
     pub fn wait(mut self, timeout: Duration) -> Result<LaunchReport, LaunchError> {
         let n = self.pids.len();
         let deadline = self.started + timeout;
@@ -490,12 +513,13 @@ impl Launch {
         };
         output.resize(n, Vec::new());
 
-        if let Some(rank) = first_failure {
+        if first_failure.is_some() {
+            let rank = primary_failure(&exits).unwrap_or(first_failure.unwrap_or(0));
             return Err(LaunchError::RankFailed {
                 rank,
                 how: exits[rank].how,
-                tail: output[rank].clone(),
                 exits,
+                output,
             });
         }
         if let Some(running) = timed_out {
@@ -653,11 +677,11 @@ mod tests {
                 rank,
                 how,
                 exits,
-                tail,
+                output,
             } => {
                 assert_eq!(*rank, 1);
                 assert_eq!(*how, ExitHow::Code(7));
-                assert_eq!(tail, &vec!["dying".to_string()]);
+                assert_eq!(output[1], vec!["dying".to_string()]);
                 for r in [0, 2] {
                     assert!(exits[r].terminated_by_launcher, "{:?}", exits[r]);
                     assert_eq!(exits[r].how, ExitHow::Signal(SIGTERM));
@@ -670,6 +694,35 @@ mod tests {
             "{err}"
         );
         assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
+    }
+
+    #[test]
+    fn a_rank_failing_because_of_a_peer_is_not_blamed() {
+        // Rank 0 exits first, but with EXIT_PEER_FAILURE ("someone else failed"); rank 1 is the
+        // real failure, later.
+        let l = spawn_local_with(
+            &LaunchOptions {
+                grace: Duration::from_secs(5),
+                ..quiet()
+            },
+            2,
+            "/bin/sh",
+            [
+                "-c",
+                "if [ \"$RANK\" = 0 ]; then exit 86; fi; sleep 0.3; exit 7",
+            ],
+            &[],
+        )
+        .unwrap();
+        match l.wait(Duration::from_secs(30)).unwrap_err() {
+            LaunchError::RankFailed {
+                rank, how, exits, ..
+            } => {
+                assert_eq!((rank, how), (1, ExitHow::Code(7)));
+                assert!(exits[0].after < exits[1].after, "{exits:?}");
+            }
+            other => panic!("expected RankFailed, got {other:?}"),
+        }
     }
 
     #[test]

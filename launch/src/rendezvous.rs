@@ -162,6 +162,28 @@ pub enum RendezvousError {
 }
 
 impl RendezvousError {
+    /// The rank that got this error.
+    pub fn rank(&self) -> usize {
+        match self {
+            RendezvousError::InvalidConfig { rank, .. }
+            | RendezvousError::Bind { rank, .. }
+            | RendezvousError::Connect { rank, .. }
+            | RendezvousError::Timeout { rank, .. }
+            | RendezvousError::PeerLost { rank, .. }
+            | RendezvousError::Protocol { rank, .. }
+            | RendezvousError::BarrierMismatch { rank, .. }
+            | RendezvousError::Aborted { rank, .. }
+            | RendezvousError::Broken { rank, .. } => *rank,
+        }
+    }
+
+    /// Whether another rank is to blame (it died, hung, or misbehaved): a process exiting on
+    /// such an error should use [`EXIT_PEER_FAILURE`](crate::launcher::EXIT_PEER_FAILURE), so a
+    /// launcher reports the culprit rather than the first survivor to notice.
+    pub fn is_caused_by_peer(&self) -> bool {
+        self.peer().is_some_and(|p| p != self.rank())
+    }
+
     /// The rank this error is about (the one that died, timed out or misbehaved), if any.
     pub fn peer(&self) -> Option<usize> {
         match self {
@@ -1275,15 +1297,18 @@ impl Rendezvous {
                     }
                 }
             }
-            // Death or abort on any link fails the call, even on links that already answered:
-            // the call cannot complete without every peer.
+            // Everything this call needs has arrived: it succeeded, whatever follows on the
+            // links (a peer that finished and left, a failure of a later call) is for the next
+            // call to see.
+            if got.iter().all(Option::is_some) {
+                return Ok(got.into_iter().map(Option::unwrap_or_default).collect());
+            }
+            // Otherwise death or abort on any link fails the call, even on links that already
+            // answered: the call cannot complete without every peer.
             for link in inner.links.iter() {
                 if let Some(err) = self.link_error(link, op, seq) {
                     return Err(err);
                 }
-            }
-            if got.iter().all(Option::is_some) {
-                return Ok(got.into_iter().map(Option::unwrap_or_default).collect());
             }
             if Instant::now() >= deadline {
                 let missing = got.iter().position(Option::is_none).unwrap_or(0);

@@ -1,0 +1,184 @@
+//! Rendezvous demo: every rank all-gathers "hostname pid" and prints what it got.
+//!
+//! ```text
+//! ep-rdzv-demo --nprocs 4                 # spawns 4 local ranks itself (ep-launch)
+//! torchrun --nproc-per-node 4 --no-python ep-rdzv-demo   # or any torchrun-style launcher
+//! ```
+//!
+//! Options (for the failure tests): `--die-after-barrier R` (rank R exits with code 3 right after
+//! the first barrier, without closing its rendezvous: a crash as the others see it),
+//! `--abort-after-barrier R` (rank R calls `abort()`: killed by SIGABRT), `--rounds K`
+//! (all_gathers after the barrier, default 2), `--timeout-s S` (connect and per-call timeout,
+//! default 60).
+//!
+//! Exit codes: 0 success, 1 bad usage or environment, 2 rendezvous error (or, when self-launched,
+//! a rank failed), 3 the deliberate death, `EXIT_PEER_FAILURE` (86) a rendezvous error caused by
+//! another rank.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use ep_launch::{is_launched_externally, ProcessConfig, Rendezvous};
+
+struct Args {
+    nprocs: Option<usize>,
+    die_after_barrier: Option<usize>,
+    abort_after_barrier: Option<usize>,
+    rounds: usize,
+    timeout: Duration,
+}
+
+fn parse_args() -> Result<(Args, Vec<String>), String> {
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    let mut a = Args {
+        nprocs: None,
+        die_after_barrier: None,
+        abort_after_barrier: None,
+        rounds: 2,
+        timeout: Duration::from_secs(60),
+    };
+    let mut passthrough = Vec::new();
+    let mut it = raw.into_iter();
+    while let Some(flag) = it.next() {
+        let mut value = |name: &str| -> Result<u64, String> {
+            let v = it.next().ok_or_else(|| format!("{name} needs a value"))?;
+            v.parse::<u64>()
+                .map_err(|e| format!("{name} {v:?}: expected a non-negative integer ({e})"))
+        };
+        match flag.as_str() {
+            "--nprocs" => a.nprocs = Some(value("--nprocs")? as usize),
+            "--die-after-barrier" => a.die_after_barrier = Some(value(&flag)? as usize),
+            "--abort-after-barrier" => a.abort_after_barrier = Some(value(&flag)? as usize),
+            "--rounds" => a.rounds = value(&flag)? as usize,
+            "--timeout-s" => a.timeout = Duration::from_secs(value(&flag)?.max(1)),
+            "-h" | "--help" => {
+                return Err(
+                    "usage: ep-rdzv-demo [--nprocs N] [--rounds K] [--timeout-s S] \
+                            [--die-after-barrier R] [--abort-after-barrier R]"
+                        .into(),
+                )
+            }
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    // The children's arguments: everything but --nprocs, rebuilt from the parsed values.
+    if let Some(r) = a.die_after_barrier {
+        passthrough.extend(["--die-after-barrier".to_string(), r.to_string()]);
+    }
+    if let Some(r) = a.abort_after_barrier {
+        passthrough.extend(["--abort-after-barrier".to_string(), r.to_string()]);
+    }
+    passthrough.extend(["--rounds".to_string(), a.rounds.to_string()]);
+    passthrough.extend(["--timeout-s".to_string(), a.timeout.as_secs().to_string()]);
+    Ok((a, passthrough))
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown-host".into())
+}
+
+fn main() -> ExitCode {
+    let (args, child_args) = match parse_args() {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("ep-rdzv-demo: {e}");
+            return ExitCode::from(1);
+        }
+    };
+
+    if !is_launched_externally() {
+        let n = args.nprocs.unwrap_or(1);
+        let exe = match std::env::current_exe() {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("ep-rdzv-demo: cannot find own executable: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        let launch = match ep_launch::spawn_local(n, &exe, &child_args, &[]) {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("ep-rdzv-demo: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        // Bounded: connecting plus the calls, with room to spare.
+        let bound = args.timeout * (args.rounds as u32 + 4) + Duration::from_secs(30);
+        return match launch.wait(bound) {
+            Ok(_) => {
+                println!("ep-rdzv-demo: all {n} ranks succeeded");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("ep-rdzv-demo: {e}");
+                ExitCode::from(2)
+            }
+        };
+    }
+
+    let pc = match ProcessConfig::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("ep-rdzv-demo: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let rank = pc.rank;
+    match run(&pc, &args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rank {rank}: error: {e}");
+            if e.is_caused_by_peer() {
+                // Another rank failed first: let the launcher blame it, not us.
+                ExitCode::from(ep_launch::EXIT_PEER_FAILURE as u8)
+            } else {
+                ExitCode::from(2)
+            }
+        }
+    }
+}
+
+fn run(pc: &ProcessConfig, args: &Args) -> Result<(), ep_launch::RendezvousError> {
+    let t0 = Instant::now();
+    let rdzv = Rendezvous::connect(&pc.rendezvous_config(args.timeout, args.timeout))?;
+    let rank = rdzv.rank();
+    println!(
+        "rank {rank}/{} connected in {:.1?} (local rank {})",
+        rdzv.world_size(),
+        t0.elapsed(),
+        pc.local_rank
+    );
+    rdzv.barrier("start")?;
+    if args.die_after_barrier == Some(rank) {
+        println!("rank {rank}: dying after the first barrier, as told");
+        // No destructors: the rendezvous never says goodbye, as in a crash.
+        std::process::exit(3);
+    }
+    if args.abort_after_barrier == Some(rank) {
+        println!("rank {rank}: aborting after the first barrier, as told");
+        std::process::abort();
+    }
+    let me = format!("{} {}", hostname(), std::process::id());
+    for round in 0..args.rounds {
+        let t = Instant::now();
+        let all = rdzv.all_gather(me.as_bytes())?;
+        let el = t.elapsed();
+        for (peer, blob) in all.iter().enumerate() {
+            println!(
+                "rank {rank} round {round}: rank {peer} is {}",
+                String::from_utf8_lossy(blob)
+            );
+        }
+        println!("rank {rank} round {round}: all_gather took {el:.1?}");
+    }
+    let token = rdzv.broadcast(format!("token-from-{}", std::process::id()).as_bytes())?;
+    println!("rank {rank}: broadcast {}", String::from_utf8_lossy(&token));
+    rdzv.barrier("end")?;
+    println!("rank {rank}: ok");
+    Ok(())
+}
