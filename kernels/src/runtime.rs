@@ -170,7 +170,16 @@ fn smem_bytes(c: &Config) -> usize {
         c.num_local_experts(),
     );
     let w = t.div_ceil(32);
-    4 * (2 * t * k + 2 * t * r + 2 * r + 32 + 3 * NTHREADS as usize + 2 * e * w + 2 * l * r + 80)
+    // rowp (T*K u64), sk, sdl, tokpos, selpos, tot, scratch, m_a/b/c, bm, pw, cls, beg, rcnt
+    4 * (2 * t * k
+        + 2 * t * k
+        + 2 * t * r
+        + 2 * r
+        + 32
+        + 3 * NTHREADS as usize
+        + 2 * e * w
+        + 2 * l * r
+        + 80)
 }
 
 fn cuda<T>(what: &str, r: Result<T, result::DriverError>) -> Result<T, GpuError> {

@@ -28,7 +28,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     Smem sm = carve(p, smem_raw);
     __shared__ u32 s_epoch;
-    __shared__ int s_n, s_last;
+    __shared__ int s_n;
     if (tid == 0) {
         s_epoch = ld_volatile_u32(state + ST_EPOCH + KIND) + 1u;
         s_n = ((const int*)me.meta)[0];
@@ -45,14 +45,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     if (tid < R) bad = !wait_ack(p, sig_bat_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_DISPATCH_SEND);
     __syncthreads();
     // Per token: selections bound for each destination; per expert: bitmap of its tokens.
-    for (int t = tid; t < n; t += NTHREADS)
+    // (warp per 32 tokens = one bitmap word; lanes with the same expert merge their bits first)
+    for (int t0 = warp * 32; t0 < n; t0 += NWARPS * 32) {
+        const int t = t0 + lane;
         for (int k = 0; k < K; k++) {
-            const int dl = sm.sdl[t * K + k];
-            if (dl >= 0) {
-                sm.tokpos[t * R + (dl >> 16)] += 1;
-                atomicOr((u32*)&sm.bm[sm.sk[t * K + k] * W + (t >> 5)], 1u << (t & 31));
-            }
+            const int e = t < n ? sm.sk[t * K + k] : -1;
+            if (e >= 0) sm.tokpos[t * R + (sm.sdl[t * K + k] >> 16)] += 1;
+            const u32 same = __match_any_sync(0xffffffffu, e);
+            if (e >= 0 && lane == __ffs(same) - 1) atomicOr((u32*)&sm.bm[e * W + (t0 >> 5)], same);
         }
+    }
     __syncthreads();
     // Per expert: selections before each bitmap word (the index of (t, k) within its expert).
     for (int e = tid; e < E; e += NTHREADS) {
@@ -144,32 +146,26 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         }
         // ---- one signal per (source, destination) once every block of this rank has sent;
         // the last block also ships the per-expert row counts each destination needs.
+        // Every block ships its share of the per-expert row counts (all blocks hold them).
+        for (int i = bid * NTHREADS + tid; i < E; i += p.blocks_per_rank * NTHREADS) {
+            const int d = i / L, l = i % L;
+            ((int*)tab[d].bat_cnt)[rank * L + l] = sm.pw[i * W + W - 1] + __popc((u32)sm.bm[i * W + W - 1]);
+        }
+        if (bid == 0 && tid < R) {
+            int* meta = (int*)tab[tid].bat_meta + 2 * rank;
+            meta[0] = sm.tot[tid];
+            meta[1] = sm.tot[R + tid];
+        }
         __syncthreads();
         PROF(2);
         if (tid == 0) {
             fence_rel(p);
             const u32 old = atomicAdd(state + ST_SENT + KIND, 1u);
-            s_last = old == (u32)p.blocks_per_rank - 1u;
-            if (s_last) {
+            if (old == (u32)p.blocks_per_rank - 1u) {
                 state[ST_SENT + KIND] = 0u;
                 fence_rel(p);
-            }
-        }
-        __syncthreads();
-        if (s_last && rank != p.fault_rank) {
-            for (int i = tid; i < E; i += NTHREADS) {
-                const int d = i / L, l = i % L;
-                ((int*)tab[d].bat_cnt)[rank * L + l] = sm.pw[i * W + W - 1] + __popc((u32)sm.bm[i * W + W - 1]);
-            }
-            if (tid < R) {
-                int* meta = (int*)tab[tid].bat_meta + 2 * rank;
-                meta[0] = sm.tot[tid];
-                meta[1] = sm.tot[R + tid];
-            }
-            __syncthreads();
-            if (tid == 0) {
-                fence_rel(p);
-                for (int d = 0; d < R; d++) st_release(p, sig_bat(tab[d]) + rank, signal_word(epoch, (u32)sm.tot[d]));
+                if (rank != p.fault_rank)
+                    for (int d = 0; d < R; d++) st_release(p, sig_bat(tab[d]) + rank, signal_word(epoch, (u32)sm.tot[d]));
             }
         }
         // ---- receive: every source's batch, expanded in parallel into the canonical rows
@@ -306,10 +302,27 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
     if (__syncthreads_or(bad)) goto finish;
     PROF(1);
     {
-        // ---- send: batch(me -> s) = rows comb_map[s][0..cnt), to s's area for me
         // With zero_copy, sources on this GPU read the rows in place: only other GPUs get a put.
-        const int G = (int)((rowb + SEGB - 1) / SEGB);
         auto local = [&](int s) { return p.zero_copy && s >= p.rank_base && s < p.rank_base + p.ranks_here; };
+        // The address of every selection's row (handle data of the dispatch: no wait needed).
+        {
+            const int* cpos = (const int*)me.comb_pos;
+            const u8* cbuf = (const u8*)me.cmb_buf;
+            const u64 TK = (u64)T * K;
+            for (int i = tid; i < n * K; i += NTHREADS) {
+                const int dl = sm.sdl[i];
+                u64 a = 0;
+                if (dl >= 0) {
+                    const int d = dl >> 16;
+                    const int pos = cpos[i];
+                    a = local(d) ? (u64)((const u8*)tab[d].y + (u64)((const int*)tab[d].comb_map)[(u64)rank * TK + pos] * rowb)
+                                 : (u64)(cbuf + ((u64)d * TK + (u64)pos) * rowb);
+                }
+                sm.rowp[i] = a;
+            }
+        }
+        // ---- send: batch(me -> s) = rows comb_map[s][0..cnt), to s's area for me
+        const int G = (int)((rowb + SEGB - 1) / SEGB);
         int total = 0;
         for (int s = 0; s < R; s++) total += local(s) ? 0 : sm.tot[s];
         for (int u = bid * NWARPS + warp; u < total * G; u += p.blocks_per_rank * NWARPS) {
@@ -343,15 +356,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
             bad |= wait_signal(p, sig_cb(me, R) + d, epoch, rank, d, PH_COMBINE_RECV) < 0;
         if (__syncthreads_or(bad)) goto finish;
         PROF(3);
-        const int* cpos = (const int*)me.comb_pos;
-        const u8* cbuf = (const u8*)me.cmb_buf;
-        const u64 TK = (u64)T * K;
-        reduce_tokens(p, me, n, sm.sk, bid, [&](int t, int k) -> const u8* {
-            const int d = sm.sdl[t * K + k] >> 16;
-            const int pos = cpos[t * K + k];
-            if (local(d)) return (const u8*)tab[d].y + (u64)((const int*)tab[d].comb_map)[(u64)rank * TK + pos] * rowb;
-            return cbuf + ((u64)d * TK + (u64)pos) * rowb;
-        });
+        reduce_tokens(p, me, n, sm.sk, bid, [&](int t, int k) -> const u8* { return (const u8*)sm.rowp[t * K + k]; });
     }
 finish:
     PROF(4);

@@ -347,6 +347,7 @@ __device__ __forceinline__ void reduce_tokens(const KParams& p, const RankPtrs& 
 
 // Shared-memory carve-up used by every kernel (the host sizes it the same way).
 struct Smem {
+    u64* rowp;     // T*K: combine, the address of each selection's row
     int* sk;       // T*K
     int* sdl;      // T*K
     int* tokpos;   // T*R
@@ -364,7 +365,8 @@ struct Smem {
 };
 __device__ __forceinline__ Smem carve(const KParams& p, int* base) {
     Smem s;
-    s.sk = base;
+    s.rowp = (u64*)base;
+    s.sk = base + 2 * p.T * p.K;
     s.sdl = s.sk + p.T * p.K;
     s.tokpos = s.sdl + p.T * p.K;
     s.selpos = s.tokpos + p.T * p.R;
