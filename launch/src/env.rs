@@ -13,6 +13,10 @@
 //! | `MASTER_ADDR`      | host (name or IP) where rank 0 listens           | yes      |
 //! | `MASTER_PORT`      | TCP port where rank 0 listens, `1..=65535`       | yes      |
 //!
+//! The rendezvous port is `EP_RDZV_PORT` when set; otherwise `MASTER_PORT + 1` under torchrun
+//! (`TORCHELASTIC_RUN_ID` set: torchrun's own store already listens on `MASTER_PORT` on rank 0's
+//! host), otherwise `MASTER_PORT`.
+//!
 //! Every problem is a typed [`EnvError`] naming the variable and the value it had; nothing here
 //! panics.
 
@@ -25,6 +29,10 @@ pub const LOCAL_RANK: &str = "LOCAL_RANK";
 pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
 pub const MASTER_ADDR: &str = "MASTER_ADDR";
 pub const MASTER_PORT: &str = "MASTER_PORT";
+/// Optional: the port rank 0's rendezvous listens on, when it must differ from `MASTER_PORT`.
+pub const EP_RDZV_PORT: &str = "EP_RDZV_PORT";
+/// Set by torchrun (torchelastic) in its workers; its agent's store already holds `MASTER_PORT`.
+pub const TORCHELASTIC_RUN_ID: &str = "TORCHELASTIC_RUN_ID";
 /// Set by [`spawn_local`](crate::launcher::spawn_local) in its children (value `ep-launch`), so a
 /// program can tell this launcher from an external one.
 pub const EP_LAUNCHER: &str = "EP_LAUNCHER";
@@ -63,6 +71,9 @@ pub struct ProcessConfig {
     pub local_world_size: Option<usize>,
     pub master_addr: String,
     pub master_port: u16,
+    /// Where rank 0's rendezvous listens (see the module docs): `EP_RDZV_PORT`, else
+    /// `MASTER_PORT + 1` under torchrun, else `MASTER_PORT`.
+    pub rdzv_port: u16,
 }
 
 impl ProcessConfig {
@@ -155,6 +166,30 @@ impl ProcessConfig {
             }
         };
 
+        let rdzv_port =
+            match get(EP_RDZV_PORT)? {
+                Some(v) => match v.trim().parse::<u16>() {
+                    Ok(p) if p != 0 => p,
+                    _ => {
+                        return Err(EnvError::Invalid {
+                            var: EP_RDZV_PORT,
+                            value: v,
+                            reason: "expected a TCP port in 1..=65535".into(),
+                        })
+                    }
+                },
+                None if get(TORCHELASTIC_RUN_ID)?.is_some() => master_port
+                    .checked_add(1)
+                    .ok_or_else(|| EnvError::Invalid {
+                        var: MASTER_PORT,
+                        value: port_text.clone(),
+                        reason: "under torchrun the rendezvous uses MASTER_PORT+1, which does not \
+                             exist; set EP_RDZV_PORT"
+                            .into(),
+                    })?,
+                None => master_port,
+            };
+
         Ok(Self {
             rank,
             world_size,
@@ -162,6 +197,7 @@ impl ProcessConfig {
             local_world_size,
             master_addr,
             master_port,
+            rdzv_port,
         })
     }
 
@@ -175,7 +211,7 @@ impl ProcessConfig {
             rank: self.rank,
             world_size: self.world_size,
             master_addr: self.master_addr.clone(),
-            master_port: self.master_port,
+            master_port: self.rdzv_port,
             connect_timeout,
             op_timeout,
         }
@@ -255,11 +291,47 @@ mod tests {
                 local_rank: 3,
                 local_world_size: Some(4),
                 master_addr: "127.0.0.1".into(),
-                master_port: 29500
+                master_port: 29500,
+                rdzv_port: 29500,
             }
         );
         let c = with(&[("LOCAL_WORLD_SIZE", None)]).unwrap();
         assert_eq!(c.local_world_size, None);
+    }
+
+    #[test]
+    fn rendezvous_port_avoids_torchruns_store() {
+        let d = Duration::from_secs(1);
+        assert_eq!(
+            cfg(GOOD).unwrap().rendezvous_config(d, d).master_port,
+            29500
+        );
+        let c = with(&[(TORCHELASTIC_RUN_ID, Some("none"))]).unwrap();
+        assert_eq!((c.master_port, c.rdzv_port), (29500, 29501));
+        assert_eq!(c.rendezvous_config(d, d).master_port, 29501);
+        let c = with(&[
+            (TORCHELASTIC_RUN_ID, Some("x")),
+            (EP_RDZV_PORT, Some("31000")),
+        ])
+        .unwrap();
+        assert_eq!(c.rdzv_port, 31000);
+        assert!(matches!(
+            with(&[(EP_RDZV_PORT, Some("0"))]),
+            Err(EnvError::Invalid {
+                var: EP_RDZV_PORT,
+                ..
+            })
+        ));
+        assert!(matches!(
+            with(&[
+                (TORCHELASTIC_RUN_ID, Some("x")),
+                (MASTER_PORT, Some("65535"))
+            ]),
+            Err(EnvError::Invalid {
+                var: MASTER_PORT,
+                ..
+            })
+        ));
     }
 
     #[test]

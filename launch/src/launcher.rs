@@ -315,6 +315,9 @@ where
             .env(env::MASTER_ADDR, "127.0.0.1")
             .env(env::MASTER_PORT, port.to_string())
             .env(env::EP_LAUNCHER, "ep-launch")
+            // Inherited values would move the rendezvous off the port picked here.
+            .env_remove(env::EP_RDZV_PORT)
+            .env_remove(env::TORCHELASTIC_RUN_ID)
             .envs(extra_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -44,12 +44,9 @@ fn demo_all_gathers_hostname_and_pid_among_1_2_4_processes() {
                 "rank {rank}: {out:?}"
             );
             for round in 0..3 {
-                for peer in 0..n {
+                for (peer, pid) in pids.iter().enumerate() {
                     // Every rank saw every rank's real pid (the launcher's view of it).
-                    let want = format!(
-                        "rank {rank} round {round}: rank {peer} is {host} {}",
-                        pids[peer]
-                    );
+                    let want = format!("rank {rank} round {round}: rank {peer} is {host} {pid}");
                     assert!(out.contains(&want), "rank {rank} lacks {want:?}: {out:?}");
                 }
             }
@@ -182,6 +179,67 @@ fn a_process_killed_by_a_signal_is_reported_with_the_signal() {
     assert!(err.to_string().contains("signal 6 (SIGABRT)"), "{err}");
 }
 
+#[test]
+fn a_rank_killed_from_outside_mid_run_fails_the_other_promptly() {
+    // What an operator (or the checker) does: kill -9 one rank of a running job.
+    let t0 = Instant::now();
+    let launch = spawn_local_with(
+        &opts(),
+        2,
+        DEMO,
+        ["--rounds", "100000", "--pause-ms", "5", "--timeout-s", "60"],
+        &[],
+    )
+    .unwrap();
+    let victim = launch.pids()[1];
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        Command::new("kill")
+            .args(["-KILL", &victim.to_string()])
+            .status()
+            .map(|s| s.success())
+    });
+    let err = launch.wait(Duration::from_secs(120)).unwrap_err();
+    assert!(
+        killer.join().unwrap().unwrap(),
+        "kill -KILL {victim} failed"
+    );
+    let LaunchError::RankFailed {
+        rank,
+        how,
+        exits,
+        output,
+    } = &err
+    else {
+        panic!("expected RankFailed, got {err}");
+    };
+    assert_eq!((*rank, *how), (1, ExitHow::Signal(9)), "{err}");
+    assert!(
+        err.to_string()
+            .starts_with("rank 1 was killed by signal 9 (SIGKILL)"),
+        "{err}"
+    );
+    assert_eq!(exits[0].how, ExitHow::Code(EXIT_PEER_FAILURE), "{err}");
+    assert!(!exits[0].terminated_by_launcher);
+    assert!(
+        output[0]
+            .iter()
+            .any(|l| l.starts_with("rank 0: error: rank 0: peer rank 1 lost during")),
+        "{:?}",
+        output[0]
+    );
+    let lag = exits[0].after.saturating_sub(exits[1].after);
+    assert!(
+        lag < Duration::from_secs(5),
+        "rank 0 failed {lag:?} after the kill"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        t0.elapsed()
+    );
+}
+
 /// Runs a command with a hard bound; returns (exit code, stdout, stderr).
 fn run_bounded(cmd: &mut Command, limit: Duration) -> (Option<i32>, String, String) {
     let mut child = cmd
@@ -220,6 +278,8 @@ fn demo_without_launcher_env() -> Command {
         "MASTER_ADDR",
         "MASTER_PORT",
         "EP_LAUNCHER",
+        "EP_RDZV_PORT",
+        "TORCHELASTIC_RUN_ID",
     ] {
         c.env_remove(v);
     }

@@ -159,8 +159,7 @@ fn survivors_after(
     });
     results
         .into_iter()
-        .map(|r| r.expect("no rank may fail before the victim leaves"))
-        .flatten()
+        .filter_map(|r| r.expect("no rank may fail before the victim leaves"))
         .collect()
 }
 

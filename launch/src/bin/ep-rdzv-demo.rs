@@ -8,7 +8,8 @@
 //! Options (for the failure tests): `--die-after-barrier R` (rank R exits with code 3 right after
 //! the first barrier, without closing its rendezvous: a crash as the others see it),
 //! `--abort-after-barrier R` (rank R calls `abort()`: killed by SIGABRT), `--rounds K`
-//! (all_gathers after the barrier, default 2), `--timeout-s S` (connect and per-call timeout,
+//! (all_gathers after the barrier, default 2), `--pause-ms P` (sleep after each round, so a test can
+//! kill a rank mid-run), `--timeout-s S` (connect and per-call timeout,
 //! default 60).
 //!
 //! Exit codes: 0 success, 1 bad usage or environment, 2 rendezvous error (or, when self-launched,
@@ -25,6 +26,7 @@ struct Args {
     die_after_barrier: Option<usize>,
     abort_after_barrier: Option<usize>,
     rounds: usize,
+    pause: Duration,
     timeout: Duration,
 }
 
@@ -35,6 +37,7 @@ fn parse_args() -> Result<(Args, Vec<String>), String> {
         die_after_barrier: None,
         abort_after_barrier: None,
         rounds: 2,
+        pause: Duration::ZERO,
         timeout: Duration::from_secs(60),
     };
     let mut passthrough = Vec::new();
@@ -50,6 +53,7 @@ fn parse_args() -> Result<(Args, Vec<String>), String> {
             "--die-after-barrier" => a.die_after_barrier = Some(value(&flag)? as usize),
             "--abort-after-barrier" => a.abort_after_barrier = Some(value(&flag)? as usize),
             "--rounds" => a.rounds = value(&flag)? as usize,
+            "--pause-ms" => a.pause = Duration::from_millis(value(&flag)?),
             "--timeout-s" => a.timeout = Duration::from_secs(value(&flag)?.max(1)),
             "-h" | "--help" => {
                 return Err(
@@ -70,6 +74,7 @@ fn parse_args() -> Result<(Args, Vec<String>), String> {
     }
     passthrough.extend(["--rounds".to_string(), a.rounds.to_string()]);
     passthrough.extend(["--timeout-s".to_string(), a.timeout.as_secs().to_string()]);
+    passthrough.extend(["--pause-ms".to_string(), a.pause.as_millis().to_string()]);
     Ok((a, passthrough))
 }
 
@@ -175,6 +180,7 @@ fn run(pc: &ProcessConfig, args: &Args) -> Result<(), ep_launch::RendezvousError
             );
         }
         println!("rank {rank} round {round}: all_gather took {el:.1?}");
+        std::thread::sleep(args.pause);
     }
     let token = rdzv.broadcast(format!("token-from-{}", std::process::id()).as_bytes())?;
     println!("rank {rank}: broadcast {}", String::from_utf8_lossy(&token));
