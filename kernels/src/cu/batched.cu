@@ -45,14 +45,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     if (tid < R) bad = !wait_ack(p, sig_bat_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_DISPATCH_SEND);
     __syncthreads();
     // Per token: selections bound for each destination; per expert: bitmap of its tokens.
-    // (warp per 32 tokens = one bitmap word; lanes with the same expert merge their bits first)
-    for (int t0 = warp * 32; t0 < n; t0 += NWARPS * 32) {
-        const int t = t0 + lane;
-        for (int k = 0; k < K; k++) {
-            const int e = t < n ? sm.sk[t * K + k] : -1;
-            if (e >= 0) sm.tokpos[t * R + (sm.sdl[t * K + k] >> 16)] += 1;
-            const u32 same = __match_any_sync(0xffffffffu, e);
-            if (e >= 0 && lane == __ffs(same) - 1) atomicOr((u32*)&sm.bm[e * W + (t0 >> 5)], same);
+    // (one thread per selection)
+    for (int i = tid; i < n * K; i += NTHREADS) {
+        const int dl = sm.sdl[i];
+        if (dl >= 0) {
+            const int t = i / K;
+            atomicAdd(&sm.tokpos[t * R + (dl >> 16)], 1);
+            atomicOr((u32*)&sm.bm[sm.sk[i] * W + (t >> 5)], 1u << (t & 31));
         }
     }
     __syncthreads();
@@ -210,50 +209,75 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         const int Cx = vec ? (p.xrow + 511) / 512 : 0;  // 512-byte chunks of the row
         const int C = Cx + 1;                            // + one unit for scales and indices
         const int units = sm.rcnt[32 + R] * C;
-        for (int u = bid * NWARPS + warp; u < units; u += p.blocks_per_rank * NWARPS) {
-            int j = u / C;
-            const int c = u % C;
-            int s = 0;
-            while (j >= sm.rcnt[s]) {
-                j -= sm.rcnt[s];
-                s++;
-            }
-            const u8* h = (const u8*)me.bat_buf + ((u64)s * T + j) * p.entry_bytes;
-            u32 lx = NO_LOCAL, ix = 0;
-            if (lane < K) {
-                lx = ((const u16*)(h + 16))[lane];
-                ix = ((const u16*)(h + 48))[lane];
-            }
-            uint4 v;
-            const int off = c * 512 + lane * 16;
-            if (c < Cx && off < p.xrow) v = *(const uint4*)(h + HDR_BYTES + off);
-            const u32 slots = __ballot_sync(0xffffffffu, lx != NO_LOCAL);
-            if (c < Cx) {
-                for (u32 m = slots; m != 0u; m &= m - 1u) {
-                    const int k = __ffs(m) - 1;
-                    const int l = __shfl_sync(0xffffffffu, (int)lx, k);
-                    const int i = __shfl_sync(0xffffffffu, (int)ix, k);
-                    const u64 row = (u64)l * RT + sm.beg[l * R + s] + i;
-                    if (off < p.xrow) *(uint4*)((u8*)me.recv_x + row * p.xrow + off) = v;
-                }
-            } else {
-                const int t = ((const int*)h)[0];
-                const int sel = ((const int*)h)[1];
-                for (u32 m = slots; m != 0u; m &= m - 1u) {
-                    const int k = __ffs(m) - 1;
-                    const int l = __shfl_sync(0xffffffffu, (int)lx, k);
-                    const int i = __shfl_sync(0xffffffffu, (int)ix, k);
-                    const u64 row = (u64)l * RT + sm.beg[l * R + s] + i;
-                    if (!vec) warp_copy((u8*)me.recv_x + row * p.xrow, h + HDR_BYTES, p.xrow);
-                    if (p.spr) {
-                        const u32* src = (const u32*)(h + HDR_BYTES + p.xrow);
-                        u32* dst = (u32*)me.recv_scales + row * p.spr;
-                        for (int q = lane; q < p.spr; q += 32) dst[q] = src[q];
+        // Four units in flight per warp: all their loads are issued before any store.
+        for (int u0 = (bid * NWARPS + warp) * 4; u0 < units; u0 += p.blocks_per_rank * NWARPS * 4) {
+            const u8* hq[4];
+            int sq[4], cq[4];
+            u32 lxq[4], ixq[4];
+            uint4 vq[4];
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int u = u0 + q;
+                hq[q] = 0;
+                sq[q] = 0;
+                cq[q] = 0;
+                lxq[q] = NO_LOCAL;
+                ixq[q] = 0;
+                if (u < units) {
+                    int j = u / C;
+                    const int c = u % C;
+                    int s = 0;
+                    while (j >= sm.rcnt[s]) {
+                        j -= sm.rcnt[s];
+                        s++;
                     }
-                    if (lane == 0) {
-                        ((int*)me.src_info)[row] = t;
-                        ((int*)me.row_tk)[row] = t * K + k;
-                        ((int*)me.comb_map)[(u64)s * TK + sel + __popc(slots & ((1u << k) - 1u))] = (int)row;
+                    const u8* h = (const u8*)me.bat_buf + ((u64)s * T + j) * p.entry_bytes;
+                    hq[q] = h;
+                    sq[q] = s;
+                    cq[q] = c;
+                    if (lane < K) {
+                        lxq[q] = ((const u16*)(h + 16))[lane];
+                        ixq[q] = ((const u16*)(h + 48))[lane];
+                    }
+                    const int off = c * 512 + lane * 16;
+                    if (c < Cx && off < p.xrow) vq[q] = *(const uint4*)(h + HDR_BYTES + off);
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                if (u0 + q >= units) break;
+                const u8* h = hq[q];
+                const int s = sq[q], c = cq[q];
+                const u32 lx = lxq[q], ix = ixq[q];
+                const int off = c * 512 + lane * 16;
+                const u32 slots = __ballot_sync(0xffffffffu, lx != NO_LOCAL);
+                if (c < Cx) {
+                    for (u32 m = slots; m != 0u; m &= m - 1u) {
+                        const int k = __ffs(m) - 1;
+                        const int l = __shfl_sync(0xffffffffu, (int)lx, k);
+                        const int i = __shfl_sync(0xffffffffu, (int)ix, k);
+                        const u64 row = (u64)l * RT + sm.beg[l * R + s] + i;
+                        if (off < p.xrow) *(uint4*)((u8*)me.recv_x + row * p.xrow + off) = vq[q];
+                    }
+                } else {
+                    const int t = ((const int*)h)[0];
+                    const int sel = ((const int*)h)[1];
+                    for (u32 m = slots; m != 0u; m &= m - 1u) {
+                        const int k = __ffs(m) - 1;
+                        const int l = __shfl_sync(0xffffffffu, (int)lx, k);
+                        const int i = __shfl_sync(0xffffffffu, (int)ix, k);
+                        const u64 row = (u64)l * RT + sm.beg[l * R + s] + i;
+                        if (!vec) warp_copy((u8*)me.recv_x + row * p.xrow, h + HDR_BYTES, p.xrow);
+                        if (p.spr) {
+                            const u32* src = (const u32*)(h + HDR_BYTES + p.xrow);
+                            u32* dst = (u32*)me.recv_scales + row * p.spr;
+                            for (int z = lane; z < p.spr; z += 32) dst[z] = src[z];
+                        }
+                        if (lane == 0) {
+                            ((int*)me.src_info)[row] = t;
+                            ((int*)me.row_tk)[row] = t * K + k;
+                            ((int*)me.comb_map)[(u64)s * TK + sel + __popc(slots & ((1u << k) - 1u))] = (int)row;
+                        }
                     }
                 }
             }
@@ -321,6 +345,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
                 sm.rowp[i] = a;
             }
         }
+        // Every rank on this GPU and zero_copy: every row is read in place, and every row and
+        // handle was complete when this launch started, so no put and no signal is needed.
+        const bool all_local = p.zero_copy && p.ranks_here == R;
         // ---- send: batch(me -> s) = rows comb_map[s][0..cnt), to s's area for me
         const int G = (int)((rowb + SEGB - 1) / SEGB);
         int total = 0;
@@ -341,7 +368,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
         }
         __syncthreads();
         PROF(2);
-        if (tid == 0) {
+        if (tid == 0 && !all_local) {
             fence_rel(p);
             u32 old = atomicAdd(state + ST_SENT + KIND, 1u);
             if (old == (u32)p.blocks_per_rank - 1u) {
@@ -352,7 +379,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
         }
         // ---- receive: every owner's batch, then the reduction in k order
         bad = 0;
-        for (int d = tid; d < R; d += NTHREADS)
+        for (int d = tid; d < R && !all_local; d += NTHREADS)
             bad |= wait_signal(p, sig_cb(me, R) + d, epoch, rank, d, PH_COMBINE_RECV) < 0;
         if (__syncthreads_or(bad)) goto finish;
         PROF(3);
