@@ -209,15 +209,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         const int Cx = vec ? (p.xrow + 511) / 512 : 0;  // 512-byte chunks of the row
         const int C = Cx + 1;                            // + one unit for scales and indices
         const int units = sm.rcnt[32 + R] * C;
-        // Four units in flight per warp: all their loads are issued before any store.
-        for (int u0 = (bid * NWARPS + warp) * 4; u0 < units; u0 += p.blocks_per_rank * NWARPS * 4) {
+        // Four units in flight per warp (units gw, gw + NW, gw + 2NW, gw + 3NW, so that every
+        // warp gets work): all their loads are issued before any store.
+        const int nw = p.blocks_per_rank * NWARPS;
+        for (int u0 = bid * NWARPS + warp; u0 < units; u0 += 4 * nw) {
             const u8* hq[4];
             int sq[4], cq[4];
             u32 lxq[4], ixq[4];
             uint4 vq[4];
 #pragma unroll
             for (int q = 0; q < 4; q++) {
-                const int u = u0 + q;
+                const int u = u0 + q * nw;
                 hq[q] = 0;
                 sq[q] = 0;
                 cq[q] = 0;
@@ -245,7 +247,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             }
 #pragma unroll
             for (int q = 0; q < 4; q++) {
-                if (u0 + q >= units) break;
+                if (u0 + q * nw >= units) break;
                 const u8* h = hq[q];
                 const int s = sq[q], c = cq[q];
                 const u32 lx = lxq[q], ix = ixq[q];
@@ -348,23 +350,51 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
         // Every rank on this GPU and zero_copy: every row is read in place, and every row and
         // handle was complete when this launch started, so no put and no signal is needed.
         const bool all_local = p.zero_copy && p.ranks_here == R;
-        // ---- send: batch(me -> s) = rows comb_map[s][0..cnt), to s's area for me
-        const int G = (int)((rowb + SEGB - 1) / SEGB);
+        // ---- send: batch(me -> s) = rows comb_map[s][0..cnt), to s's area for me.
+        // Units of 512 bytes (16 per lane), eight in flight per warp.
         int total = 0;
         for (int s = 0; s < R; s++) total += local(s) ? 0 : sm.tot[s];
-        for (int u = bid * NWARPS + warp; u < total * G; u += p.blocks_per_rank * NWARPS) {
-            int i = u / G;
-            const int g = u % G;
-            int s = 0;
-            while (local(s) || i >= sm.tot[s]) {
-                if (!local(s)) i -= sm.tot[s];
-                s++;
+        const int nw = p.blocks_per_rank * NWARPS;
+        const int lane = tid & 31;
+        if ((rowb & 15) == 0) {
+            const int C = (int)((rowb + 511) / 512);
+            const int units = total * C;
+            for (int u0 = bid * NWARPS + warp; u0 < units; u0 += 8 * nw) {
+                uint4 v[8];
+                u8* dst[8];
+#pragma unroll
+                for (int q = 0; q < 8; q++) {
+                    const int u = u0 + q * nw;
+                    dst[q] = 0;
+                    if (u < units) {
+                        int i = u / C;
+                        const u64 off = (u64)(u % C) * 512 + lane * 16;
+                        int s = 0;
+                        while (local(s) || i >= sm.tot[s]) {
+                            if (!local(s)) i -= sm.tot[s];
+                            s++;
+                        }
+                        if (off < rowb) {
+                            const u64 yrow = (u64)((const int*)me.comb_map)[(u64)s * T * K + i];
+                            v[q] = *(const uint4*)((const u8*)me.y + yrow * rowb + off);
+                            dst[q] = (u8*)tab[s].cmb_buf + ((u64)rank * T * K + i) * rowb + off;
+                        }
+                    }
+                }
+#pragma unroll
+                for (int q = 0; q < 8; q++)
+                    if (dst[q]) *(uint4*)dst[q] = v[q];
             }
-            const u64 yrow = (u64)((const int*)me.comb_map)[(u64)s * T * K + i];
-            const u8* src = (const u8*)me.y + yrow * rowb + (u64)g * SEGB;
-            u8* dst = (u8*)tab[s].cmb_buf + ((u64)rank * T * K + i) * rowb + (u64)g * SEGB;
-            const u64 left = rowb - (u64)g * SEGB;
-            warp_copy(dst, src, (int)(left < SEGB ? left : SEGB));
+        } else {
+            for (int u = bid * NWARPS + warp; u < total; u += nw) {
+                int i = u, s = 0;
+                while (local(s) || i >= sm.tot[s]) {
+                    if (!local(s)) i -= sm.tot[s];
+                    s++;
+                }
+                const u64 yrow = (u64)((const int*)me.comb_map)[(u64)s * T * K + i];
+                warp_copy((u8*)tab[s].cmb_buf + ((u64)rank * T * K + i) * rowb, (const u8*)me.y + yrow * rowb, (int)rowb);
+            }
         }
         __syncthreads();
         PROF(2);
