@@ -21,7 +21,7 @@ export LD_LIBRARY_PATH="$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 echo "kernels.sh: NVRTC from $LIB"
 
 out="$(mktemp)"
-cargo test --release -p ep-kernels --test compile -- --nocapture 2>&1 | tee "$out"
+cargo test --release -p ep-kernels --test compile 2>&1 | tee "$out"
 if grep -q SKIPPED "$out"; then
     echo "kernels.sh: the compile check was skipped although NVRTC was installed" >&2
     exit 1
@@ -30,5 +30,5 @@ grep -q "compiled 3 modules for sm_90" "$out"
 rm -f "$out"
 
 # Everything else: GPU tests print SKIPPED here (no GPU); unit tests run.
-cargo test --release -p ep-kernels -- --nocapture 2>&1 | grep -E "SKIPPED|test result|FAILED|panicked" || true
+cargo test --release -p ep-kernels 2>&1 | grep -E "SKIPPED|test result|gpu tests|compile check|FAILED|panicked" || true
 cargo test --release -p ep-kernels --quiet

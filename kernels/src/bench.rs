@@ -41,40 +41,62 @@ pub struct GpuReport {
     pub paths: Vec<GpuTimings>,
 }
 
-/// Wire accounting of one call pair on `path`.
-pub fn accounting(cfg: &Config, topk_idx: &[Vec<i64>], path: Path) -> (u64, u64, u64, u64, u64) {
+/// Wire accounting of one dispatch + combine on `path` with the default options (combine reads
+/// rows of owners on the same GPU in place): (dispatch bytes, combine bytes, dispatch messages,
+/// combine messages, signals), all ranks, per call pair. Dispatch bytes are the bytes stored into
+/// the receive buffers (the own rank's included); combine bytes are the rows actually put (per-
+/// expert: every row; batched: rows whose owner sits on another GPU than their source).
+pub fn accounting(
+    cfg: &Config,
+    topk_idx: &[Vec<i64>],
+    path: Path,
+    num_gpus: usize,
+) -> (u64, u64, u64, u64, u64) {
     let (r, l, k, e) = (
         cfg.num_ranks,
         cfg.num_local_experts(),
         cfg.top_k,
         cfg.num_experts,
     );
+    let per_gpu = r / num_gpus.max(1);
     let selections: u64 = topk_idx
         .iter()
         .map(|t| t.iter().filter(|&&v| v >= 0).count() as u64)
         .sum();
     let mut dedup = 0u64;
-    for t in topk_idx {
+    let mut cross = 0u64;
+    for (s, t) in topk_idx.iter().enumerate() {
         for row in t.chunks_exact(k) {
             let mut mask = 0u64;
             for &v in row.iter().filter(|&&v| v >= 0) {
-                mask |= 1 << (v as usize / l);
+                let d = v as usize / l;
+                mask |= 1 << d;
+                cross += (d / per_gpu != s / per_gpu) as u64;
             }
             dedup += mask.count_ones() as u64;
         }
     }
-    let comb = selections * 2 * cfg.hidden as u64;
+    let row = 2 * cfg.hidden as u64;
+    let all_local = num_gpus <= 1;
     match path {
         Path::Batched => (
             dedup * crate::runtime::entry_bytes(cfg) as u64,
-            comb,
+            cross * row,
             (r * r) as u64,
-            (r * r) as u64,
-            2 * (r * r) as u64,
+            if all_local {
+                0
+            } else {
+                (r * r - r * per_gpu) as u64
+            },
+            if all_local {
+                (r * r) as u64
+            } else {
+                2 * (r * r) as u64
+            },
         ),
         Path::PerExpert => (
             selections * crate::runtime::pe_entry_bytes(cfg) as u64,
-            comb,
+            selections * row,
             selections,
             selections,
             2 * (e * r) as u64,
@@ -173,7 +195,7 @@ pub fn run_timed(
             }
             let (dt, ct) = time_path(&mut g, path, iters, warmup, graph && num_gpus == 1)
                 .map_err(|e| e.to_string())?;
-            let (dw, cw, dm, cm, sig) = accounting(cfg, topk_idx, path);
+            let (dw, cw, dm, cm, sig) = accounting(cfg, topk_idx, path, num_gpus);
             paths.push(GpuTimings {
                 path: path.name(),
                 dispatch_us: dt,

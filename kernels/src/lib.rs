@@ -7,6 +7,46 @@
 //!
 //! Where there is no CUDA driver (or no NVRTC), nothing touches the GPU: [`runtime::probe_devices`]
 //! and [`bench::probe`] say why, and the tests print `SKIPPED: <reason>`.
+//!
+//! ## How the GPU paths realise DESIGN.md (and where they choose)
+//!
+//! - **One launch per call and device.** All ranks of a device run in one kernel launch
+//!   (`blocks_per_rank` blocks each, one block per SM, checked against the occupancy calculator),
+//!   so they are resident together and can wait on each other. Two groups must not launch on the
+//!   same GPU at once: their blocks could interleave their residency (a wait would then end in
+//!   `Error::Timeout`, not a hang).
+//! - **Epochs on the device.** Each rank keeps, per kernel kind, the number of completed calls.
+//!   A kernel reads it at start (epoch = calls + 1), and the last block to leave publishes it. A
+//!   signal is `(epoch << 32) | count`, stored with release and read with acquire (gpu scope on
+//!   one GPU, system scope across GPUs). No host value changes between calls, so a call can be
+//!   replayed from a CUDA graph. The receiver acknowledges each call (`epoch` in the sender's ack
+//!   word) after it has consumed the buffers, and a sender waits for the previous call's ack
+//!   before it overwrites them.
+//! - **Bounded waits.** Every wait polls `%globaltimer`. Past `timeout_ns` it writes
+//!   (rank, peer, phase, call) to the device's error word and the kernel exits; waits elsewhere
+//!   see the flag and exit too. Nothing traps. [`GpuGroup::sync`] turns the word into
+//!   `ep_reference::Error::Timeout`, and the group refuses later calls.
+//! - **Finish counting.** DESIGN.md's `FINISHED_SUM_TAG` counter is replaced by a block-completion
+//!   counter. In the batched path every block adds 1 after a release fence, and the block that
+//!   completes the count stores the (source, destination) signals. In the per-expert path one
+//!   block owns each expert and signals it itself.
+//! - **Batched dispatch.** Each token is stored once per destination, as an 80-byte header (source
+//!   token, selection offset, and each slot's local expert and its index among the source's tokens
+//!   for that expert) plus the payload, contiguous per (source, destination). The last sender block
+//!   also ships per-(expert, source) row counts. The receiver computes begin(l, s) and expands every
+//!   entry in parallel into the canonical rows.
+//! - **Per-expert dispatch.** Each selection is its own message at slot t of region (l, s), with a
+//!   header stamped with the epoch. The receiver finds this call's messages in token order.
+//! - **Batched combine, same-GPU owners.** With `GpuOptions::zero_copy_local` (the default), a
+//!   source reads the rows of owners on its own GPU in place, through the owner's handle, and no
+//!   put is made. When every rank is on one GPU, no combine signal is needed either: every row and
+//!   handle is complete when the launch starts. Peers on other GPUs always get the put and the
+//!   signal. `zero_copy_local: false` runs the put path on one GPU too, and the tests run both.
+//! - **Limits** (a clear `GpuError::Unsupported`): R <= 32, ranks spread evenly over the GPUs, the
+//!   routing tables must fit in shared memory (about 227 KB: roughly 16·T·K + 8·T·R + 8·E·⌈T/32⌉
+//!   + 8·L·R bytes + 6 KB).
+//! - **FP8.** `cvt.rn.satfinite.e4m3x2.f32`. NaN inputs were not tested against the CPU's sign
+//!   rule (the CPU gives 0xFF for -NaN).
 
 pub mod bench;
 pub mod compile;

@@ -1,13 +1,13 @@
 //! Needs only NVRTC (no GPU): every kernel compiles for sm_90, and ptxas's register/spill report
-//! is printed. Where libnvrtc cannot be opened the test prints `SKIPPED: ...` and passes nothing
-//! (it returns without asserting; the SKIPPED line is the result).
+//! is printed. A custom runner (`harness = false`): where libnvrtc cannot be opened it prints
+//! `SKIPPED: ...` and reports the check as skipped, not passed; a failure exits non-zero.
 
 use ep_kernels::compile::{self, FAMILIES};
 
-#[test]
-fn every_kernel_compiles_for_sm90_with_nvrtc_or_skipped() {
+fn main() {
     if !compile::nvrtc_present() {
         println!("SKIPPED: every_kernel_compiles_for_sm90_with_nvrtc: libnvrtc not found (put it on LD_LIBRARY_PATH)");
+        println!("compile check: 0 passed; 0 failed; 1 skipped");
         return;
     }
     for f in FAMILIES {
@@ -39,4 +39,5 @@ fn every_kernel_compiles_for_sm90_with_nvrtc_or_skipped() {
         );
     }
     println!("compiled {} modules for sm_90", FAMILIES.len());
+    println!("compile check: 1 passed; 0 failed; 0 skipped");
 }

@@ -1,23 +1,92 @@
-//! GPU tests: both paths bit-identical to the oracle. Each test needs a CUDA GPU (and NVRTC);
-//! where there is none it prints `SKIPPED: <test>: <reason>` and returns without asserting
-//! anything (skipped, not passed: the SKIPPED line is its result).
-//! The tests share one GPU one at a time (a launch occupies every multiprocessor).
+//! GPU tests: both paths bit-identical to the oracle. A custom runner (`harness = false`): each
+//! test needs a CUDA GPU (some two) and NVRTC; where they are missing it prints
+//! `SKIPPED: <test>: <reason>` and is counted as skipped, never as passed. The summary line gives
+//! passed / failed / skipped, and the process fails when a test failed. Tests run one at a time
+//! (a launch occupies every multiprocessor). Arguments: an optional name filter; cargo's flags
+//! (`--nocapture`, `--test-threads=N`, ...) are accepted and ignored.
 
 use ep_kernels::runtime::probe_devices;
 use ep_kernels::testing::{random_inputs, random_y, verify_case, Rng, Routing};
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, Path};
 use ep_reference::{Config, Error, Mode, Op, Side};
-use std::sync::{Mutex, MutexGuard};
 
-static GPU: Mutex<()> = Mutex::new(());
+/// (name, GPUs needed, test)
+const TESTS: &[(&str, usize, fn())] = &[
+    (
+        "gpu_r1_both_paths_equal_oracle",
+        1,
+        gpu_r1_both_paths_equal_oracle,
+    ),
+    (
+        "gpu_virtual_r2_r4_r8_both_paths_equal_oracle",
+        1,
+        gpu_virtual_r2_r4_r8_both_paths_equal_oracle,
+    ),
+    (
+        "gpu_two_gpus_r2_r4_both_paths_equal_oracle",
+        2,
+        gpu_two_gpus_r2_r4_both_paths_equal_oracle,
+    ),
+    (
+        "gpu_skewed_routing_all_tokens_to_one_expert",
+        1,
+        gpu_skewed_routing_all_tokens_to_one_expert,
+    ),
+    (
+        "gpu_standard_setting_r1_r2_r8_equal_oracle",
+        1,
+        gpu_standard_setting_r1_r2_r8_equal_oracle,
+    ),
+    (
+        "gpu_1000_consecutive_calls_on_the_same_buffers",
+        1,
+        gpu_1000_consecutive_calls_on_the_same_buffers,
+    ),
+    (
+        "gpu_fp8_cast_is_bit_identical_to_the_cpu",
+        1,
+        gpu_fp8_cast_is_bit_identical_to_the_cpu,
+    ),
+    (
+        "gpu_stalled_peer_times_out_with_rank_peer_phase_call",
+        1,
+        gpu_stalled_peer_times_out_with_rank_peer_phase_call,
+    ),
+    (
+        "gpu_bad_inputs_are_typed_errors",
+        1,
+        gpu_bad_inputs_are_typed_errors,
+    ),
+];
 
-fn gpu_or_skip(test: &str, gpus: usize) -> Option<MutexGuard<'static, ()>> {
-    match probe_devices(gpus) {
-        Ok(_) => Some(GPU.lock().unwrap_or_else(|e| e.into_inner())),
-        Err(why) => {
-            println!("SKIPPED: {test}: {why}");
-            None
+fn main() {
+    let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let (mut passed, mut failed, mut skipped) = (0, 0, 0);
+    for &(name, gpus, test) in TESTS {
+        if filter.as_deref().is_some_and(|f| !name.contains(f)) {
+            continue;
         }
+        if let Err(why) = probe_devices(gpus) {
+            println!("SKIPPED: {name}: {why}");
+            skipped += 1;
+            continue;
+        }
+        println!("test {name} ...");
+        let t0 = std::time::Instant::now();
+        match std::panic::catch_unwind(test) {
+            Ok(()) => {
+                println!("test {name} ... ok ({:.1} s)", t0.elapsed().as_secs_f64());
+                passed += 1;
+            }
+            Err(_) => {
+                println!("test {name} ... FAILED");
+                failed += 1;
+            }
+        }
+    }
+    println!("gpu tests: {passed} passed; {failed} failed; {skipped} skipped");
+    if failed > 0 {
+        std::process::exit(1);
     }
 }
 
@@ -78,21 +147,13 @@ fn random_configs(r: usize, gpus: usize, seed: u64, zero_copy_local: bool) -> us
     checks
 }
 
-#[test]
-fn gpu_r1_both_paths_equal_oracle_or_skipped() {
-    let Some(_g) = gpu_or_skip("gpu_r1_both_paths_equal_oracle", 1) else {
-        return;
-    };
+fn gpu_r1_both_paths_equal_oracle() {
     for zc in [true, false] {
         assert_eq!(random_configs(1, 1, 1, zc), 4 * 3 * 4);
     }
 }
 
-#[test]
-fn gpu_virtual_r2_r4_r8_both_paths_equal_oracle_or_skipped() {
-    let Some(_g) = gpu_or_skip("gpu_virtual_r2_r4_r8_both_paths_equal_oracle", 1) else {
-        return;
-    };
+fn gpu_virtual_r2_r4_r8_both_paths_equal_oracle() {
     for (r, seed) in [(2, 2), (4, 4), (8, 8)] {
         for zc in [true, false] {
             assert_eq!(random_configs(r, 1, seed, zc), 4 * 3 * 4);
@@ -100,20 +161,12 @@ fn gpu_virtual_r2_r4_r8_both_paths_equal_oracle_or_skipped() {
     }
 }
 
-#[test]
-fn gpu_two_gpus_r2_r4_both_paths_equal_oracle_or_skipped() {
-    let Some(_g) = gpu_or_skip("gpu_two_gpus_r2_r4_both_paths_equal_oracle", 2) else {
-        return;
-    };
+fn gpu_two_gpus_r2_r4_both_paths_equal_oracle() {
     assert_eq!(random_configs(2, 2, 22, true), 4 * 3 * 4);
     assert_eq!(random_configs(4, 2, 44, true), 4 * 3 * 4);
 }
 
-#[test]
-fn gpu_skewed_routing_all_tokens_to_one_expert_or_skipped() {
-    let Some(_g) = gpu_or_skip("gpu_skewed_routing_all_tokens_to_one_expert", 1) else {
-        return;
-    };
+fn gpu_skewed_routing_all_tokens_to_one_expert() {
     let mut rng = Rng::new(5);
     for r in [1, 4, 8] {
         let cfg = Config::new(r, 4 * r, 64, 1024, 4, Mode::FP8).unwrap();
@@ -127,11 +180,7 @@ fn gpu_skewed_routing_all_tokens_to_one_expert_or_skipped() {
     }
 }
 
-#[test]
-fn gpu_standard_setting_r1_r2_r8_equal_oracle_or_skipped() {
-    let Some(_g) = gpu_or_skip("gpu_standard_setting_r1_r2_r8_equal_oracle", 1) else {
-        return;
-    };
+fn gpu_standard_setting_r1_r2_r8_equal_oracle() {
     let mut rng = Rng::new(128);
     for r in [1, 2, 8] {
         let cfg = Config::new(r, 256, 128, 7168, 8, Mode::FP8).unwrap();
@@ -151,11 +200,7 @@ fn gpu_standard_setting_r1_r2_r8_equal_oracle_or_skipped() {
     }
 }
 
-#[test]
-fn gpu_1000_consecutive_calls_on_the_same_buffers_or_skipped() {
-    let Some(_g) = gpu_or_skip("gpu_1000_consecutive_calls_on_the_same_buffers", 1) else {
-        return;
-    };
+fn gpu_1000_consecutive_calls_on_the_same_buffers() {
     let mut rng = Rng::new(1000);
     let cfg = Config::new(4, 16, 8, 512, 4, Mode::FP8_UE8M0).unwrap();
     let mut g = group(&cfg, 1);
@@ -171,11 +216,7 @@ fn gpu_1000_consecutive_calls_on_the_same_buffers_or_skipped() {
     assert_eq!(g.calls(), [500, 500, 500, 500]);
 }
 
-#[test]
-fn gpu_fp8_cast_is_bit_identical_to_the_cpu_or_skipped() {
-    let Some(_g) = gpu_or_skip("gpu_fp8_cast_is_bit_identical_to_the_cpu", 1) else {
-        return;
-    };
+fn gpu_fp8_cast_is_bit_identical_to_the_cpu() {
     use ep_reference::payload::Encoder;
     use half::bf16;
     let mut rng = Rng::new(8);
@@ -215,11 +256,7 @@ fn gpu_fp8_cast_is_bit_identical_to_the_cpu_or_skipped() {
     }
 }
 
-#[test]
-fn gpu_stalled_peer_times_out_with_rank_peer_phase_call_or_skipped() {
-    let Some(_g) = gpu_or_skip("gpu_stalled_peer_times_out_with_rank_peer_phase_call", 1) else {
-        return;
-    };
+fn gpu_stalled_peer_times_out_with_rank_peer_phase_call() {
     let mut rng = Rng::new(9);
     for path in [Path::Batched, Path::PerExpert] {
         let cfg = Config::new(4, 8, 8, 256, 2, Mode::Bf16).unwrap();
@@ -256,11 +293,7 @@ fn gpu_stalled_peer_times_out_with_rank_peer_phase_call_or_skipped() {
     }
 }
 
-#[test]
-fn gpu_bad_inputs_are_typed_errors_or_skipped() {
-    let Some(_g) = gpu_or_skip("gpu_bad_inputs_are_typed_errors", 1) else {
-        return;
-    };
+fn gpu_bad_inputs_are_typed_errors() {
     let cfg = Config::new(2, 4, 4, 128, 2, Mode::FP8).unwrap();
     let mut g = group(&cfg, 1);
     let x = vec![vec![half::bf16::ONE; 128]; 2];

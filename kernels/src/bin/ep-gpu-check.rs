@@ -38,6 +38,34 @@ fn main() {
         .split(',')
         .map(|s| s.parse().expect("--ranks"))
         .collect();
+    if args.iter().any(|a| a == "--accounting") {
+        // The wire accounting of the standard inputs (same seeds as below); needs no GPU.
+        for (r, g) in [(1, 1), (2, 1), (8, 1), (2, 2), (8, 2)] {
+            let cfg = Config::new(r, experts, 128, 7168, 8, Mode::FP8).unwrap();
+            let mut rng = Rng::new(2024 + r as u64);
+            let data = random_inputs(
+                &cfg,
+                &vec![128; r],
+                Routing::Random { masked: 0.05 },
+                &mut rng,
+            );
+            let idx: Vec<_> = data.iter().map(|d| d.topk_idx.clone()).collect();
+            let sel: usize = idx
+                .iter()
+                .map(|t| t.iter().filter(|&&v| v >= 0).count())
+                .sum();
+            for path in [ep_kernels::Path::PerExpert, ep_kernels::Path::Batched] {
+                let (dw, cw, dm, cm, sig) = bench::accounting(&cfg, &idx, path, g);
+                println!(
+                    "EP{r} on {g} GPU(s) {:<10} selections {sel}: dispatch {:.3} MB in {dm} messages, combine {:.3} MB in {cm} puts, {sig} signals",
+                    path.name(),
+                    dw as f64 / 1e6,
+                    cw as f64 / 1e6
+                );
+            }
+        }
+        return;
+    }
     let device = match bench::probe() {
         Ok(d) => d,
         Err(why) => {
