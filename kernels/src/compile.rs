@@ -131,7 +131,9 @@ pub fn compile(f: &Family, arch: &str, verbose: bool) -> Result<Compiled, GpuErr
     result
 }
 
-static CUBINS: Mutex<Option<HashMap<(&'static str, String), Vec<u8>>>> = Mutex::new(None);
+/// CUBINs by (family, arch).
+type CubinCache = HashMap<(&'static str, String), Vec<u8>>;
+static CUBINS: Mutex<Option<CubinCache>> = Mutex::new(None);
 
 /// [`compile`] once per (family, arch) per process.
 pub fn cubin(f: &Family, arch: &str) -> Result<Vec<u8>, GpuError> {

@@ -485,7 +485,7 @@ impl GpuGroup {
         let mut ptrs = vec![RankPtrs::default(); r];
         for dev in devs.iter_mut() {
             dev.bind()?;
-            for rank in dev.first_rank..dev.first_rank + dev.ranks {
+            for slot in ptrs.iter_mut().skip(dev.first_rank).take(dev.ranks) {
                 let total: usize = sizes.iter().map(|&s| align(s, 256)).sum();
                 let base = dev.alloc(total)?;
                 let mut off = 0u64;
@@ -494,7 +494,7 @@ impl GpuGroup {
                     fields[i] = base + off;
                     off += align(s, 256) as u64;
                 }
-                ptrs[rank] = RankPtrs {
+                *slot = RankPtrs {
                     x: fields[0],
                     topk: fields[1],
                     weights: fields[2],

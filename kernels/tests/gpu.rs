@@ -223,7 +223,7 @@ fn gpu_fp8_cast_is_bit_identical_to_the_cpu() {
     let h = 1024;
     let mut rows: Vec<bf16> = Vec::new();
     // Edge rows: zeros, tiny (amax floor), subnormal-ish, huge, every bf16 exponent, ties.
-    rows.extend(std::iter::repeat(bf16::ZERO).take(h));
+    rows.extend(vec![bf16::ZERO; h]);
     rows.extend((0..h).map(|i| bf16::from_f32(1e-7 * (i as f32 - 512.0))));
     rows.extend((0..h).map(|i| bf16::from_bits((i as u16 * 61) & 0x7F7F | ((i as u16 & 1) << 15))));
     rows.extend((0..h).map(|i| {
@@ -310,14 +310,7 @@ fn gpu_bad_inputs_are_typed_errors() {
         Err(GpuError::Contract(Error::DuplicateExpert { .. }))
     ));
     let too_many = vec![vec![half::bf16::ONE; 128 * 5]; 2];
-    let idx5 = vec![
-        vec![0i64; 10]
-            .iter()
-            .enumerate()
-            .map(|(i, _)| (i % 2) as i64)
-            .collect::<Vec<_>>();
-        2
-    ];
+    let idx5 = vec![(0..10).map(|i| (i % 2) as i64).collect::<Vec<_>>(); 2];
     assert!(matches!(
         g.dispatch(Path::Batched, &too_many, &idx5),
         Err(GpuError::Contract(Error::TooManyTokens { .. }))
