@@ -50,10 +50,11 @@
 
 pub mod bench;
 pub mod compile;
+pub mod nccl;
 pub mod runtime;
 pub mod testing;
 
-pub use runtime::{GpuGroup, GpuOptions, Path};
+pub use runtime::{GpuGroup, GpuOptions, Path, Transport};
 
 /// Errors of the GPU backend.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -64,6 +65,12 @@ pub enum GpuError {
     /// A CUDA driver call failed.
     #[error("CUDA: {0}")]
     Cuda(String),
+    /// An NCCL call failed.
+    #[error("NCCL: {0}")]
+    Nccl(String),
+    /// A CUDA IPC handle exchange or a peer process failed.
+    #[error("multi-process: {0}")]
+    Process(String),
     /// NVRTC failed to compile a kernel.
     #[error("NVRTC: {0}")]
     Compile(String),

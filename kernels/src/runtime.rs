@@ -73,6 +73,9 @@ pub(crate) struct RankPtrs {
     sig: u64,
     state: u64,
     bat_cnt: u64,
+    snd_buf: u64,
+    snd_hdr: u64,
+    rcv_hdr: u64,
 }
 
 /// Kernel parameters (`struct KParams` in common.cuh), passed by value.
@@ -103,10 +106,12 @@ pub(crate) struct KParams {
     pub zero_copy: i32,
     pub pad1: i32,
     pub prof: u64,
+    pub nccl_mask: u32,
+    pub stage: i32,
 }
 
 /// Byte sizes of one rank's buffers, in the order of [`RankPtrs`].
-fn rank_sizes(c: &Config) -> [usize; 22] {
+fn rank_sizes(c: &Config, nccl: bool) -> [usize; 25] {
     let (r, e, l, t, h, k) = (
         c.num_ranks,
         c.num_experts,
@@ -139,6 +144,13 @@ fn rank_sizes(c: &Config) -> [usize; 22] {
         (6 * r + l * r + e) * 8,                  // sig
         64,                                       // state
         r * l * 4,                                // bat_cnt
+        if nccl {
+            (r * t * entry_bytes(c)).max(r * t * k * h * 2) // snd_buf
+        } else {
+            16
+        },
+        r * (2 + l) * 4, // snd_hdr
+        r * (2 + l) * 4, // rcv_hdr
     ]
 }
 
@@ -157,7 +169,12 @@ pub fn pe_entry_bytes(c: &Config) -> usize {
 
 /// Device memory one rank needs.
 pub fn bytes_per_rank(c: &Config) -> usize {
-    rank_sizes(c).iter().map(|&s| align(s, 256)).sum()
+    bytes_per_rank_with(c, false)
+}
+
+/// Device memory one rank needs, with the NCCL staging buffer when `nccl`.
+pub fn bytes_per_rank_with(c: &Config, nccl: bool) -> usize {
+    rank_sizes(c, nccl).iter().map(|&s| align(s, 256)).sum()
 }
 
 /// Dynamic shared memory of every kernel (the `Smem` carve-up in common.cuh).
@@ -323,6 +340,18 @@ impl Drop for Dev {
     }
 }
 
+/// How the batched path reaches a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Transport {
+    /// NVLink (peer access, or CUDA IPC between processes) for every peer that shares it, NCCL
+    /// for the others (one rank per GPU needed there).
+    #[default]
+    Auto,
+    /// NCCL for every peer, this rank itself included (one rank per GPU: NCCL refuses two ranks
+    /// on one device). Batched path only; the per-expert path refuses it.
+    Nccl,
+}
+
 /// Options of a [`GpuGroup`].
 #[derive(Debug, Clone, Copy)]
 pub struct GpuOptions {
@@ -335,6 +364,8 @@ pub struct GpuOptions {
     /// Batched combine: a source reads the rows of owners on its own GPU in place instead of
     /// receiving them as a put (signals unchanged). Peers on other GPUs always get the put.
     pub zero_copy_local: bool,
+    /// Which transport the batched path uses per peer pair.
+    pub transport: Transport,
 }
 
 impl Default for GpuOptions {
@@ -344,6 +375,7 @@ impl Default for GpuOptions {
             timeout_ns: 2_000_000_000,
             blocks_per_rank: None,
             zero_copy_local: true,
+            transport: Transport::Auto,
         }
     }
 }
@@ -361,6 +393,81 @@ pub struct GpuGroup {
     last_dispatch: Option<Path>,
     calls: [u64; 4],
     broken: Option<GpuError>,
+    /// Per device: bit d set when its rank reaches peer d through NCCL.
+    masks: Vec<u32>,
+    /// The NCCL communicators (one per device) when any mask is nonzero.
+    comms: Option<crate::nccl::Comms>,
+    /// Per device, from the last dispatch's headers: selections sent to each peer (rows that
+    /// come back in combine) and received from each peer (rows that go back).
+    sels: Vec<(Vec<usize>, Vec<usize>)>,
+    /// Process mode: the one rank this process runs (its table holds the peers' IPC addresses).
+    own: Option<usize>,
+    /// Peer allocations opened through CUDA IPC (closed on drop).
+    ipc_opened: Vec<sys::CUdeviceptr>,
+    last_op: Option<Op>,
+}
+
+impl Drop for GpuGroup {
+    fn drop(&mut self) {
+        for dev in &self.devs {
+            let _ = dev.bind();
+            // SAFETY: the stream belongs to the bound context.
+            let _ = unsafe { result::stream::synchronize(dev.stream) };
+        }
+        if let Some(d) = self.devs.first() {
+            let _ = d.bind();
+            for &p in &self.ipc_opened {
+                // SAFETY: `p` was opened with cuIpcOpenMemHandle on this context; work is done.
+                let _ = unsafe { sys::cuIpcCloseMemHandle(p) };
+            }
+        }
+    }
+}
+
+/// The addresses of one rank's buffers inside its one allocation at `base`.
+fn carve_rank(base: u64, sizes: &[usize; 25]) -> RankPtrs {
+    let mut f = [0u64; 25];
+    let mut off = 0u64;
+    for (i, &s) in sizes.iter().enumerate() {
+        f[i] = base + off;
+        off += align(s, 256) as u64;
+    }
+    RankPtrs {
+        x: f[0],
+        topk: f[1],
+        weights: f[2],
+        y: f[3],
+        meta: f[4],
+        recv_x: f[5],
+        recv_scales: f[6],
+        recv_count: f[7],
+        layout: f[8],
+        src_info: f[9],
+        out: f[10],
+        row_tk: f[11],
+        comb_map: f[12],
+        comb_pos: f[13],
+        comb_cnt: f[14],
+        bat_buf: f[15],
+        bat_meta: f[16],
+        pe_buf: f[17],
+        cmb_buf: f[18],
+        sig: f[19],
+        state: f[20],
+        bat_cnt: f[21],
+        snd_buf: f[22],
+        snd_hdr: f[23],
+        rcv_hdr: f[24],
+    }
+}
+
+/// The peer mask of a rank that reaches every rank in 0..r through NCCL.
+fn all_peers(r: usize) -> u32 {
+    if r >= 32 {
+        u32::MAX
+    } else {
+        (1u32 << r) - 1
+    }
 }
 
 fn kind(op: Op, path: Path) -> usize {
@@ -396,7 +503,13 @@ impl GpuGroup {
         for d in 0..g {
             devs.push(Dev::new(d, d * per, per)?);
         }
-        // Peer access between every pair of devices.
+        if opts.transport == Transport::Nccl && per != 1 {
+            return Err(GpuError::Unsupported(format!(
+                "Transport::Nccl needs one rank per GPU ({r} ranks on {g} GPUs): NCCL refuses two ranks on one device"
+            )));
+        }
+        // Peer access between every pair of devices (pairs without it go through NCCL).
+        let mut nccl_pairs = Vec::new();
         for a in 0..g {
             for b in 0..g {
                 if a == b {
@@ -414,8 +527,13 @@ impl GpuGroup {
                 };
                 cuda("cuDeviceCanAccessPeer", rc.result())?;
                 if can == 0 {
+                    if per == 1 {
+                        // Transport::Auto: this pair goes through NCCL.
+                        nccl_pairs.push((a, b));
+                        continue;
+                    }
                     return Err(GpuError::Unsupported(format!(
-                        "GPU {a} cannot access GPU {b}"
+                        "GPU {a} cannot access GPU {b}, and NCCL needs one rank per GPU"
                     )));
                 }
                 // SAFETY: the context of `a` is bound; `b`'s context is live.
@@ -426,7 +544,23 @@ impl GpuGroup {
             }
         }
         // Memory.
-        let need = bytes_per_rank(cfg) * per + (1 << 20);
+        let mut masks = vec![0u32; g];
+        if opts.transport == Transport::Nccl {
+            masks = vec![all_peers(r); g];
+        }
+        for &(a, b) in &nccl_pairs {
+            masks[a] |= 1 << b;
+        }
+        let use_nccl = masks.iter().any(|&m| m != 0);
+        let comms = if use_nccl {
+            for d in &devs {
+                d.bind()?;
+            }
+            Some(crate::nccl::Comms::init_all(g)?)
+        } else {
+            None
+        };
+        let need = bytes_per_rank_with(cfg, use_nccl) * per + (1 << 20);
         for dev in &devs {
             dev.bind()?;
             let (free, _) = cuda("cuMemGetInfo", result::mem_get_info())?;
@@ -481,43 +615,14 @@ impl GpuGroup {
                 }
             }
         }
-        let sizes = rank_sizes(cfg);
+        let sizes = rank_sizes(cfg, use_nccl);
         let mut ptrs = vec![RankPtrs::default(); r];
         for dev in devs.iter_mut() {
             dev.bind()?;
             for slot in ptrs.iter_mut().skip(dev.first_rank).take(dev.ranks) {
                 let total: usize = sizes.iter().map(|&s| align(s, 256)).sum();
                 let base = dev.alloc(total)?;
-                let mut off = 0u64;
-                let mut fields = [0u64; 22];
-                for (i, &s) in sizes.iter().enumerate() {
-                    fields[i] = base + off;
-                    off += align(s, 256) as u64;
-                }
-                *slot = RankPtrs {
-                    x: fields[0],
-                    topk: fields[1],
-                    weights: fields[2],
-                    y: fields[3],
-                    meta: fields[4],
-                    recv_x: fields[5],
-                    recv_scales: fields[6],
-                    recv_count: fields[7],
-                    layout: fields[8],
-                    src_info: fields[9],
-                    out: fields[10],
-                    row_tk: fields[11],
-                    comb_map: fields[12],
-                    comb_pos: fields[13],
-                    comb_cnt: fields[14],
-                    bat_buf: fields[15],
-                    bat_meta: fields[16],
-                    pe_buf: fields[17],
-                    cmb_buf: fields[18],
-                    sig: fields[19],
-                    state: fields[20],
-                    bat_cnt: fields[21],
-                };
+                *slot = carve_rank(base, &sizes);
             }
         }
         for dev in devs.iter_mut() {
@@ -559,6 +664,8 @@ impl GpuGroup {
             zero_copy: opts.zero_copy_local as i32,
             pad1: 0,
             prof: 0,
+            nccl_mask: 0,
+            stage: 0,
         };
         Ok(GpuGroup {
             cfg: *cfg,
@@ -572,6 +679,12 @@ impl GpuGroup {
             last_dispatch: None,
             calls: [0; 4],
             broken: None,
+            sels: vec![(vec![0; r], vec![0; r]); g],
+            masks,
+            comms,
+            own: None,
+            ipc_opened: Vec::new(),
+            last_op: None,
         })
     }
 
@@ -733,7 +846,40 @@ impl GpuGroup {
         if op == Op::Combine {
             self.check_combine_path(path)?;
         }
-        for dev in &self.devs {
+        let nccl = self.comms.is_some();
+        if nccl && what.is_some() && path == Path::PerExpert {
+            return Err(GpuError::Unsupported(
+                "the per-expert path runs over NVLink only; NCCL peers need the batched path"
+                    .into(),
+            ));
+        }
+        if nccl && what.is_some() {
+            // NCCL transport: pack kernel, grouped send/recv, unpack kernel.
+            self.launch_stage(op, path, 1)?;
+            match op {
+                Op::Dispatch => self.nccl_dispatch_exchange()?,
+                Op::Combine => self.nccl_combine_exchange()?,
+            }
+            self.launch_stage(op, path, 2)?;
+        } else {
+            self.launch_stage(op, path, if what.is_none() { -1 } else { 0 })?;
+        }
+        if what.is_none() {
+            return Ok(());
+        }
+        if op == Op::Dispatch {
+            self.last_dispatch = Some(path);
+        }
+        self.last_op = Some(op);
+        self.calls[kind(op, path)] += 1;
+        Ok(())
+    }
+
+    /// One launch per device: stage 0 = the whole call, 1 = pack (send side), 2 = unpack
+    /// (receive side); -1 = the empty kernel.
+    fn launch_stage(&self, op: Op, path: Path, stage: i32) -> Result<(), GpuError> {
+        let what = (stage >= 0).then_some(());
+        for (di, dev) in self.devs.iter().enumerate() {
             let f = match (op, path) {
                 _ if what.is_none() => dev.funcs.empty,
                 (Op::Dispatch, Path::Batched) => dev.funcs.bat_dispatch,
@@ -746,6 +892,8 @@ impl GpuGroup {
             kp.err = dev.err;
             kp.rank_base = dev.first_rank as i32;
             kp.ranks_here = dev.ranks as i32;
+            kp.nccl_mask = self.masks[di];
+            kp.stage = stage.max(0);
             dev.bind()?;
             let mut args = [(&mut kp as *mut KParams).cast::<c_void>()];
             let grid = (dev.ranks * self.blocks_per_rank) as u32;
@@ -764,13 +912,186 @@ impl GpuGroup {
                 )
             })?;
         }
-        if what.is_none() {
-            return Ok(());
+        Ok(())
+    }
+
+    /// The rank of device `di` and its NCCL peers.
+    fn nccl_peers(&self, di: usize) -> (usize, Vec<usize>) {
+        let m = self.masks[di];
+        (
+            self.devs[di].first_rank,
+            (0..self.cfg.num_ranks)
+                .filter(|&d| (m >> d) & 1 == 1)
+                .collect(),
+        )
+    }
+
+    fn streams_raw(&self) -> Vec<sys::CUstream> {
+        self.devs.iter().map(|d| d.stream).collect()
+    }
+
+    /// Dispatch over NCCL, after the pack kernel: the headers (tokens, selections, rows per
+    /// local expert) of every (me, peer) pair, read back to size the payload, then the batches
+    /// themselves into each peer's receive region for me, exactly where NVLink would put them.
+    fn nccl_dispatch_exchange(&mut self) -> Result<(), GpuError> {
+        let (l, t) = (self.cfg.num_local_experts(), self.cfg.max_tokens_per_rank);
+        let hb = (2 + l) * 4;
+        let eb = self.params.entry_bytes as usize;
+        let mut ops = Vec::new();
+        for di in 0..self.devs.len() {
+            let (r, peers) = self.nccl_peers(di);
+            let p = self.ptrs[r];
+            let mut v = Vec::new();
+            for &d in &peers {
+                v.push(crate::nccl::P2p::Send {
+                    buf: p.snd_hdr + (d * hb) as u64,
+                    bytes: hb,
+                    peer: d,
+                });
+                v.push(crate::nccl::P2p::Recv {
+                    buf: p.rcv_hdr + (d * hb) as u64,
+                    bytes: hb,
+                    peer: d,
+                });
+            }
+            ops.push(v);
         }
-        if op == Op::Dispatch {
-            self.last_dispatch = Some(path);
+        self.nccl_group(&ops)?;
+        self.wait_streams(Op::Dispatch)?;
+        let mut ops = Vec::new();
+        for di in 0..self.devs.len() {
+            let (r, peers) = self.nccl_peers(di);
+            let p = self.ptrs[r];
+            self.devs[di].bind()?;
+            let words = self.cfg.num_ranks * (2 + l);
+            let (mut sh, mut rh) = (vec![0i32; words], vec![0i32; words]);
+            // SAFETY: both headers hold R*(2+L) i32 on the bound context; the stream is idle.
+            unsafe {
+                cuda(
+                    "read send headers",
+                    result::memcpy_dtoh_sync(&mut sh, p.snd_hdr),
+                )?;
+                cuda(
+                    "read recv headers",
+                    result::memcpy_dtoh_sync(&mut rh, p.rcv_hdr),
+                )?;
+            }
+            let mut v = Vec::new();
+            for &d in &peers {
+                let (to_tok, to_sel) = (sh[d * (2 + l)] as usize, sh[d * (2 + l) + 1] as usize);
+                let (from_tok, from_sel) = (rh[d * (2 + l)] as usize, rh[d * (2 + l) + 1] as usize);
+                if to_tok > t || from_tok > t {
+                    return Err(GpuError::Nccl(format!(
+                        "rank {r}: batch header with {} tokens (T = {t})",
+                        to_tok.max(from_tok)
+                    )));
+                }
+                self.sels[di].0[d] = to_sel;
+                self.sels[di].1[d] = from_sel;
+                v.push(crate::nccl::P2p::Send {
+                    buf: p.snd_buf + (d * t * eb) as u64,
+                    bytes: to_tok * eb,
+                    peer: d,
+                });
+                v.push(crate::nccl::P2p::Recv {
+                    buf: p.bat_buf + (d * t * eb) as u64,
+                    bytes: from_tok * eb,
+                    peer: d,
+                });
+            }
+            ops.push(v);
         }
-        self.calls[kind(op, path)] += 1;
+        self.nccl_group(&ops)
+    }
+
+    /// Combine over NCCL, after the pack kernel: rows for source s go back to s's receive
+    /// region for me. The sizes are known from the dispatch headers: no host round trip.
+    fn nccl_combine_exchange(&mut self) -> Result<(), GpuError> {
+        let (t, k) = (self.cfg.max_tokens_per_rank, self.cfg.top_k);
+        let rowb = 2 * self.cfg.hidden;
+        let mut ops = Vec::new();
+        for di in 0..self.devs.len() {
+            let (r, peers) = self.nccl_peers(di);
+            let p = self.ptrs[r];
+            let mut v = Vec::new();
+            for &d in &peers {
+                let region = (d * t * k * rowb) as u64;
+                v.push(crate::nccl::P2p::Send {
+                    buf: p.snd_buf + region,
+                    bytes: self.sels[di].1[d] * rowb,
+                    peer: d,
+                });
+                v.push(crate::nccl::P2p::Recv {
+                    buf: p.cmb_buf + region,
+                    bytes: self.sels[di].0[d] * rowb,
+                    peer: d,
+                });
+            }
+            ops.push(v);
+        }
+        self.nccl_group(&ops)
+    }
+
+    fn nccl_group(&mut self, ops: &[Vec<crate::nccl::P2p>]) -> Result<(), GpuError> {
+        let streams = self.streams_raw();
+        let comms = self
+            .comms
+            .as_ref()
+            .expect("NCCL transport without communicators");
+        for d in &self.devs {
+            d.bind()?;
+        }
+        let r = crate::nccl::grouped(comms, &streams, ops);
+        if let Err(e) = &r {
+            self.broken = Some(e.clone());
+        }
+        r
+    }
+
+    /// Waits for every device's stream, bounded by the group's timeout (polling, so that an
+    /// NCCL receive from a dead peer cannot hang the process). Past the timeout the
+    /// communicators are aborted and the group refuses later calls.
+    fn wait_streams(&mut self, op: Op) -> Result<(), GpuError> {
+        let t0 = std::time::Instant::now();
+        let limit = std::time::Duration::from_nanos(self.params.timeout_ns);
+        for di in 0..self.devs.len() {
+            let dev = &self.devs[di];
+            dev.bind()?;
+            loop {
+                // SAFETY: the stream belongs to the bound context.
+                let rc = unsafe { sys::cuStreamQuery(dev.stream) };
+                if rc == sys::CUresult::CUDA_SUCCESS {
+                    break;
+                }
+                if rc != sys::CUresult::CUDA_ERROR_NOT_READY {
+                    let err = GpuError::Cuda(format!("kernel or NCCL transfer failed: {rc:?}"));
+                    self.broken = Some(err.clone());
+                    return Err(err);
+                }
+                if t0.elapsed() > limit {
+                    let (rank, peers) = self.nccl_peers(di);
+                    // The lowest NCCL peer other than this rank (NCCL does not say which
+                    // receive is stuck; with two ranks it is exact).
+                    let peer = peers.iter().copied().find(|&p| p != rank).unwrap_or(rank);
+                    let e = Error::Timeout {
+                        rank,
+                        peer,
+                        phase: Phase {
+                            op,
+                            side: Side::Recv,
+                        },
+                        call: self.calls[kind(op, Path::Batched)] + 1,
+                        waited_ms: t0.elapsed().as_millis() as u64,
+                    };
+                    if let Some(c) = self.comms.as_mut() {
+                        c.abort();
+                    }
+                    self.broken = Some(GpuError::from(e.clone()));
+                    return Err(e.into());
+                }
+                std::thread::sleep(std::time::Duration::from_micros(20));
+            }
+        }
         Ok(())
     }
 
@@ -799,6 +1120,11 @@ impl GpuGroup {
     /// Waits for every device and turns a timed-out wait into [`Error::Timeout`].
     pub fn sync(&mut self) -> Result<(), GpuError> {
         self.check_usable()?;
+        if self.comms.is_some() {
+            // NCCL receives are not bounded on the device: poll with the timeout.
+            let op = self.last_op.unwrap_or(Op::Dispatch);
+            self.wait_streams(op)?;
+        }
         for dev in &self.devs {
             dev.bind()?;
             // SAFETY: the stream belongs to this device's bound context.

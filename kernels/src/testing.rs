@@ -111,6 +111,16 @@ use ep_reference::oracle::{self, CombineInput, RankInput};
 /// One verification case: dispatch and combine on both paths, compared bit for bit with the
 /// oracle. Returns how many (path, op) comparisons passed.
 pub fn verify_case(g: &mut GpuGroup, data: &[RankData], y: &[Vec<bf16>]) -> Result<usize, String> {
+    verify_paths(g, data, y, &[Path::PerExpert, Path::Batched])
+}
+
+/// [`verify_case`] on the given paths only (the NCCL transport runs the batched path alone).
+pub fn verify_paths(
+    g: &mut GpuGroup,
+    data: &[RankData],
+    y: &[Vec<bf16>],
+    paths: &[Path],
+) -> Result<usize, String> {
     let cfg = *g.config();
     let x: Vec<Vec<bf16>> = data.iter().map(|d| d.x.clone()).collect();
     let idx: Vec<Vec<i64>> = data.iter().map(|d| d.topk_idx.clone()).collect();
@@ -134,7 +144,7 @@ pub fn verify_case(g: &mut GpuGroup, data: &[RankData], y: &[Vec<bf16>]) -> Resu
         .collect();
     let want_c = oracle::combine(&cfg, &cin).map_err(|e| format!("oracle: {e}"))?;
     let mut passed = 0;
-    for path in [Path::PerExpert, Path::Batched] {
+    for &path in paths {
         let got = g
             .dispatch(path, &x, &idx)
             .map_err(|e| format!("{} dispatch: {e}", path.name()))?;

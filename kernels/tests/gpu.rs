@@ -6,8 +6,8 @@
 //! (`--nocapture`, `--test-threads=N`, ...) are accepted and ignored.
 
 use ep_kernels::runtime::probe_devices;
-use ep_kernels::testing::{random_inputs, random_y, verify_case, Rng, Routing};
-use ep_kernels::{GpuError, GpuGroup, GpuOptions, Path};
+use ep_kernels::testing::{random_inputs, random_y, verify_case, verify_paths, Rng, Routing};
+use ep_kernels::{GpuError, GpuGroup, GpuOptions, Path, Transport};
 use ep_reference::{Config, Error, Mode, Op, Side};
 
 /// (name, GPUs needed, test)
@@ -57,6 +57,16 @@ const TESTS: &[(&str, usize, fn())] = &[
         1,
         gpu_bad_inputs_are_typed_errors,
     ),
+    (
+        "gpu_nccl_r1_self_send_batched_equals_oracle",
+        1,
+        gpu_nccl_r1_self_send_batched_equals_oracle,
+    ),
+    (
+        "gpu_nccl_two_gpus_r2_batched_equals_oracle",
+        2,
+        gpu_nccl_two_gpus_r2_batched_equals_oracle,
+    ),
 ];
 
 fn main() {
@@ -66,7 +76,14 @@ fn main() {
         if filter.as_deref().is_some_and(|f| !name.contains(f)) {
             continue;
         }
-        if let Err(why) = probe_devices(gpus) {
+        let probe = probe_devices(gpus).and_then(|n| {
+            if name.contains("nccl") && !ep_kernels::nccl::nccl_present() {
+                Err("no NCCL (libnccl.so.2 not found)".to_string())
+            } else {
+                Ok(n)
+            }
+        });
+        if let Err(why) = probe {
             println!("SKIPPED: {name}: {why}");
             skipped += 1;
             continue;
@@ -328,4 +345,85 @@ fn gpu_bad_inputs_are_typed_errors() {
         GpuGroup::new(&huge, GpuOptions::default()),
         Err(GpuError::Contract(Error::OutOfMemory { .. }))
     ));
+}
+
+/// The NCCL transport forced on R ranks over R GPUs: random configs in every mode (3 rounds on
+/// the same buffers, uneven and empty ranks) and the standard setting, batched path, bitwise.
+/// The per-expert path is refused with a typed error.
+fn nccl_case(r: usize, seed: u64) -> usize {
+    let opts = GpuOptions {
+        num_gpus: r,
+        transport: Transport::Nccl,
+        ..Default::default()
+    };
+    let mut rng = Rng::new(seed);
+    let mut checks = 0;
+    for (i, mode) in MODES.iter().enumerate() {
+        let l = [1, 2, 3, 5][i];
+        let e = r * l;
+        let k = (1 + rng.below(8)).min(e);
+        let t = [1, 7, 16, 33][i];
+        let h = if mode.is_fp8() {
+            512 * (1 + rng.below(3))
+        } else {
+            [72, 256, 1001, 7168][i]
+        };
+        let cfg = Config::new(r, e, t, h, k, *mode).unwrap();
+        let mut g = GpuGroup::new(&cfg, opts).unwrap_or_else(|e| panic!("{}: {e}", cfg.describe()));
+        for round in 0..3 {
+            let tokens: Vec<usize> = (0..r)
+                .map(|s| {
+                    if (s + round) % 3 == 2 {
+                        0
+                    } else {
+                        rng.below(t + 1)
+                    }
+                })
+                .collect();
+            let data = random_inputs(&cfg, &tokens, Routing::Random { masked: 0.15 }, &mut rng);
+            let y = random_y(&cfg, &mut rng);
+            checks += verify_paths(&mut g, &data, &y, &[Path::Batched])
+                .unwrap_or_else(|e| panic!("nccl: {e}"));
+        }
+        let x: Vec<_> = (0..r).map(|_| Vec::new()).collect();
+        let idx: Vec<Vec<i64>> = (0..r).map(|_| Vec::new()).collect();
+        assert!(matches!(
+            g.dispatch(Path::PerExpert, &x, &idx),
+            Err(GpuError::Unsupported(_))
+        ));
+        println!("ok: nccl {} 3 rounds", cfg.describe());
+    }
+    let cfg = Config::new(r, 256, 128, 7168, 8, Mode::FP8).unwrap();
+    let mut g = GpuGroup::new(&cfg, opts).unwrap_or_else(|e| panic!("{e}"));
+    for _ in 0..2 {
+        let data = random_inputs(
+            &cfg,
+            &vec![128; r],
+            Routing::Random { masked: 0.05 },
+            &mut rng,
+        );
+        let y = random_y(&cfg, &mut rng);
+        checks += verify_paths(&mut g, &data, &y, &[Path::Batched])
+            .unwrap_or_else(|e| panic!("nccl: {e}"));
+    }
+    println!("ok: nccl standard setting {}", cfg.describe());
+    checks
+}
+
+fn gpu_nccl_r1_self_send_batched_equals_oracle() {
+    assert_eq!(nccl_case(1, 61), 4 * 3 * 2 + 2 * 2);
+    // Two ranks on one GPU cannot use NCCL: a typed error, not a hang.
+    let cfg = Config::new(2, 4, 8, 256, 2, Mode::Bf16).unwrap();
+    let r = GpuGroup::new(
+        &cfg,
+        GpuOptions {
+            transport: Transport::Nccl,
+            ..Default::default()
+        },
+    );
+    assert!(matches!(r, Err(GpuError::Unsupported(_))), "{:?}", r.err());
+}
+
+fn gpu_nccl_two_gpus_r2_batched_equals_oracle() {
+    assert_eq!(nccl_case(2, 62), 4 * 3 * 2 + 2 * 2);
 }

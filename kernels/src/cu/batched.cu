@@ -42,7 +42,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     for (int i = tid; i < n * R; i += NTHREADS) sm.tokpos[i] = 0;
     // The previous call's batches must have been consumed before this call overwrites them.
     int bad = 0;
-    if (tid < R) bad = !wait_ack(p, sig_bat_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_DISPATCH_SEND);
+    if (tid < R && p.stage != 2 && !via_nccl(p, tid))
+        bad = !wait_ack(p, sig_bat_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_DISPATCH_SEND);
     __syncthreads();
     // Per token: selections bound for each destination; per expert: bitmap of its tokens.
     // (one thread per selection)
@@ -90,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     }
     if (__syncthreads_or(bad)) goto finish;
     PROF(1);
-    {
+    if (p.stage != 2) {
         // ---- send: units (token, 512-channel segment) over all warps of this rank
         const int segs = (p.H + 511) / 512;
         for (int u = bid * NWARPS + warp; u < n * segs; u += p.blocks_per_rank * NWARPS) {
@@ -115,7 +116,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             }
             for (u32 m = mask; m != 0u; m &= m - 1u) {
                 const int d = __ffs(m) - 1;
-                u8* entry = (u8*)tab[d].bat_buf + ((u64)rank * T + sm.tokpos[t * R + d]) * p.entry_bytes;
+                u8* entry = via_nccl(p, d) ? (u8*)me.snd_buf + ((u64)d * T + sm.tokpos[t * R + d]) * p.entry_bytes
+                                           : (u8*)tab[d].bat_buf + ((u64)rank * T + sm.tokpos[t * R + d]) * p.entry_bytes;
                 seg_store(p, sg, xr, g * 512, entry + HDR_BYTES);
                 if (g == 0) {
                     if (lane < MAX_K) {
@@ -148,10 +150,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         // Every block ships its share of the per-expert row counts (all blocks hold them).
         for (int i = bid * NTHREADS + tid; i < E; i += p.blocks_per_rank * NTHREADS) {
             const int d = i / L, l = i % L;
-            ((int*)tab[d].bat_cnt)[rank * L + l] = sm.pw[i * W + W - 1] + __popc((u32)sm.bm[i * W + W - 1]);
+            int* cnt = via_nccl(p, d) ? (int*)me.snd_hdr + d * HDR_WORDS(L) + 2 : (int*)tab[d].bat_cnt + rank * L;
+            cnt[l] = sm.pw[i * W + W - 1] + __popc((u32)sm.bm[i * W + W - 1]);
         }
         if (bid == 0 && tid < R) {
-            int* meta = (int*)tab[tid].bat_meta + 2 * rank;
+            int* meta = via_nccl(p, tid) ? (int*)me.snd_hdr + tid * HDR_WORDS(L) : (int*)tab[tid].bat_meta + 2 * rank;
             meta[0] = sm.tot[tid];
             meta[1] = sm.tot[R + tid];
         }
@@ -164,20 +167,29 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                 state[ST_SENT + KIND] = 0u;
                 fence_rel(p);
                 if (rank != p.fault_rank)
-                    for (int d = 0; d < R; d++) st_release(p, sig_bat(tab[d]) + rank, signal_word(epoch, (u32)sm.tot[d]));
+                    for (int d = 0; d < R; d++)
+                        if (!via_nccl(p, d)) st_release(p, sig_bat(tab[d]) + rank, signal_word(epoch, (u32)sm.tot[d]));
             }
         }
+    }
+    if (p.stage != 1) {
         // ---- receive: every source's batch, expanded in parallel into the canonical rows
+        // (NCCL sources: the batch and its header arrived before this launch, in stream order)
         bad = 0;
         if (tid < R) {
-            const long long c = wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
+            long long c;
+            if (via_nccl(p, tid)) c = ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L)];
+            else c = wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
             bad = c < 0;
             sm.rcnt[tid] = (int)c;
         }
         if (__syncthreads_or(bad)) goto finish;
         PROF(3);
         // begin(l, s) = rows of l from sources before s (canonical order)
-        for (int i = tid; i < L * R; i += NTHREADS) sm.cls[i] = ((const int*)me.bat_cnt)[(i % R) * L + i / R];
+        for (int i = tid; i < L * R; i += NTHREADS) {
+            const int s = i % R, l = i / R;
+            sm.cls[i] = via_nccl(p, s) ? ((const int*)me.rcv_hdr)[s * HDR_WORDS(L) + 2 + l] : ((const int*)me.bat_cnt)[s * L + l];
+        }
         if (tid == 0) {
             int a = 0;
             for (int s = 0; s < R; s++) {
@@ -201,7 +213,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                 }
             }
         }
-        if (bid == 0 && tid < R) ((int*)me.comb_cnt)[tid] = ((const int*)me.bat_meta)[2 * tid + 1];
+        if (bid == 0 && tid < R)
+            ((int*)me.comb_cnt)[tid] = via_nccl(p, tid) ? ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L) + 1] : ((const int*)me.bat_meta)[2 * tid + 1];
         __syncthreads();
         const u64 RT = (u64)R * T;
         const u64 TK = (u64)T * K;
@@ -289,10 +302,13 @@ finish:
     PROF(4);
     bool last_out = last_block_out(p, state, KIND);
     PROF(5);
-    if (last_out) {
+    // The pack stage (1) leaves the epoch for its unpack stage (2). NCCL peers need no ack: the
+    // stream orders this call's unpack before the next call's send/recv into the same buffers.
+    if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
             state[ST_EPOCH + KIND] = epoch;
-            for (int s = 0; s < R; s++) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
+            for (int s = 0; s < R; s++)
+                if (!via_nccl(p, s)) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
         }
     }
 }
@@ -324,12 +340,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
     load_topk(p, me, n, sm.sk, sm.sdl);
     if (tid < R) sm.tot[tid] = ((const int*)me.comb_cnt)[tid];
     int bad = 0;
-    if (tid < R) bad = !wait_ack(p, sig_cb_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_COMBINE_SEND);
+    if (tid < R && p.stage != 2 && !via_nccl(p, tid))
+        bad = !wait_ack(p, sig_cb_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_COMBINE_SEND);
     if (__syncthreads_or(bad)) goto finish;
     PROF(1);
     {
         // With zero_copy, sources on this GPU read the rows in place: only other GPUs get a put.
-        auto local = [&](int s) { return p.zero_copy && s >= p.rank_base && s < p.rank_base + p.ranks_here; };
+        auto local = [&](int s) { return p.zero_copy && !via_nccl(p, s) && s >= p.rank_base && s < p.rank_base + p.ranks_here; };
         // The address of every selection's row (handle data of the dispatch: no wait needed).
         {
             const int* cpos = (const int*)me.comb_pos;
@@ -349,11 +366,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
         }
         // Every rank on this GPU and zero_copy: every row is read in place, and every row and
         // handle was complete when this launch started, so no put and no signal is needed.
-        const bool all_local = p.zero_copy && p.ranks_here == R;
+        const bool all_local = p.zero_copy && p.ranks_here == R && p.nccl_mask == 0u;
         // ---- send: batch(me -> s) = rows comb_map[s][0..cnt), to s's area for me.
         // Units of 512 bytes (16 per lane), eight in flight per warp.
         int total = 0;
         for (int s = 0; s < R; s++) total += local(s) ? 0 : sm.tot[s];
+        if (p.stage == 2) total = 0;  // unpack stage: the rows went out in the pack stage
         const int nw = p.blocks_per_rank * NWARPS;
         const int lane = tid & 31;
         if ((rowb & 15) == 0) {
@@ -377,7 +395,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
                         if (off < rowb) {
                             const u64 yrow = (u64)((const int*)me.comb_map)[(u64)s * T * K + i];
                             v[q] = *(const uint4*)((const u8*)me.y + yrow * rowb + off);
-                            dst[q] = (u8*)tab[s].cmb_buf + ((u64)rank * T * K + i) * rowb + off;
+                            dst[q] = (via_nccl(p, s) ? (u8*)me.snd_buf + ((u64)s * T * K + i) * rowb
+                                                     : (u8*)tab[s].cmb_buf + ((u64)rank * T * K + i) * rowb) + off;
                         }
                     }
                 }
@@ -393,24 +412,27 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
                     s++;
                 }
                 const u64 yrow = (u64)((const int*)me.comb_map)[(u64)s * T * K + i];
-                warp_copy((u8*)tab[s].cmb_buf + ((u64)rank * T * K + i) * rowb, (const u8*)me.y + yrow * rowb, (int)rowb);
+                u8* dst = via_nccl(p, s) ? (u8*)me.snd_buf + ((u64)s * T * K + i) * rowb : (u8*)tab[s].cmb_buf + ((u64)rank * T * K + i) * rowb;
+                warp_copy(dst, (const u8*)me.y + yrow * rowb, (int)rowb);
             }
         }
         __syncthreads();
         PROF(2);
-        if (tid == 0 && !all_local) {
+        if (tid == 0 && !all_local && p.stage != 2) {
             fence_rel(p);
             u32 old = atomicAdd(state + ST_SENT + KIND, 1u);
             if (old == (u32)p.blocks_per_rank - 1u) {
                 state[ST_SENT + KIND] = 0u;
                 fence_rel(p);
-                for (int s = 0; s < R; s++) st_release(p, sig_cb(tab[s], R) + rank, signal_word(epoch, (u32)sm.tot[s]));
+                for (int s = 0; s < R; s++)
+                    if (!via_nccl(p, s)) st_release(p, sig_cb(tab[s], R) + rank, signal_word(epoch, (u32)sm.tot[s]));
             }
         }
+        if (p.stage == 1) goto finish;  // pack stage: the reduction runs after the NCCL exchange
         // ---- receive: every owner's batch, then the reduction in k order
         bad = 0;
         for (int d = tid; d < R && !all_local; d += NTHREADS)
-            bad |= wait_signal(p, sig_cb(me, R) + d, epoch, rank, d, PH_COMBINE_RECV) < 0;
+            if (!via_nccl(p, d)) bad |= wait_signal(p, sig_cb(me, R) + d, epoch, rank, d, PH_COMBINE_RECV) < 0;
         if (__syncthreads_or(bad)) goto finish;
         PROF(3);
         reduce_tokens(p, me, n, sm.sk, bid, [&](int t, int k) -> const u8* { return (const u8*)sm.rowp[t * K + k]; });
@@ -419,10 +441,11 @@ finish:
     PROF(4);
     bool last_out = last_block_out(p, state, KIND);
     PROF(5);
-    if (last_out) {
+    if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
             state[ST_EPOCH + KIND] = epoch;
-            for (int d = 0; d < R; d++) st_release(p, sig_cb_ack(tab[d], R) + rank, (u64)epoch);
+            for (int d = 0; d < R; d++)
+                if (!via_nccl(p, d)) st_release(p, sig_cb_ack(tab[d], R) + rank, (u64)epoch);
         }
     }
 }

@@ -55,6 +55,10 @@ struct RankPtrs {
     u64 sig;         // u64 signal words, see SIG_* below
     u64 state;       // u32 state words
     u64 bat_cnt;     // int [R*L]: rows of local expert l from source s (batched dispatch, on d)
+    // NCCL transport (peers in p.nccl_mask): staging of what goes out, and the received headers.
+    u64 snd_buf;     // dispatch: R*T entries (region d = batch me->d); combine: R*T*K rows of 2H
+    u64 snd_hdr;     // int [R*(2+L)]: per destination d: tokens, selections, rows per local expert
+    u64 rcv_hdr;     // int [R*(2+L)]: the same, received from each source s
 };
 
 // Offsets (in u64 words) of the signal arrays inside `sig`, given R, L, E.
@@ -85,7 +89,13 @@ struct KParams {
     int zero_copy;           // 1: combine reads the rows of owners on this GPU in place
     int pad1;
     u64 prof;                // 0, or u64[grid * 8]: %globaltimer stamps per block and phase
+    u32 nccl_mask;           // bit d: peer d is reached through NCCL (staging + host send/recv)
+    int stage;               // 0: whole call; 1: send side only (pack); 2: receive side only (unpack)
 };
+
+// Is peer d reached through NCCL (its data goes through this rank's staging buffers)?
+__device__ __forceinline__ bool via_nccl(const KParams& p, int d) { return ((p.nccl_mask >> d) & 1u) != 0u; }
+#define HDR_WORDS(L) (2 + (L))
 
 #define PROF(i) \
     if (p.prof && threadIdx.x == 0) ((u64*)p.prof)[blockIdx.x * 8 + (i)] = globaltimer();
