@@ -688,6 +688,264 @@ impl GpuGroup {
         })
     }
 
+    /// Process mode: this process runs rank `rank` of `cfg.num_ranks` on GPU `ordinal`. Every
+    /// rank allocates its buffers in one cuMemAlloc allocation; `all_gather` (e.g.
+    /// `ep_launch::Rendezvous::all_gather`) exchanges a blob per rank: the allocation's CUDA IPC
+    /// handle (Transport::Auto: every peer is reached through CUDA IPC and the NVLink kernels run
+    /// between processes exactly as between ranks of one process) and, from rank 0, the NCCL
+    /// unique id (Transport::Nccl: every peer, self included, through NCCL; no IPC).
+    /// All ranks must call it with the same config and options.
+    pub fn new_process(
+        cfg: &Config,
+        opts: GpuOptions,
+        rank: usize,
+        ordinal: usize,
+        all_gather: &mut dyn FnMut(&[u8]) -> Result<Vec<Vec<u8>>, String>,
+    ) -> Result<GpuGroup, GpuError> {
+        cfg.validate()?;
+        probe_devices(ordinal + 1).map_err(GpuError::NoDevice)?;
+        let r = cfg.num_ranks;
+        if r > MAX_RANKS || rank >= r {
+            return Err(GpuError::Unsupported(format!(
+                "rank {rank} of {r} (at most {MAX_RANKS} ranks)"
+            )));
+        }
+        let nccl = opts.transport == Transport::Nccl;
+        let mut dev = Dev::new(ordinal, rank, 1)?;
+        let smem = smem_bytes(cfg);
+        let bpr = opts.blocks_per_rank.unwrap_or(dev.sms).max(1);
+        for f in [
+            dev.funcs.pe_dispatch,
+            dev.funcs.pe_combine,
+            dev.funcs.bat_dispatch,
+            dev.funcs.bat_combine,
+        ] {
+            if smem > 48 * 1024 {
+                // SAFETY: `f` is a loaded kernel of the bound context.
+                let rc = unsafe {
+                    sys::cuFuncSetAttribute(
+                        f,
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem as i32,
+                    )
+                };
+                cuda("cuFuncSetAttribute", rc.result())?;
+            }
+            let mut per_sm = 0i32;
+            // SAFETY: `f` is a loaded kernel; `per_sm` receives the answer.
+            let rc = unsafe {
+                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    &mut per_sm,
+                    f,
+                    NTHREADS as i32,
+                    smem,
+                )
+            };
+            cuda("occupancy", rc.result())?;
+            if per_sm < 1 || bpr > dev.sms * per_sm as usize {
+                return Err(GpuError::Unsupported(format!(
+                    "{bpr} blocks cannot be resident together on a GPU with {} SMs",
+                    dev.sms
+                )));
+            }
+        }
+        let need = bytes_per_rank_with(cfg, nccl) + (1 << 20);
+        let (free, _) = cuda("cuMemGetInfo", result::mem_get_info())?;
+        if need > free {
+            return Err(Error::OutOfMemory {
+                needed: need as u64,
+                available: free as u64,
+            }
+            .into());
+        }
+        let sizes = rank_sizes(cfg, nccl);
+        let total: usize = sizes.iter().map(|&s| align(s, 256)).sum();
+        let base = dev.alloc(total)?; // zeroed before its handle leaves this process
+        let mut blob = vec![0u8; 64];
+        if !nccl {
+            let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+            // SAFETY: `base` is a cuMemAlloc allocation of the bound context.
+            cuda(
+                "cuIpcGetMemHandle",
+                unsafe { sys::cuIpcGetMemHandle(&mut h, base) }.result(),
+            )?;
+            for (d, &b) in blob.iter_mut().zip(h.reserved.iter()) {
+                *d = b as u8;
+            }
+        } else if rank == 0 {
+            blob.extend(crate::nccl::unique_id()?);
+        }
+        let all = all_gather(&blob).map_err(GpuError::Process)?;
+        if all.len() != r || all.iter().any(|b| b.len() < 64) {
+            return Err(GpuError::Process(format!(
+                "handle exchange returned {} blobs, want {r} of at least 64 bytes",
+                all.len()
+            )));
+        }
+        let mut ptrs = vec![RankPtrs::default(); r];
+        ptrs[rank] = carve_rank(base, &sizes);
+        let mut ipc_opened = Vec::new();
+        let comms = if nccl {
+            Some(crate::nccl::Comms::init_rank(r, rank, &all[0][64..])?)
+        } else {
+            for (peer, b) in all.iter().enumerate() {
+                if peer == rank {
+                    continue;
+                }
+                let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+                for (d, &x) in h.reserved.iter_mut().zip(&b[..64]) {
+                    *d = x as _;
+                }
+                let mut p: sys::CUdeviceptr = 0;
+                // SAFETY: `h` is the handle rank `peer` exported for its live allocation; the
+                // opened mapping is closed in Drop.
+                let rc = unsafe {
+                    sys::cuIpcOpenMemHandle_v2(
+                        &mut p,
+                        h,
+                        sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                    )
+                };
+                cuda(
+                    &format!("cuIpcOpenMemHandle (rank {rank}, peer {peer})"),
+                    rc.result(),
+                )?;
+                ipc_opened.push(p);
+                ptrs[peer] = carve_rank(p, &sizes);
+            }
+            None
+        };
+        let table = dev.alloc(std::mem::size_of::<RankPtrs>() * r)?;
+        // SAFETY: `table` holds R RankPtrs; RankPtrs is plain old data.
+        cuda("upload table", unsafe {
+            result::memcpy_htod_sync(table, &ptrs)
+        })?;
+        dev.table = table;
+        dev.err = dev.alloc(32)?;
+        let (fp8, round_scale, ue8m0) = match cfg.mode {
+            Mode::Bf16 => (0, 0, 0),
+            Mode::Fp8 { round_scale, ue8m0 } => (1, round_scale as i32, ue8m0 as i32),
+        };
+        let params = KParams {
+            timeout_ns: opts.timeout_ns,
+            r: r as i32,
+            e: cfg.num_experts as i32,
+            l: cfg.num_local_experts() as i32,
+            t: cfg.max_tokens_per_rank as i32,
+            h: cfg.hidden as i32,
+            k: cfg.top_k as i32,
+            fp8,
+            round_scale,
+            ue8m0,
+            rank_base: rank as i32,
+            ranks_here: 1,
+            blocks_per_rank: bpr as i32,
+            xrow: cfg.recv_x_row_bytes() as i32,
+            spr: cfg.scales_per_row() as i32,
+            entry_bytes: entry_bytes(cfg) as i32,
+            pe_entry_bytes: pe_entry_bytes(cfg) as i32,
+            fault_rank: -1,
+            sys_scope: 1,
+            zero_copy: opts.zero_copy_local as i32,
+            ..Default::default()
+        };
+        Ok(GpuGroup {
+            cfg: *cfg,
+            devs: vec![dev],
+            ptrs,
+            params,
+            blocks_per_rank: bpr,
+            smem,
+            n_tokens: vec![0; r],
+            topk: vec![Vec::new(); r],
+            last_dispatch: None,
+            calls: [0; 4],
+            broken: None,
+            masks: vec![if nccl { all_peers(r) } else { 0 }],
+            comms,
+            sels: vec![(vec![0; r], vec![0; r])],
+            own: Some(rank),
+            ipc_opened,
+            last_op: None,
+        })
+    }
+
+    /// Process mode: this process's rank.
+    pub fn own_rank(&self) -> Option<usize> {
+        self.own
+    }
+
+    fn own_or_err(&self) -> Result<usize, GpuError> {
+        self.own.ok_or_else(|| {
+            GpuError::Unsupported("dispatch_rank/combine_rank need a group from new_process".into())
+        })
+    }
+
+    /// Process mode: uploads this rank's dispatch inputs (checked), launches, waits, reads back.
+    pub fn dispatch_rank(
+        &mut self,
+        path: Path,
+        x: &[bf16],
+        topk_idx: &[i64],
+    ) -> Result<DispatchOutput, GpuError> {
+        self.upload_rank_dispatch(x, topk_idx)?;
+        self.launch(Op::Dispatch, path)?;
+        self.sync()?;
+        self.read_dispatch_output(self.own_or_err()?)
+    }
+
+    /// Process mode: uploads this rank's dispatch inputs (checked). Nothing is launched.
+    pub fn upload_rank_dispatch(&mut self, x: &[bf16], topk_idx: &[i64]) -> Result<(), GpuError> {
+        self.check_usable()?;
+        let r = self.own_or_err()?;
+        let n = check_dispatch_inputs(&self.cfg, r, x.len(), topk_idx)?;
+        let p = self.ptrs[r];
+        self.devs[0].bind()?;
+        let meta = [n as i32, 0, 0, 0];
+        // SAFETY: the buffers hold T rows (n <= T checked) on the bound context.
+        unsafe {
+            if n > 0 {
+                cuda("upload x", result::memcpy_htod_sync(p.x, x))?;
+                cuda("upload topk", result::memcpy_htod_sync(p.topk, topk_idx))?;
+            }
+            cuda("upload meta", result::memcpy_htod_sync(p.meta, &meta))?;
+        }
+        self.n_tokens[r] = n;
+        self.topk[r] = topk_idx.to_vec();
+        self.finish_uploads()
+    }
+
+    /// Process mode: uploads this rank's combine inputs (checked against the last dispatch).
+    pub fn upload_rank_combine(&mut self, y: &[bf16], w: &[f32]) -> Result<(), GpuError> {
+        self.check_usable()?;
+        let r = self.own_or_err()?;
+        check_combine_inputs(&self.cfg, r, y.len(), &self.topk[r], w.len())?;
+        let p = self.ptrs[r];
+        self.devs[0].bind()?;
+        // SAFETY: y holds L*R*T*H values, w n*K (checked); buffers sized so, bound context.
+        unsafe {
+            cuda("upload y", result::memcpy_htod_sync(p.y, y))?;
+            if !w.is_empty() {
+                cuda("upload weights", result::memcpy_htod_sync(p.weights, w))?;
+            }
+        }
+        self.finish_uploads()
+    }
+
+    /// Process mode: combine of this rank (after a dispatch on the same path).
+    pub fn combine_rank(
+        &mut self,
+        path: Path,
+        y: &[bf16],
+        w: &[f32],
+    ) -> Result<Vec<bf16>, GpuError> {
+        self.check_combine_path(path)?;
+        self.upload_rank_combine(y, w)?;
+        self.launch(Op::Combine, path)?;
+        self.sync()?;
+        self.read_combine_output(self.own_or_err()?)
+    }
+
     pub fn config(&self) -> &Config {
         &self.cfg
     }
@@ -729,6 +987,11 @@ impl GpuGroup {
         topk_idx: &[Vec<i64>],
     ) -> Result<(), GpuError> {
         let cfg = self.cfg;
+        if self.own.is_some() {
+            return Err(GpuError::Unsupported(
+                "a process-mode group holds one rank: use upload_rank_dispatch".into(),
+            ));
+        }
         if x.len() != cfg.num_ranks || topk_idx.len() != cfg.num_ranks {
             return Err(Error::ShapeMismatch {
                 rank: 0,
@@ -774,6 +1037,11 @@ impl GpuGroup {
         topk_weights: &[Vec<f32>],
     ) -> Result<(), GpuError> {
         let cfg = self.cfg;
+        if self.own.is_some() {
+            return Err(GpuError::Unsupported(
+                "a process-mode group holds one rank: use upload_rank_combine".into(),
+            ));
+        }
         if y.len() != cfg.num_ranks || topk_weights.len() != cfg.num_ranks {
             return Err(Error::ShapeMismatch {
                 rank: 0,
@@ -827,6 +1095,9 @@ impl GpuGroup {
     }
 
     fn dev_of(&self, rank: usize) -> usize {
+        if self.own.is_some() {
+            return 0;
+        }
         rank / (self.cfg.num_ranks / self.devs.len())
     }
 
@@ -957,7 +1228,8 @@ impl GpuGroup {
             ops.push(v);
         }
         self.nccl_group(&ops)?;
-        self.wait_streams(Op::Dispatch)?;
+        let call = self.calls[kind(Op::Dispatch, Path::Batched)] + 1;
+        self.wait_streams(Op::Dispatch, call)?;
         let mut ops = Vec::new();
         for di in 0..self.devs.len() {
             let (r, peers) = self.nccl_peers(di);
@@ -1051,7 +1323,7 @@ impl GpuGroup {
     /// Waits for every device's stream, bounded by the group's timeout (polling, so that an
     /// NCCL receive from a dead peer cannot hang the process). Past the timeout the
     /// communicators are aborted and the group refuses later calls.
-    fn wait_streams(&mut self, op: Op) -> Result<(), GpuError> {
+    fn wait_streams(&mut self, op: Op, call: u64) -> Result<(), GpuError> {
         let t0 = std::time::Instant::now();
         let limit = std::time::Duration::from_nanos(self.params.timeout_ns);
         for di in 0..self.devs.len() {
@@ -1080,7 +1352,7 @@ impl GpuGroup {
                             op,
                             side: Side::Recv,
                         },
-                        call: self.calls[kind(op, Path::Batched)] + 1,
+                        call,
                         waited_ms: t0.elapsed().as_millis() as u64,
                     };
                     if let Some(c) = self.comms.as_mut() {
@@ -1123,7 +1395,8 @@ impl GpuGroup {
         if self.comms.is_some() {
             // NCCL receives are not bounded on the device: poll with the timeout.
             let op = self.last_op.unwrap_or(Op::Dispatch);
-            self.wait_streams(op)?;
+            let call = self.calls[kind(op, Path::Batched)];
+            self.wait_streams(op, call)?;
         }
         for dev in &self.devs {
             dev.bind()?;
