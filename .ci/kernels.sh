@@ -29,6 +29,4 @@ fi
 grep -q "compiled 3 modules for sm_90" "$out"
 rm -f "$out"
 
-# Everything else: GPU tests print SKIPPED here (no GPU); unit tests run.
-cargo test --release -p ep-kernels 2>&1 | grep -E "SKIPPED|test result|gpu tests|compile check|FAILED|panicked" || true
-cargo test --release -p ep-kernels --quiet
+# The crate's other tests (the GPU tests print SKIPPED here) run in .ci/run's workspace test.
