@@ -104,6 +104,34 @@ fn payload_then_signal_per_expert() {
     payload_then_signal(per_expert::group);
 }
 
+/// Ranks 0 and 1 of a two-rank batched group where K = E = 2 (every token goes to both ranks,
+/// so every call crosses in both directions), and two calls' inputs.
+fn pair(
+    seeds: [u64; 2],
+) -> (
+    ep_fast::BatchedRank,
+    ep_fast::BatchedRank,
+    [&'static Workload; 2],
+) {
+    let cfg = Config::new(2, 2, 1, 128, 2, Mode::Bf16).unwrap();
+    let calls = seeds.map(|s| workload(&cfg, &[1, 1], s));
+    let mut ranks = ep_fast::group(&cfg, opts(1)).unwrap();
+    let r1 = ranks.pop().unwrap();
+    let r0 = ranks.pop().unwrap();
+    (r0, r1, calls)
+}
+
+/// Runs `body` on rank 1 in a loom thread and on rank 0 in this one.
+fn on_both(
+    mut r0: ep_fast::BatchedRank,
+    mut r1: ep_fast::BatchedRank,
+    body: impl Fn(&mut ep_fast::BatchedRank) + Copy + Send + 'static,
+) {
+    let t = loom::thread::spawn(move || body(&mut r1));
+    body(&mut r0);
+    t.join().unwrap();
+}
+
 /// Model 3: two consecutive calls on the same buffers (different tokens each call), dispatch
 /// then combine. No signal of call 1 is taken for call 2 (the epoch tag), no row of call 2
 /// overwrites one call 1 still reads (the credit), nothing is lost or duplicated (the outputs
@@ -111,14 +139,8 @@ fn payload_then_signal_per_expert() {
 #[test]
 fn consecutive_calls_batched() {
     loom::model(|| {
-        // K = E = 2: every token goes to both ranks, so every call crosses in both directions.
-        let cfg = Config::new(2, 2, 1, 128, 2, Mode::Bf16).unwrap();
-        let calls: [&'static Workload; 2] =
-            [workload(&cfg, &[1, 1], 4), workload(&cfg, &[1, 1], 5)];
-        let mut ranks = ep_fast::group(&cfg, opts(1)).unwrap();
-        let mut r1 = ranks.pop().unwrap();
-        let mut r0 = ranks.pop().unwrap();
-        let body = move |r: &mut ep_fast::BatchedRank| {
+        let (r0, r1, calls) = pair([4, 5]);
+        on_both(r0, r1, move |r| {
             let me = r.rank();
             for w in calls {
                 let (out, h) = r.dispatch(&w.x[me], &w.topk_idx[me]).unwrap();
@@ -133,10 +155,7 @@ fn consecutive_calls_batched() {
                     .zip(&want[me])
                     .all(|(a, b)| a.to_bits() == b.to_bits()));
             }
-        };
-        let t = loom::thread::spawn(move || body(&mut r1));
-        body(&mut r0);
-        t.join().unwrap();
+        });
     });
 }
 
@@ -146,22 +165,14 @@ fn consecutive_calls_batched() {
 #[test]
 fn consecutive_dispatches_batched() {
     loom::model(|| {
-        let cfg = Config::new(2, 2, 1, 128, 2, Mode::Bf16).unwrap();
-        let calls: [&'static Workload; 2] =
-            [workload(&cfg, &[1, 1], 8), workload(&cfg, &[1, 1], 9)];
-        let mut ranks = ep_fast::group(&cfg, opts(1)).unwrap();
-        let mut r1 = ranks.pop().unwrap();
-        let mut r0 = ranks.pop().unwrap();
-        let body = move |r: &mut ep_fast::BatchedRank| {
+        let (r0, r1, calls) = pair([8, 9]);
+        on_both(r0, r1, move |r| {
             let me = r.rank();
             for w in calls {
                 let (out, _) = r.dispatch(&w.x[me], &w.topk_idx[me]).unwrap();
                 expect_dispatch(w, me, &out);
             }
-        };
-        let t = loom::thread::spawn(move || body(&mut r1));
-        body(&mut r0);
-        t.join().unwrap();
+        });
     });
 }
 
@@ -171,12 +182,7 @@ fn consecutive_dispatches_batched() {
 #[test]
 fn timeout_then_next_call() {
     loom::model(|| {
-        let cfg = Config::new(2, 2, 1, 128, 2, Mode::Bf16).unwrap();
-        let calls: [&'static Workload; 2] =
-            [workload(&cfg, &[1, 1], 6), workload(&cfg, &[1, 1], 7)];
-        let mut ranks = ep_fast::group(&cfg, opts(1)).unwrap();
-        let mut r1 = ranks.pop().unwrap();
-        let mut r0 = ranks.pop().unwrap();
+        let (mut r0, mut r1, calls) = pair([6, 7]);
         let gave_up = Arc::new(AtomicBool::new(false));
         let t = {
             let gave_up = gave_up.clone();
