@@ -42,6 +42,25 @@
 //!   put is made. When every rank is on one GPU, no combine signal is needed either: every row and
 //!   handle is complete when the launch starts. Peers on other GPUs always get the put and the
 //!   signal. `zero_copy_local: false` runs the put path on one GPU too, and the tests run both.
+//! - **NCCL transport (batched path).** `GpuOptions::transport` chooses per peer pair:
+//!   `Transport::Auto` is NVLink where the peers share it (peer access, or CUDA IPC between
+//!   processes) and NCCL for pairs without peer access. `Transport::Nccl` forces NCCL for every
+//!   peer, self included. NCCL peers are a bit mask (`KParams::nccl_mask`) and the call is split
+//!   in two. The pack stage (`stage` 1) writes each NCCL destination's batch, in the same entry
+//!   layout, into this rank's staging buffer (`snd_buf`) with a header of (tokens, selections,
+//!   rows per local expert) in `snd_hdr`. The host then exchanges the headers (one grouped
+//!   send/recv per peer), reads them to size the payload, and sends each batch with one grouped
+//!   `ncclSend`/`ncclRecv` per peer. Each batch lands in the peer's receive region, exactly where
+//!   NVLink would have put it. The unpack stage (`stage` 2) expands the batches into the
+//!   canonical layout, taking counts from `rcv_hdr` instead of waiting for signals. Combine works
+//!   the same way. Its sizes come from the dispatch headers, so there is no host round trip.
+//!   NCCL pairs need no epoch acks: stream order keeps a call's unpack ahead of the next call's
+//!   transfers. Host waits on NCCL work are bounded. Past the timeout the communicators are
+//!   aborted and the call fails with `Error::Timeout`.
+//! - **Process mode.** `GpuGroup::new_process` runs one rank per process. The rank's buffers are
+//!   one `cuMemAlloc` allocation. Its IPC handle (or rank 0's NCCL unique id) goes through a
+//!   caller-supplied `all_gather` (`ep_launch::Rendezvous`), and the peers' handles are opened to
+//!   build the address table. The kernels are the same. `ep-gpu-mp` is the launcher-aware binary.
 //! - **Limits** (a clear `GpuError::Unsupported`): R <= 32, ranks spread evenly over the GPUs, the
 //!   routing tables must fit in shared memory (about 227 KB: roughly 16·T·K + 8·T·R + 8·E·⌈T/32⌉
 //!   + 8·L·R bytes + 6 KB).

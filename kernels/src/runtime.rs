@@ -352,6 +352,9 @@ pub enum Transport {
     Nccl,
 }
 
+/// Process mode's exchange: every rank's blob, in rank order (e.g. `Rendezvous::all_gather`).
+pub type AllGather<'a> = dyn FnMut(&[u8]) -> Result<Vec<Vec<u8>>, String> + 'a;
+
 /// Options of a [`GpuGroup`].
 #[derive(Debug, Clone, Copy)]
 pub struct GpuOptions {
@@ -700,7 +703,7 @@ impl GpuGroup {
         opts: GpuOptions,
         rank: usize,
         ordinal: usize,
-        all_gather: &mut dyn FnMut(&[u8]) -> Result<Vec<Vec<u8>>, String>,
+        all_gather: &mut AllGather<'_>,
     ) -> Result<GpuGroup, GpuError> {
         cfg.validate()?;
         probe_devices(ordinal + 1).map_err(GpuError::NoDevice)?;
