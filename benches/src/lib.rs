@@ -15,5 +15,6 @@ pub mod accounting;
 pub mod backend;
 pub mod cpu;
 pub mod gpu;
+pub mod multiproc;
 pub mod report;
 pub mod stats;

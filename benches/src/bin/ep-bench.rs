@@ -20,6 +20,12 @@ enum BackendArg {
     Gpu,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum TransportArg {
+    Auto,
+    Nccl,
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum DispatchArg {
     Fp8,
@@ -79,6 +85,16 @@ struct Cli {
     /// free (at least 1, at most 4).
     #[arg(long, default_value_t = 0)]
     workers: u64,
+    /// Multi-process mode (GPU backend): start N processes, one rank each, torchrun style (CUDA
+    /// IPC between them, or NCCL with --transport nccl). Under an external launcher (RANK and
+    /// WORLD_SIZE set) ep-bench runs as that one rank by itself. R is then the number of
+    /// processes, and --ranks is not used.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    nprocs: u64,
+    /// Multi-process mode: how ranks reach each other (auto: NVLink through CUDA IPC; nccl: NCCL
+    /// send/recv everywhere, batched path only).
+    #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
+    transport: TransportArg,
     /// GPU backend: GPUs to spread the ranks over (1: all ranks as virtual ranks on one GPU).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     gpus: u64,
@@ -181,12 +197,46 @@ fn fail(msg: impl std::fmt::Display, code: i32) -> ExitCode {
     ExitCode::from(code as u8)
 }
 
+/// One rank of a multi-process run (see `ep_benches::multiproc`).
+fn multiproc(cli: &Cli, mode: Mode) -> ExitCode {
+    ep_benches::multiproc::rank(&ep_kernels::mp::MpOptions {
+        experts: cli.experts,
+        tokens: cli.tokens,
+        hidden: cli.hidden,
+        top_k: cli.top_k,
+        mode,
+        transport: match cli.transport {
+            TransportArg::Auto => ep_kernels::Transport::Auto,
+            TransportArg::Nccl => ep_kernels::Transport::Nccl,
+        },
+        gpus: cli.gpus as usize,
+        rounds: 1,
+        iters: cli.iters.map_or(200, |i| i as usize),
+        seed: cli.seed,
+        masked: cli.masked,
+        timeout: Duration::from_secs_f64(cli.timeout_secs),
+        die_rank: None,
+        stall_rank: None,
+    })
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let mode = match cli.mode() {
         Ok(m) => m,
         Err(e) => return fail(e, 2),
     };
+    if ep_launch::is_launched_externally() {
+        return multiproc(&cli, mode);
+    }
+    if cli.nprocs > 1 {
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        return ep_benches::multiproc::launch(
+            cli.nprocs as usize,
+            ep_benches::multiproc::child_args(&args),
+            Duration::from_secs_f64(cli.timeout_secs * 4.0 + 120.0),
+        );
+    }
     // Every config is checked before anything runs.
     let mut specs = Vec::new();
     for (tokens, t) in cli.points() {

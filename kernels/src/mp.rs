@@ -1,0 +1,256 @@
+//! One process per rank, torchrun style: the rank's side of a multi-process run, shared by the
+//! `ep-gpu-mp` binary and `ep-bench --nprocs`.
+//!
+//! Each rank rendezvouses (`ep_launch`), opens GPU `LOCAL_RANK % gpus`, forms the group (CUDA IPC
+//! handles, or the NCCL unique id, exchanged through the rendezvous), checks every path against
+//! the oracle for `rounds` random inputs (all ranks generate the same inputs from the seed and
+//! compare their own outputs bit for bit), then times `iters` back-to-back calls per path (host
+//! wall time per call between two barriers).
+
+use crate::testing::{random_inputs, random_y, Rng, Routing};
+use crate::{GpuError, GpuGroup, GpuOptions, Path, Transport};
+use ep_launch::Rendezvous;
+use ep_reference::oracle::{self, CombineInput, RankInput};
+use ep_reference::{Config, Error, Mode, Op};
+use std::time::{Duration, Instant};
+
+/// What one rank runs.
+#[derive(Debug, Clone)]
+pub struct MpOptions {
+    pub experts: usize,
+    pub tokens: usize,
+    pub hidden: usize,
+    pub top_k: usize,
+    pub mode: Mode,
+    pub transport: Transport,
+    /// GPUs on this node; rank i uses GPU `LOCAL_RANK % gpus`.
+    pub gpus: usize,
+    pub rounds: usize,
+    /// Timed calls per path and operation (0: verify only).
+    pub iters: usize,
+    pub seed: u64,
+    /// Probability that a top-k slot is -1.
+    pub masked: f64,
+    pub timeout: Duration,
+    /// Test hooks: this rank exits (code 3) before round 1's dispatch ...
+    pub die_rank: Option<usize>,
+    /// ... or stays alive but silent for three timeouts, then exits.
+    pub stall_rank: Option<usize>,
+}
+
+/// One path's timing on this rank.
+#[derive(Debug, Clone)]
+pub struct MpTiming {
+    pub path: &'static str,
+    pub dispatch_us: f64,
+    pub combine_us: f64,
+}
+
+/// What one rank did.
+#[derive(Debug, Clone)]
+pub struct MpReport {
+    pub rank: usize,
+    pub world: usize,
+    pub config: Config,
+    pub transport: &'static str,
+    pub device: String,
+    /// Outputs compared bit for bit with the oracle.
+    pub checks: usize,
+    /// This rank's selections in the timed inputs.
+    pub selections: usize,
+    pub timings: Vec<MpTiming>,
+}
+
+/// Why a rank failed; `caused_by_peer` when another rank's failure is the cause (the process
+/// should then exit with `ep_launch::EXIT_PEER_FAILURE`, so the launcher blames the right rank).
+#[derive(Debug, Clone)]
+pub struct MpFailure {
+    pub message: String,
+    pub caused_by_peer: bool,
+}
+
+impl std::fmt::Display for MpFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+fn fail(message: String, caused_by_peer: bool) -> MpFailure {
+    MpFailure {
+        message,
+        caused_by_peer,
+    }
+}
+
+fn gpu_err(rank: usize, what: &str, e: GpuError) -> MpFailure {
+    let by_peer = matches!(&e, GpuError::Contract(Error::Timeout { peer, .. }) if *peer != rank);
+    fail(format!("rank {rank}: {what}: {e}"), by_peer)
+}
+
+/// Runs this process's rank (the environment names it: `RANK`, `WORLD_SIZE`, ...).
+pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
+    let timeout_ms = o.timeout.as_millis() as u64;
+    let rdzv = Rendezvous::from_env(
+        Duration::from_secs(60),
+        Duration::from_millis(timeout_ms.max(30_000)),
+    )
+    .map_err(|e| fail(format!("rendezvous: {e}"), false))?;
+    let (rank, world) = (rdzv.rank(), rdzv.world_size());
+    let local_rank = ep_launch::ProcessConfig::from_env()
+        .map(|p| p.local_rank)
+        .unwrap_or(rank);
+    let gpus = o.gpus.max(1);
+    let ordinal = local_rank % gpus;
+    let cfg = Config::new(world, o.experts, o.tokens, o.hidden, o.top_k, o.mode)
+        .map_err(|e| fail(format!("config: {e}"), false))?;
+    let opts = GpuOptions {
+        transport: o.transport,
+        timeout_ns: timeout_ms * 1_000_000,
+        ..Default::default()
+    };
+    let transport = if o.transport == Transport::Nccl {
+        "nccl"
+    } else {
+        "nvlink-ipc"
+    };
+    let mut g = GpuGroup::new_process(&cfg, opts, rank, ordinal, &mut |b| {
+        rdzv.all_gather(b).map_err(|e| e.to_string())
+    })
+    .map_err(|e| gpu_err(rank, "group", e))?;
+    let device = format!("GPU {ordinal} ({})", g.describe_devices());
+    let paths: &[Path] = if o.transport == Transport::Nccl {
+        &[Path::Batched]
+    } else {
+        &[Path::PerExpert, Path::Batched]
+    };
+    let masked = Routing::Random {
+        masked: o.masked as f32,
+    };
+    let mut rng = Rng::new(o.seed);
+    let mut checks = 0;
+    for round in 0..o.rounds {
+        let tokens: Vec<usize> = (0..world)
+            .map(|s| {
+                if round == 1 && s == 1 {
+                    o.tokens / 2
+                } else {
+                    o.tokens
+                }
+            })
+            .collect();
+        let data = random_inputs(&cfg, &tokens, masked, &mut rng);
+        let y = random_y(&cfg, &mut rng);
+        let inputs: Vec<RankInput> = data
+            .iter()
+            .map(|d| RankInput {
+                x: &d.x,
+                topk_idx: &d.topk_idx,
+            })
+            .collect();
+        let want =
+            oracle::dispatch(&cfg, &inputs).map_err(|e| fail(format!("oracle: {e}"), false))?;
+        let cin: Vec<CombineInput> = data
+            .iter()
+            .zip(&y)
+            .map(|(d, y)| CombineInput {
+                y,
+                topk_idx: &d.topk_idx,
+                topk_weights: &d.topk_weights,
+            })
+            .collect();
+        let want_c =
+            oracle::combine(&cfg, &cin).map_err(|e| fail(format!("oracle: {e}"), false))?;
+        let me = &data[rank];
+        for &path in paths {
+            if o.die_rank == Some(rank) && round == 1 {
+                eprintln!("rank {rank}: exiting on purpose (die_rank) before the round-1 dispatch");
+                std::process::exit(3);
+            }
+            if o.stall_rank == Some(rank) && round == 1 {
+                // Alive but silent (its buffers stay mapped): the peers' waits must time out.
+                eprintln!(
+                    "rank {rank}: stalling on purpose (stall_rank) before the round-1 dispatch"
+                );
+                std::thread::sleep(3 * o.timeout);
+                std::process::exit(3);
+            }
+            let t0 = Instant::now();
+            let got = g.dispatch_rank(path, &me.x, &me.topk_idx).map_err(|e| {
+                let f = gpu_err(rank, &format!("{} dispatch", path.name()), e);
+                fail(
+                    format!("{} (after {} ms)", f.message, t0.elapsed().as_millis()),
+                    f.caused_by_peer,
+                )
+            })?;
+            if let Some(d) = got.diff(&want[rank]) {
+                return Err(fail(
+                    format!(
+                        "rank {rank}: {} dispatch differs from the oracle: {d}",
+                        path.name()
+                    ),
+                    false,
+                ));
+            }
+            let out = g
+                .combine_rank(path, &y[rank], &me.topk_weights)
+                .map_err(|e| gpu_err(rank, &format!("{} combine", path.name()), e))?;
+            if let Some(i) = (0..out.len()).find(|&i| out[i].to_bits() != want_c[rank][i].to_bits())
+            {
+                return Err(fail(
+                    format!(
+                        "rank {rank}: {} combine differs from the oracle at element {i}",
+                        path.name()
+                    ),
+                    false,
+                ));
+            }
+            checks += 2;
+        }
+    }
+    let data = random_inputs(&cfg, &vec![o.tokens; world], masked, &mut rng);
+    let y = random_y(&cfg, &mut rng);
+    let me = &data[rank];
+    let selections = me.topk_idx.iter().filter(|&&e| e >= 0).count();
+    let mut timings = Vec::new();
+    if o.iters > 0 {
+        for &path in paths {
+            g.dispatch_rank(path, &me.x, &me.topk_idx)
+                .map_err(|e| gpu_err(rank, "warm-up dispatch", e))?;
+            g.upload_rank_combine(&y[rank], &me.topk_weights)
+                .map_err(|e| gpu_err(rank, "upload", e))?;
+            let mut us = [0.0f64; 2];
+            for (i, op) in [Op::Dispatch, Op::Combine].into_iter().enumerate() {
+                for _ in 0..5 {
+                    g.launch(op, path)
+                        .map_err(|e| gpu_err(rank, "warm-up", e))?;
+                }
+                g.sync().map_err(|e| gpu_err(rank, "warm-up", e))?;
+                rdzv.barrier("bench")
+                    .map_err(|e| fail(format!("rank {rank}: barrier: {e}"), true))?;
+                let t0 = Instant::now();
+                for _ in 0..o.iters {
+                    g.launch(op, path).map_err(|e| gpu_err(rank, "bench", e))?;
+                }
+                g.sync().map_err(|e| gpu_err(rank, "bench", e))?;
+                us[i] = t0.elapsed().as_secs_f64() * 1e6 / o.iters as f64;
+                rdzv.barrier("bench-end")
+                    .map_err(|e| fail(format!("rank {rank}: barrier: {e}"), true))?;
+            }
+            timings.push(MpTiming {
+                path: path.name(),
+                dispatch_us: us[0],
+                combine_us: us[1],
+            });
+        }
+    }
+    Ok(MpReport {
+        rank,
+        world,
+        config: cfg,
+        transport,
+        device,
+        checks,
+        selections,
+        timings,
+    })
+}
