@@ -305,6 +305,54 @@ impl Dev {
         })
     }
 
+    /// Sets every kernel's dynamic shared memory to `smem` bytes and checks that `ranks` x
+    /// `blocks_per_rank` blocks of each can be resident at once (one launch holds every rank of
+    /// this device, and its blocks wait on each other). Binds nothing: call after [`Dev::bind`].
+    fn check_residency(
+        &self,
+        smem: usize,
+        ranks: usize,
+        blocks_per_rank: usize,
+    ) -> Result<(), GpuError> {
+        for f in [
+            self.funcs.pe_dispatch,
+            self.funcs.pe_combine,
+            self.funcs.bat_dispatch,
+            self.funcs.bat_combine,
+        ] {
+            if smem > 48 * 1024 {
+                // SAFETY: `f` is a loaded kernel of the bound context.
+                let rc = unsafe {
+                    sys::cuFuncSetAttribute(
+                        f,
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem as i32,
+                    )
+                };
+                cuda("cuFuncSetAttribute", rc.result())?;
+            }
+            let mut per_sm = 0i32;
+            // SAFETY: `f` is a loaded kernel; `per_sm` receives the answer.
+            let rc = unsafe {
+                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    &mut per_sm,
+                    f,
+                    NTHREADS as i32,
+                    smem,
+                )
+            };
+            cuda("occupancy", rc.result())?;
+            if per_sm < 1 || ranks * blocks_per_rank > self.sms * per_sm as usize {
+                return Err(GpuError::Unsupported(format!(
+                    "{ranks} ranks x {blocks_per_rank} blocks cannot be resident together on a GPU \
+                     with {} SMs ({per_sm} blocks/SM at {smem} bytes of shared memory)",
+                    self.sms
+                )));
+            }
+        }
+        Ok(())
+    }
+
     fn bind(&self) -> Result<(), GpuError> {
         cuda("bind", self.ctx.bind_to_thread())
     }
@@ -581,42 +629,7 @@ impl GpuGroup {
         let bpr = opts.blocks_per_rank.unwrap_or((sms / per).max(1)).max(1);
         for dev in &devs {
             dev.bind()?;
-            for f in [
-                dev.funcs.pe_dispatch,
-                dev.funcs.pe_combine,
-                dev.funcs.bat_dispatch,
-                dev.funcs.bat_combine,
-            ] {
-                if smem > 48 * 1024 {
-                    // SAFETY: `f` is a loaded kernel of the bound context.
-                    let rc = unsafe {
-                        sys::cuFuncSetAttribute(
-                            f,
-                            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            smem as i32,
-                        )
-                    };
-                    cuda("cuFuncSetAttribute", rc.result())?;
-                }
-                let mut per_sm = 0i32;
-                // SAFETY: `f` is a loaded kernel; `per_sm` receives the answer.
-                let rc = unsafe {
-                    sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                        &mut per_sm,
-                        f,
-                        NTHREADS as i32,
-                        smem,
-                    )
-                };
-                cuda("occupancy", rc.result())?;
-                if per_sm < 1 || per * bpr > dev.sms * per_sm as usize {
-                    return Err(GpuError::Unsupported(format!(
-                        "{per} ranks x {bpr} blocks cannot be resident together on a GPU with {} SMs \
-                         ({per_sm} blocks/SM at {smem} bytes of shared memory)",
-                        dev.sms
-                    )));
-                }
-            }
+            dev.check_residency(smem, per, bpr)?;
         }
         let sizes = rank_sizes(cfg, use_nccl);
         let mut ptrs = vec![RankPtrs::default(); r];
@@ -717,41 +730,7 @@ impl GpuGroup {
         let mut dev = Dev::new(ordinal, rank, 1)?;
         let smem = smem_bytes(cfg);
         let bpr = opts.blocks_per_rank.unwrap_or(dev.sms).max(1);
-        for f in [
-            dev.funcs.pe_dispatch,
-            dev.funcs.pe_combine,
-            dev.funcs.bat_dispatch,
-            dev.funcs.bat_combine,
-        ] {
-            if smem > 48 * 1024 {
-                // SAFETY: `f` is a loaded kernel of the bound context.
-                let rc = unsafe {
-                    sys::cuFuncSetAttribute(
-                        f,
-                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        smem as i32,
-                    )
-                };
-                cuda("cuFuncSetAttribute", rc.result())?;
-            }
-            let mut per_sm = 0i32;
-            // SAFETY: `f` is a loaded kernel; `per_sm` receives the answer.
-            let rc = unsafe {
-                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                    &mut per_sm,
-                    f,
-                    NTHREADS as i32,
-                    smem,
-                )
-            };
-            cuda("occupancy", rc.result())?;
-            if per_sm < 1 || bpr > dev.sms * per_sm as usize {
-                return Err(GpuError::Unsupported(format!(
-                    "{bpr} blocks cannot be resident together on a GPU with {} SMs",
-                    dev.sms
-                )));
-            }
-        }
+        dev.check_residency(smem, 1, bpr)?;
         let need = bytes_per_rank_with(cfg, nccl) + (1 << 20);
         let (free, _) = cuda("cuMemGetInfo", result::mem_get_info())?;
         if need > free {
