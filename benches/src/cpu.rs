@@ -159,25 +159,6 @@ pub fn zeroed_bf16(len: usize) -> Vec<bf16> {
     unsafe { Vec::from_raw_parts(ptr as *mut bf16, len, cap) }
 }
 
-fn bits(v: &[bf16]) -> impl Iterator<Item = u16> + '_ {
-    v.iter().map(|b| b.to_bits())
-}
-
-/// The first difference between two ranks' combine outputs, bit for bit.
-pub fn combine_diff(a: &[bf16], b: &[bf16], hidden: usize) -> Option<String> {
-    if a.len() != b.len() {
-        return Some(format!("lengths differ: {} vs {}", a.len(), b.len()));
-    }
-    let i = bits(a).zip(bits(b)).position(|(x, y)| x != y)?;
-    Some(format!(
-        "token {} channel {}: {:#06x} vs {:#06x}",
-        i / hidden,
-        i % hidden,
-        a[i].to_bits(),
-        b[i].to_bits()
-    ))
-}
-
 /// Every rank's dispatch (untimed) into its reused output; the handles in rank order.
 fn dispatch_all(g: &mut Group, w: &Workload) -> Result<Vec<Handle>, BenchError> {
     let path = g.kind.name();
@@ -246,7 +227,7 @@ pub fn check_combine(
         )));
     }
     for (rank, (g, o)) in got.iter().zip(want).enumerate() {
-        if let Some(d) = combine_diff(g, o, hidden) {
+        if let Some(d) = ep_reference::output::combine_diff(g, o, hidden) {
             return Err(BenchError::Mismatch(format!(
                 "{what}: combine on rank {rank}: {d}"
             )));

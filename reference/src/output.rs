@@ -190,6 +190,25 @@ impl DispatchOutput {
     }
 }
 
+/// Compares two combine outputs (n x `hidden` bf16) bit for bit and describes the first
+/// difference (token, channel, both bit patterns), or a length mismatch.
+pub fn combine_diff(a: &[bf16], b: &[bf16], hidden: usize) -> Option<String> {
+    if a.len() != b.len() {
+        return Some(format!("lengths differ: {} vs {}", a.len(), b.len()));
+    }
+    let i = a
+        .iter()
+        .zip(b)
+        .position(|(x, y)| x.to_bits() != y.to_bits())?;
+    Some(format!(
+        "token {} channel {}: {:#06x} vs {:#06x}",
+        i / hidden,
+        i % hidden,
+        a[i].to_bits(),
+        b[i].to_bits()
+    ))
+}
+
 /// What combine needs from a dispatch: who dispatched, with which config and routing, and the
 /// received layout.
 #[derive(Debug, Clone, PartialEq)]

@@ -7,6 +7,7 @@
 //! This library holds the harness the tests share: run a path on a workload and compare it.
 
 use ep_reference::oracle;
+use ep_reference::output::combine_diff;
 use ep_reference::path::run_ranks;
 use ep_reference::workload::Workload;
 use ep_reference::{bf16, DispatchOutput, EpRank, Handle, Result};
@@ -61,25 +62,11 @@ pub fn check_against_oracle<R: EpRank>(
     let got = combine_all(ranks, w, &ys, &handles);
     for (r, (g, wo)) in got.into_iter().zip(&want).enumerate() {
         let out = g.map_err(|e| format!("{name} combine rank {r}: {e}"))?;
-        if let Some(i) = first_bit_difference(wo, &out) {
+        if let Some(d) = combine_diff(wo, &out, cfg.hidden) {
             return Err(format!(
-                "{name} combine rank {r} differs from the oracle at token {} channel {}: {:#06x} vs {:#06x}",
-                i / cfg.hidden,
-                i % cfg.hidden,
-                wo[i].to_bits(),
-                out[i].to_bits()
+                "{name} combine rank {r} differs from the oracle at {d}"
             ));
         }
     }
     Ok(())
-}
-
-/// The index of the first element whose bits differ (or the shorter length).
-pub fn first_bit_difference(a: &[bf16], b: &[bf16]) -> Option<usize> {
-    if a.len() != b.len() {
-        return Some(a.len().min(b.len()));
-    }
-    a.iter()
-        .zip(b)
-        .position(|(x, y)| x.to_bits() != y.to_bits())
 }
