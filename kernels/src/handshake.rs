@@ -1,7 +1,8 @@
 //! Process mode's handshake: nothing a peer says about its memory is trusted unchecked.
 //!
 //! Before any peer allocation is mapped (or any NCCL communicator formed), every rank publishes a
-//! [`Hello`]: the library and protocol versions, the full [`Config`] (mode, `round_scale` and
+//! [`Hello`]: the library and protocol versions, a fingerprint of the CUDA sources its kernels
+//! were compiled from (they define what a peer writes where), the full [`Config`] (mode, `round_scale` and
 //! `ue8m0` included), the transport, the wait bound, `zero_copy_local`, its rank, and the byte
 //! size of its one allocation. The record travels in the same all-gather round as the CUDA IPC
 //! handle (or the NCCL unique id): [`exchange`] prepends it to the caller's payload, and strips
@@ -17,7 +18,7 @@
 //! allocation is and refuses one smaller than this rank's layout of it.
 //!
 //! Wire format (little-endian): `b"EPhs"`, protocol `u8`, library version (`u8` length, 1..=64
-//! printable ASCII bytes), R, E, T, H, K (`u64` each), mode `u8` (0 bf16, 1 fp8), mode flags `u8`
+//! printable ASCII bytes), kernel fingerprint `u64`, R, E, T, H, K (`u64` each), mode `u8` (0 bf16, 1 fp8), mode flags `u8`
 //! (bit 0 round_scale, bit 1 ue8m0; 0 for bf16), transport `u8` (0 auto, 1 nccl), zero_copy_local
 //! `u8` (0/1), timeout_ns `u64`, rank `u64`, allocation bytes `u64`, payload length `u16`
 //! (<= [`MAX_PAYLOAD`]), payload.
@@ -37,7 +38,7 @@ pub const MAX_VERSION_LEN: usize = 64;
 /// Largest payload (IPC handle, NCCL unique id) a record may carry.
 pub const MAX_PAYLOAD: usize = 1024;
 /// Bytes of a record without its version string and payload.
-const FIXED: usize = 4 + 1 + 1 + 5 * 8 + 4 + 3 * 8 + 2;
+const FIXED: usize = 4 + 1 + 1 + 8 + 5 * 8 + 4 + 3 * 8 + 2;
 /// Largest blob [`Hello::decode`] reads.
 pub const MAX_BLOB: usize = FIXED + MAX_VERSION_LEN + MAX_PAYLOAD;
 /// Bound of each of R, E, T, H, K on the wire (the config's own limits are checked by
@@ -78,6 +79,8 @@ pub enum BlobError {
 pub struct Hello {
     pub protocol: u8,
     pub library: String,
+    /// [`kernel_fingerprint`] of the sender's build.
+    pub kernels: u64,
     pub config: Config,
     pub transport: Transport,
     pub zero_copy_local: bool,
@@ -93,6 +96,7 @@ impl Hello {
         Hello {
             protocol: PROTOCOL,
             library: LIBRARY.to_string(),
+            kernels: kernel_fingerprint(),
             config: *cfg,
             transport: opts.transport,
             zero_copy_local: opts.zero_copy_local,
@@ -120,6 +124,7 @@ impl Hello {
         b.push(self.protocol);
         b.push(v.len() as u8);
         b.extend_from_slice(v);
+        b.extend_from_slice(&self.kernels.to_le_bytes());
         for n in [
             c.num_ranks,
             c.num_experts,
@@ -180,6 +185,7 @@ impl Hello {
             return Err(BlobError::BadVersion);
         }
         let library = String::from_utf8(v.to_vec()).map_err(|_| BlobError::BadVersion)?;
+        let kernels = r.u64("kernel fingerprint")?;
         let mut counts = [0usize; 5];
         for (slot, field) in counts.iter_mut().zip([
             "num_ranks",
@@ -291,6 +297,7 @@ impl Hello {
             Hello {
                 protocol,
                 library,
+                kernels,
                 config,
                 transport,
                 zero_copy_local,
@@ -323,6 +330,13 @@ impl Hello {
         }
         same!("protocol version", self.protocol, theirs.protocol);
         same!("library version", self.library, theirs.library);
+        if self.kernels != theirs.kernels {
+            return mismatch(
+                "kernel sources (fingerprint)",
+                format!("{:016x}", self.kernels),
+                format!("{:016x}", theirs.kernels),
+            );
+        }
         let (a, b) = (&self.config, &theirs.config);
         same!("num_ranks (world size)", a.num_ranks, b.num_ranks);
         same!("num_experts", a.num_experts, b.num_experts);
@@ -361,6 +375,31 @@ impl Hello {
         same!("allocation bytes", self.alloc_bytes, theirs.alloc_bytes);
         Ok(())
     }
+}
+
+/// FNV-1a (64 bit) over every CUDA source the kernels are compiled from, in a fixed order: two
+/// builds whose kernels could lay out or signal differently get different fingerprints.
+pub fn kernel_fingerprint() -> u64 {
+    use crate::compile::{BATCHED, COMMON_CUH, FP8, FP8_CUH, PER_EXPERT};
+    fingerprint(&[
+        COMMON_CUH,
+        FP8_CUH,
+        FP8.source,
+        PER_EXPERT.source,
+        BATCHED.source,
+    ])
+}
+
+/// FNV-1a (64 bit) over `sources`, each followed by a NUL (so bytes cannot move between them).
+fn fingerprint(sources: &[&str]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for src in sources {
+        for &byte in src.as_bytes().iter().chain(&[0u8]) {
+            h ^= byte as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
 }
 
 struct Reader<'a> {
@@ -518,6 +557,17 @@ mod tests {
     }
 
     #[test]
+    fn the_kernel_fingerprint_sees_every_byte_and_boundary() {
+        let base = fingerprint(&["__global__ void f() {}", "int x;"]);
+        assert_eq!(base, fingerprint(&["__global__ void f() {}", "int x;"]));
+        assert_ne!(base, fingerprint(&["__global__ void f() {}", "int y;"]));
+        assert_ne!(base, fingerprint(&["__global__ void f() {} ", "int x;"]));
+        assert_ne!(base, fingerprint(&["__global__ void f() {}int x;", ""]));
+        assert_eq!(kernel_fingerprint(), hello(0).kernels);
+        assert_ne!(kernel_fingerprint(), fingerprint(&[]));
+    }
+
+    #[test]
     fn every_truncation_is_a_typed_error() {
         let blob = hello(1).encode(&[7u8; 64]).unwrap();
         for len in 0..blob.len() {
@@ -572,7 +622,7 @@ mod tests {
 
     /// Offsets of the fixed fields in a record whose version string has `v` bytes.
     fn offsets(v: usize) -> (usize, usize) {
-        let counts = 4 + 1 + 1 + v;
+        let counts = 4 + 1 + 1 + v + 8;
         (counts, counts + 5 * 8) // (R, mode byte)
     }
 
@@ -681,6 +731,12 @@ mod tests {
                 "\"9.9.9\"",
             ),
             (
+                with(&|h| h.kernels ^= 1),
+                "kernel sources (fingerprint)",
+                "",
+                "",
+            ),
+            (
                 with(&|h| h.config.num_experts = 32),
                 "num_experts",
                 "16",
@@ -739,7 +795,10 @@ mod tests {
             if !a.is_empty() {
                 assert_eq!(got_a, a, "{field}");
             }
-            assert_eq!(got_b, b, "{field}");
+            if !b.is_empty() {
+                assert_eq!(got_b, b, "{field}");
+            }
+            assert_ne!(got_a, got_b, "{field}");
         }
         // R differs: a peer with R = 8 is named (its rank 2 < 8 still decodes).
         let theirs = with(&|h| {
