@@ -292,15 +292,21 @@ impl Comms {
     }
 
     /// Frees the communicators before the streams and memory they use: waits for `streams`
-    /// (each with its context) at most `timeout`, then destroys the communicators when every
-    /// stream finished cleanly, and aborts them otherwise (a receive from a dead peer never
-    /// finishes; an abort makes NCCL's kernels quit, so the streams drain).
+    /// (each with its context) at most `timeout`, then destroys the communicators when the
+    /// owner is `healthy` and every stream finished cleanly, and aborts them otherwise (a
+    /// receive from a dead peer never finishes, and an orderly destroy after a failure may wait
+    /// on a peer; an abort makes NCCL's kernels quit, so the streams drain).
     pub fn release(
         self,
         streams: &[(std::sync::Arc<cudarc::driver::CudaContext>, CUstream)],
         timeout: Duration,
+        healthy: bool,
     ) {
         if self.is_aborted() {
+            return;
+        }
+        if !healthy {
+            self.abort();
             return;
         }
         let t0 = Instant::now();

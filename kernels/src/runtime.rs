@@ -461,12 +461,10 @@ pub struct GpuGroup {
 impl Drop for GpuGroup {
     fn drop(&mut self) {
         // [nccl hook, issue 10 item 5] Communicators go before the streams and memory they use:
-        // a bounded wait for the streams, then destroy (idle) or abort (busy or failed).
+        // a bounded wait for the streams, then destroy (idle, healthy) or abort (busy, failed).
         if let Some(c) = self.comms.take() {
-            c.release(
-                &self.streams(),
-                std::time::Duration::from_nanos(self.params.timeout_ns),
-            );
+            let t = std::time::Duration::from_nanos(self.params.timeout_ns);
+            c.release(&self.streams(), t, self.broken.is_none());
         }
         for dev in &self.devs {
             let _ = dev.bind();
