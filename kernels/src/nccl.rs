@@ -141,6 +141,29 @@ fn nonblocking_config() -> sys::ncclConfig_t {
     }
 }
 
+/// How long [`Comms::abort`] waits for NCCL to finish aborting.
+pub const ABORT_WAIT: Duration = Duration::from_secs(10);
+
+/// Communicator handles on their way to the abort helper thread.
+struct Handles(Vec<sys::ncclComm_t>);
+
+// SAFETY: an NCCL communicator may be aborted from any thread (that is what ncclCommAbort is
+// for: a watchdog aborting a communicator another thread is blocked in); the handles are moved
+// to exactly one thread, and their owner never touches them again (`Comms::aborted`).
+unsafe impl Send for Handles {}
+
+impl Handles {
+    fn abort_all(&self) {
+        for &c in &self.0 {
+            if !c.is_null() {
+                // SAFETY: `c` is a live communicator whose owner marked it aborted; after this
+                // call NCCL frees it and nothing uses it again.
+                let _ = unsafe { sys::ncclCommAbort(c) };
+            }
+        }
+    }
+}
+
 /// Communicators, one per local GPU (index = the group's device index).
 pub(crate) struct Comms {
     pub comms: Vec<sys::ncclComm_t>,
@@ -280,14 +303,28 @@ impl Comms {
     }
 
     /// Aborts every communicator (unblocks and frees its kernels and proxy threads). Idempotent.
+    /// `ncclCommAbort` raises the abort flag at once (NCCL's kernels and proxy threads see it and
+    /// quit) and then joins NCCL's own threads; that join runs on a helper thread and is waited
+    /// for at most [`ABORT_WAIT`], so a set-up thread stuck inside NCCL cannot hang the caller
+    /// (past the bound the helper is left to finish on its own).
     pub fn abort(&self) {
-        if !self.aborted.replace(true) {
-            for &c in &self.comms {
-                // SAFETY: `c` is a live communicator of this object; after this it is freed and
-                // `aborted` keeps it from being touched again. Abort of a communicator is
-                // always a blocking call in NCCL.
-                let _ = unsafe { sys::ncclCommAbort(c) };
-            }
+        if self.aborted.replace(true) {
+            return;
+        }
+        let comms = Handles(self.comms.clone());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let helper = std::thread::Builder::new()
+            .name("ep-nccl-abort".into())
+            .spawn(move || {
+                let comms = comms;
+                comms.abort_all();
+                let _ = tx.send(());
+            });
+        if helper.is_ok() {
+            let _ = rx.recv_timeout(ABORT_WAIT);
+        } else {
+            // No thread to spare: abort here (unbounded, as NCCL itself).
+            Handles(self.comms.clone()).abort_all();
         }
     }
 
@@ -343,7 +380,7 @@ impl Comms {
 impl Drop for Comms {
     fn drop(&mut self) {
         if !self.aborted.get() {
-            for &c in &self.comms {
+            for &c in self.comms.iter().filter(|c| !c.is_null()) {
                 // SAFETY: the owner synchronised all work (or released through
                 // [`Comms::release`], which aborts when it could not); `c` is not used again.
                 // Destroy is blocking in NCCL also for non-blocking communicators.

@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 const CHILD_ENV: &str = "EP_GPU_PROCESS_CHILD";
 
 /// (name, GPUs needed, needs NCCL, test)
-const TESTS: &[(&str, usize, bool, fn())] = &[
+type Test = (&'static str, usize, bool, fn());
+const TESTS: &[Test] = &[
     (
         "gpu_process_fabricated_peers_are_refused_before_mapping",
         1,
@@ -106,7 +107,7 @@ fn hex(b: &[u8]) -> String {
 }
 
 fn unhex(s: &str) -> Result<Vec<u8>, String> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return Err(format!("odd hex length {}", s.len()));
     }
     (0..s.len())
