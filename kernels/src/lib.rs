@@ -69,6 +69,7 @@
 
 pub mod bench;
 pub mod compile;
+pub mod handshake;
 pub mod mp;
 pub mod nccl;
 pub mod runtime;
@@ -107,5 +108,39 @@ pub enum GpuError {
     PathMismatch {
         combine: &'static str,
         dispatch: &'static str,
+    },
+    /// Process mode: a peer's handshake record could not be read (nothing of it was used).
+    #[error("rank {rank}: the handshake record of rank {peer} is malformed: {error}")]
+    PeerBlob {
+        rank: usize,
+        peer: usize,
+        error: crate::handshake::BlobError,
+    },
+    /// Process mode: a peer runs another version, config, transport or buffer layout than this
+    /// rank (found before any of its memory was mapped, or when the mapping is too small).
+    #[error("rank {rank} and rank {peer} disagree on {field}: rank {rank} has {ours}, rank {peer} has {theirs}")]
+    PeerMismatch {
+        field: &'static str,
+        ours: String,
+        theirs: String,
+        rank: usize,
+        peer: usize,
+    },
+    /// A count a peer sent (an NCCL batch header) is out of bounds; nothing was sized by it.
+    #[error("rank {rank}: rank {peer} sent {field} = {value}, expected {expected}")]
+    PeerCount {
+        rank: usize,
+        peer: usize,
+        field: &'static str,
+        value: i64,
+        expected: String,
+    },
+    /// An NCCL step that waits on peers (communicator set-up, a grouped send/receive) did not
+    /// finish in time; the communicators were aborted and the group is unusable.
+    #[error("rank {rank}: {what} did not complete within {waited_ms} ms (a peer is dead, stalled or missing); the NCCL communicators were aborted")]
+    NcclTimeout {
+        rank: usize,
+        what: &'static str,
+        waited_ms: u64,
     },
 }

@@ -83,16 +83,31 @@ fn fail(message: String, caused_by_peer: bool) -> MpFailure {
 }
 
 fn gpu_err(rank: usize, what: &str, e: GpuError) -> MpFailure {
-    let by_peer = matches!(&e, GpuError::Contract(Error::Timeout { peer, .. }) if *peer != rank);
+    // A wait on another rank that ran out, or an NCCL set-up that a peer never completed.
+    let by_peer = match &e {
+        GpuError::Contract(Error::Timeout { peer, .. }) => *peer != rank,
+        GpuError::NcclTimeout { .. } => true,
+        _ => false,
+    };
     fail(format!("rank {rank}: {what}: {e}"), by_peer)
 }
 
+/// The GPU wait bound of `timeout`, in nanoseconds, saturating at `u64::MAX` (about 584 years;
+/// the kernels compare elapsed times, so no sum can overflow there).
+pub fn timeout_ns(timeout: Duration) -> u64 {
+    u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The longest host wait a rank hands on (30 days): beyond any real bound, and small enough
+/// that `Instant::now() + wait` cannot overflow in the rendezvous or in a sleep.
+pub const MAX_HOST_WAIT: Duration = Duration::from_secs(30 * 24 * 3600);
+
 /// Runs this process's rank (the environment names it: `RANK`, `WORLD_SIZE`, ...).
 pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
-    let timeout_ms = o.timeout.as_millis() as u64;
+    let host_wait = o.timeout.min(MAX_HOST_WAIT);
     let rdzv = Rendezvous::from_env(
         Duration::from_secs(60),
-        Duration::from_millis(timeout_ms.max(30_000)),
+        host_wait.max(Duration::from_secs(30)),
     )
     .map_err(|e| fail(format!("rendezvous: {e}"), false))?;
     let (rank, world) = (rdzv.rank(), rdzv.world_size());
@@ -105,7 +120,7 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
         .map_err(|e| fail(format!("config: {e}"), false))?;
     let opts = GpuOptions {
         transport: o.transport,
-        timeout_ns: timeout_ms * 1_000_000,
+        timeout_ns: timeout_ns(o.timeout),
         ..Default::default()
     };
     let transport = if o.transport == Transport::Nccl {
@@ -171,7 +186,7 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
                 eprintln!(
                     "rank {rank}: stalling on purpose (stall_rank) before the round-1 dispatch"
                 );
-                std::thread::sleep(3 * o.timeout);
+                std::thread::sleep(host_wait.saturating_mul(3));
                 std::process::exit(3);
             }
             let t0 = Instant::now();
@@ -253,4 +268,52 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
         selections,
         timings,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gpu_wait_bound_saturates() {
+        assert_eq!(timeout_ns(Duration::from_millis(10_000)), 10_000_000_000);
+        assert_eq!(timeout_ns(Duration::from_nanos(1_500)), 1_500);
+        // 2^64 ms wrapped to a small bound (or 0: no wait at all) before.
+        assert_eq!(timeout_ns(Duration::from_secs(u64::MAX / 1000)), u64::MAX);
+        assert_eq!(timeout_ns(Duration::MAX), u64::MAX);
+        assert_eq!(timeout_ns(Duration::from_nanos(u64::MAX)), u64::MAX);
+    }
+
+    #[test]
+    fn an_nccl_set_up_timeout_blames_a_peer() {
+        let e = GpuError::NcclTimeout {
+            rank: 1,
+            what: "ncclCommInitRankConfig (communicator set-up)",
+            waited_ms: 20_000,
+        };
+        let f = gpu_err(1, "group", e);
+        assert!(f.caused_by_peer);
+        assert!(f.message.contains("20000 ms"), "{}", f.message);
+        let e = GpuError::PeerMismatch {
+            field: "hidden",
+            ours: "1024".into(),
+            theirs: "2048".into(),
+            rank: 1,
+            peer: 0,
+        };
+        let f = gpu_err(1, "group", e);
+        assert!(!f.caused_by_peer);
+        assert!(
+            f.message.contains("rank 1 has 1024, rank 0 has 2048"),
+            "{}",
+            f.message
+        );
+    }
+
+    #[test]
+    fn the_host_wait_cap_cannot_overflow_an_instant() {
+        let now = Instant::now();
+        assert!(now.checked_add(MAX_HOST_WAIT.saturating_mul(3)).is_some());
+        assert_eq!(Duration::MAX.min(MAX_HOST_WAIT), MAX_HOST_WAIT);
+    }
 }

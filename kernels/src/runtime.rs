@@ -460,6 +460,12 @@ pub struct GpuGroup {
 
 impl Drop for GpuGroup {
     fn drop(&mut self) {
+        // [nccl hook, issue 10 item 5] Communicators go before the streams and memory they use:
+        // a bounded wait for the streams, then destroy (idle, healthy) or abort (busy, failed).
+        if let Some(c) = self.comms.take() {
+            let t = std::time::Duration::from_nanos(self.params.timeout_ns);
+            c.release(&self.streams(), t, self.broken.is_none());
+        }
         for dev in &self.devs {
             let _ = dev.bind();
             // SAFETY: the stream belongs to the bound context.
@@ -757,7 +763,10 @@ impl GpuGroup {
         } else if rank == 0 {
             blob.extend(crate::nccl::unique_id()?);
         }
-        let all = all_gather(&blob).map_err(GpuError::Process)?;
+        // [handshake hook, issue 10 item 4] Versions, config, transport and allocation size
+        // travel with the handle; every peer is checked before anything is mapped.
+        let hello = crate::handshake::Hello::new(cfg, &opts, rank, total);
+        let all = crate::handshake::exchange(all_gather, &hello, &blob)?;
         if all.len() != r || all.iter().any(|b| b.len() < 64) {
             return Err(GpuError::Process(format!(
                 "handle exchange returned {} blobs, want {r} of at least 64 bytes",
@@ -768,7 +777,8 @@ impl GpuGroup {
         ptrs[rank] = carve_rank(base, &sizes);
         let mut ipc_opened = Vec::new();
         let comms = if nccl {
-            Some(crate::nccl::Comms::init_rank(r, rank, &all[0][64..])?)
+            let t = std::time::Duration::from_nanos(opts.timeout_ns); // [nccl hook, item 5]
+            Some(crate::nccl::Comms::init_rank(r, rank, &all[0][64..], t)?)
         } else {
             for (peer, b) in all.iter().enumerate() {
                 if peer == rank {
@@ -792,6 +802,7 @@ impl GpuGroup {
                     &format!("cuIpcOpenMemHandle (rank {rank}, peer {peer})"),
                     rc.result(),
                 )?;
+                crate::handshake::check_mapping(rank, peer, p, total)?; // [handshake hook]
                 ipc_opened.push(p);
                 ptrs[peer] = carve_rank(p, &sizes);
             }
@@ -1232,14 +1243,13 @@ impl GpuGroup {
             }
             let mut v = Vec::new();
             for &d in &peers {
-                let (to_tok, to_sel) = (sh[d * (2 + l)] as usize, sh[d * (2 + l) + 1] as usize);
-                let (from_tok, from_sel) = (rh[d * (2 + l)] as usize, rh[d * (2 + l) + 1] as usize);
-                if to_tok > t || from_tok > t {
-                    return Err(GpuError::Nccl(format!(
-                        "rank {r}: batch header with {} tokens (T = {t})",
-                        to_tok.max(from_tok)
-                    )));
-                }
+                // [nccl hook, issue 10 item 4] Every count is bounded before it sizes a transfer.
+                let (hw, k) = (2 + l, self.cfg.top_k);
+                let (sw, rw) = (&sh[d * hw..][..hw], &rh[d * hw..][..hw]);
+                let (mine, theirs) = crate::nccl::check_pair(r, d, sw, rw, t, k)
+                    .inspect_err(|e| self.broken = Some(e.clone()))?;
+                let (to_tok, to_sel) = (mine.tokens, mine.selections);
+                let (from_tok, from_sel) = (theirs.tokens, theirs.selections);
                 self.sels[di].0[d] = to_sel;
                 self.sels[di].1[d] = from_sel;
                 v.push(crate::nccl::P2p::Send {
