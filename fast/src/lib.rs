@@ -21,6 +21,7 @@ pub use combine::CombineCall;
 pub use dispatch::DispatchCall;
 
 use ep_reference::bf16;
+use ep_reference::config::{checked_product, checked_sum};
 use ep_reference::path::next_group_id;
 use ep_reference::sync::{Arc, Deadline, SharedRows};
 use ep_reference::transport::{memory, CreditTable, Signal};
@@ -56,19 +57,35 @@ impl Shared {
         cfg.max_tokens_per_rank * cfg.top_k.min(cfg.num_local_experts())
     }
 
-    /// Communication memory of the whole group, in bytes.
+    /// Communication memory of the whole group, in bytes: R x R dispatch regions of T entries
+    /// and R x R combine regions of T x min(K, L) rows of 2H bytes. Fails with
+    /// [`ep_reference::Error::LimitExceeded`] where that does not fit in a `usize`.
+    pub fn try_bytes_needed(cfg: &Config) -> Result<usize> {
+        let d = checked_product(
+            "bytes of one batched dispatch region (max_tokens_per_rank x entry bytes)",
+            &[cfg.max_tokens_per_rank, batch::entry_bytes(cfg)],
+        )?;
+        let c = checked_product(
+            "bytes of one batched combine region (max_tokens_per_rank x min(top_k, L) x 2 x hidden)",
+            &[Self::combine_rows(cfg), 2, cfg.hidden],
+        )?;
+        let pair = checked_sum("bytes of one batched (source, destination) pair", &[d, c])?;
+        checked_product(
+            "batched communication bytes (num_ranks^2 x pair bytes)",
+            &[cfg.num_ranks, cfg.num_ranks, pair],
+        )
+    }
+
+    /// [`Shared::try_bytes_needed`], `u64::MAX` where it does not fit.
     pub fn bytes_needed(cfg: &Config) -> u64 {
-        let pairs = (cfg.num_ranks * cfg.num_ranks) as u64;
-        let d = cfg.max_tokens_per_rank as u64 * batch::entry_bytes(cfg) as u64;
-        let c = Self::combine_rows(cfg) as u64 * 2 * cfg.hidden as u64;
-        pairs * (d + c)
+        Self::try_bytes_needed(cfg).map_or(u64::MAX, |b| b as u64)
     }
 }
 
 /// Builds the group: one endpoint per rank, sharing its buffers.
 pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<BatchedRank>> {
     cfg.validate()?;
-    memory::check(Shared::bytes_needed(cfg), opts.memory_limit)?;
+    memory::check(Shared::try_bytes_needed(cfg)? as u64, opts.memory_limit)?;
     let r = cfg.num_ranks;
     let region = |rows, bytes| Region {
         rows: SharedRows::new(rows, bytes),

@@ -56,6 +56,14 @@ pub enum Error {
     },
     #[error("config: top_k = {top_k} is outside 1..=16")]
     TopKOutOfRange { top_k: usize },
+    /// A size above its limit: a field of the config (`what` is the field's name), or a size
+    /// derived from it (`what` says which product) that would not fit where it is used.
+    #[error("config: {what} = {value} exceeds the limit {limit}")]
+    LimitExceeded {
+        what: &'static str,
+        value: u128,
+        limit: u128,
+    },
     #[error("config: UE8M0 scales require round_scale")]
     Ue8m0WithoutRoundScale,
     #[error("config: rank {rank} does not exist in a group of {ranks} ranks")]

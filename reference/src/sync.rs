@@ -125,8 +125,15 @@ unsafe impl Send for SharedRows {}
 impl SharedRows {
     /// `rows` rows of `row_bytes` each, zeroed. The allocation is lazily backed by the OS, so
     /// rows never written cost no physical memory.
+    ///
+    /// # Panics
+    /// When `rows * row_bytes` does not fit in a `usize` (a wrapped size would make every row
+    /// past the wrap an out-of-bounds write). The paths size their regions from a validated
+    /// [`Config`](crate::Config), whose sizes always fit (`Config::validate`).
     pub fn new(rows: usize, row_bytes: usize) -> SharedRows {
-        let len = rows * row_bytes;
+        let len = rows.checked_mul(row_bytes).unwrap_or_else(|| {
+            panic!("SharedRows: {rows} rows x {row_bytes} bytes overflow usize")
+        });
         let boxed = vec![0u8; len].into_boxed_slice();
         // The box is turned back into one in Drop; until then only raw pointers reach it, so
         // rows handed to different threads never alias a `&mut` to the whole buffer.
@@ -179,8 +186,9 @@ impl SharedRows {
     /// Every write to these rows must happen-before this call (the protocol's acquire of the
     /// writer's release signal), and no thread may write them while `f` runs.
     pub unsafe fn with_rows<R>(&self, first: usize, n: usize, f: impl FnOnce(&[u8]) -> R) -> R {
+        // `first + n` could wrap for a huge `n`: compare without adding.
         assert!(
-            first + n <= self.rows,
+            first <= self.rows && n <= self.rows - first,
             "rows {first}+{n} out of {}",
             self.rows
         );
