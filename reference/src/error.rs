@@ -26,6 +26,15 @@ pub struct Phase {
     pub side: Side,
 }
 
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Op::Dispatch => "dispatch",
+            Op::Combine => "combine",
+        })
+    }
+}
+
 impl fmt::Display for Phase {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let op = match self.op {
@@ -131,6 +140,15 @@ pub enum Error {
     },
     #[error("config needs {needed} bytes of communication memory, only {available} are available")]
     OutOfMemory { needed: u64, available: u64 },
+    /// A thread of this rank's call panicked (a bug, reported rather than propagated): the call
+    /// is given up like one that timed out, and the rank's next call starts clean.
+    #[error("rank {rank}: a worker panicked in {op} (call {call}): {message}")]
+    WorkerPanicked {
+        rank: usize,
+        op: Op,
+        call: u64,
+        message: String,
+    },
     #[error(
         "rank {rank} timed out after {waited_ms} ms waiting for rank {peer} in {phase} (call {call})"
     )]
