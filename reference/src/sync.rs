@@ -45,16 +45,17 @@ impl Deadline {
         }
     }
 
-    /// Milliseconds since the deadline was set (under loom: the timeout itself).
+    /// Milliseconds since the deadline was set (under loom: the timeout itself), saturating at
+    /// `u64::MAX`.
+    ///
+    /// No `Instant + Duration` is ever computed: a wait compares the time elapsed with the
+    /// timeout, so any timeout, `Duration::MAX` included, is fine (it never expires).
     pub fn waited_ms(&self) -> u64 {
         #[cfg(not(ep_loom))]
-        {
-            self.start.elapsed().as_millis() as u64
-        }
+        let ms = self.start.elapsed().as_millis();
         #[cfg(ep_loom)]
-        {
-            self.timeout.as_millis() as u64
-        }
+        let ms = self.timeout.as_millis();
+        u64::try_from(ms).unwrap_or(u64::MAX)
     }
 
     /// Spins until `ready` returns `Some`, or gives up when the deadline passes.
@@ -83,7 +84,7 @@ impl Deadline {
         #[cfg(ep_loom)]
         {
             let unbounded = self.timeout >= std::time::Duration::from_secs(3600);
-            let mut left = self.timeout.as_millis() as u64;
+            let mut left = u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX);
             loop {
                 if let Some(v) = ready() {
                     return Some(v);

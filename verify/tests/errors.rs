@@ -406,3 +406,26 @@ fn shared_rows_sizes_and_ranges_never_wrap() {
     // SAFETY: as above; an in-bounds range still works.
     assert_eq!(unsafe { rows.with_rows(1, 3, |b| b.len()) }, 24);
 }
+
+/// Issue 10 item 7: any timeout, `Duration::MAX` included, is a valid bound (waits compare the
+/// time elapsed with it; no `Instant + Duration` can overflow), on both paths.
+#[test]
+fn the_largest_timeouts_work_on_both_paths() {
+    let c = cfg();
+    let opts = CpuOptions {
+        timeout: Duration::MAX,
+        ..CpuOptions::default()
+    };
+    let w = Workload::uniform(&c, 4, Routing::Random { masked: 0.1 }, 9);
+    let mut a = per_expert::group(&c, opts).unwrap();
+    ep_verify::check_against_oracle("per-expert, Duration::MAX", &mut a, &w, 9).unwrap();
+    for r in &mut a {
+        r.set_timeout(Duration::from_secs(u64::MAX));
+    }
+    ep_verify::check_against_oracle("per-expert, u64::MAX s", &mut a, &w, 9).unwrap();
+    let mut b = ep_fast::group(&c, opts).unwrap();
+    ep_verify::check_against_oracle("batched, Duration::MAX", &mut b, &w, 9).unwrap();
+    let d = ep_reference::sync::Deadline::after(Duration::MAX);
+    assert!(d.waited_ms() < 60_000);
+    assert_eq!(d.spin_until(|| Some(7)), Some(7));
+}
