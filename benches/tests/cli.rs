@@ -270,3 +270,31 @@ fn the_summary_ends_the_output() {
         r.stdout
     );
 }
+
+#[test]
+fn under_a_launcher_the_config_is_checked_with_world_size() {
+    let out = Command::new(env!("CARGO_BIN_EXE_ep-bench"))
+        .args(["--experts", "8", "--timeout-secs", "1"])
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "3")
+        .output()
+        .expect("ep-bench starts");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--experts 8 is not a multiple of WORLD_SIZE 3"),
+        "{err}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_ep-bench"))
+        .args(["--nprocs", "2"])
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .output()
+        .expect("ep-bench starts");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--nprocs does not apply under an external launcher"),
+        "{err}"
+    );
+}

@@ -279,6 +279,31 @@ fn multiproc(cli: &Cli, mode: Mode) -> ExitCode {
     })
 }
 
+/// The config of multi-process mode, R = `world` (set by `ranks_flag`), checked before any
+/// process starts.
+fn multiproc_config(
+    cli: &Cli,
+    mode: Mode,
+    world: usize,
+    ranks_flag: &'static str,
+) -> Result<Config, String> {
+    Config::new(world, cli.experts, cli.tokens, cli.hidden, cli.top_k, mode).map_err(|e| {
+        let c = Config {
+            num_ranks: world,
+            num_experts: cli.experts,
+            max_tokens_per_rank: cli.tokens,
+            hidden: cli.hidden,
+            top_k: cli.top_k,
+            mode,
+        };
+        let f = Flags {
+            ranks: ranks_flag,
+            ..cli.flags(true)
+        };
+        flags::explain(&e, &c, &f)
+    })
+}
+
 /// The flags given on the command line (not defaulted).
 struct Given<'a>(&'a ArgMatches);
 
@@ -429,20 +454,18 @@ fn main() -> ExitCode {
         }
     }
     if launched {
+        let world = std::env::var("WORLD_SIZE")
+            .ok()
+            .and_then(|w| w.parse().ok());
+        if let Some(Err(e)) = world.map(|w| multiproc_config(&cli, mode, w, "WORLD_SIZE")) {
+            return fail(e, 2);
+        }
         return multiproc(&cli, mode);
     }
     if cli.nprocs > 1 {
         let n = cli.nprocs as usize;
-        if let Err(e) = Config::new(n, cli.experts, cli.tokens, cli.hidden, cli.top_k, mode) {
-            let c = Config {
-                num_ranks: n,
-                num_experts: cli.experts,
-                max_tokens_per_rank: cli.tokens,
-                hidden: cli.hidden,
-                top_k: cli.top_k,
-                mode,
-            };
-            return fail(flags::explain(&e, &c, &cli.flags(true)), 2);
+        if let Err(e) = multiproc_config(&cli, mode, n, "--nprocs") {
+            return fail(e, 2);
         }
         // Say it before starting N processes that would each find no GPU.
         if let Err(why) = ep_benches::gpu::probe() {
