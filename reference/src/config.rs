@@ -71,13 +71,13 @@ pub const MAX_KERNEL_COUNT: usize = i32::MAX as usize;
 /// fields are public for reading.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Config {
-    /// R: ranks in the group.
+    /// R: ranks in the group, 1..=[`MAX_RANKS`].
     pub num_ranks: usize,
-    /// E: experts in all, `E % R == 0`.
+    /// E: experts in all, 1..=[`MAX_EXPERTS`], `E % R == 0`, `E x T <= i32::MAX`.
     pub num_experts: usize,
-    /// T: `num_max_dispatch_tokens_per_rank`.
+    /// T: `num_max_dispatch_tokens_per_rank`, 1..=[`MAX_TOKENS_PER_RANK`].
     pub max_tokens_per_rank: usize,
-    /// H: channels per token.
+    /// H: channels per token, 1..=[`MAX_HIDDEN`] (FP8: a multiple of 128, UE8M0: of 512).
     pub hidden: usize,
     /// K: experts per token, 1..=16.
     pub top_k: usize,
