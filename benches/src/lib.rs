@@ -9,12 +9,16 @@
 //!   then times every rank's own dispatch and combine;
 //! - [`gpu`]: the place where the GPU backend is wired in (not built in yet);
 //! - [`report`]: the figures derived from raw samples and how they print;
+//! - [`flags`], [`memory`]: ep-bench's checks before anything runs: config errors in the
+//!   command line's words, and the memory a point needs against what the machine has;
 //! - [`accounting`], [`stats`]: DESIGN.md's bandwidth accounting and the percentile math.
 
 pub mod accounting;
 pub mod backend;
 pub mod cpu;
+pub mod flags;
 pub mod gpu;
+pub mod memory;
 pub mod multiproc;
 pub mod report;
 pub mod stats;

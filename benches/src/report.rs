@@ -302,18 +302,24 @@ pub fn table(p: &PointResult) -> String {
             format!("{}/{}", mb(d.wire_bytes), mb(c.wire_bytes)),
         );
     }
-    if let Some(sp) = &p.speedup {
-        let _ = writeln!(
-            s,
-            "speed-up (per-expert median / batched median): dispatch {:.2}x, combine {:.2}x, dispatch+combine {:.2}x",
-            sp.dispatch, sp.combine, sp.total
-        );
-    }
     let _ = writeln!(
         s,
         "(latencies: median and p99 over every rank's own latency of every timed call; messages, signals and bytes: one call, summed over ranks)"
     );
+    s.push_str(&speedup_line(p));
     s
+}
+
+/// The one line a user looks for, printed last: the batched path's speed-up over the
+/// per-expert path (empty where only one path ran).
+pub fn speedup_line(p: &PointResult) -> String {
+    match &p.speedup {
+        Some(sp) => format!(
+            "speed-up (per-expert median / batched median): dispatch {:.2}x, combine {:.2}x, dispatch+combine {:.2}x\n",
+            sp.dispatch, sp.combine, sp.total
+        ),
+        None => String::new(),
+    }
 }
 
 /// One line per point of a sweep.
@@ -434,6 +440,13 @@ mod tests {
         assert_eq!(sp.combine, 2.0);
         assert_eq!(sp.total, 90.0 / 40.0);
         let lines = deepep_lines(&p);
+        let t = table(&p);
+        assert!(
+            t.trim_end().lines().last().unwrap().starts_with(
+                "speed-up (per-expert median / batched median): dispatch 3.00x, combine 2.00x"
+            ),
+            "{t}"
+        );
         assert!(lines.contains(
             "batched [rank 1] Dispatch bandwidth: 0.07 GB/s, avg_t=10.00 us | Combine bandwidth: 0.04 GB/s, avg_t=30.00 us"
         ), "{lines}");

@@ -81,6 +81,7 @@ impl<'a> CombineCall<'a> {
         let (r, h) = (cfg.num_ranks, cfg.hidden);
         let per = cfg.rows_per_expert();
         let finish = &sh.combine_finish[self.rank * r..(self.rank + 1) * r];
+        sh.maybe_panic(self.rank, worker);
         let all = self
             .segments
             .iter()

@@ -69,6 +69,7 @@ impl<'a> DispatchCall<'a> {
         let meta = batch::meta_bytes(cfg);
         let mut enc = Encoder::new(cfg);
         let finish = &sh.dispatch_finish[self.rank * r..(self.rank + 1) * r];
+        sh.maybe_panic(self.rank, worker);
         for t in lo..hi {
             let routes = &self.plan.routes[t];
             if routes.is_empty() {

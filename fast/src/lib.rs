@@ -21,6 +21,7 @@ pub use combine::CombineCall;
 pub use dispatch::DispatchCall;
 
 use ep_reference::bf16;
+use ep_reference::config::{checked_product, checked_sum};
 use ep_reference::path::next_group_id;
 use ep_reference::sync::{Arc, Deadline, SharedRows};
 use ep_reference::transport::{memory, CreditTable, Signal};
@@ -49,6 +50,26 @@ pub struct Shared {
     pub(crate) combine: Vec<Region>,
     pub(crate) combine_credit: CreditTable,
     pub(crate) combine_finish: Vec<FinishCounter>,
+    /// Unit tests' fault injection: (rank, worker) whose next staging panics.
+    #[cfg(test)]
+    pub(crate) panic_at: std::sync::Mutex<Option<(usize, usize)>>,
+}
+
+impl Shared {
+    /// Unit tests' fault injection: panics once if (rank, worker) was armed.
+    #[cfg(test)]
+    pub(crate) fn maybe_panic(&self, rank: usize, worker: usize) {
+        let mut at = self.panic_at.lock().unwrap();
+        if *at == Some((rank, worker)) {
+            *at = None;
+            drop(at);
+            panic!("injected fault in staging worker {worker} of rank {rank}");
+        }
+    }
+
+    #[cfg(not(test))]
+    #[inline(always)]
+    pub(crate) fn maybe_panic(&self, _rank: usize, _worker: usize) {}
 }
 
 impl Shared {
@@ -56,19 +77,35 @@ impl Shared {
         cfg.max_tokens_per_rank * cfg.top_k.min(cfg.num_local_experts())
     }
 
-    /// Communication memory of the whole group, in bytes.
+    /// Communication memory of the whole group, in bytes: R x R dispatch regions of T entries
+    /// and R x R combine regions of T x min(K, L) rows of 2H bytes. Fails with
+    /// [`ep_reference::Error::LimitExceeded`] where that does not fit in a `usize`.
+    pub fn try_bytes_needed(cfg: &Config) -> Result<usize> {
+        let d = checked_product(
+            "bytes of one batched dispatch region (max_tokens_per_rank x entry bytes)",
+            &[cfg.max_tokens_per_rank, batch::entry_bytes(cfg)],
+        )?;
+        let c = checked_product(
+            "bytes of one batched combine region (max_tokens_per_rank x min(top_k, L) x 2 x hidden)",
+            &[Self::combine_rows(cfg), 2, cfg.hidden],
+        )?;
+        let pair = checked_sum("bytes of one batched (source, destination) pair", &[d, c])?;
+        checked_product(
+            "batched communication bytes (num_ranks^2 x pair bytes)",
+            &[cfg.num_ranks, cfg.num_ranks, pair],
+        )
+    }
+
+    /// [`Shared::try_bytes_needed`], `u64::MAX` where it does not fit.
     pub fn bytes_needed(cfg: &Config) -> u64 {
-        let pairs = (cfg.num_ranks * cfg.num_ranks) as u64;
-        let d = cfg.max_tokens_per_rank as u64 * batch::entry_bytes(cfg) as u64;
-        let c = Self::combine_rows(cfg) as u64 * 2 * cfg.hidden as u64;
-        pairs * (d + c)
+        Self::try_bytes_needed(cfg).map_or(u64::MAX, |b| b as u64)
     }
 }
 
 /// Builds the group: one endpoint per rank, sharing its buffers.
 pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<BatchedRank>> {
     cfg.validate()?;
-    memory::check(Shared::bytes_needed(cfg), opts.memory_limit)?;
+    memory::check(Shared::try_bytes_needed(cfg)? as u64, opts.memory_limit)?;
     let r = cfg.num_ranks;
     let region = |rows, bytes| Region {
         rows: SharedRows::new(rows, bytes),
@@ -91,6 +128,8 @@ pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<BatchedRank>> {
             .collect(),
         combine_credit: CreditTable::new(r),
         combine_finish: (0..r * r).map(|_| FinishCounter::new()).collect(),
+        #[cfg(test)]
+        panic_at: std::sync::Mutex::new(None),
     });
     Ok((0..r)
         .map(|rank| BatchedRank {
@@ -205,32 +244,94 @@ pub(crate) fn open_call(
     Ok(())
 }
 
+/// The message of a caught panic.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_string())
+}
+
+/// Runs `f`, turning a panic into `on_panic(message)`.
+fn catch<T>(
+    on_panic: &(impl Fn(String) -> ep_reference::Error + Sync),
+    f: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .unwrap_or_else(|p| Err(on_panic(panic_message(&*p))))
+}
+
 /// Runs `stage(worker, workers)` on `workers` threads (the caller's among them), then
-/// `receive` on the caller's thread, and returns the first error (the caller's own first).
+/// `receive` on the caller's thread, and returns the first error: a panic of any worker first
+/// (turned into `on_panic(message)`: the other errors of the call, typically workers that
+/// timed out waiting for the one that panicked, follow from it), then the caller's own.
+///
+/// A panic never escapes: the caller always gets to end the call (`DispatchCall::end` resets
+/// the finish counters and gives the call up), so the rank's next call starts clean. The
+/// panic's bytes are not trusted: the call fails, and its peers see a rank that gave up.
 fn drive<T>(
     workers: usize,
     stage: impl Fn(usize, usize) -> Result<()> + Sync,
     receive: impl FnOnce() -> Result<T>,
+    on_panic: impl Fn(String) -> ep_reference::Error + Sync,
 ) -> Result<T> {
+    let panicked =
+        |e: &ep_reference::Error| matches!(e, ep_reference::Error::WorkerPanicked { .. });
     if workers == 1 {
-        stage(0, 1)?;
-        return receive();
+        return catch(&on_panic, || {
+            stage(0, 1)?;
+            receive()
+        });
     }
     std::thread::scope(|s| {
         let stage = &stage;
+        let on_panic = &on_panic;
         let others: Vec<_> = (1..workers)
-            .map(|w| s.spawn(move || stage(w, workers)))
+            .map(|w| s.spawn(move || catch(on_panic, || stage(w, workers))))
             .collect();
-        let received = stage(0, workers).and_then(|()| receive());
+        let received = catch(on_panic, || stage(0, workers).and_then(|()| receive()));
+        let mut first_panic = None;
         let mut joined = Ok(());
         for h in others {
-            let r = h.join().expect("staging worker panicked");
+            // `catch` already turned the worker's panic into an error; a join error is
+            // left for a panic that escaped it (e.g. in the panic's own Drop).
+            let r = h
+                .join()
+                .unwrap_or_else(|p| Err(on_panic(panic_message(&*p))));
+            if let Err(e) = &r {
+                if panicked(e) && first_panic.is_none() {
+                    first_panic = Some(e.clone());
+                }
+            }
             if joined.is_ok() {
                 joined = r;
             }
         }
+        if let Err(e) = &received {
+            if panicked(e) {
+                return Err(e.clone());
+            }
+        }
+        if let Some(e) = first_panic {
+            return Err(e);
+        }
         received.and_then(|v| joined.map(|()| v))
     })
+}
+
+fn worker_panicked(
+    rank: usize,
+    op: ep_reference::Op,
+    call: u64,
+    message: String,
+) -> ep_reference::Error {
+    ep_reference::Error::WorkerPanicked {
+        rank,
+        op,
+        call,
+        message,
+    }
 }
 
 impl EpRank for BatchedRank {
@@ -250,10 +351,12 @@ impl EpRank for BatchedRank {
     ) -> Result<Handle> {
         ep_reference::input::check_output(&self.shared.cfg, self.rank, out)?;
         let call = self.dispatch_begin(x, topk_idx)?;
+        let (rank, epoch) = (self.rank, self.dispatch_calls);
         let res = drive(
             call.workers(),
             |w, n| call.stage(w, n),
             || call.receive(out),
+            |message| worker_panicked(rank, ep_reference::Op::Dispatch, epoch, message),
         );
         let (stats, res) = call.end(res, out);
         let handle = res?;
@@ -269,7 +372,13 @@ impl EpRank for BatchedRank {
         handle: &Handle,
     ) -> Result<Vec<bf16>> {
         let call = self.combine_begin(y, topk_idx, topk_weights, handle)?;
-        let res = drive(call.workers(), |w, n| call.stage(w, n), || call.receive());
+        let (rank, epoch) = (self.rank, self.combine_calls);
+        let res = drive(
+            call.workers(),
+            |w, n| call.stage(w, n),
+            || call.receive(),
+            |message| worker_panicked(rank, ep_reference::Op::Combine, epoch, message),
+        );
         let (stats, res) = call.end(res);
         let out = res?;
         self.stats = stats;
@@ -278,5 +387,154 @@ impl EpRank for BatchedRank {
 
     fn last_stats(&self) -> CallStats {
         self.stats
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ep_reference::path::run_ranks;
+    use ep_reference::workload::{Routing, Workload};
+    use ep_reference::{oracle, Error, Mode, Op};
+    use std::time::Duration;
+
+    fn arm(ranks: &[BatchedRank], rank: usize, worker: usize) {
+        *ranks[0].shared.panic_at.lock().unwrap() = Some((rank, worker));
+    }
+
+    /// Every rank dispatches and combines `w`; both results must be the oracle's.
+    fn round_is_correct(ranks: &mut [BatchedRank], w: &Workload, seed: u64) {
+        let cfg = w.config;
+        let want = oracle::dispatch(&cfg, &w.dispatch_inputs()).unwrap();
+        let got = run_ranks(ranks, |r| {
+            let me = r.rank();
+            r.dispatch(&w.x[me], &w.topk_idx[me])
+        });
+        let mut handles = Vec::new();
+        for (me, g) in got.into_iter().enumerate() {
+            let (out, h) = g.unwrap_or_else(|e| panic!("rank {me}: {e}"));
+            assert_eq!(out.diff(&want[me]), None, "rank {me}");
+            handles.push(h);
+        }
+        let ys = w.expert_outputs(seed);
+        let want = oracle::combine(&cfg, &w.combine_inputs(&ys)).unwrap();
+        let got = run_ranks(ranks, |r| {
+            let me = r.rank();
+            r.combine(&ys[me], &w.topk_idx[me], &w.topk_weights[me], &handles[me])
+        });
+        for (me, g) in got.into_iter().enumerate() {
+            let out = g.unwrap_or_else(|e| panic!("rank {me}: {e}"));
+            let d = ep_reference::output::combine_diff(&out, &want[me], cfg.hidden);
+            assert_eq!(d, None, "rank {me}");
+        }
+    }
+
+    /// Issue 10 item 7: a staging worker that panics made its rank's thread panic, and left the
+    /// finish counters open, so every later call of that rank timed out. Now the call returns
+    /// `WorkerPanicked` and the group goes on, correct.
+    fn a_panicking_worker_fails_only_its_call(worker: usize, workers: usize, op: Op) {
+        let cfg = Config::new(2, 8, 8, 128, 3, Mode::FP8).unwrap();
+        let opts = CpuOptions {
+            timeout: Duration::from_millis(300),
+            staging_workers: workers,
+            memory_limit: None,
+        };
+        let mut ranks = group(&cfg, opts).unwrap();
+        let w = Workload::uniform(&cfg, 8, Routing::Random { masked: 0.0 }, 1);
+        let ys = w.expert_outputs(1);
+        if op == Op::Dispatch {
+            arm(&ranks, 0, worker);
+        }
+        let res = run_ranks(&mut ranks, |r| {
+            let me = r.rank();
+            r.dispatch(&w.x[me], &w.topk_idx[me])
+        });
+        let mut handles = Vec::new();
+        let mut outcome = Vec::new();
+        for r in res {
+            match r {
+                Ok((_, h)) => handles.push(h),
+                Err(e) => outcome.push(e),
+            }
+        }
+        if op == Op::Combine {
+            assert!(outcome.is_empty(), "{outcome:?}");
+            arm(&ranks, 0, worker);
+            outcome = run_ranks(&mut ranks, |r| {
+                let me = r.rank();
+                r.combine(&ys[me], &w.topk_idx[me], &w.topk_weights[me], &handles[me])
+                    .err()
+            })
+            .into_iter()
+            .flatten()
+            .collect();
+        }
+        match outcome.first() {
+            Some(Error::WorkerPanicked {
+                rank: 0,
+                op: got_op,
+                call: 1,
+                message,
+            }) => {
+                assert_eq!(*got_op, op);
+                assert!(
+                    message.contains("injected fault in staging worker"),
+                    "{message}"
+                );
+            }
+            other => panic!("expected WorkerPanicked on rank 0, got {other:?}"),
+        }
+        // Rank 1 either finished or timed out waiting for rank 0, never anything else.
+        for e in &outcome[1..] {
+            assert!(
+                matches!(
+                    e,
+                    Error::Timeout {
+                        rank: 1,
+                        peer: 0,
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+        }
+        // The next calls of every rank work and are correct.
+        for seed in 2..4 {
+            let w = Workload::uniform(&cfg, 8, Routing::Random { masked: 0.1 }, seed);
+            round_is_correct(&mut ranks, &w, seed);
+        }
+    }
+
+    #[test]
+    fn a_panicking_spawned_worker_fails_only_its_dispatch() {
+        a_panicking_worker_fails_only_its_call(1, 2, Op::Dispatch);
+    }
+
+    #[test]
+    fn a_panicking_caller_worker_fails_only_its_dispatch() {
+        a_panicking_worker_fails_only_its_call(0, 2, Op::Dispatch);
+        a_panicking_worker_fails_only_its_call(0, 1, Op::Dispatch);
+    }
+
+    #[test]
+    fn a_panicking_worker_fails_only_its_combine() {
+        a_panicking_worker_fails_only_its_call(1, 2, Op::Combine);
+        a_panicking_worker_fails_only_its_call(0, 1, Op::Combine);
+    }
+
+    #[test]
+    fn huge_timeouts_do_not_overflow() {
+        let cfg = Config::new(2, 8, 8, 128, 3, Mode::FP8).unwrap();
+        let opts = CpuOptions {
+            timeout: Duration::MAX,
+            ..CpuOptions::default()
+        };
+        let mut ranks = group(&cfg, opts).unwrap();
+        let w = Workload::uniform(&cfg, 8, Routing::Random { masked: 0.1 }, 5);
+        round_is_correct(&mut ranks, &w, 5);
+        for r in &mut ranks {
+            r.set_timeout(Duration::from_secs(u64::MAX));
+        }
+        round_is_correct(&mut ranks, &w, 6);
     }
 }

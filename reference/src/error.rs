@@ -26,6 +26,15 @@ pub struct Phase {
     pub side: Side,
 }
 
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Op::Dispatch => "dispatch",
+            Op::Combine => "combine",
+        })
+    }
+}
+
 impl fmt::Display for Phase {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let op = match self.op {
@@ -56,6 +65,14 @@ pub enum Error {
     },
     #[error("config: top_k = {top_k} is outside 1..=16")]
     TopKOutOfRange { top_k: usize },
+    /// A size above its limit: a field of the config (`what` is the field's name), or a size
+    /// derived from it (`what` says which product) that would not fit where it is used.
+    #[error("config: {what} = {value} exceeds the limit {limit}")]
+    LimitExceeded {
+        what: &'static str,
+        value: u128,
+        limit: u128,
+    },
     #[error("config: UE8M0 scales require round_scale")]
     Ue8m0WithoutRoundScale,
     #[error("config: rank {rank} does not exist in a group of {ranks} ranks")]
@@ -123,6 +140,15 @@ pub enum Error {
     },
     #[error("config needs {needed} bytes of communication memory, only {available} are available")]
     OutOfMemory { needed: u64, available: u64 },
+    /// A thread of this rank's call panicked (a bug, reported rather than propagated): the call
+    /// is given up like one that timed out, and the rank's next call starts clean.
+    #[error("rank {rank}: a worker panicked in {op} (call {call}): {message}")]
+    WorkerPanicked {
+        rank: usize,
+        op: Op,
+        call: u64,
+        message: String,
+    },
     #[error(
         "rank {rank} timed out after {waited_ms} ms waiting for rank {peer} in {phase} (call {call})"
     )]

@@ -4,6 +4,21 @@
 use crate::config::Config;
 use crate::error::{Error, Result};
 
+/// L x R x T x H, saturating (it fits for a valid config; another never matches a real
+/// buffer's length).
+fn layout_elements(cfg: &Config) -> usize {
+    crate::config::checked_product(
+        "layout elements",
+        &[
+            cfg.num_local_experts(),
+            cfg.num_ranks,
+            cfg.max_tokens_per_rank,
+            cfg.hidden,
+        ],
+    )
+    .unwrap_or(usize::MAX)
+}
+
 /// Checks `x` and `topk_idx` of rank `rank` and returns its token count n_r.
 pub fn check_dispatch_inputs(
     cfg: &Config,
@@ -28,11 +43,13 @@ pub fn check_dispatch_inputs(
             max: cfg.max_tokens_per_rank,
         });
     }
-    if x_len != n * cfg.hidden {
+    // n <= T, so for a valid config n x H fits; saturate for any other (no slice is that long).
+    let expected_x = n.saturating_mul(cfg.hidden);
+    if x_len != expected_x {
         return Err(Error::ShapeMismatch {
             rank,
             tensor: "x",
-            expected: n * cfg.hidden,
+            expected: expected_x,
             got: x_len,
             shape: format!("{n} tokens x hidden {}", cfg.hidden),
         });
@@ -79,7 +96,7 @@ pub fn check_combine_inputs(
     topk_idx: &[i64],
     topk_weights_len: usize,
 ) -> Result<usize> {
-    let expected_y = cfg.num_local_experts() * cfg.rows_per_expert() * cfg.hidden;
+    let expected_y = layout_elements(cfg);
     if y_len != expected_y {
         return Err(Error::ShapeMismatch {
             rank,
@@ -94,10 +111,12 @@ pub fn check_combine_inputs(
             ),
         });
     }
+    // combine has no `x`: pass the length that matches, so only topk_idx is checked (the
+    // product saturates: an over-long topk_idx fails as TooManyTokens, not by wrapping).
     let n = check_dispatch_inputs(
         cfg,
         rank,
-        (topk_idx.len() / cfg.top_k) * cfg.hidden,
+        (topk_idx.len() / cfg.top_k).saturating_mul(cfg.hidden),
         topk_idx,
     )?;
     if topk_weights_len != topk_idx.len() {
@@ -118,8 +137,8 @@ pub fn check_output(cfg: &Config, rank: usize, out: &crate::output::DispatchOutp
         return Err(Error::ShapeMismatch {
             rank,
             tensor: "dispatch output",
-            expected: cfg.num_local_experts() * cfg.rows_per_expert() * cfg.hidden,
-            got: out.config.num_local_experts() * out.config.rows_per_expert() * out.config.hidden,
+            expected: layout_elements(cfg),
+            got: layout_elements(&out.config),
             shape: format!(
                 "made for {}, this group is {}",
                 out.config.describe(),

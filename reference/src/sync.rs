@@ -45,16 +45,17 @@ impl Deadline {
         }
     }
 
-    /// Milliseconds since the deadline was set (under loom: the timeout itself).
+    /// Milliseconds since the deadline was set (under loom: the timeout itself), saturating at
+    /// `u64::MAX`.
+    ///
+    /// No `Instant + Duration` is ever computed: a wait compares the time elapsed with the
+    /// timeout, so any timeout, `Duration::MAX` included, is fine (it never expires).
     pub fn waited_ms(&self) -> u64 {
         #[cfg(not(ep_loom))]
-        {
-            self.start.elapsed().as_millis() as u64
-        }
+        let ms = self.start.elapsed().as_millis();
         #[cfg(ep_loom)]
-        {
-            self.timeout.as_millis() as u64
-        }
+        let ms = self.timeout.as_millis();
+        u64::try_from(ms).unwrap_or(u64::MAX)
     }
 
     /// Spins until `ready` returns `Some`, or gives up when the deadline passes.
@@ -83,7 +84,7 @@ impl Deadline {
         #[cfg(ep_loom)]
         {
             let unbounded = self.timeout >= std::time::Duration::from_secs(3600);
-            let mut left = self.timeout.as_millis() as u64;
+            let mut left = u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX);
             loop {
                 if let Some(v) = ready() {
                     return Some(v);
@@ -125,8 +126,15 @@ unsafe impl Send for SharedRows {}
 impl SharedRows {
     /// `rows` rows of `row_bytes` each, zeroed. The allocation is lazily backed by the OS, so
     /// rows never written cost no physical memory.
+    ///
+    /// # Panics
+    /// When `rows * row_bytes` does not fit in a `usize` (a wrapped size would make every row
+    /// past the wrap an out-of-bounds write). The paths size their regions from a validated
+    /// [`Config`](crate::Config), whose sizes always fit (`Config::validate`).
     pub fn new(rows: usize, row_bytes: usize) -> SharedRows {
-        let len = rows * row_bytes;
+        let len = rows.checked_mul(row_bytes).unwrap_or_else(|| {
+            panic!("SharedRows: {rows} rows x {row_bytes} bytes overflow usize")
+        });
         let boxed = vec![0u8; len].into_boxed_slice();
         // The box is turned back into one in Drop; until then only raw pointers reach it, so
         // rows handed to different threads never alias a `&mut` to the whole buffer.
@@ -179,8 +187,9 @@ impl SharedRows {
     /// Every write to these rows must happen-before this call (the protocol's acquire of the
     /// writer's release signal), and no thread may write them while `f` runs.
     pub unsafe fn with_rows<R>(&self, first: usize, n: usize, f: impl FnOnce(&[u8]) -> R) -> R {
+        // `first + n` could wrap for a huge `n`: compare without adding.
         assert!(
-            first + n <= self.rows,
+            first <= self.rows && n <= self.rows - first,
             "rows {first}+{n} out of {}",
             self.rows
         );

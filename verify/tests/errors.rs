@@ -339,3 +339,93 @@ fn batched_rank_that_never_sends_times_out() {
     let c = Config::new(3, 6, 4, 128, 3, Mode::FP8).unwrap();
     missing_rank_times_out(ep_fast::group(&c, short()).unwrap());
 }
+
+/// Issue 10 item 1: a config whose sizes wrap used to be accepted (`bytes_needed` said 80
+/// bytes), and staging four tokens wrote past the wrapped allocation. Now `Config::new`, and
+/// every group built from a config made by hand, refuse it with the value and the limit.
+#[test]
+fn a_config_whose_sizes_wrap_is_refused_before_any_buffer_exists() {
+    let t = (1usize << 60) + 1;
+    let want = Error::LimitExceeded {
+        what: "max_tokens_per_rank",
+        value: t as u128,
+        limit: ep_reference::config::MAX_TOKENS_PER_RANK as u128,
+    };
+    assert_eq!(Config::new(1, 1, t, 16, 1, Mode::Bf16), Err(want.clone()));
+    assert!(
+        want.to_string()
+            .contains("max_tokens_per_rank = 1152921504606846977 exceeds the limit 65536"),
+        "{want}"
+    );
+    // The fields are public: a config built by hand reaches the groups unvalidated.
+    let hand = Config {
+        max_tokens_per_rank: t,
+        ..Config::new(1, 1, 4, 16, 1, Mode::Bf16).unwrap()
+    };
+    assert_eq!(
+        per_expert::group(&hand, CpuOptions::default()).err(),
+        Some(want.clone())
+    );
+    assert_eq!(
+        ep_fast::group(&hand, CpuOptions::default()).err(),
+        Some(want)
+    );
+    // H >= 2^30 turned into negative row sizes in the kernels (`as i32`).
+    let wide = Config {
+        hidden: 1 << 30,
+        ..Config::new(1, 1, 4, 16, 1, Mode::Bf16).unwrap()
+    };
+    for e in [
+        per_expert::group(&wide, CpuOptions::default()).err(),
+        ep_fast::group(&wide, CpuOptions::default()).err(),
+        oracle::dispatch(&wide, &[]).err(),
+    ] {
+        assert!(
+            matches!(e, Some(Error::LimitExceeded { what: "hidden", .. })),
+            "{e:?}"
+        );
+    }
+}
+
+/// The raw shared rows refuse a size or a range that would wrap, instead of handing out memory
+/// past the allocation.
+#[test]
+fn shared_rows_sizes_and_ranges_never_wrap() {
+    use ep_reference::sync::SharedRows;
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    // 2^33 rows of 2^31 bytes is 2^64 bytes: wrapped to 0 before.
+    let made = catch_unwind(|| SharedRows::new(1 << 33, 1 << 31).rows());
+    assert!(made.is_err(), "a 2^64-byte SharedRows was made");
+    let rows = SharedRows::new(4, 8);
+    // `1 + usize::MAX` wrapped to 0 and passed the bounds check.
+    // SAFETY: one thread, nothing written concurrently; the call must refuse the range.
+    let read = catch_unwind(AssertUnwindSafe(|| unsafe {
+        rows.with_rows(1, usize::MAX, |b| b.len())
+    }));
+    assert!(read.is_err(), "rows 1+usize::MAX of 4 were handed out");
+    // SAFETY: as above; an in-bounds range still works.
+    assert_eq!(unsafe { rows.with_rows(1, 3, |b| b.len()) }, 24);
+}
+
+/// Issue 10 item 7: any timeout, `Duration::MAX` included, is a valid bound (waits compare the
+/// time elapsed with it; no `Instant + Duration` can overflow), on both paths.
+#[test]
+fn the_largest_timeouts_work_on_both_paths() {
+    let c = cfg();
+    let opts = CpuOptions {
+        timeout: Duration::MAX,
+        ..CpuOptions::default()
+    };
+    let w = Workload::uniform(&c, 4, Routing::Random { masked: 0.1 }, 9);
+    let mut a = per_expert::group(&c, opts).unwrap();
+    ep_verify::check_against_oracle("per-expert, Duration::MAX", &mut a, &w, 9).unwrap();
+    for r in &mut a {
+        r.set_timeout(Duration::from_secs(u64::MAX));
+    }
+    ep_verify::check_against_oracle("per-expert, u64::MAX s", &mut a, &w, 9).unwrap();
+    let mut b = ep_fast::group(&c, opts).unwrap();
+    ep_verify::check_against_oracle("batched, Duration::MAX", &mut b, &w, 9).unwrap();
+    let d = ep_reference::sync::Deadline::after(Duration::MAX);
+    assert!(d.waited_ms() < 60_000);
+    assert_eq!(d.spin_until(|| Some(7)), Some(7));
+}

@@ -6,8 +6,11 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, ValueEnum};
 use ep_benches::backend::{self, Backend, BackendChoice, BenchError, BenchSpec};
+use ep_benches::flags::{self, Flags};
+use ep_benches::memory::{self, MemInfo};
 use ep_benches::report::{self, PointResult};
 use ep_reference::{Config, CpuOptions, Mode};
 use serde::Serialize;
@@ -32,33 +35,50 @@ enum DispatchArg {
     Bf16,
 }
 
+/// Timeouts above this many seconds (about 11.6 days) are taken as this, so every deadline
+/// derived from one stays representable.
+const MAX_TIMEOUT_SECS: f64 = 1e6;
+
 /// Per-expert vs per-destination batched MoE dispatch/combine (DeepEP low-latency mode), side
 /// by side on the same inputs. The defaults are DESIGN.md's standard decode setting: 8 ranks,
 /// E=256, T=128 tokens per rank, H=7168, K=8, FP8 dispatch, BF16 combine, random routing with 5%
 /// masked slots.
+///
+/// Prints, per point: the setting, how both paths were verified against the oracle, one row per
+/// path (median and p99 latencies, messages, signals, bytes) and, last, the speed-up of the
+/// batched path over the per-expert one. `--per-rank` adds every rank's line in DeepEP's format.
+///
+/// Before generating anything ep-bench checks every config and the memory the run needs. A flag
+/// that does not apply to the run (e.g. `--transport` without `--nprocs`, `--gpus` on the CPU
+/// backend) is refused, never ignored.
+///
+/// Exit codes: 0 done; 1 a path or the backend failed (e.g. no usable GPU for `--backend gpu`
+/// or `--nprocs`); 2 bad flags, a config out of range, or not enough memory; 3 outputs not
+/// bitwise equal to the oracle's (nothing timed).
 #[derive(Debug, Parser)]
-#[command(name = "ep-bench", version)]
+#[command(name = "ep-bench", version, allow_negative_numbers = true)]
 struct Cli {
     /// Where to run: auto picks the GPU backend when it is usable, the CPU backend otherwise.
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
     backend: BackendArg,
-    /// R: ranks in the group.
-    #[arg(long, default_value_t = 8)]
+    /// R: ranks in the group (at most 1024).
+    #[arg(long, default_value_t = 8, value_parser = parse_count)]
     ranks: usize,
-    /// E: experts in all (a multiple of --ranks).
-    #[arg(long, default_value_t = 256)]
+    /// E: experts in all (a multiple of --ranks, at most 65536).
+    #[arg(long, default_value_t = 256, value_parser = parse_count)]
     experts: usize,
     /// Tokens on every rank.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = parse_count)]
     tokens: usize,
-    /// T (num_max_dispatch_tokens_per_rank); defaults to --tokens.
-    #[arg(long, conflicts_with = "sweep_tokens")]
+    /// T (num_max_dispatch_tokens_per_rank, at most 65536); defaults to --tokens.
+    #[arg(long, conflicts_with = "sweep_tokens", value_parser = parse_count)]
     max_tokens: Option<usize>,
-    /// H: hidden size.
-    #[arg(long, default_value_t = 7168)]
+    /// H: hidden size (at most 65536; a multiple of 128 with --dispatch fp8, of 512 with
+    /// --ue8m0; any with --dispatch bf16).
+    #[arg(long, default_value_t = 7168, value_parser = parse_count)]
     hidden: usize,
     /// K: experts per token (1..=16).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = parse_count)]
     top_k: usize,
     /// Dispatch payload format (combine is always BF16).
     #[arg(long, value_enum, default_value_t = DispatchArg::Fp8)]
@@ -73,7 +93,7 @@ struct Cli {
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     iters: Option<u64>,
     /// Untimed warm-up iterations [default: 3 on the CPU backend, 20 on the GPU backend].
-    #[arg(long)]
+    #[arg(long, value_parser = parse_count)]
     warmup: Option<usize>,
     /// Seed of the inputs (tokens, routing, weights, expert outputs).
     #[arg(long, default_value_t = 0)]
@@ -83,8 +103,8 @@ struct Cli {
     masked: f64,
     /// CPU backend: staging workers per rank (batched path); 0 = one per core the ranks leave
     /// free (at least 1, at most 4).
-    #[arg(long, default_value_t = 0)]
-    workers: u64,
+    #[arg(long, default_value_t = 0, value_parser = parse_count)]
+    workers: usize,
     /// Multi-process mode (GPU backend): start N processes, one rank each, torchrun style (CUDA
     /// IPC between them, or NCCL with --transport nccl). Under an external launcher (RANK and
     /// WORLD_SIZE set) ep-bench runs as that one rank by itself. R is then the number of
@@ -98,36 +118,75 @@ struct Cli {
     /// GPU backend: GPUs to spread the ranks over (1: all ranks as virtual ranks on one GPU).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     gpus: u64,
-    /// CPU backend: bound on every wait of one call, in seconds.
+    /// CPU backend and multi-process mode: bound on every wait of one call, in seconds (values
+    /// above 1e6, about 11.6 days, are taken as 1e6).
     #[arg(long, default_value_t = 30.0, value_parser = parse_positive)]
     timeout_secs: f64,
     /// Run one point per value of T (tokens per rank = T), e.g. 1,16,128,512.
-    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    #[arg(long, value_delimiter = ',', num_args = 1.., value_parser = parse_count)]
     sweep_tokens: Vec<usize>,
+    /// Also print every rank's line in DeepEP's format (`per-expert [rank 0] Dispatch
+    /// bandwidth: ... | Combine bandwidth: ...`), before the summary.
+    #[arg(long)]
+    per_rank: bool,
     /// Print one JSON document instead of text.
     #[arg(long)]
     json: bool,
 }
 
 fn parse_fraction(s: &str) -> Result<f64, String> {
-    let v: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number; give a fraction in [0, 1], e.g. 0.05"))?;
     if (0.0..=1.0).contains(&v) {
         Ok(v)
     } else {
-        Err(format!("{v} is not a fraction in [0, 1]"))
+        Err(format!(
+            "{s} is not a fraction in [0, 1] (the share of top-k slots that are -1, e.g. 0.05)"
+        ))
     }
 }
 
 fn parse_positive(s: &str) -> Result<f64, String> {
-    let v: f64 = s.parse().map_err(|e| format!("{e}"))?;
-    if v > 0.0 && v.is_finite() {
-        Ok(v)
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of seconds, e.g. 30"))?;
+    if v > 0.0 && !v.is_nan() {
+        Ok(v.min(MAX_TIMEOUT_SECS))
     } else {
-        Err(format!("{v} is not a positive number of seconds"))
+        Err(format!("{s} is not a positive number of seconds, e.g. 30"))
     }
 }
 
+/// A count: a whole number, 0 or more (the config checks then say which values are in range).
+fn parse_count(s: &str) -> Result<usize, String> {
+    if s.trim_start().starts_with('-') {
+        return Err(format!("{s} is negative; give a whole number, 0 or more"));
+    }
+    s.parse()
+        .map_err(|_| format!("{s:?} is not a whole number (0 or more)"))
+}
+
 impl Cli {
+    /// The bound on every wait (clamped to `MAX_TIMEOUT_SECS` by the parser).
+    fn timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.timeout_secs.min(MAX_TIMEOUT_SECS))
+    }
+
+    /// The flags that set R and T.
+    fn flags(&self, multiproc: bool) -> Flags {
+        Flags {
+            ranks: if multiproc { "--nprocs" } else { "--ranks" },
+            tokens: if !self.sweep_tokens.is_empty() {
+                "--sweep-tokens"
+            } else if self.max_tokens.is_some() {
+                "--max-tokens"
+            } else {
+                "--tokens"
+            },
+        }
+    }
+
     fn mode(&self) -> Result<Mode, String> {
         match self.dispatch {
             DispatchArg::Bf16 if self.round_scale || self.ue8m0 => {
@@ -214,45 +273,242 @@ fn multiproc(cli: &Cli, mode: Mode) -> ExitCode {
         iters: cli.iters.map_or(200, |i| i as usize),
         seed: cli.seed,
         masked: cli.masked,
-        timeout: Duration::from_secs_f64(cli.timeout_secs),
+        timeout: cli.timeout(),
         die_rank: None,
         stall_rank: None,
     })
 }
 
+/// The config of multi-process mode, R = `world` (set by `ranks_flag`), checked before any
+/// process starts.
+fn multiproc_config(
+    cli: &Cli,
+    mode: Mode,
+    world: usize,
+    ranks_flag: &'static str,
+) -> Result<Config, String> {
+    Config::new(world, cli.experts, cli.tokens, cli.hidden, cli.top_k, mode).map_err(|e| {
+        let c = Config {
+            num_ranks: world,
+            num_experts: cli.experts,
+            max_tokens_per_rank: cli.tokens,
+            hidden: cli.hidden,
+            top_k: cli.top_k,
+            mode,
+        };
+        let f = Flags {
+            ranks: ranks_flag,
+            ..cli.flags(true)
+        };
+        flags::explain(&e, &c, &f)
+    })
+}
+
+/// The flags given on the command line (not defaulted).
+struct Given<'a>(&'a ArgMatches);
+
+impl Given<'_> {
+    fn has(&self, id: &str) -> bool {
+        self.0.value_source(id) == Some(ValueSource::CommandLine)
+    }
+
+    /// The first of `ids` given, as its flag.
+    fn first(&self, ids: &[&'static str]) -> Option<String> {
+        ids.iter()
+            .find(|id| self.has(id))
+            .map(|id| format!("--{}", id.replace('_', "-")))
+    }
+}
+
+/// Flags that multi-process mode (one rank per process, GPU backend) does not use.
+fn refuse_in_multiproc(cli: &Cli, given: &Given<'_>, launched: bool) -> Result<(), String> {
+    if let Some(f) = given.first(&[
+        "ranks",
+        "max_tokens",
+        "sweep_tokens",
+        "warmup",
+        "workers",
+        "json",
+        "per_rank",
+    ]) {
+        let why = if f == "--ranks" {
+            "R is the number of processes"
+        } else {
+            "it applies to single-process runs only"
+        };
+        return Err(format!(
+            "{f} does not apply in multi-process mode ({why}); drop it, or drop --nprocs"
+        ));
+    }
+    if given.has("backend") && matches!(cli.backend, BackendArg::Cpu) {
+        return Err(
+            "--backend cpu does not apply in multi-process mode, which runs the GPU backend; drop --nprocs for the CPU backend"
+                .into(),
+        );
+    }
+    if launched && given.has("nprocs") {
+        return Err(
+            "--nprocs does not apply under an external launcher (RANK and WORLD_SIZE are set): the launcher started the processes"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
+/// Flags that a single-process run does not use.
+fn refuse_in_single(given: &Given<'_>, json: bool) -> Result<(), String> {
+    if let Some(f) = given.first(&["transport"]) {
+        return Err(format!(
+            "{f} applies to multi-process mode only (--nprocs N with N > 1, or under torchrun); this run is one process: drop {f}, or add --nprocs"
+        ));
+    }
+    if let Some(f) = given.first(&["per_rank"]).filter(|_| json) {
+        return Err(format!(
+            "{f} applies to the text output; --json always has every rank's figures"
+        ));
+    }
+    Ok(())
+}
+
+/// Flags that `backend` does not use.
+fn refuse_on_backend(given: &Given<'_>, backend: &Backend) -> Result<(), String> {
+    match backend {
+        Backend::Cpu => {
+            if let Some(f) = given.first(&["gpus"]) {
+                return Err(format!(
+                    "{f} applies to the GPU backend, and this run uses the CPU backend: drop {f}"
+                ));
+            }
+        }
+        Backend::Gpu(_) => {
+            if let Some(f) = given.first(&["workers", "timeout_secs"]) {
+                return Err(format!(
+                    "{f} applies to the CPU backend (and {}), and this run uses the GPU backend in one process: drop {f}, or add --backend cpu",
+                    if f == "--timeout-secs" { "to multi-process mode" } else { "not to the GPU kernels" }
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a point that would not fit in this machine's memory, before anything is generated.
+fn check_memory(cli: &Cli, specs: &[BenchSpec], backend: &Backend) -> Result<(), String> {
+    let Some(mem) = MemInfo::read() else {
+        return Ok(());
+    };
+    for s in specs {
+        let est = memory::estimate(&s.cfg, s.tokens, backend);
+        if let Err(short) = memory::check(&est, &mem) {
+            let f = cli.flags(false);
+            let c = &s.cfg;
+            let point = if cli.sweep_tokens.is_empty() {
+                String::new()
+            } else {
+                format!(" (point T={})", c.max_tokens_per_rank)
+            };
+            let total = match short {
+                memory::Shortfall::Buffer { .. } => format!(
+                    "; in all it needs about {}, and {} is available",
+                    memory::gb(est.touched),
+                    memory::gb(mem.available)
+                ),
+                _ => String::new(),
+            };
+            let biggest = est
+                .parts
+                .iter()
+                .max_by_key(|p| p.1)
+                .map(|p| format!(" (the largest part: {}, {})", p.0, memory::gb(p.1)))
+                .unwrap_or_default();
+            return Err(format!(
+                "this run{point} {short}{total}{biggest}. Lower {} (now {}), --hidden ({}), --experts ({}), --top-k ({}) or --ranks ({}){}",
+                f.tokens,
+                c.max_tokens_per_rank,
+                c.hidden,
+                c.num_experts,
+                c.top_k,
+                c.num_ranks,
+                if c.mode == Mode::Bf16 { ", or use --dispatch fp8" } else { "" }
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
+    let given = Given(&matches);
     let mode = match cli.mode() {
         Ok(m) => m,
         Err(e) => return fail(e, 2),
     };
-    if ep_launch::is_launched_externally() {
+    let launched = ep_launch::is_launched_externally();
+    if launched || cli.nprocs > 1 {
+        if let Err(e) = refuse_in_multiproc(&cli, &given, launched) {
+            return fail(e, 2);
+        }
+    }
+    if launched {
+        let world = std::env::var("WORLD_SIZE")
+            .ok()
+            .and_then(|w| w.parse().ok());
+        if let Some(Err(e)) = world.map(|w| multiproc_config(&cli, mode, w, "WORLD_SIZE")) {
+            return fail(e, 2);
+        }
         return multiproc(&cli, mode);
     }
     if cli.nprocs > 1 {
+        let n = cli.nprocs as usize;
+        if let Err(e) = multiproc_config(&cli, mode, n, "--nprocs") {
+            return fail(e, 2);
+        }
+        // Say it before starting N processes that would each find no GPU.
+        if let Err(why) = ep_benches::gpu::probe() {
+            return fail(
+                format!(
+                    "--nprocs {n} starts one GPU process per rank, and there is no usable GPU here ({why}); without --nprocs ep-bench runs every rank in one process (on the CPU backend here)"
+                ),
+                1,
+            );
+        }
         let args: Vec<String> = std::env::args().skip(1).collect();
+        let launch_secs = cli.timeout_secs.min(MAX_TIMEOUT_SECS) * 4.0 + 120.0;
         return ep_benches::multiproc::launch(
-            cli.nprocs as usize,
+            n,
             ep_benches::multiproc::child_args(&args),
-            Duration::from_secs_f64(cli.timeout_secs * 4.0 + 120.0),
+            Duration::from_secs_f64(launch_secs),
         );
+    }
+    if let Err(e) = refuse_in_single(&given, cli.json) {
+        return fail(e, 2);
     }
     // Every config is checked before anything runs.
     let mut specs = Vec::new();
     for (tokens, t) in cli.points() {
+        let raw = Config {
+            num_ranks: cli.ranks,
+            num_experts: cli.experts,
+            max_tokens_per_rank: t,
+            hidden: cli.hidden,
+            top_k: cli.top_k,
+            mode,
+        };
         let cfg = match Config::new(cli.ranks, cli.experts, t, cli.hidden, cli.top_k, mode) {
             Ok(c) => c,
-            Err(e) => return fail(e, 2),
+            Err(e) => return fail(flags::explain(&e, &raw, &cli.flags(false)), 2),
         };
         if tokens > t {
-            return fail(
-                ep_reference::Error::TooManyTokens {
-                    rank: 0,
-                    tokens,
-                    max: t,
-                },
-                2,
-            );
+            let e = ep_reference::Error::TooManyTokens {
+                rank: 0,
+                tokens,
+                max: t,
+            };
+            return fail(flags::explain(&e, &raw, &cli.flags(false)), 2);
         }
         specs.push(BenchSpec {
             cfg,
@@ -262,8 +518,8 @@ fn main() -> ExitCode {
             iters: 0,
             warmup: 0,
             cpu: CpuOptions {
-                timeout: Duration::from_secs_f64(cli.timeout_secs),
-                staging_workers: cli.workers as usize,
+                timeout: cli.timeout(),
+                staging_workers: cli.workers,
                 memory_limit: None,
             },
             gpus: cli.gpus as usize,
@@ -280,6 +536,12 @@ fn main() -> ExitCode {
     };
     if let Some(n) = &note {
         eprintln!("ep-bench: {n}");
+    }
+    if let Err(e) = refuse_on_backend(&given, &backend) {
+        return fail(e, 2);
+    }
+    if let Err(e) = check_memory(&cli, &specs, &backend) {
+        return fail(e, 2);
     }
     let (def_iters, def_warmup) = backend.default_iters();
     let iters = cli.iters.map_or(def_iters, |i| i as usize);
@@ -310,18 +572,23 @@ fn main() -> ExitCode {
         match res {
             Ok(p) => {
                 if !cli.json {
-                    print_point(&p);
+                    print_point(&p, cli.per_rank);
                 }
                 results.push(Ok(p));
             }
             Err(e @ BenchError::Mismatch(_)) => return fail(&e, e.exit_code()),
             Err(e) => {
+                let code = e.exit_code();
+                let msg = match &e {
+                    BenchError::Config(c) => flags::explain(c, &spec.cfg, &cli.flags(false)),
+                    other => other.to_string(),
+                };
                 if n == 1 {
-                    return fail(&e, e.exit_code());
+                    return fail(msg, code);
                 }
-                eprintln!("ep-bench: {label} not run: {e}");
-                exit = exit.max(e.exit_code());
-                results.push(Err(e.to_string()));
+                eprintln!("ep-bench: {label} not run: {msg}");
+                exit = exit.max(code);
+                results.push(Err(msg));
             }
         }
     }
@@ -354,7 +621,7 @@ fn main() -> ExitCode {
     ExitCode::from(exit as u8)
 }
 
-fn print_point(p: &PointResult) {
+fn print_point(p: &PointResult, per_rank: bool) {
     let c = &p.config;
     println!(
         "== ep-bench: {} backend ({}) | R={} E={} T={} H={} K={} | dispatch {}, combine {} | {} tokens/rank, random routing, {:.0}% masked slots, seed {} | {} selections | {} timed + {} warm-up calls per path ==",
@@ -366,7 +633,12 @@ fn print_point(p: &PointResult) {
         println!("host load average at start (1/5/15 min): {l}");
     }
     println!("verified before timing: {}", p.verified);
-    print!("{}", report::deepep_lines(p));
+    if per_rank {
+        print!("{}", report::deepep_lines(p));
+    } else {
+        println!("(every rank's line in DeepEP's format: --per-rank)");
+    }
+    // The summary last, ending with the speed-up: what a user looks for.
     print!("{}", report::table(p));
     println!();
 }

@@ -6,7 +6,7 @@
 mod combine;
 mod dispatch;
 
-use crate::config::Config;
+use crate::config::{checked_product, checked_sum, Config};
 use crate::error::{Error, Result};
 use crate::output::{DispatchOutput, Handle};
 use crate::path::{next_group_id, CpuOptions, EpRank};
@@ -52,20 +52,36 @@ impl Shared {
         MESSAGE_META_BYTES + cfg.payload_bytes()
     }
 
-    /// Communication memory of the whole group, in bytes.
+    /// Communication memory of the whole group, in bytes: R x E regions of T dispatch
+    /// messages and T combine rows. Fails with [`Error::LimitExceeded`] where that does not
+    /// fit in a `usize`.
+    pub fn try_bytes_needed(cfg: &Config) -> Result<usize> {
+        let row = checked_sum(
+            "bytes of one per-expert message and combine row",
+            &[Self::dispatch_message_bytes(cfg), 2 * cfg.hidden],
+        )?;
+        checked_product(
+            "per-expert communication bytes (num_ranks x num_experts x max_tokens_per_rank x row bytes)",
+            &[cfg.num_ranks, cfg.num_experts, cfg.max_tokens_per_rank, row],
+        )
+    }
+
+    /// [`Shared::try_bytes_needed`], `u64::MAX` where it does not fit.
     pub fn bytes_needed(cfg: &Config) -> u64 {
-        let (r, e, t) = (
-            cfg.num_ranks as u64,
-            cfg.num_experts as u64,
-            cfg.max_tokens_per_rank as u64,
-        );
-        r * e * t * (Self::dispatch_message_bytes(cfg) as u64 + 2 * cfg.hidden as u64)
+        Self::try_bytes_needed(cfg).map_or(u64::MAX, |b| b as u64)
     }
 }
 
-/// Communication memory the per-expert path needs for `cfg`, in bytes.
+/// Communication memory the per-expert path needs for `cfg`, in bytes (`u64::MAX` where the
+/// size does not fit in a `usize`; see [`try_bytes_needed`]).
 pub fn bytes_needed(cfg: &Config) -> u64 {
     Shared::bytes_needed(cfg)
+}
+
+/// Communication memory the per-expert path needs for `cfg`, in bytes, or
+/// [`Error::LimitExceeded`] where it does not fit in a `usize`.
+pub fn try_bytes_needed(cfg: &Config) -> Result<usize> {
+    Shared::try_bytes_needed(cfg)
 }
 
 /// The per-expert path's endpoint for one rank.
@@ -81,7 +97,7 @@ pub struct PerExpertRank {
 /// Builds the group: one endpoint per rank, sharing its buffers.
 pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<PerExpertRank>> {
     cfg.validate()?;
-    memory::check(Shared::bytes_needed(cfg), opts.memory_limit)?;
+    memory::check(Shared::try_bytes_needed(cfg)? as u64, opts.memory_limit)?;
     let (r, e, t) = (cfg.num_ranks, cfg.num_experts, cfg.max_tokens_per_rank);
     let shared = Arc::new(Shared {
         cfg: *cfg,

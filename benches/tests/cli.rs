@@ -1,0 +1,300 @@
+//! The `ep-bench` program as a user meets it: bad flags and sizes it cannot hold fail at once
+//! with exit code 2 and a message naming the flag; flags that do not apply are refused; the
+//! summary ends the output. CPU backend only (no GPU is assumed).
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+/// A tiny point that runs in well under a second on the CPU backend.
+const TINY: &[&str] = &[
+    "--backend",
+    "cpu",
+    "--ranks",
+    "2",
+    "--experts",
+    "4",
+    "--tokens",
+    "2",
+    "--hidden",
+    "128",
+    "--top-k",
+    "2",
+    "--iters",
+    "2",
+    "--warmup",
+    "0",
+];
+
+struct Run {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+    took: Duration,
+}
+
+fn ep_bench(args: &[&str]) -> Run {
+    let t0 = Instant::now();
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = Command::new(env!("CARGO_BIN_EXE_ep-bench"))
+        .args(args)
+        // Not a rank of someone else's multi-process job.
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .output()
+        .expect("ep-bench starts");
+    Run {
+        code: status.code(),
+        stdout: String::from_utf8_lossy(&stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&stderr).into_owned(),
+        took: t0.elapsed(),
+    }
+}
+
+/// Runs ep-bench with `args`, expects exit code `code` and every one of `needles` in stderr.
+fn refused(args: &[&str], code: i32, needles: &[&str]) -> Run {
+    let r = ep_bench(args);
+    assert_eq!(
+        r.code,
+        Some(code),
+        "ep-bench {args:?}: exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        r.code,
+        r.stdout,
+        r.stderr
+    );
+    for n in needles {
+        assert!(
+            r.stderr.contains(n),
+            "ep-bench {args:?}: stderr lacks {n:?}:\n{}",
+            r.stderr
+        );
+    }
+    assert!(
+        !r.stderr.contains("panicked") && !r.stderr.contains("RUST_BACKTRACE"),
+        "ep-bench {args:?} panicked:\n{}",
+        r.stderr
+    );
+    // Refused before anything ran: no point was printed.
+    assert!(!r.stdout.contains("speed-up"), "{}", r.stdout);
+    r
+}
+
+#[test]
+fn sizes_it_cannot_hold_fail_fast_with_exit_2() {
+    // Took 50 s and 11 GB, then aborted in the allocator (exit 134).
+    let r = refused(
+        &["--tokens", "100000"],
+        2,
+        &["--tokens 100000", "maximum 65536"],
+    );
+    assert!(r.took < Duration::from_secs(20), "took {:?}", r.took);
+    // A valid config too big for any machine: the memory check, before any input is made.
+    let r = refused(
+        &["--backend", "cpu", "--tokens", "60000"],
+        2,
+        &["GB", "available", "Lower --tokens (now 60000)", "--hidden"],
+    );
+    assert!(r.took < Duration::from_secs(20), "took {:?}", r.took);
+    // Same through --max-tokens and --sweep-tokens, naming those flags.
+    refused(
+        &["--backend", "cpu", "--tokens", "1", "--max-tokens", "60000"],
+        2,
+        &["Lower --max-tokens (now 60000)"],
+    );
+    refused(
+        &["--backend", "cpu", "--sweep-tokens", "1,60000"],
+        2,
+        &["(point T=60000)", "Lower --sweep-tokens"],
+    );
+}
+
+#[test]
+fn config_errors_name_the_flag_and_what_would_work() {
+    refused(
+        &["--experts", "100"],
+        2,
+        &[
+            "--experts 100 is not a multiple of --ranks 8",
+            "--experts 96",
+        ],
+    );
+    refused(
+        &["--hidden", "100"],
+        2,
+        &["--hidden 100", "--hidden 128", "--dispatch bf16"],
+    );
+    refused(&["--top-k", "17"], 2, &["--top-k 17", "1..=16"]);
+    refused(&["--top-k", "0"], 2, &["--top-k 0"]);
+    refused(&["--ue8m0"], 2, &["--ue8m0 needs --round-scale"]);
+    refused(
+        &["--dispatch", "bf16", "--round-scale"],
+        2,
+        &["--round-scale", "--dispatch fp8"],
+    );
+    refused(&["--ranks", "0"], 2, &["--ranks must be at least 1"]);
+    refused(
+        &["--ranks", "2048", "--experts", "2048"],
+        2,
+        &["--ranks 2048"],
+    );
+    refused(
+        &["--tokens", "10", "--max-tokens", "8"],
+        2,
+        &["--tokens 10 exceeds --max-tokens 8"],
+    );
+}
+
+#[test]
+fn negative_numbers_get_a_clear_message() {
+    // clap said "unexpected argument '-0' found" before.
+    refused(&["--masked", "-0.1"], 2, &["'--masked", "-0.1", "[0, 1]"]);
+    refused(
+        &["--timeout-secs", "-5"],
+        2,
+        &["'--timeout-secs", "-5 is not a positive number of seconds"],
+    );
+    refused(&["--tokens", "-5"], 2, &["'--tokens", "-5 is negative"]);
+}
+
+#[test]
+fn a_huge_timeout_is_saturated_not_a_panic() {
+    // Duration::from_secs_f64(1e300) panicked (exit 101).
+    let mut args = TINY.to_vec();
+    args.extend(["--timeout-secs", "1e300"]);
+    let r = ep_bench(&args);
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+}
+
+#[test]
+fn flags_that_do_not_apply_are_refused() {
+    // `--nprocs 1 --transport nccl` ran the default group and dropped --transport.
+    let mut a = TINY.to_vec();
+    a.extend(["--nprocs", "1", "--transport", "nccl"]);
+    refused(&a, 2, &["--transport applies to multi-process mode only"]);
+    let mut a = TINY.to_vec();
+    a.extend(["--transport", "auto"]);
+    refused(&a, 2, &["--transport"]);
+    let mut a = TINY.to_vec();
+    a.extend(["--gpus", "2"]);
+    refused(
+        &a,
+        2,
+        &["--gpus applies to the GPU backend", "uses the CPU backend"],
+    );
+    let mut a = TINY.to_vec();
+    a.extend(["--json", "--per-rank"]);
+    refused(&a, 2, &["--per-rank"]);
+    // Multi-process mode takes R from --nprocs and runs the GPU backend.
+    refused(
+        &["--nprocs", "2", "--ranks", "2"],
+        2,
+        &["--ranks does not apply in multi-process mode"],
+    );
+    refused(
+        &["--nprocs", "2", "--backend", "cpu"],
+        2,
+        &["--backend cpu does not apply in multi-process mode"],
+    );
+    refused(
+        &["--nprocs", "2", "--sweep-tokens", "1,2"],
+        2,
+        &["--sweep-tokens does not apply"],
+    );
+    refused(
+        &["--nprocs", "2", "--experts", "3"],
+        2,
+        &["--experts 3 is not a multiple of --nprocs 2"],
+    );
+}
+
+#[test]
+fn nprocs_without_a_gpu_says_so_before_spawning() {
+    if let Ok(d) = ep_kernels::bench::probe() {
+        println!("SKIPPED: a GPU is usable here ({d}); this test needs a machine without one");
+        return;
+    }
+    let r = refused(
+        &["--nprocs", "4"],
+        1,
+        &[
+            "--nprocs 4 starts one GPU process per rank",
+            "no usable GPU",
+        ],
+    );
+    // No child ran: their output would be prefixed with "[rank i]".
+    assert!(
+        !r.stderr.contains("[rank") && !r.stdout.contains("[rank"),
+        "{}{}",
+        r.stdout,
+        r.stderr
+    );
+    assert!(r.took < Duration::from_secs(20), "took {:?}", r.took);
+}
+
+#[test]
+fn the_summary_ends_the_output() {
+    let r = ep_bench(TINY);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let lines: Vec<&str> = r.stdout.lines().filter(|l| !l.trim().is_empty()).collect();
+    let last = lines.last().copied().unwrap_or_default();
+    assert!(
+        last.starts_with("speed-up (per-expert median / batched median): dispatch "),
+        "last line: {last}\n{}",
+        r.stdout
+    );
+    assert!(!r.stdout.contains("[rank"), "{}", r.stdout);
+    let table = lines
+        .iter()
+        .position(|l| l.starts_with("path "))
+        .expect("a summary table");
+    assert!(lines[table + 1].starts_with("per-expert "), "{}", r.stdout);
+    assert!(lines[table + 2].starts_with("batched "), "{}", r.stdout);
+
+    // --per-rank: every rank's DeepEP line, before the summary, which still ends the output.
+    let mut a = TINY.to_vec();
+    a.push("--per-rank");
+    let r = ep_bench(&a);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let lines: Vec<&str> = r.stdout.lines().filter(|l| !l.trim().is_empty()).collect();
+    let ranks: Vec<usize> = (0..lines.len())
+        .filter(|&i| lines[i].contains("[rank "))
+        .collect();
+    assert_eq!(ranks.len(), 4, "2 paths x 2 ranks:\n{}", r.stdout);
+    let table = lines.iter().position(|l| l.starts_with("path ")).unwrap();
+    assert!(ranks.iter().all(|&i| i < table), "{}", r.stdout);
+    assert!(
+        lines.last().unwrap().starts_with("speed-up"),
+        "{}",
+        r.stdout
+    );
+}
+
+#[test]
+fn under_a_launcher_the_config_is_checked_with_world_size() {
+    let out = Command::new(env!("CARGO_BIN_EXE_ep-bench"))
+        .args(["--experts", "8", "--timeout-secs", "1"])
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "3")
+        .output()
+        .expect("ep-bench starts");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--experts 8 is not a multiple of WORLD_SIZE 3"),
+        "{err}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_ep-bench"))
+        .args(["--nprocs", "2"])
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .output()
+        .expect("ep-bench starts");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--nprocs does not apply under an external launcher"),
+        "{err}"
+    );
+}
