@@ -80,6 +80,80 @@ impl Timer {
     }
 }
 
+/// Criterion's name filter as criterion reads it from the command line (`[FILTER]`, `--exact`,
+/// `--ignored`; its own copy is private), so that a filtered run (e.g. `--baseline main
+/// 'T=128/'`) builds only the settings it times: each setting costs inputs, the oracle and a GPU
+/// group, seconds at T=512.
+struct Filter {
+    reject_all: bool,
+    exact: Option<String>,
+    regex: Option<regex::Regex>,
+}
+
+impl Filter {
+    fn from_args() -> Filter {
+        // Criterion's options that take a value (long and short forms).
+        const VALUED: [&str; 19] = [
+            "--color",
+            "-c",
+            "--save-baseline",
+            "-s",
+            "--baseline",
+            "-b",
+            "--baseline-lenient",
+            "--format",
+            "--profile-time",
+            "--load-baseline",
+            "--sample-size",
+            "--warm-up-time",
+            "--measurement-time",
+            "--nresamples",
+            "--noise-threshold",
+            "--confidence-level",
+            "--significance-level",
+            "--plotting-backend",
+            "--output-format",
+        ];
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        let mut pattern = None;
+        let mut i = 0;
+        while i < args.len() {
+            let a = args[i].as_str();
+            if a.starts_with('-') {
+                if VALUED.contains(&a) {
+                    i += 1; // its value
+                }
+            } else if pattern.is_none() {
+                pattern = Some(a.to_string());
+            }
+            i += 1;
+        }
+        let has = |f: &str| args.iter().any(|a| a == f);
+        let (exact, regex) = match pattern {
+            None => (None, None),
+            Some(p) if has("--exact") => (Some(p), None),
+            // A pattern criterion cannot parse either: criterion reports it; build everything.
+            Some(p) => (None, regex::Regex::new(&p).ok()),
+        };
+        Filter {
+            reject_all: has("--ignored"),
+            exact,
+            regex,
+        }
+    }
+
+    fn wants(&self, id: &str) -> bool {
+        if self.reject_all {
+            return false;
+        }
+        match (&self.exact, &self.regex) {
+            (Some(e), _) => e == id,
+            (None, Some(r)) => r.is_match(id),
+            (None, None) => true,
+        }
+    }
+}
+
 /// GPU time of `iters` calls of `op` on `path` (each timed call runs a dispatch and a combine).
 fn gpu_time(
     g: &mut GpuGroup,
@@ -164,7 +238,22 @@ fn gpu(c: &mut Criterion) {
             Timer::Cupti => "CUPTI kernel records (each kernel's own GPU duration)",
         }
     );
+    let filter = Filter::from_args();
     for (name, ranks, gpus) in SETUPS {
+        let wanted = |t: usize| {
+            ["dispatch", "combine"].iter().any(|op| {
+                PATHS.iter().any(|p| {
+                    filter.wants(&format!(
+                        "{}/{name}/{op}/T={t}/{}",
+                        timer.prefix(),
+                        p.name()
+                    ))
+                })
+            })
+        };
+        if !TOKENS.iter().any(|&t| wanted(t)) {
+            continue;
+        }
         if gpus > n_gpus {
             println!(
                 "{}/{name}: skipped: {gpus} GPUs needed, {n_gpus} present",
@@ -172,7 +261,7 @@ fn gpu(c: &mut Criterion) {
             );
             continue;
         }
-        for t in TOKENS {
+        for t in TOKENS.into_iter().filter(|&t| wanted(t)) {
             let label = format!("{}/{name}/{{dispatch,combine}}/T={t}", timer.prefix());
             let cfg = match Config::new(ranks, 256, t, 7168, 8, Mode::FP8) {
                 Ok(c) => c,
