@@ -2,10 +2,15 @@
 //! inputs, checks both bitwise against the oracle before timing, and times each call with CUDA
 //! events. All ranks of a GPU run in one launch, so every rank of a call shares one latency
 //! sample (the slowest GPU's); the per-rank lines differ only by each rank's own bytes.
+//! Beside the event figures, each path's kernel time from CUPTI (DeepEP's figure: each kernel's
+//! own GPU duration), or why it is missing ([`crate::report::KernelTime`]).
 
 use crate::accounting;
 use crate::backend::{BenchError, BenchSpec};
-use crate::report::{assemble, PathSamples, PointInfo, PointResult, RankSamples, Traffic};
+use crate::report::{
+    assemble, KernelTime, PathSamples, PointInfo, PointResult, RankSamples, Traffic,
+};
+use crate::stats::Summary;
 
 /// `Ok(device)` when a CUDA GPU is usable, `Err(why not)` otherwise. Never panics.
 pub fn probe() -> Result<String, String> {
@@ -38,6 +43,11 @@ pub fn run(
             BenchError::Backend(e)
         }
     })?;
+    let kernel_times: Vec<KernelTime> = report
+        .paths
+        .iter()
+        .map(|t| kernel_time(&t.kernel))
+        .collect();
     let paths: Vec<PathSamples> = report
         .paths
         .into_iter()
@@ -71,7 +81,7 @@ pub fn run(
         .map(|t| accounting::selections(t))
         .collect();
     let device = format!("{device} ({} GPU(s))", report.num_gpus);
-    Ok(assemble(
+    let mut point = assemble(
         &PointInfo {
             backend: "gpu",
             device: &device,
@@ -86,5 +96,25 @@ pub fn run(
             load_average: None,
         },
         paths,
-    ))
+    );
+    for (p, k) in point.paths.iter_mut().zip(kernel_times) {
+        p.kernel_time = Some(k);
+    }
+    Ok(point)
+}
+
+/// The report's form of one path's CUPTI kernel time.
+fn kernel_time(k: &Result<ep_kernels::bench::KernelTimes, String>) -> KernelTime {
+    let summarize = |v: &[f64]| Summary::of(v).ok_or("no profiled calls");
+    match k {
+        Ok(k) => match (summarize(&k.dispatch_us), summarize(&k.combine_us)) {
+            (Ok(dispatch), Ok(combine)) => KernelTime::Measured {
+                dispatch,
+                combine,
+                launches_per_call: k.launches_per_call,
+            },
+            (Err(e), _) | (_, Err(e)) => KernelTime::Unavailable { reason: e.into() },
+        },
+        Err(e) => KernelTime::Unavailable { reason: e.clone() },
+    }
 }

@@ -73,6 +73,24 @@ pub struct PathResult {
     pub combine_traffic: Traffic,
     pub signals_per_call: u64,
     pub ranks: Vec<RankResult>,
+    /// GPU backend: the kernel time from CUPTI (see [`KernelTime`]); `None` where the backend
+    /// has no kernel timer (the CPU backend, process mode).
+    pub kernel_time: Option<KernelTime>,
+}
+
+/// The GPU kernels' own durations from CUPTI's activity records (DeepEP's figure: its test reads
+/// them through the profiler), measured in a profiled run of their own. The latencies beside
+/// them (`avg_t`, the table) are CUDA-event figures: stream time around each launch.
+#[derive(Debug, Clone, Serialize)]
+pub enum KernelTime {
+    Measured {
+        dispatch: Summary,
+        combine: Summary,
+        /// Launches per call and device summed into one figure (2 with the NCCL transport).
+        launches_per_call: usize,
+    },
+    /// Why there is no CUPTI figure (e.g. libcupti not found); the event figures stand.
+    Unavailable { reason: String },
 }
 
 /// Per-expert time / batched time, from the medians over every (rank, call) sample.
@@ -205,6 +223,7 @@ pub fn assemble(info: &PointInfo<'_>, paths: Vec<PathSamples>) -> PointResult {
                 },
                 signals_per_call: p.signals_total,
                 ranks,
+                kernel_time: None,
             }
         })
         .collect();
@@ -246,9 +265,13 @@ fn signals(t: &Traffic) -> String {
 }
 
 /// The DeepEP-format lines, per path and rank:
-/// `per-expert [rank 0] Dispatch bandwidth: X GB/s, avg_t=Y us | Combine bandwidth: X GB/s, avg_t=Y us`.
+/// `per-expert [rank 0] Dispatch bandwidth: X GB/s, avg_t=Y us | Combine bandwidth: X GB/s, avg_t=Y us`,
+/// then, on the GPU, each path's CUPTI kernel time ([`kernel_time_lines`]).
 pub fn deepep_lines(p: &PointResult) -> String {
     let mut s = String::new();
+    if p.paths.iter().any(|x| x.kernel_time.is_some()) {
+        let _ = writeln!(s, "(avg_t: CUDA events around each launch)");
+    }
     for path in &p.paths {
         for r in &path.ranks {
             let _ = writeln!(
@@ -256,6 +279,47 @@ pub fn deepep_lines(p: &PointResult) -> String {
                 "{} [rank {}] Dispatch bandwidth: {:.2} GB/s, avg_t={:.2} us | Combine bandwidth: {:.2} GB/s, avg_t={:.2} us",
                 path.path, r.rank, r.dispatch_gb_s, r.dispatch.mean_us, r.combine_gb_s, r.combine.mean_us
             );
+        }
+    }
+    s.push_str(&kernel_time_lines(p));
+    s
+}
+
+/// One line per path with a kernel timer, the CUPTI kernel time beside the event time:
+/// `batched kernel time (CUPTI): Dispatch X us | Combine Y us   [events: Dispatch A us | Combine B us]`,
+/// means over the calls. Empty for the CPU backend.
+pub fn kernel_time_lines(p: &PointResult) -> String {
+    let mut s = String::new();
+    for path in &p.paths {
+        let events = format!(
+            "[CUDA events: Dispatch {:.2} us | Combine {:.2} us]",
+            path.dispatch.mean_us, path.combine.mean_us
+        );
+        match &path.kernel_time {
+            None => {}
+            Some(KernelTime::Measured {
+                dispatch,
+                combine,
+                launches_per_call,
+            }) => {
+                let split = if *launches_per_call > 1 {
+                    format!(" ({launches_per_call} launches per call summed)")
+                } else {
+                    String::new()
+                };
+                let _ = writeln!(
+                    s,
+                    "{} kernel time (CUPTI, each kernel's own GPU duration, DeepEP's figure): Dispatch {:.2} us | Combine {:.2} us{split}   {events}",
+                    path.path, dispatch.mean_us, combine.mean_us
+                );
+            }
+            Some(KernelTime::Unavailable { reason }) => {
+                let _ = writeln!(
+                    s,
+                    "{} kernel time (CUPTI): not measured: {reason}   {events}",
+                    path.path
+                );
+            }
         }
     }
     s
@@ -439,6 +503,9 @@ mod tests {
         assert_eq!(sp.dispatch, 3.0);
         assert_eq!(sp.combine, 2.0);
         assert_eq!(sp.total, 90.0 / 40.0);
+        // CPU: no kernel timer, no kernel-time line and no event label.
+        assert_eq!(kernel_time_lines(&p), "");
+        assert!(!deepep_lines(&p).contains("CUPTI"));
         let lines = deepep_lines(&p);
         let t = table(&p);
         assert!(
@@ -449,6 +516,51 @@ mod tests {
         );
         assert!(lines.contains(
             "batched [rank 1] Dispatch bandwidth: 0.07 GB/s, avg_t=10.00 us | Combine bandwidth: 0.04 GB/s, avg_t=30.00 us"
+        ), "{lines}");
+    }
+
+    #[test]
+    fn kernel_time_prints_beside_the_event_time() {
+        let cfg = Config::new(2, 4, 8, 128, 2, Mode::FP8).unwrap();
+        let sel = [3u64, 5];
+        let info = PointInfo {
+            backend: "gpu",
+            device: "test",
+            cfg: &cfg,
+            tokens_per_rank: 4,
+            masked: 0.0,
+            seed: 1,
+            iters: 3,
+            warmup: 0,
+            selections: &sel,
+            verified: "yes",
+            load_average: None,
+        };
+        let mut p = assemble(
+            &info,
+            vec![
+                samples("per-expert", 30.0, 60.0),
+                samples("batched", 10.0, 30.0),
+            ],
+        );
+        p.paths[0].kernel_time = Some(KernelTime::Unavailable {
+            reason: "libcupti not found".into(),
+        });
+        p.paths[1].kernel_time = Some(KernelTime::Measured {
+            dispatch: Summary::of(&[7.0, 9.0]).unwrap(),
+            combine: Summary::of(&[20.0]).unwrap(),
+            launches_per_call: 1,
+        });
+        let lines = deepep_lines(&p);
+        assert!(
+            lines.starts_with("(avg_t: CUDA events around each launch)"),
+            "{lines}"
+        );
+        assert!(lines.contains(
+            "per-expert kernel time (CUPTI): not measured: libcupti not found   [CUDA events: Dispatch 30.00 us | Combine 60.00 us]"
+        ), "{lines}");
+        assert!(lines.contains(
+            "batched kernel time (CUPTI, each kernel's own GPU duration, DeepEP's figure): Dispatch 8.00 us | Combine 20.00 us   [CUDA events: Dispatch 10.00 us | Combine 30.00 us]"
         ), "{lines}");
     }
 }

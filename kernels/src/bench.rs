@@ -17,7 +17,9 @@ pub fn probe() -> Result<String, String> {
     .unwrap_or_else(|_| Err("the CUDA probe panicked".into()))
 }
 
-/// One path's timings.
+/// One path's timings. `dispatch_us`/`combine_us` are CUDA-event figures (stream time from the
+/// event before a launch to the event after it); `kernel` is the kernel's own GPU time from
+/// CUPTI's activity records, the figure DeepEP's test prints.
 #[derive(Debug, Clone)]
 pub struct GpuTimings {
     /// "per-expert" or "batched".
@@ -32,6 +34,10 @@ pub struct GpuTimings {
     pub combine_messages: u64,
     /// Signals stored per dispatch + combine call pair, all ranks.
     pub signals: u64,
+    /// The CUPTI kernel time of the same calls (a separate profiled run of `iters` pairs; see
+    /// [`KernelTimes`]), beside the event figures above; `Err(why)` where CUPTI is missing or
+    /// its records did not add up (the event figures stand alone then).
+    pub kernel: Result<KernelTimes, String>,
 }
 
 #[derive(Debug, Clone)]
@@ -108,7 +114,8 @@ pub fn accounting(
 /// first (Err if not equal), then times each path with CUDA events: `warmup` calls, then `iters`
 /// timed calls, each sample one dispatch or one combine launch (events around the launch on
 /// every device; the sample is the slowest device's). On one GPU the timed calls are replayed
-/// from a CUDA graph (event nodes inside the graph); on several, launched one by one.
+/// from a CUDA graph (event nodes inside the graph); on several, launched one by one. Then
+/// `iters` more calls run under a CUPTI kernel timer for [`GpuTimings::kernel`].
 pub fn run(
     cfg: &Config,
     x: &[Vec<bf16>],
@@ -193,8 +200,10 @@ pub fn run_timed(
                     ));
                 }
             }
-            let (dt, ct) = time_path(&mut g, path, iters, warmup, graph && num_gpus == 1)
-                .map_err(|e| e.to_string())?;
+            let graph = graph && num_gpus == 1;
+            let (dt, ct) =
+                time_path(&mut g, path, iters, warmup, graph).map_err(|e| e.to_string())?;
+            let kernel = kernel_times(&mut g, path, iters, graph);
             let (dw, cw, dm, cm, sig) = accounting(cfg, topk_idx, path, num_gpus);
             paths.push(GpuTimings {
                 path: path.name(),
@@ -205,6 +214,7 @@ pub fn run_timed(
                 dispatch_messages: dm,
                 combine_messages: cm,
                 signals: sig,
+                kernel,
             });
         }
         Ok(GpuReport {
@@ -219,47 +229,41 @@ pub fn run_timed(
 
 /// Per-launch time of the empty kernel (same grid), stream launches: the fixed overhead.
 pub fn time_empty(g: &mut GpuGroup, iters: usize) -> Result<Vec<f64>, crate::GpuError> {
-    use cudarc::driver::{result, sys};
-    let err = |w: &str, e: result::DriverError| crate::GpuError::Cuda(format!("{w}: {e:?}"));
+    use cudarc::driver::result;
     let streams = g.streams();
     let (ctx, s) = &streams[0];
-    ctx.bind_to_thread().map_err(|e| err("bind", e))?;
-    let mut evs = Vec::new();
-    for _ in 0..=iters {
-        evs.push(
-            result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
-                .map_err(|e| err("event", e))?,
-        );
-    }
+    // Destroyed on every path out of here.
+    let evs = Events::new(&streams[..1], iters + 1)?;
     for _ in 0..10 {
         g.launch_empty()?;
     }
-    for (i, &e) in evs.iter().enumerate() {
+    for (i, &e) in evs.per_dev[0].1.iter().enumerate() {
+        ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
         // SAFETY: event and stream of the bound context.
-        unsafe { result::event::record(e, *s) }.map_err(|e| err("record", e))?;
+        unsafe { result::event::record(e, *s) }.map_err(|e| cuda_err("record", e))?;
         if i < iters {
             g.launch_empty()?;
         }
     }
     g.sync()?;
     let mut out = Vec::new();
-    ctx.bind_to_thread().map_err(|e| err("bind", e))?;
-    for w in evs.windows(2) {
+    ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
+    for w in evs.per_dev[0].1.windows(2) {
         // SAFETY: both events completed on this context.
         out.push(
-            unsafe { result::event::elapsed(w[0], w[1]) }.map_err(|e| err("elapsed", e))? as f64
+            unsafe { result::event::elapsed(w[0], w[1]) }.map_err(|e| cuda_err("elapsed", e))?
+                as f64
                 * 1e3,
         );
-    }
-    for e in evs {
-        // SAFETY: complete and unused from here on.
-        let _ = unsafe { result::event::destroy(e) };
     }
     Ok(out)
 }
 
 /// Times `iters` dispatch+combine pairs (after `warmup`), one event pair around each launch on
 /// every device. Returns per-call microseconds (max over devices).
+///
+/// On every error path the capture (graph mode) is ended and the graph, its executable and the
+/// events are destroyed: the group's stream is left usable.
 pub fn time_path(
     g: &mut GpuGroup,
     path: Path,
@@ -267,32 +271,189 @@ pub fn time_path(
     warmup: usize,
     graph: bool,
 ) -> Result<(Vec<f64>, Vec<f64>), crate::GpuError> {
+    time_loop(g, iters, warmup, graph, &mut |g, op| g.launch(op, path))
+}
+
+type Launch<'a> = dyn FnMut(&mut GpuGroup, Op) -> Result<(), crate::GpuError> + 'a;
+
+fn cuda_err(what: &str, e: cudarc::driver::result::DriverError) -> crate::GpuError {
+    crate::GpuError::Cuda(format!("{what}: {e:?}"))
+}
+
+/// Timing events of every device, destroyed on drop (also when timing fails half-way).
+struct Events {
+    per_dev: Vec<(
+        std::sync::Arc<cudarc::driver::CudaContext>,
+        Vec<cudarc::driver::sys::CUevent>,
+    )>,
+}
+
+impl Events {
+    fn new(
+        streams: &[(
+            std::sync::Arc<cudarc::driver::CudaContext>,
+            cudarc::driver::sys::CUstream,
+        )],
+        n: usize,
+    ) -> Result<Events, crate::GpuError> {
+        use cudarc::driver::{result, sys};
+        let mut ev = Events {
+            per_dev: Vec::new(),
+        };
+        for (ctx, _) in streams {
+            ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
+            ev.per_dev.push((ctx.clone(), Vec::with_capacity(n)));
+            let v = &mut ev.per_dev.last_mut().expect("just pushed").1;
+            for _ in 0..n {
+                v.push(
+                    result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+                        .map_err(|e| cuda_err("event", e))?,
+                );
+            }
+        }
+        Ok(ev)
+    }
+}
+
+impl Drop for Events {
+    fn drop(&mut self) {
+        for (ctx, v) in &self.per_dev {
+            let _ = ctx.bind_to_thread();
+            for &e in v {
+                // SAFETY: created on this (bound) context and not used after this; an event
+                // still pending is released by the driver once it completes.
+                let _ = unsafe { cudarc::driver::result::event::destroy(e) };
+            }
+        }
+    }
+}
+
+/// A stream capture in progress. Dropped without [`Capture::end`] (an error between begin and
+/// end), it ends the capture and destroys whatever graph it produced, so the stream is no
+/// longer capturing (issue 10 item 8).
+struct Capture {
+    ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+    stream: cudarc::driver::sys::CUstream,
+    open: bool,
+}
+
+impl Capture {
+    fn begin(
+        ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<Capture, crate::GpuError> {
+        use cudarc::driver::{result, sys};
+        ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        // SAFETY: the stream belongs to the bound context and is idle (synchronised by the caller).
+        unsafe { result::stream::begin_capture(stream, mode) }
+            .map_err(|e| cuda_err("begin capture", e))?;
+        Ok(Capture {
+            ctx: ctx.clone(),
+            stream,
+            open: true,
+        })
+    }
+
+    /// Ends the capture: the captured graph, destroyed when the returned guard drops.
+    fn end(mut self) -> Result<Graph, crate::GpuError> {
+        self.open = false;
+        self.ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
+        // SAFETY: ends the capture begun in `begin` on the same stream and context.
+        let g = unsafe { cudarc::driver::result::stream::end_capture(self.stream) }
+            .map_err(|e| cuda_err("end capture", e))?;
+        Ok(Graph {
+            graph: g,
+            exec: None,
+        })
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        if self.open {
+            let _ = self.ctx.bind_to_thread();
+            // SAFETY: the capture begun in `begin` is still open on this stream; ending it is
+            // always allowed (an invalidated capture ends with an error and no graph).
+            if let Ok(g) = unsafe { cudarc::driver::result::stream::end_capture(self.stream) } {
+                if !g.is_null() {
+                    // SAFETY: the graph was just produced by the capture and never launched.
+                    let _ = unsafe { cudarc::driver::result::graph::destroy(g) };
+                }
+            }
+        }
+    }
+}
+
+/// A captured graph and its executable, destroyed on drop (after the caller synchronised).
+struct Graph {
+    graph: cudarc::driver::sys::CUgraph,
+    exec: Option<cudarc::driver::sys::CUgraphExec>,
+}
+
+impl Graph {
+    /// Instantiates the graph and runs it once on `stream`, waiting for it.
+    fn replay_once(
+        &mut self,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<(), crate::GpuError> {
+        use cudarc::driver::{result, sys};
+        // SAFETY: `graph` is a complete captured graph of the bound context.
+        let exec =
+            unsafe { result::graph::instantiate(self.graph, sys::CUgraphInstantiate_flags(0)) }
+                .map_err(|e| cuda_err("instantiate", e))?;
+        self.exec = Some(exec);
+        // SAFETY: the executable and stream belong to the bound context; the wait makes the
+        // replay complete before the guard can destroy anything.
+        unsafe {
+            result::graph::launch(exec, stream).map_err(|e| cuda_err("graph launch", e))?;
+            result::stream::synchronize(stream).map_err(|e| cuda_err("graph sync", e))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: both were created by this guard's owner on the current context; a replay that
+        // was launched has been waited for (replay_once synchronises; on its error paths the
+        // driver defers the release of an executable still in use).
+        unsafe {
+            if let Some(e) = self.exec {
+                let _ = cudarc::driver::result::graph::exec_destroy(e);
+            }
+            if !self.graph.is_null() {
+                let _ = cudarc::driver::result::graph::destroy(self.graph);
+            }
+        }
+    }
+}
+
+/// [`time_path`] with the launch as a parameter (the tests inject a failing one).
+fn time_loop(
+    g: &mut GpuGroup,
+    iters: usize,
+    warmup: usize,
+    graph: bool,
+    launch: &mut Launch<'_>,
+) -> Result<(Vec<f64>, Vec<f64>), crate::GpuError> {
     use cudarc::driver::{result, sys};
-    let err = |w: &str, e: result::DriverError| crate::GpuError::Cuda(format!("{w}: {e:?}"));
     // Dispatch must precede combine on the same path (the handle lives on the device).
     for _ in 0..warmup {
-        g.launch(Op::Dispatch, path)?;
-        g.launch(Op::Combine, path)?;
+        launch(g, Op::Dispatch)?;
+        launch(g, Op::Combine)?;
     }
     g.sync()?;
     let streams = g.streams();
     // Three events per iteration per device: before dispatch, between, after combine.
-    let mut evs: Vec<Vec<sys::CUevent>> = Vec::new();
-    for (ctx, _) in &streams {
-        ctx.bind_to_thread().map_err(|e| err("bind", e))?;
-        let mut v = Vec::with_capacity(3 * iters);
-        for _ in 0..3 * iters {
-            v.push(
-                result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
-                    .map_err(|e| err("event", e))?,
-            );
-        }
-        evs.push(v);
-    }
+    let n_ev = iters
+        .checked_mul(3)
+        .ok_or_else(|| crate::GpuError::Unsupported(format!("{iters} timed calls")))?;
+    let evs = Events::new(&streams, n_ev)?;
     let graph = graph && streams.len() == 1;
-    let record = |i: usize, evs: &Vec<Vec<sys::CUevent>>| -> Result<(), crate::GpuError> {
+    let record = |i: usize| -> Result<(), crate::GpuError> {
         for (d, (ctx, s)) in streams.iter().enumerate() {
-            ctx.bind_to_thread().map_err(|e| err("bind", e))?;
+            ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
             let flags = if graph {
                 sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL as u32
             } else {
@@ -300,61 +461,209 @@ pub fn time_path(
             };
             // SAFETY: the event and stream belong to this (bound) context. Inside a capture the
             // EXTERNAL flag makes it a real event-record node of the graph.
-            let rc = unsafe { sys::cuEventRecordWithFlags(evs[d][i], *s, flags) };
-            rc.result().map_err(|e| err("record", e))?;
+            let rc = unsafe { sys::cuEventRecordWithFlags(evs.per_dev[d].1[i], *s, flags) };
+            rc.result().map_err(|e| cuda_err("record", e))?;
         }
         Ok(())
     };
-    if graph {
-        let (ctx, s) = &streams[0];
-        ctx.bind_to_thread().map_err(|e| err("bind", e))?;
-        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-        // SAFETY: the stream belongs to the bound context and is idle (synchronised above).
-        unsafe { result::stream::begin_capture(*s, mode) }.map_err(|e| err("begin capture", e))?;
-    }
+    let capture = if graph {
+        Some(Capture::begin(&streams[0].0, streams[0].1)?)
+    } else {
+        None
+    };
+    // An error from here to `end` drops `capture`, which ends the capture.
     for it in 0..iters {
-        record(3 * it, &evs)?;
-        g.launch(Op::Dispatch, path)?;
-        record(3 * it + 1, &evs)?;
-        g.launch(Op::Combine, path)?;
-        record(3 * it + 2, &evs)?;
+        record(3 * it)?;
+        launch(g, Op::Dispatch)?;
+        record(3 * it + 1)?;
+        launch(g, Op::Combine)?;
+        record(3 * it + 2)?;
     }
-    if graph {
-        let (_, s) = &streams[0];
-        // SAFETY: ends the capture begun above on the same stream; the graph and its executable
-        // are destroyed after their one replay has finished.
-        unsafe {
-            let gr = result::stream::end_capture(*s).map_err(|e| err("end capture", e))?;
-            let exec = result::graph::instantiate(gr, sys::CUgraphInstantiate_flags(0))
-                .map_err(|e| err("instantiate", e))?;
-            result::graph::launch(exec, *s).map_err(|e| err("graph launch", e))?;
-            result::stream::synchronize(*s).map_err(|e| err("graph sync", e))?;
-            let _ = result::graph::exec_destroy(exec);
-            let _ = result::graph::destroy(gr);
-        }
+    if let Some(c) = capture {
+        let mut gr = c.end()?;
+        gr.replay_once(streams[0].1)?;
     }
     g.sync()?;
     let mut disp = vec![0f64; iters];
     let mut comb = vec![0f64; iters];
-    for (d, (ctx, _)) in streams.iter().enumerate() {
-        ctx.bind_to_thread().map_err(|e| err("bind", e))?;
+    for (ctx, ev) in &evs.per_dev {
+        ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
         for it in 0..iters {
             // SAFETY: all three events were recorded on this context and have completed.
             let (a, b) = unsafe {
                 (
-                    result::event::elapsed(evs[d][3 * it], evs[d][3 * it + 1])
-                        .map_err(|e| err("elapsed", e))?,
-                    result::event::elapsed(evs[d][3 * it + 1], evs[d][3 * it + 2])
-                        .map_err(|e| err("elapsed", e))?,
+                    result::event::elapsed(ev[3 * it], ev[3 * it + 1])
+                        .map_err(|e| cuda_err("elapsed", e))?,
+                    result::event::elapsed(ev[3 * it + 1], ev[3 * it + 2])
+                        .map_err(|e| cuda_err("elapsed", e))?,
                 )
             };
             disp[it] = disp[it].max(a as f64 * 1e3);
             comb[it] = comb[it].max(b as f64 * 1e3);
         }
-        for &e in &evs[d] {
-            // SAFETY: the event is complete and not used again.
-            let _ = unsafe { result::event::destroy(e) };
-        }
     }
     Ok((disp, comb))
+}
+
+/// The kernels a path launches: (dispatch, combine).
+pub fn kernel_names(path: Path) -> (&'static str, &'static str) {
+    let f = match path {
+        Path::PerExpert => crate::compile::PER_EXPERT,
+        Path::Batched => crate::compile::BATCHED,
+    };
+    (f.kernels[0], f.kernels[1])
+}
+
+/// A path's kernel time from CUPTI's activity records ([`crate::cupti`]): the GPU duration of
+/// the path's own kernels, per call (slowest device), as DeepEP's test reports it through the
+/// profiler. Launch gaps and anything between the launches are not in it; the event figures
+/// include them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelTimes {
+    pub dispatch_us: Vec<f64>,
+    pub combine_us: Vec<f64>,
+    /// Launches of each kernel per call and device: 1, or 2 where the NCCL transport splits a
+    /// call into a pack and an unpack launch (their sum is the call's figure; NCCL's own
+    /// kernels are not in it).
+    pub launches_per_call: usize,
+}
+
+/// Profiles `iters` more dispatch+combine pairs on `path` under a CUPTI kernel timer (a run of
+/// its own, apart from the event-timed one, as DeepEP's `bench_kineto` is apart from `bench`).
+/// `Err(why)` where CUPTI is unavailable or its records do not add up to the calls made.
+pub fn kernel_times(
+    g: &mut GpuGroup,
+    path: Path,
+    iters: usize,
+    graph: bool,
+) -> Result<KernelTimes, String> {
+    if iters == 0 {
+        return Err("no timed calls (--iters 0)".into());
+    }
+    let devices: Vec<u32> = g
+        .streams()
+        .iter()
+        .map(|(c, _)| c.ordinal() as u32)
+        .collect();
+    let timer = crate::cupti::KernelTimer::start().map_err(|e| e.to_string())?;
+    let run = time_path(g, path, iters, 0, graph);
+    // Finish the timer whatever the run did: CUPTI's state is per process.
+    let recs = timer.finish();
+    run.map_err(|e| format!("profiled run: {e}"))?;
+    let recs = recs.map_err(|e| e.to_string())?;
+    let (dn, cn) = kernel_names(path);
+    let first = devices.first().copied().unwrap_or(0);
+    let n = recs
+        .iter()
+        .filter(|r| r.name == dn && r.device == first)
+        .count();
+    let launches = (n / iters).max(1);
+    let per = |name| {
+        crate::cupti::per_call_us(&recs, name, &devices, iters, launches).map_err(|e| e.to_string())
+    };
+    Ok(KernelTimes {
+        dispatch_us: per(dn)?,
+        combine_us: per(cn)?,
+        launches_per_call: launches,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ep_reference::Mode;
+
+    /// A launch that fails half-way through a captured timing run must leave no capture behind
+    /// (issue 10 item 8): the stream is not capturing afterwards and the group times again.
+    /// Needs a GPU, so it is ignored by default (CI has none) and run on the GPU machine with
+    /// `--ignored`; there, without a GPU, it fails rather than pass.
+    #[test]
+    #[ignore = "needs a GPU: run with --ignored on the GPU machine"]
+    fn failed_capture_leaves_no_capture_behind() {
+        use cudarc::driver::sys;
+        if let Err(why) = probe() {
+            panic!("needs a GPU: {why}");
+        }
+        let cfg = Config::new(2, 16, 8, 256, 4, Mode::Bf16).unwrap();
+        let mut g = GpuGroup::new(&cfg, GpuOptions::default()).unwrap();
+        let mut rng = crate::testing::Rng::new(3);
+        let data = crate::testing::random_inputs(
+            &cfg,
+            &[8, 8],
+            crate::testing::Routing::Random { masked: 0.1 },
+            &mut rng,
+        );
+        let x: Vec<_> = data.iter().map(|d| d.x.clone()).collect();
+        let idx: Vec<_> = data.iter().map(|d| d.topk_idx.clone()).collect();
+        g.dispatch(Path::Batched, &x, &idx).unwrap();
+        let mut n = 0;
+        let r = time_loop(&mut g, 4, 0, true, &mut |g, op| {
+            n += 1;
+            if n == 3 {
+                return Err(crate::GpuError::Cuda("injected failure".into()));
+            }
+            g.launch(op, Path::Batched)
+        });
+        assert!(
+            matches!(&r, Err(crate::GpuError::Cuda(m)) if m == "injected failure"),
+            "{r:?}"
+        );
+        for (ctx, s) in g.streams() {
+            ctx.bind_to_thread().unwrap();
+            let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE;
+            // SAFETY: the stream belongs to the bound context; `st` is a valid out-pointer.
+            unsafe { sys::cuStreamIsCapturing(s, &mut st) }
+                .result()
+                .unwrap();
+            assert_eq!(
+                st,
+                sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE,
+                "the stream is still capturing after the failed run"
+            );
+        }
+        let (d, c) = time_path(&mut g, Path::Batched, 3, 1, true).unwrap();
+        assert_eq!((d.len(), c.len()), (3, 3));
+        assert!(d.iter().chain(&c).all(|&us| us > 0.0), "{d:?} {c:?}");
+    }
+
+    /// CUPTI kernel time of a small group: one record per call and kernel, durations below the
+    /// event figures' sum (events also hold launch gaps). On the GPU machine only.
+    #[test]
+    #[ignore = "needs a GPU and libcupti: run with --ignored on the GPU machine"]
+    fn cupti_kernel_times_match_the_calls() {
+        if let Err(why) = probe() {
+            panic!("needs a GPU: {why}");
+        }
+        let cfg = Config::new(2, 16, 8, 256, 4, Mode::FP8).unwrap();
+        let mut g = GpuGroup::new(&cfg, GpuOptions::default()).unwrap();
+        let mut rng = crate::testing::Rng::new(5);
+        let data = crate::testing::random_inputs(
+            &cfg,
+            &[8, 5],
+            crate::testing::Routing::Random { masked: 0.1 },
+            &mut rng,
+        );
+        let x: Vec<_> = data.iter().map(|d| d.x.clone()).collect();
+        let idx: Vec<_> = data.iter().map(|d| d.topk_idx.clone()).collect();
+        for path in [Path::PerExpert, Path::Batched] {
+            g.dispatch(path, &x, &idx).unwrap();
+            for graph in [false, true] {
+                let (de, ce) = time_path(&mut g, path, 20, 2, graph).unwrap();
+                let k = kernel_times(&mut g, path, 20, graph).unwrap();
+                assert_eq!(k.launches_per_call, 1);
+                assert_eq!((k.dispatch_us.len(), k.combine_us.len()), (20, 20));
+                assert!(k.dispatch_us.iter().chain(&k.combine_us).all(|&u| u > 0.0));
+                let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+                println!(
+                    "{} graph={graph}: dispatch events {:.2} us, CUPTI kernel {:.2} us; \
+                     combine events {:.2} us, CUPTI kernel {:.2} us",
+                    path.name(),
+                    mean(&de),
+                    mean(&k.dispatch_us),
+                    mean(&ce),
+                    mean(&k.combine_us)
+                );
+            }
+        }
+    }
 }

@@ -69,6 +69,7 @@
 
 pub mod bench;
 pub mod compile;
+pub mod cupti;
 pub mod handshake;
 pub mod mp;
 pub mod nccl;
