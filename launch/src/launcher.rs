@@ -25,6 +25,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::env;
+use crate::time::{after, deadline as deadline_at};
 
 /// How the launcher behaves; [`Default`] suits `ep-bench`.
 #[derive(Debug, Clone)]
@@ -422,7 +423,7 @@ impl Launch {
     /// and last output lines.
     pub fn wait(mut self, timeout: Duration) -> Result<LaunchReport, LaunchError> {
         let n = self.pids.len();
-        let deadline = self.started + timeout;
+        let deadline = deadline_at(self.started, timeout);
         let mut first_failure: Option<usize> = None;
         let mut term_at: Option<Instant> = None;
         let mut kill_at: Option<Instant> = None;
@@ -458,7 +459,7 @@ impl Launch {
                     self.done[rank] = Some(exit);
                     if failed && first_failure.is_none() {
                         first_failure = Some(rank);
-                        term_at = Some(Instant::now() + self.opts.grace);
+                        term_at = Some(after(self.opts.grace));
                     }
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -475,20 +476,20 @@ impl Launch {
             if let Some(t) = term_at {
                 if now >= t && kill_at.is_none() {
                     self.signal_running(SIGTERM);
-                    kill_at = Some(now + self.opts.term_grace);
+                    kill_at = Some(deadline_at(now, self.opts.term_grace));
                 }
             }
             if let Some(k) = kill_at {
                 if now >= k {
                     self.signal_running(SIGKILL);
                     // SIGKILL cannot be ignored; the waiters report promptly. Bound it anyway.
-                    kill_at = Some(now + Duration::from_secs(5));
-                    if now
-                        >= deadline
-                            + self.opts.grace
-                            + self.opts.term_grace
-                            + Duration::from_secs(10)
-                    {
+                    kill_at = Some(deadline_at(now, Duration::from_secs(5)));
+                    let give_up = self
+                        .opts
+                        .grace
+                        .saturating_add(self.opts.term_grace)
+                        .saturating_add(Duration::from_secs(10));
+                    if now >= deadline_at(deadline, give_up) {
                         break;
                     }
                 }
@@ -551,7 +552,7 @@ impl Launch {
     /// Joins the waiter and output threads, bounded: a grandchild holding a pipe open must not
     /// hang the launcher.
     fn join_helpers(&mut self) {
-        let until = Instant::now() + Duration::from_secs(2);
+        let until = after(Duration::from_secs(2));
         for h in self.readers.drain(..).chain(self.waiters.drain(..)) {
             while !h.is_finished() && Instant::now() < until {
                 std::thread::sleep(Duration::from_millis(5));

@@ -7,11 +7,13 @@
 //!   buffers are exchanged. Every wait is bounded; a dead peer is reported promptly by rank.
 //! - [`launcher`]: `spawn_local`, which starts N local ranks of a program (what
 //!   `ep-bench --nprocs N` uses), and reports a failing rank.
+//! - [`time`]: saturating deadlines (`deadline(now, d)`), so no timeout value can panic.
 
 pub mod env;
 #[cfg(unix)]
 pub mod launcher;
 pub mod rendezvous;
+pub mod time;
 
 pub use env::{is_launched_by_ep_launch, is_launched_externally, EnvError, ProcessConfig};
 #[cfg(unix)]

@@ -34,6 +34,8 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use crate::time::{after, deadline as deadline_at};
+
 const MAGIC: [u8; 4] = *b"EPRZ";
 /// Bumped whenever the wire format changes; a peer with another version is refused.
 pub const PROTOCOL_VERSION: u16 = 1;
@@ -669,7 +671,7 @@ impl Rendezvous {
     fn accept_all(cfg: &RendezvousConfig, listener: TcpListener) -> Result<Self> {
         let rank = 0;
         let world = cfg.world_size;
-        let deadline = Instant::now() + cfg.connect_timeout;
+        let deadline = after(cfg.connect_timeout);
         let addr = listener
             .local_addr()
             .map(|a| a.to_string())
@@ -688,7 +690,7 @@ impl Rendezvous {
         let fail = |slots: &mut Vec<Option<Link>>, err: RendezvousError| {
             let payload = abort_payload(&err);
             let bytes = encode(Kind::Abort, Op::Connect, 0, 0, &payload);
-            let d = Instant::now() + Duration::from_millis(100);
+            let d = after(Duration::from_millis(100));
             for link in slots.iter_mut().flatten() {
                 let _ = link.send(&bytes, d);
             }
@@ -755,7 +757,7 @@ impl Rendezvous {
                             detail,
                         };
                         let bytes = encode(Kind::Abort, Op::Connect, 0, 0, &abort_payload(&err));
-                        let _ = link.send(&bytes, Instant::now() + Duration::from_millis(100));
+                        let _ = link.send(&bytes, after(Duration::from_millis(100)));
                         return Err(fail(&mut slots, err));
                     }
                     link.peer = peer;
@@ -820,7 +822,7 @@ impl Rendezvous {
             0,
             &(world as u32).to_le_bytes(),
         );
-        let send_deadline = Instant::now() + cfg.op_timeout.min(Duration::from_secs(10));
+        let send_deadline = after(cfg.op_timeout.min(Duration::from_secs(10)));
         for i in 0..links.len() {
             if let Err(f) = links[i].send(&welcome, send_deadline) {
                 let peer = links[i].peer;
@@ -859,7 +861,7 @@ impl Rendezvous {
     fn connect_to_root(cfg: &RendezvousConfig) -> Result<Self> {
         let rank = cfg.rank;
         let start = Instant::now();
-        let deadline = start + cfg.connect_timeout;
+        let deadline = deadline_at(start, cfg.connect_timeout);
         let connect_err = |cause: String| RendezvousError::Connect {
             rank,
             peer: 0,
@@ -909,7 +911,7 @@ impl Rendezvous {
 
         // Wait to be welcomed: rank 0 answers once every rank is in, so allow it the whole
         // connect timeout plus a grace for the last rank's connection to arrive.
-        let welcome_deadline = deadline + grace(cfg.connect_timeout);
+        let welcome_deadline = deadline_at(deadline, grace(cfg.connect_timeout));
         loop {
             let progress = link.pump();
             if let Some(frame) = link.inbox.pop_front() {
@@ -970,7 +972,7 @@ impl Rendezvous {
                     peer: 0,
                     op: Op::Connect,
                     seq: 0,
-                    timeout: welcome_deadline - start,
+                    timeout: welcome_deadline.saturating_duration_since(start),
                 });
             }
             if !progress {
@@ -1076,7 +1078,7 @@ impl Rendezvous {
                 if inner.broken.is_none() {
                     inner.broken = Some(err.clone());
                     let bytes = encode(Kind::Abort, op, seq, self.rank, &abort_payload(&err));
-                    let d = Instant::now() + Duration::from_millis(200);
+                    let d = after(Duration::from_millis(200));
                     for link in inner.links.iter_mut() {
                         if link.fault.is_none() && Some(link.peer) != err.peer_if_lost() {
                             let _ = link.send(&bytes, d);
@@ -1115,7 +1117,7 @@ impl Rendezvous {
             })
         } else {
             let bytes = encode(Kind::Data, op, seq, self.rank, blob);
-            let deadline = Instant::now() + self.op_timeout;
+            let deadline = after(self.op_timeout);
             self.send_to(&mut inner, 0, &bytes, op, seq, deadline)
                 .and_then(|()| self.collect(&mut inner, op, seq))
                 .and_then(|mut v| {
@@ -1179,7 +1181,7 @@ impl Rendezvous {
     }
 
     fn send_all(&self, inner: &mut Inner, bytes: &[u8], op: Op, seq: u64) -> Result<()> {
-        let deadline = Instant::now() + self.op_timeout;
+        let deadline = after(self.op_timeout);
         for i in 0..inner.links.len() {
             self.send_to(inner, i, bytes, op, seq, deadline)?;
         }
@@ -1258,9 +1260,9 @@ impl Rendezvous {
         let timeout = if self.rank == 0 {
             self.op_timeout
         } else {
-            self.op_timeout + grace(self.op_timeout)
+            self.op_timeout.saturating_add(grace(self.op_timeout))
         };
-        let deadline = start + timeout;
+        let deadline = deadline_at(start, timeout);
         let n = inner.links.len();
         let mut got: Vec<Option<Vec<u8>>> = (0..n).map(|_| None).collect();
         loop {
@@ -1393,7 +1395,7 @@ impl Drop for Rendezvous {
     fn drop(&mut self) {
         let inner = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
         let bye = encode(Kind::Bye, Op::Connect, inner.seq, self.rank, &[]);
-        let d = Instant::now() + Duration::from_millis(100);
+        let d = after(Duration::from_millis(100));
         for link in inner.links.iter_mut() {
             // Drain unread bytes first: closing with unread data sends a reset, which could
             // reach the peer before the goodbye.
