@@ -17,10 +17,20 @@
 //! (`TORCHELASTIC_RUN_ID` set: torchrun's own store already listens on `MASTER_PORT` on rank 0's
 //! host), otherwise `MASTER_PORT`.
 //!
+//! Who may join the job (see [`crate::auth`]):
+//!
+//! | variable        | meaning                                                              |
+//! |-----------------|----------------------------------------------------------------------|
+//! | `EP_JOB_TOKEN`  | the job's shared secret, the same on every rank, at least 16 bytes; [`spawn_local`](crate::launcher::spawn_local) sets a fresh one. Required when `MASTER_ADDR` is not loopback, unless `EP_RDZV_OPEN=1` |
+//! | `EP_RDZV_OPEN`  | `1`: run without a token even across hosts (anyone who can reach the port can join) |
+//! | `EP_JOB_ID`     | the job's identity, bound into every proof (default: torchrun's `TORCHELASTIC_RUN_ID`, else empty) |
+//!
 //! Every problem is a typed [`EnvError`] naming the variable and the value it had; nothing here
 //! panics.
 
 use std::time::Duration;
+
+use crate::auth::{JobToken, MAX_JOB_ID_LEN};
 
 /// Names of the variables, so callers and launchers spell them the same way.
 pub const RANK: &str = "RANK";
@@ -36,6 +46,12 @@ pub const TORCHELASTIC_RUN_ID: &str = "TORCHELASTIC_RUN_ID";
 /// Set by [`spawn_local`](crate::launcher::spawn_local) in its children (value `ep-launch`), so a
 /// program can tell this launcher from an external one.
 pub const EP_LAUNCHER: &str = "EP_LAUNCHER";
+/// The job's shared secret (see [`crate::auth`]).
+pub const EP_JOB_TOKEN: &str = "EP_JOB_TOKEN";
+/// `1` to run without a token across hosts.
+pub const EP_RDZV_OPEN: &str = "EP_RDZV_OPEN";
+/// Optional job identity bound into the proofs.
+pub const EP_JOB_ID: &str = "EP_JOB_ID";
 
 /// What went wrong reading the process configuration.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -74,6 +90,12 @@ pub struct ProcessConfig {
     /// Where rank 0's rendezvous listens (see the module docs): `EP_RDZV_PORT`, else
     /// `MASTER_PORT + 1` under torchrun, else `MASTER_PORT`.
     pub rdzv_port: u16,
+    /// `EP_JOB_TOKEN`, if set.
+    pub job_token: Option<JobToken>,
+    /// `EP_RDZV_OPEN=1`.
+    pub open: bool,
+    /// `EP_JOB_ID`, else `TORCHELASTIC_RUN_ID`, else empty.
+    pub job_id: String,
 }
 
 impl ProcessConfig {
@@ -190,6 +212,56 @@ impl ProcessConfig {
                 None => master_port,
             };
 
+        let job_token = match lookup(EP_JOB_TOKEN) {
+            Ok(None) => None,
+            // The value is a secret: errors give its length, never its text.
+            Err(lossy) => {
+                return Err(EnvError::Invalid {
+                    var: EP_JOB_TOKEN,
+                    value: format!("<hidden, {} bytes>", lossy.len()),
+                    reason: "not valid unicode".into(),
+                })
+            }
+            Ok(Some(v)) => {
+                let len = v.len();
+                Some(
+                    JobToken::new(v.into_bytes()).map_err(|e| EnvError::Invalid {
+                        var: EP_JOB_TOKEN,
+                        value: format!("<hidden, {len} bytes>"),
+                        reason: e.to_string(),
+                    })?,
+                )
+            }
+        };
+        let open = match get(EP_RDZV_OPEN)? {
+            None => false,
+            Some(v) => match v.trim() {
+                "" | "0" | "false" | "no" => false,
+                "1" | "true" | "yes" => true,
+                _ => {
+                    return Err(EnvError::Invalid {
+                        var: EP_RDZV_OPEN,
+                        value: v,
+                        reason: "expected 1 (run open, without a job token) or 0".into(),
+                    })
+                }
+            },
+        };
+        let (id_var, job_id) = match get(EP_JOB_ID)? {
+            Some(v) => (EP_JOB_ID, v),
+            None => (
+                TORCHELASTIC_RUN_ID,
+                get(TORCHELASTIC_RUN_ID)?.unwrap_or_default(),
+            ),
+        };
+        if job_id.len() > MAX_JOB_ID_LEN {
+            return Err(EnvError::Invalid {
+                var: id_var,
+                value: format!("<{} bytes>", job_id.len()),
+                reason: format!("longer than {MAX_JOB_ID_LEN} bytes"),
+            });
+        }
+
         Ok(Self {
             rank,
             world_size,
@@ -198,6 +270,9 @@ impl ProcessConfig {
             master_addr,
             master_port,
             rdzv_port,
+            job_token,
+            open,
+            job_id,
         })
     }
 
@@ -214,6 +289,10 @@ impl ProcessConfig {
             master_port: self.rdzv_port,
             connect_timeout,
             op_timeout,
+            token: self.job_token.clone(),
+            open: self.open,
+            job_id: self.job_id.clone(),
+            limits: crate::rendezvous::Limits::default(),
         }
     }
 }
@@ -293,6 +372,9 @@ mod tests {
                 master_addr: "127.0.0.1".into(),
                 master_port: 29500,
                 rdzv_port: 29500,
+                job_token: None,
+                open: false,
+                job_id: String::new(),
             }
         );
         let c = with(&[("LOCAL_WORLD_SIZE", None)]).unwrap();

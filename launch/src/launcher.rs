@@ -2,7 +2,8 @@
 //!
 //! [`spawn_local`] picks a free loopback port, starts the N children with `RANK`, `WORLD_SIZE`,
 //! `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR=127.0.0.1`, `MASTER_PORT` and
-//! `EP_LAUNCHER=ep-launch` set, and copies each child's stdout/stderr lines to its own with a
+//! `EP_LAUNCHER=ep-launch` and a fresh random `EP_JOB_TOKEN` (the job's secret, see
+//! [`crate::auth`]) set, and copies each child's stdout/stderr lines to its own with a
 //! `[rank i] ` prefix. [`Launch::wait`] waits for all of them (bounded); when one exits non-zero
 //! or is killed by a signal it reports which rank and how, gives the others a grace period to
 //! finish (they usually fail on their own, with a rendezvous error naming the dead rank), then
@@ -24,6 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::auth::JobToken;
 use crate::env;
 use crate::time::{after, deadline as deadline_at};
 
@@ -163,6 +165,8 @@ pub enum LaunchError {
     InvalidRequest { detail: String },
     #[error("cannot find a free port on 127.0.0.1: {cause}")]
     NoFreePort { cause: String },
+    #[error("cannot make a job token for the ranks: {cause}")]
+    NoToken { cause: String },
     #[error("cannot start rank {rank} ({program}): {cause}")]
     Spawn {
         rank: usize,
@@ -284,6 +288,10 @@ where
         Some(p) => p,
         None => free_port()?,
     };
+    // The job's secret: only processes started here (or given it) can join the rendezvous.
+    let (_, token) = JobToken::generate().map_err(|e| LaunchError::NoToken {
+        cause: e.to_string(),
+    })?;
     let program = program.as_ref().to_os_string();
     let args: Vec<OsString> = args
         .into_iter()
@@ -316,6 +324,9 @@ where
             .env(env::MASTER_ADDR, "127.0.0.1")
             .env(env::MASTER_PORT, port.to_string())
             .env(env::EP_LAUNCHER, "ep-launch")
+            .env(env::EP_JOB_TOKEN, &token)
+            // The children are on this host and hold the token: never open.
+            .env_remove(env::EP_RDZV_OPEN)
             // Inherited values would move the rendezvous off the port picked here.
             .env_remove(env::EP_RDZV_PORT)
             .env_remove(env::TORCHELASTIC_RUN_ID)

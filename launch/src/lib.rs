@@ -9,6 +9,7 @@
 //!   `ep-bench --nprocs N` uses), and reports a failing rank.
 //! - [`time`]: saturating deadlines (`deadline(now, d)`), so no timeout value can panic.
 
+pub mod auth;
 pub mod env;
 #[cfg(unix)]
 pub mod launcher;

@@ -37,8 +37,15 @@ mod tests {
     #[test]
     fn huge_durations_saturate_to_the_far_future() {
         let now = Instant::now();
-        assert_eq!(deadline(now, Duration::from_secs(5)), now + Duration::from_secs(5));
-        for d in [Duration::MAX, Duration::from_secs(u64::MAX), Duration::from_secs(1 << 62)] {
+        assert_eq!(
+            deadline(now, Duration::from_secs(5)),
+            now + Duration::from_secs(5)
+        );
+        for d in [
+            Duration::MAX,
+            Duration::from_secs(u64::MAX),
+            Duration::from_secs(1 << 62),
+        ] {
             let t = deadline(now, d);
             // Far ahead: at least a year, and no panic.
             assert!(t >= now + Duration::from_secs(365 * 24 * 3600), "{d:?}");
