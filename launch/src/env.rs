@@ -52,6 +52,9 @@ pub const EP_JOB_TOKEN: &str = "EP_JOB_TOKEN";
 pub const EP_RDZV_OPEN: &str = "EP_RDZV_OPEN";
 /// Optional job identity bound into the proofs.
 pub const EP_JOB_ID: &str = "EP_JOB_ID";
+/// Set by [`spawn_local`](crate::launcher::spawn_local) for rank 0 only: the number of an
+/// inherited descriptor, the listening socket of the rendezvous port, already bound.
+pub const EP_RDZV_LISTEN_FD: &str = "EP_RDZV_LISTEN_FD";
 
 /// What went wrong reading the process configuration.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -96,6 +99,8 @@ pub struct ProcessConfig {
     pub open: bool,
     /// `EP_JOB_ID`, else `TORCHELASTIC_RUN_ID`, else empty.
     pub job_id: String,
+    /// `EP_RDZV_LISTEN_FD` (rank 0 under [`spawn_local`](crate::launcher::spawn_local)).
+    pub listen_fd: Option<i32>,
 }
 
 impl ProcessConfig {
@@ -262,6 +267,20 @@ impl ProcessConfig {
             });
         }
 
+        let listen_fd = match get(EP_RDZV_LISTEN_FD)? {
+            None => None,
+            Some(v) => match v.trim().parse::<i32>() {
+                Ok(fd) if fd >= 0 => Some(fd),
+                _ => {
+                    return Err(EnvError::Invalid {
+                        var: EP_RDZV_LISTEN_FD,
+                        value: v,
+                        reason: "expected a file descriptor number".into(),
+                    })
+                }
+            },
+        };
+
         Ok(Self {
             rank,
             world_size,
@@ -273,6 +292,7 @@ impl ProcessConfig {
             job_token,
             open,
             job_id,
+            listen_fd,
         })
     }
 
@@ -293,6 +313,7 @@ impl ProcessConfig {
             open: self.open,
             job_id: self.job_id.clone(),
             limits: crate::rendezvous::Limits::default(),
+            inherited_listener: if self.rank == 0 { self.listen_fd } else { None },
         }
     }
 }
@@ -375,6 +396,7 @@ mod tests {
                 job_token: None,
                 open: false,
                 job_id: String::new(),
+                listen_fd: None,
             }
         );
         let c = with(&[("LOCAL_WORLD_SIZE", None)]).unwrap();

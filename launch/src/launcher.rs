@@ -201,7 +201,9 @@ pub struct LaunchReport {
     pub output: Vec<Vec<String>>,
 }
 
-/// Picks a free TCP port on 127.0.0.1 (bind port 0, read it, release it).
+/// Picks a free TCP port on 127.0.0.1 (bind port 0, read it, release it). Racy: another
+/// process may take the port before it is bound again; [`spawn_local`] does not use it (it
+/// hands its bound socket to rank 0, see [`crate::env::EP_RDZV_LISTEN_FD`]).
 pub fn free_port() -> Result<u16, LaunchError> {
     let l = TcpListener::bind("127.0.0.1:0").map_err(|e| LaunchError::NoFreePort {
         cause: e.to_string(),
@@ -279,14 +281,22 @@ where
             detail: format!("bad environment variable name {k:?}"),
         });
     }
-    let port = match opts.master_port {
+    // Without a given port, bind one here and hand the bound socket to rank 0: the port is
+    // held from now until rank 0's rendezvous listens on it (no window for another process).
+    let (port, mut listener) = match opts.master_port {
         Some(0) => {
             return Err(LaunchError::InvalidRequest {
                 detail: "master_port 0".into(),
             })
         }
-        Some(p) => p,
-        None => free_port()?,
+        Some(p) => (p, None),
+        None => {
+            let no_port = |e: std::io::Error| LaunchError::NoFreePort {
+                cause: e.to_string(),
+            };
+            let l = TcpListener::bind("127.0.0.1:0").map_err(no_port)?;
+            (l.local_addr().map_err(no_port)?.port(), Some(l))
+        }
     };
     // The job's secret: only processes started here (or given it) can join the rendezvous.
     let (_, token) = JobToken::generate().map_err(|e| LaunchError::NoToken {
@@ -329,12 +339,19 @@ where
             .env_remove(env::EP_RDZV_OPEN)
             // Inherited values would move the rendezvous off the port picked here.
             .env_remove(env::EP_RDZV_PORT)
+            .env_remove(env::EP_RDZV_LISTEN_FD)
             .env_remove(env::TORCHELASTIC_RUN_ID)
             .envs(extra_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         set_parent_death_signal(&mut cmd);
+        if rank == 0 {
+            if let Some(l) = &listener {
+                let fd = crate::inherit::pass_to_child(&mut cmd, l);
+                cmd.env(env::EP_RDZV_LISTEN_FD, fd.to_string());
+            }
+        }
         let mut child: Child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
@@ -346,6 +363,11 @@ where
                 });
             }
         };
+        if rank == 0 {
+            // Rank 0 holds its own copy now; the launcher's would only keep the port busy after
+            // rank 0 is gone.
+            listener = None;
+        }
         launch.pids.push(child.id());
         if let Some(out) = child.stdout.take() {
             launch
@@ -767,6 +789,40 @@ mod tests {
             "took {:?}",
             t0.elapsed()
         );
+    }
+
+    #[test]
+    fn the_port_stays_bound_from_launch_to_rank_0() {
+        // Rank 0 inherits the launcher's bound socket (EP_RDZV_LISTEN_FD); the others do not.
+        // While the children run, nobody else can bind the port: with a pick-and-release port,
+        // this bind succeeded and any process could take the port before rank 0.
+        let script = "if [ -n \"$EP_RDZV_LISTEN_FD\" ]; then \
+                      echo fd=$(readlink /proc/$$/fd/$EP_RDZV_LISTEN_FD); else echo fd=none; fi; \
+                      echo token=${#EP_JOB_TOKEN}; sleep 1";
+        let l = spawn_local_with(&quiet(), 2, "/bin/sh", ["-c", script], &[]).unwrap();
+        let port = l.master_port();
+        let taken = TcpListener::bind(("127.0.0.1", port));
+        assert!(
+            matches!(&taken, Err(e) if e.kind() == std::io::ErrorKind::AddrInUse),
+            "port {port} was free for anyone: {taken:?}"
+        );
+        let report = l.wait(Duration::from_secs(20)).unwrap();
+        assert!(
+            report.output[0]
+                .iter()
+                .any(|x| x.starts_with("fd=socket:[")),
+            "{:?}",
+            report.output[0]
+        );
+        assert!(
+            report.output[1].contains(&"fd=none".to_string()),
+            "{:?}",
+            report.output[1]
+        );
+        // Every child got the job's 64-character token.
+        for out in &report.output {
+            assert!(out.contains(&"token=64".to_string()), "{out:?}");
+        }
     }
 
     #[test]

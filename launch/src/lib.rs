@@ -12,6 +12,8 @@
 pub mod auth;
 pub mod env;
 #[cfg(unix)]
+mod inherit;
+#[cfg(unix)]
 pub mod launcher;
 pub mod rendezvous;
 pub mod time;

@@ -285,6 +285,10 @@ pub struct RendezvousConfig {
     pub job_id: String,
     /// Bounds against hostile or broken peers.
     pub limits: Limits,
+    /// Rank 0 (Unix): the descriptor of a listening socket already bound to `master_port`,
+    /// inherited from the launcher (`EP_RDZV_LISTEN_FD`), listened on instead of binding, so
+    /// the port cannot be taken between the launcher choosing it and rank 0 listening.
+    pub inherited_listener: Option<i32>,
 }
 
 /// Bounds on what a peer can make this process hold or wait for.
@@ -325,6 +329,7 @@ impl RendezvousConfig {
             open: false,
             job_id: String::new(),
             limits: Limits::default(),
+            inherited_listener: None,
         }
     }
 
@@ -881,6 +886,21 @@ impl Rendezvous {
     /// `world_size` ranks are connected (this call is also a barrier).
     pub fn connect(cfg: &RendezvousConfig) -> Result<Self> {
         cfg.validate()?;
+        #[cfg(unix)]
+        if let (0, Some(fd)) = (cfg.rank, cfg.inherited_listener) {
+            match crate::inherit::take(fd, cfg.master_port) {
+                Ok(Some(listener)) => return Self::accept_all(cfg, listener),
+                // Taken by an earlier rendezvous of this process: bind as usual.
+                Ok(None) => {}
+                Err(cause) => {
+                    return Err(RendezvousError::Bind {
+                        rank: 0,
+                        addr: cfg.addr_string(),
+                        cause,
+                    })
+                }
+            }
+        }
         if cfg.rank == 0 {
             let addrs = cfg.resolve().map_err(|cause| RendezvousError::Bind {
                 rank: 0,
