@@ -512,6 +512,83 @@ mod tests {
     }
 
     #[test]
+    fn job_token_open_flag_job_id_and_listener_are_read() {
+        let d = Duration::from_secs(1);
+        let c = with(&[
+            (EP_JOB_TOKEN, Some("0123456789abcdef0123")),
+            (EP_JOB_ID, Some("run-7")),
+            (EP_RDZV_LISTEN_FD, Some("5")),
+        ])
+        .unwrap();
+        assert_eq!(
+            c.job_token,
+            Some(JobToken::new(*b"0123456789abcdef0123").unwrap())
+        );
+        assert_eq!(
+            (c.job_id.as_str(), c.listen_fd, c.open),
+            ("run-7", Some(5), false)
+        );
+        let rc = c.rendezvous_config(d, d);
+        assert_eq!(rc.token, c.job_token);
+        assert_eq!(rc.job_id, "run-7");
+        // The inherited listener is rank 0's only (this is rank 3).
+        assert_eq!(rc.inherited_listener, None);
+        let c0 = ProcessConfig { rank: 0, ..c };
+        assert_eq!(c0.rendezvous_config(d, d).inherited_listener, Some(5));
+        // torchrun's run id is the default job id.
+        let c = with(&[(TORCHELASTIC_RUN_ID, Some("abc"))]).unwrap();
+        assert_eq!(c.job_id, "abc");
+        for (v, open) in [("1", true), ("yes", true), ("0", false), ("", false)] {
+            assert_eq!(
+                with(&[(EP_RDZV_OPEN, Some(v))]).unwrap().open,
+                open,
+                "{v:?}"
+            );
+        }
+        assert!(matches!(
+            with(&[(EP_RDZV_OPEN, Some("maybe"))]),
+            Err(EnvError::Invalid {
+                var: EP_RDZV_OPEN,
+                ..
+            })
+        ));
+        assert!(matches!(
+            with(&[(EP_RDZV_LISTEN_FD, Some("-1"))]),
+            Err(EnvError::Invalid {
+                var: EP_RDZV_LISTEN_FD,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn a_bad_job_token_is_rejected_without_showing_it() {
+        let err = with(&[(EP_JOB_TOKEN, Some("hunter2"))]).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            matches!(
+                &err,
+                EnvError::Invalid {
+                    var: EP_JOB_TOKEN,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(
+            !msg.contains("hunter2") && !format!("{err:?}").contains("hunter2"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("7 bytes") && msg.contains("at least 16"),
+            "{msg}"
+        );
+        // Nor does a parsed configuration print it.
+        let c = with(&[(EP_JOB_TOKEN, Some("a-long-enough-secret"))]).unwrap();
+        assert!(!format!("{c:?}").contains("a-long-enough-secret"));
+    }
+
+    #[test]
     fn non_unicode_value_is_typed() {
         let err = ProcessConfig::from_lookup(|k| {
             if k == RANK {
