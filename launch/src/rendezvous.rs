@@ -458,6 +458,10 @@ enum Facing {
     Unidentified,
     /// Rank 0's side of a link to an admitted rank.
     Member,
+    /// A rank's side of its link to rank 0 before rank 0 has proved itself: only handshake
+    /// frames (the welcome may follow the admission in the same read), so an impostor cannot
+    /// make the rank buffer more than a failure report.
+    RootUnproven,
     /// A rank's side of its link to rank 0.
     Root,
 }
@@ -487,6 +491,14 @@ impl FrameLimits {
                 "a new connection must start with a hello, not {kind:?}"
             ));
         }
+        if self.facing == Facing::RootUnproven
+            && !matches!(
+                kind,
+                Kind::Challenge | Kind::Admit | Kind::Welcome | Kind::Abort
+            )
+        {
+            return Err(format!("rank 0 sent {kind:?} before admitting this rank"));
+        }
         Ok(match kind {
             Kind::Hello => HELLO_LEN as u64,
             Kind::Challenge => CHALLENGE_LEN as u64,
@@ -507,6 +519,7 @@ impl FrameLimits {
     fn read_budget(&self) -> usize {
         let largest = match self.facing {
             Facing::Unidentified => HELLO_LEN as u64,
+            Facing::RootUnproven => MAX_ABORT as u64,
             Facing::Member => (self.max_blob.max(MAX_ABORT)) as u64,
             Facing::Root => self.gathered().max(MAX_ABORT as u64),
         };
@@ -724,11 +737,19 @@ impl Link {
         }
         let budget = self.limits.read_budget();
         let mut progress = false;
+        // Bytes held back while the limits changed (see `held`) are parsed first.
+        if !self.rbuf.is_empty() && !self.held() {
+            let before = self.inbox.len();
+            if !self.parse_frames() {
+                return true;
+            }
+            progress = self.inbox.len() != before;
+        }
         let mut closed: Option<String> = None;
         let mut chunk = [0u8; 64 * 1024];
         loop {
             let room = budget.saturating_sub(self.buffered()).min(chunk.len());
-            if room == 0 {
+            if room == 0 || self.held() {
                 break;
             }
             match self.stream.read(&mut chunk[..room]) {
@@ -769,11 +790,22 @@ impl Link {
         progress
     }
 
+    /// Whether parsing waits: a rank has rank 0's admission in hand but has not checked its
+    /// proof yet. What follows it (the welcome, maybe a broadcast) is parsed under the limits
+    /// for a proven rank 0 once the proof is checked, and under none before.
+    fn held(&self) -> bool {
+        self.limits.facing == Facing::RootUnproven
+            && self.inbox.iter().any(|f| f.kind == Kind::Admit)
+    }
+
     /// Moves every complete frame from the read buffer to the inbox; false (and a fault) on
     /// bytes that are not a valid frame for this link.
     fn parse_frames(&mut self) -> bool {
         let mut consumed = 0;
         let ok = loop {
+            if self.held() {
+                break true;
+            }
             match parse(&self.rbuf[consumed..], &self.limits) {
                 Ok(Some((frame, n))) => {
                     consumed += n;
@@ -1111,7 +1143,7 @@ impl Rendezvous {
             match TcpStream::connect_timeout(&a, budget) {
                 Ok(s) => {
                     let limits = FrameLimits {
-                        facing: Facing::Root,
+                        facing: Facing::RootUnproven,
                         world: cfg.world_size,
                         max_blob: cfg.limits.max_blob,
                     };
@@ -1263,7 +1295,11 @@ impl Rendezvous {
             }
             match Self::dial(cfg, deadline) {
                 Ok(mut link) => match Self::handshake(cfg, &mut link, deadline) {
-                    Ok(()) => break link,
+                    Ok(()) => {
+                        // Rank 0 proved itself: from now on it may send collective results.
+                        link.limits.facing = Facing::Root;
+                        break link;
+                    }
                     Err(Handshake::Retry(cause)) => last_error = cause,
                     Err(Handshake::Fatal(err)) => return Err(err),
                 },

@@ -481,3 +481,51 @@ fn a_rank_does_not_trust_a_stranger_listening_on_the_port() {
         }
     });
 }
+
+#[test]
+fn a_rank_reads_an_admission_welcome_and_broadcast_sent_at_once() {
+    // A rank 0 that holds the token (here: the test, computing the proof as the protocol
+    // defines it) may send the admission, the welcome and a first broadcast back to back; the
+    // rank must check the proof and then take the rest under the limits of a proven rank 0.
+    use hmac::{Hmac, Mac};
+    bounded(Duration::from_secs(60), || {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let blob: Vec<u8> = (0..100_000u32).map(|i| i as u8).collect();
+        let sent = blob.clone();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let server_nonce = [3u8; 32];
+            let mut p = vec![1u8];
+            p.extend_from_slice(&server_nonce);
+            s.write_all(&frame(2, CHALLENGE, 0, &p)).unwrap();
+            let (kind, hello) = read_frame(&mut s).unwrap();
+            assert_eq!(kind, HELLO);
+            let mut m =
+                <Hmac<sha2::Sha256> as Mac>::new_from_slice(b"the-real-job-token-0123456789")
+                    .unwrap();
+            m.update(b"ep-launch rendezvous v2 admit\0");
+            m.update(&server_nonce);
+            m.update(&hello[4..36]);
+            m.update(&1u32.to_le_bytes());
+            m.update(&2u32.to_le_bytes());
+            m.update(&0u64.to_le_bytes()); // empty job id
+            let proof = m.finalize().into_bytes();
+            let mut all = frame(2, ADMIT, 0, &proof);
+            all.extend_from_slice(&frame(2, WELCOME, 0, &2u32.to_le_bytes()));
+            let mut data = frame(2, DATA, 0, &sent);
+            data[7] = 2; // op: broadcast
+            data[8..16].copy_from_slice(&1u64.to_le_bytes()); // seq 1
+            all.extend_from_slice(&data);
+            s.write_all(&all).unwrap();
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest);
+        });
+        let c = RendezvousConfig::local(1, 2, port, Duration::from_secs(10)).with_token(token());
+        let r = Rendezvous::connect(&c).unwrap();
+        assert_eq!(r.broadcast(&[]).unwrap(), blob);
+        drop(r);
+        server.join().unwrap();
+    });
+}
