@@ -1485,7 +1485,10 @@ impl Rendezvous {
                     let bytes = encode(Kind::Abort, op, seq, self.rank, &abort_payload(&err));
                     let d = after(Duration::from_millis(200));
                     for link in inner.links.iter_mut() {
-                        if link.fault.is_none() && Some(link.peer) != err.peer_if_lost() {
+                        // A peer that sent garbage is still there and is told too; one whose
+                        // connection is gone is not.
+                        let gone = matches!(link.fault, Some(Fault::Lost(_) | Fault::Clean));
+                        if !gone && Some(link.peer) != err.peer_if_lost() {
                             let _ = link.send(&bytes, d);
                         }
                     }

@@ -541,3 +541,64 @@ fn a_clean_exit_is_not_a_failure_for_check_peers() {
         }
     });
 }
+
+#[test]
+fn blobs_above_the_limit_fail_naming_the_sender() {
+    bounded(Duration::from_secs(60), || {
+        let (l, port) = listener();
+        let t = Duration::from_secs(10);
+        let small = ep_launch::rendezvous::Limits {
+            max_blob: 1000,
+            ..Default::default()
+        };
+        let c = move |rank| RendezvousConfig {
+            limits: small,
+            ..cfg(rank, 2, port, t)
+        };
+        // Rank 1 tries a blob above its own limit: refused before anything is sent, and the
+        // group learns who failed.
+        let r1 = std::thread::spawn(move || {
+            let r = Rendezvous::connect(&c(1))?;
+            Ok::<_, RendezvousError>(r.all_gather(&[1u8; 1001]).unwrap_err())
+        });
+        let r0 = Rendezvous::with_listener(&c(0), l).unwrap();
+        let e0 = r0.all_gather(b"zero").unwrap_err();
+        let e1 = r1.join().unwrap().unwrap();
+        assert!(
+            matches!(
+                e1,
+                RendezvousError::BlobTooLarge {
+                    rank: 1,
+                    op: Op::AllGather,
+                    seq: 1,
+                    len: 1001,
+                    limit: 1000
+                }
+            ),
+            "{e1}"
+        );
+        assert_eq!(e0.peer(), Some(1), "{e0}");
+
+        // A rank whose limit is larger than rank 0's: rank 0 refuses the frame on its header
+        // (it never buffers the blob) and names the sender.
+        let (l, port) = listener();
+        let r1 = std::thread::spawn(move || {
+            let r = Rendezvous::connect(&cfg(1, 2, port, t))?;
+            r.all_gather(&[1u8; 5000])
+        });
+        let r0 = Rendezvous::with_listener(
+            &RendezvousConfig {
+                limits: small,
+                ..cfg(0, 2, port, t)
+            },
+            l,
+        )
+        .unwrap();
+        let e0 = r0.all_gather(b"zero").unwrap_err();
+        assert!(
+            matches!(&e0, RendezvousError::Protocol { rank: 0, peer: 1, detail, .. } if detail.contains("exceeds the limit 1000")),
+            "{e0}"
+        );
+        assert_eq!(r1.join().unwrap().unwrap_err().peer(), Some(1));
+    });
+}
