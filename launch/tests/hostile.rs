@@ -301,7 +301,7 @@ fn a_flood_of_connections_is_capped_and_the_job_still_forms() {
         }
         // Rank 0 holds at most CAP of them: the rest are closed, long before their deadline.
         let t0 = Instant::now();
-        let mut closed = vec![false; FLOOD];
+        let mut closed = [false; FLOOD];
         let mut chunk = [0u8; 256];
         while closed.iter().filter(|&&c| c).count() < FLOOD - CAP {
             assert!(
