@@ -17,10 +17,20 @@
 //! (`TORCHELASTIC_RUN_ID` set: torchrun's own store already listens on `MASTER_PORT` on rank 0's
 //! host), otherwise `MASTER_PORT`.
 //!
+//! Who may join the job (see [`crate::auth`]):
+//!
+//! | variable        | meaning                                                              |
+//! |-----------------|----------------------------------------------------------------------|
+//! | `EP_JOB_TOKEN`  | the job's shared secret, the same on every rank, at least 16 bytes; [`spawn_local`](crate::launcher::spawn_local) sets a fresh one. Required when `MASTER_ADDR` is not loopback, unless `EP_RDZV_OPEN=1` |
+//! | `EP_RDZV_OPEN`  | `1`: run without a token even across hosts (anyone who can reach the port can join) |
+//! | `EP_JOB_ID`     | the job's identity, bound into every proof (default: torchrun's `TORCHELASTIC_RUN_ID`, else empty) |
+//!
 //! Every problem is a typed [`EnvError`] naming the variable and the value it had; nothing here
 //! panics.
 
 use std::time::Duration;
+
+use crate::auth::{JobToken, MAX_JOB_ID_LEN};
 
 /// Names of the variables, so callers and launchers spell them the same way.
 pub const RANK: &str = "RANK";
@@ -36,6 +46,15 @@ pub const TORCHELASTIC_RUN_ID: &str = "TORCHELASTIC_RUN_ID";
 /// Set by [`spawn_local`](crate::launcher::spawn_local) in its children (value `ep-launch`), so a
 /// program can tell this launcher from an external one.
 pub const EP_LAUNCHER: &str = "EP_LAUNCHER";
+/// The job's shared secret (see [`crate::auth`]).
+pub const EP_JOB_TOKEN: &str = "EP_JOB_TOKEN";
+/// `1` to run without a token across hosts.
+pub const EP_RDZV_OPEN: &str = "EP_RDZV_OPEN";
+/// Optional job identity bound into the proofs.
+pub const EP_JOB_ID: &str = "EP_JOB_ID";
+/// Set by [`spawn_local`](crate::launcher::spawn_local) for rank 0 only: the number of an
+/// inherited descriptor, the listening socket of the rendezvous port, already bound.
+pub const EP_RDZV_LISTEN_FD: &str = "EP_RDZV_LISTEN_FD";
 
 /// What went wrong reading the process configuration.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -74,6 +93,14 @@ pub struct ProcessConfig {
     /// Where rank 0's rendezvous listens (see the module docs): `EP_RDZV_PORT`, else
     /// `MASTER_PORT + 1` under torchrun, else `MASTER_PORT`.
     pub rdzv_port: u16,
+    /// `EP_JOB_TOKEN`, if set.
+    pub job_token: Option<JobToken>,
+    /// `EP_RDZV_OPEN=1`.
+    pub open: bool,
+    /// `EP_JOB_ID`, else `TORCHELASTIC_RUN_ID`, else empty.
+    pub job_id: String,
+    /// `EP_RDZV_LISTEN_FD` (rank 0 under [`spawn_local`](crate::launcher::spawn_local)).
+    pub listen_fd: Option<i32>,
 }
 
 impl ProcessConfig {
@@ -190,6 +217,70 @@ impl ProcessConfig {
                 None => master_port,
             };
 
+        let job_token = match lookup(EP_JOB_TOKEN) {
+            Ok(None) => None,
+            // The value is a secret: errors give its length, never its text.
+            Err(lossy) => {
+                return Err(EnvError::Invalid {
+                    var: EP_JOB_TOKEN,
+                    value: format!("<hidden, {} bytes>", lossy.len()),
+                    reason: "not valid unicode".into(),
+                })
+            }
+            Ok(Some(v)) => {
+                let len = v.len();
+                Some(
+                    JobToken::new(v.into_bytes()).map_err(|e| EnvError::Invalid {
+                        var: EP_JOB_TOKEN,
+                        value: format!("<hidden, {len} bytes>"),
+                        reason: e.to_string(),
+                    })?,
+                )
+            }
+        };
+        let open = match get(EP_RDZV_OPEN)? {
+            None => false,
+            Some(v) => match v.trim() {
+                "" | "0" | "false" | "no" => false,
+                "1" | "true" | "yes" => true,
+                _ => {
+                    return Err(EnvError::Invalid {
+                        var: EP_RDZV_OPEN,
+                        value: v,
+                        reason: "expected 1 (run open, without a job token) or 0".into(),
+                    })
+                }
+            },
+        };
+        let (id_var, job_id) = match get(EP_JOB_ID)? {
+            Some(v) => (EP_JOB_ID, v),
+            None => (
+                TORCHELASTIC_RUN_ID,
+                get(TORCHELASTIC_RUN_ID)?.unwrap_or_default(),
+            ),
+        };
+        if job_id.len() > MAX_JOB_ID_LEN {
+            return Err(EnvError::Invalid {
+                var: id_var,
+                value: format!("<{} bytes>", job_id.len()),
+                reason: format!("longer than {MAX_JOB_ID_LEN} bytes"),
+            });
+        }
+
+        let listen_fd = match get(EP_RDZV_LISTEN_FD)? {
+            None => None,
+            Some(v) => match v.trim().parse::<i32>() {
+                Ok(fd) if fd >= 0 => Some(fd),
+                _ => {
+                    return Err(EnvError::Invalid {
+                        var: EP_RDZV_LISTEN_FD,
+                        value: v,
+                        reason: "expected a file descriptor number".into(),
+                    })
+                }
+            },
+        };
+
         Ok(Self {
             rank,
             world_size,
@@ -198,6 +289,10 @@ impl ProcessConfig {
             master_addr,
             master_port,
             rdzv_port,
+            job_token,
+            open,
+            job_id,
+            listen_fd,
         })
     }
 
@@ -214,6 +309,11 @@ impl ProcessConfig {
             master_port: self.rdzv_port,
             connect_timeout,
             op_timeout,
+            token: self.job_token.clone(),
+            open: self.open,
+            job_id: self.job_id.clone(),
+            limits: crate::rendezvous::Limits::default(),
+            inherited_listener: if self.rank == 0 { self.listen_fd } else { None },
         }
     }
 }
@@ -293,6 +393,10 @@ mod tests {
                 master_addr: "127.0.0.1".into(),
                 master_port: 29500,
                 rdzv_port: 29500,
+                job_token: None,
+                open: false,
+                job_id: String::new(),
+                listen_fd: None,
             }
         );
         let c = with(&[("LOCAL_WORLD_SIZE", None)]).unwrap();
@@ -405,6 +509,83 @@ mod tests {
                 limit: 8
             }
         );
+    }
+
+    #[test]
+    fn job_token_open_flag_job_id_and_listener_are_read() {
+        let d = Duration::from_secs(1);
+        let c = with(&[
+            (EP_JOB_TOKEN, Some("0123456789abcdef0123")),
+            (EP_JOB_ID, Some("run-7")),
+            (EP_RDZV_LISTEN_FD, Some("5")),
+        ])
+        .unwrap();
+        assert_eq!(
+            c.job_token,
+            Some(JobToken::new(*b"0123456789abcdef0123").unwrap())
+        );
+        assert_eq!(
+            (c.job_id.as_str(), c.listen_fd, c.open),
+            ("run-7", Some(5), false)
+        );
+        let rc = c.rendezvous_config(d, d);
+        assert_eq!(rc.token, c.job_token);
+        assert_eq!(rc.job_id, "run-7");
+        // The inherited listener is rank 0's only (this is rank 3).
+        assert_eq!(rc.inherited_listener, None);
+        let c0 = ProcessConfig { rank: 0, ..c };
+        assert_eq!(c0.rendezvous_config(d, d).inherited_listener, Some(5));
+        // torchrun's run id is the default job id.
+        let c = with(&[(TORCHELASTIC_RUN_ID, Some("abc"))]).unwrap();
+        assert_eq!(c.job_id, "abc");
+        for (v, open) in [("1", true), ("yes", true), ("0", false), ("", false)] {
+            assert_eq!(
+                with(&[(EP_RDZV_OPEN, Some(v))]).unwrap().open,
+                open,
+                "{v:?}"
+            );
+        }
+        assert!(matches!(
+            with(&[(EP_RDZV_OPEN, Some("maybe"))]),
+            Err(EnvError::Invalid {
+                var: EP_RDZV_OPEN,
+                ..
+            })
+        ));
+        assert!(matches!(
+            with(&[(EP_RDZV_LISTEN_FD, Some("-1"))]),
+            Err(EnvError::Invalid {
+                var: EP_RDZV_LISTEN_FD,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn a_bad_job_token_is_rejected_without_showing_it() {
+        let err = with(&[(EP_JOB_TOKEN, Some("hunter2"))]).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            matches!(
+                &err,
+                EnvError::Invalid {
+                    var: EP_JOB_TOKEN,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(
+            !msg.contains("hunter2") && !format!("{err:?}").contains("hunter2"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("7 bytes") && msg.contains("at least 16"),
+            "{msg}"
+        );
+        // Nor does a parsed configuration print it.
+        let c = with(&[(EP_JOB_TOKEN, Some("a-long-enough-secret"))]).unwrap();
+        assert!(!format!("{c:?}").contains("a-long-enough-secret"));
     }
 
     #[test]

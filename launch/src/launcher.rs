@@ -2,7 +2,8 @@
 //!
 //! [`spawn_local`] picks a free loopback port, starts the N children with `RANK`, `WORLD_SIZE`,
 //! `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR=127.0.0.1`, `MASTER_PORT` and
-//! `EP_LAUNCHER=ep-launch` set, and copies each child's stdout/stderr lines to its own with a
+//! `EP_LAUNCHER=ep-launch` and a fresh random `EP_JOB_TOKEN` (the job's secret, see
+//! [`crate::auth`]) set, and copies each child's stdout/stderr lines to its own with a
 //! `[rank i] ` prefix. [`Launch::wait`] waits for all of them (bounded); when one exits non-zero
 //! or is killed by a signal it reports which rank and how, gives the others a grace period to
 //! finish (they usually fail on their own, with a rendezvous error naming the dead rank), then
@@ -24,7 +25,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::auth::JobToken;
 use crate::env;
+use crate::time::{after, deadline as deadline_at};
 
 /// How the launcher behaves; [`Default`] suits `ep-bench`.
 #[derive(Debug, Clone)]
@@ -162,6 +165,8 @@ pub enum LaunchError {
     InvalidRequest { detail: String },
     #[error("cannot find a free port on 127.0.0.1: {cause}")]
     NoFreePort { cause: String },
+    #[error("cannot make a job token for the ranks: {cause}")]
+    NoToken { cause: String },
     #[error("cannot start rank {rank} ({program}): {cause}")]
     Spawn {
         rank: usize,
@@ -196,7 +201,9 @@ pub struct LaunchReport {
     pub output: Vec<Vec<String>>,
 }
 
-/// Picks a free TCP port on 127.0.0.1 (bind port 0, read it, release it).
+/// Picks a free TCP port on 127.0.0.1 (bind port 0, read it, release it). Racy: another
+/// process may take the port before it is bound again; [`spawn_local`] does not use it (it
+/// hands its bound socket to rank 0, see [`crate::env::EP_RDZV_LISTEN_FD`]).
 pub fn free_port() -> Result<u16, LaunchError> {
     let l = TcpListener::bind("127.0.0.1:0").map_err(|e| LaunchError::NoFreePort {
         cause: e.to_string(),
@@ -274,15 +281,27 @@ where
             detail: format!("bad environment variable name {k:?}"),
         });
     }
-    let port = match opts.master_port {
+    // Without a given port, bind one here and hand the bound socket to rank 0: the port is
+    // held from now until rank 0's rendezvous listens on it (no window for another process).
+    let (port, mut listener) = match opts.master_port {
         Some(0) => {
             return Err(LaunchError::InvalidRequest {
                 detail: "master_port 0".into(),
             })
         }
-        Some(p) => p,
-        None => free_port()?,
+        Some(p) => (p, None),
+        None => {
+            let no_port = |e: std::io::Error| LaunchError::NoFreePort {
+                cause: e.to_string(),
+            };
+            let l = TcpListener::bind("127.0.0.1:0").map_err(no_port)?;
+            (l.local_addr().map_err(no_port)?.port(), Some(l))
+        }
     };
+    // The job's secret: only processes started here (or given it) can join the rendezvous.
+    let (_, token) = JobToken::generate().map_err(|e| LaunchError::NoToken {
+        cause: e.to_string(),
+    })?;
     let program = program.as_ref().to_os_string();
     let args: Vec<OsString> = args
         .into_iter()
@@ -315,14 +334,24 @@ where
             .env(env::MASTER_ADDR, "127.0.0.1")
             .env(env::MASTER_PORT, port.to_string())
             .env(env::EP_LAUNCHER, "ep-launch")
+            .env(env::EP_JOB_TOKEN, &token)
+            // The children are on this host and hold the token: never open.
+            .env_remove(env::EP_RDZV_OPEN)
             // Inherited values would move the rendezvous off the port picked here.
             .env_remove(env::EP_RDZV_PORT)
+            .env_remove(env::EP_RDZV_LISTEN_FD)
             .env_remove(env::TORCHELASTIC_RUN_ID)
             .envs(extra_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         set_parent_death_signal(&mut cmd);
+        if rank == 0 {
+            if let Some(l) = &listener {
+                let fd = crate::inherit::pass_to_child(&mut cmd, l);
+                cmd.env(env::EP_RDZV_LISTEN_FD, fd.to_string());
+            }
+        }
         let mut child: Child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
@@ -334,6 +363,11 @@ where
                 });
             }
         };
+        if rank == 0 {
+            // Rank 0 holds its own copy now; the launcher's would only keep the port busy after
+            // rank 0 is gone.
+            listener = None;
+        }
         launch.pids.push(child.id());
         if let Some(out) = child.stdout.take() {
             launch
@@ -422,7 +456,7 @@ impl Launch {
     /// and last output lines.
     pub fn wait(mut self, timeout: Duration) -> Result<LaunchReport, LaunchError> {
         let n = self.pids.len();
-        let deadline = self.started + timeout;
+        let deadline = deadline_at(self.started, timeout);
         let mut first_failure: Option<usize> = None;
         let mut term_at: Option<Instant> = None;
         let mut kill_at: Option<Instant> = None;
@@ -458,7 +492,7 @@ impl Launch {
                     self.done[rank] = Some(exit);
                     if failed && first_failure.is_none() {
                         first_failure = Some(rank);
-                        term_at = Some(Instant::now() + self.opts.grace);
+                        term_at = Some(after(self.opts.grace));
                     }
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -475,20 +509,20 @@ impl Launch {
             if let Some(t) = term_at {
                 if now >= t && kill_at.is_none() {
                     self.signal_running(SIGTERM);
-                    kill_at = Some(now + self.opts.term_grace);
+                    kill_at = Some(deadline_at(now, self.opts.term_grace));
                 }
             }
             if let Some(k) = kill_at {
                 if now >= k {
                     self.signal_running(SIGKILL);
                     // SIGKILL cannot be ignored; the waiters report promptly. Bound it anyway.
-                    kill_at = Some(now + Duration::from_secs(5));
-                    if now
-                        >= deadline
-                            + self.opts.grace
-                            + self.opts.term_grace
-                            + Duration::from_secs(10)
-                    {
+                    kill_at = Some(deadline_at(now, Duration::from_secs(5)));
+                    let give_up = self
+                        .opts
+                        .grace
+                        .saturating_add(self.opts.term_grace)
+                        .saturating_add(Duration::from_secs(10));
+                    if now >= deadline_at(deadline, give_up) {
                         break;
                     }
                 }
@@ -551,7 +585,7 @@ impl Launch {
     /// Joins the waiter and output threads, bounded: a grandchild holding a pipe open must not
     /// hang the launcher.
     fn join_helpers(&mut self) {
-        let until = Instant::now() + Duration::from_secs(2);
+        let until = after(Duration::from_secs(2));
         for h in self.readers.drain(..).chain(self.waiters.drain(..)) {
             while !h.is_finished() && Instant::now() < until {
                 std::thread::sleep(Duration::from_millis(5));
@@ -755,6 +789,40 @@ mod tests {
             "took {:?}",
             t0.elapsed()
         );
+    }
+
+    #[test]
+    fn the_port_stays_bound_from_launch_to_rank_0() {
+        // Rank 0 inherits the launcher's bound socket (EP_RDZV_LISTEN_FD); the others do not.
+        // While the children run, nobody else can bind the port: with a pick-and-release port,
+        // this bind succeeded and any process could take the port before rank 0.
+        let script = "if [ -n \"$EP_RDZV_LISTEN_FD\" ]; then \
+                      echo fd=$(readlink /proc/$$/fd/$EP_RDZV_LISTEN_FD); else echo fd=none; fi; \
+                      echo token=${#EP_JOB_TOKEN}; sleep 1";
+        let l = spawn_local_with(&quiet(), 2, "/bin/sh", ["-c", script], &[]).unwrap();
+        let port = l.master_port();
+        let taken = TcpListener::bind(("127.0.0.1", port));
+        assert!(
+            matches!(&taken, Err(e) if e.kind() == std::io::ErrorKind::AddrInUse),
+            "port {port} was free for anyone: {taken:?}"
+        );
+        let report = l.wait(Duration::from_secs(20)).unwrap();
+        assert!(
+            report.output[0]
+                .iter()
+                .any(|x| x.starts_with("fd=socket:[")),
+            "{:?}",
+            report.output[0]
+        );
+        assert!(
+            report.output[1].contains(&"fd=none".to_string()),
+            "{:?}",
+            report.output[1]
+        );
+        // Every child got the job's 64-character token.
+        for out in &report.output {
+            assert!(out.contains(&"token=64".to_string()), "{out:?}");
+        }
     }
 
     #[test]

@@ -15,8 +15,24 @@
 //!
 //! Every frame is a 28-byte little-endian header followed by `len` payload bytes:
 //! `magic "EPRZ" | version u16 | kind u8 | op u8 | seq u64 | src rank u32 | len u64`.
-//! Kinds: `Hello` (rank -> 0: world size), `Welcome` (0 -> rank, once all ranks are in), `Data`,
-//! `Abort` (a failure report: kind u8, culprit rank u32, message), `Bye` (clean close).
+//! Kinds: `Challenge` (0 -> new connection: flags u8, nonce), `Hello` (rank -> 0: world size,
+//! nonce, proof), `Admit` (0 -> rank: rank 0's proof), `Welcome` (0 -> rank, once all ranks are
+//! in), `Data`, `Abort` (a failure report: kind u8, culprit rank u32, message), `Bye` (clean
+//! close). Each kind (and, for `Data`, each operation and direction) has its own payload limit,
+//! checked on the header before any payload is buffered.
+//!
+//! # Who may join
+//!
+//! With a job token ([`RendezvousConfig::token`], `EP_JOB_TOKEN`) every connection proves it
+//! holds the token before it is given a rank, and rank 0 proves it back before the rank sends
+//! anything (see [`crate::auth`]). Connections that fail (a stranger, garbage bytes, a wrong
+//! proof, a silent client past the handshake deadline, a rank number out of range or taken, a
+//! wrong world size) are dropped without disturbing the job; only a connection that *proved* it
+//! holds the token and then disagrees (world size, rank taken) fails the job, since it is one of
+//! the job's own processes. Unidentified connections are capped ([`Limits::max_pending`]; the
+//! oldest is dropped for a new one) and each is bounded to a hello-sized buffer. Without a token
+//! (one host only, unless [`RendezvousConfig::open`]) anyone who can reach the port can take a
+//! free rank.
 //!
 //! # Failure
 //!
@@ -34,9 +50,14 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use crate::auth::{self, Claim, JobToken, Role, MAC_LEN, NONCE_LEN};
+use crate::time::{after, deadline as deadline_at};
+
+mod admission;
+
 const MAGIC: [u8; 4] = *b"EPRZ";
 /// Bumped whenever the wire format changes; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 const HEADER_LEN: usize = 28;
 /// The largest payload one frame may carry (an all-gather result included). Far above what the
 /// control plane needs (an NCCL unique id is 128 bytes, a CUDA IPC handle 64), low enough that a
@@ -44,6 +65,15 @@ const HEADER_LEN: usize = 28;
 pub const MAX_PAYLOAD: u64 = 1 << 30;
 /// How long the poll loops sleep when no socket made progress.
 const POLL_SLEEP: Duration = Duration::from_micros(200);
+/// Payload sizes of the handshake frames.
+const CHALLENGE_LEN: usize = 1 + NONCE_LEN;
+const HELLO_LEN: usize = 4 + NONCE_LEN + MAC_LEN;
+const ADMIT_LEN: usize = MAC_LEN;
+const WELCOME_LEN: usize = 4;
+/// The largest failure report (its message is truncated to fit).
+const MAX_ABORT: usize = 64 * 1024;
+/// Challenge flag: rank 0 requires a proof of the job token.
+const FLAG_TOKEN: u8 = 1;
 
 /// The collective (or phase) an error happened in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -159,6 +189,28 @@ pub enum RendezvousError {
         seq: u64,
         first: Box<RendezvousError>,
     },
+    #[error("rank {rank}: the rendezvous at {addr} is reachable from other hosts, so the job needs a shared secret: set EP_JOB_TOKEN to the same value on every rank (e.g. `openssl rand -hex 32`), or set EP_RDZV_OPEN=1 to let anyone who can reach that port join the job")]
+    NoJobToken { rank: usize, addr: String },
+    #[error("rank {rank}: authentication with rank {peer} failed: {detail}")]
+    Unauthenticated {
+        rank: usize,
+        peer: usize,
+        detail: String,
+    },
+    #[error("rank {rank}: cannot accept connections on {addr}: {cause}")]
+    Accept {
+        rank: usize,
+        addr: String,
+        cause: String,
+    },
+    #[error("rank {rank}: {op} #{seq}: a blob of {len} bytes exceeds the limit of {limit} bytes (Limits::max_blob)")]
+    BlobTooLarge {
+        rank: usize,
+        op: Op,
+        seq: u64,
+        len: usize,
+        limit: usize,
+    },
 }
 
 impl RendezvousError {
@@ -173,7 +225,11 @@ impl RendezvousError {
             | RendezvousError::Protocol { rank, .. }
             | RendezvousError::BarrierMismatch { rank, .. }
             | RendezvousError::Aborted { rank, .. }
-            | RendezvousError::Broken { rank, .. } => *rank,
+            | RendezvousError::Broken { rank, .. }
+            | RendezvousError::NoJobToken { rank, .. }
+            | RendezvousError::Unauthenticated { rank, .. }
+            | RendezvousError::Accept { rank, .. }
+            | RendezvousError::BlobTooLarge { rank, .. } => *rank,
         }
     }
 
@@ -187,7 +243,12 @@ impl RendezvousError {
     /// The rank this error is about (the one that died, timed out or misbehaved), if any.
     pub fn peer(&self) -> Option<usize> {
         match self {
-            RendezvousError::InvalidConfig { .. } | RendezvousError::Bind { .. } => None,
+            RendezvousError::InvalidConfig { .. }
+            | RendezvousError::Bind { .. }
+            | RendezvousError::NoJobToken { .. }
+            | RendezvousError::Accept { .. }
+            | RendezvousError::BlobTooLarge { .. } => None,
+            RendezvousError::Unauthenticated { peer, .. } => Some(*peer),
             RendezvousError::Connect { peer, .. }
             | RendezvousError::Timeout { peer, .. }
             | RendezvousError::PeerLost { peer, .. }
@@ -213,6 +274,45 @@ pub struct RendezvousConfig {
     pub connect_timeout: Duration,
     /// Bound on each collective call.
     pub op_timeout: Duration,
+    /// The job's shared secret: every rank must hold the same one. `None` runs unauthenticated,
+    /// which [`Rendezvous::connect`] allows only on a loopback `master_addr` or with `open`.
+    pub token: Option<JobToken>,
+    /// Allow a job without a token across hosts (`EP_RDZV_OPEN=1`): anyone who can reach the
+    /// port can then join as a free rank.
+    pub open: bool,
+    /// The job's identity, bound into every proof (`EP_JOB_ID`, else torchrun's
+    /// `TORCHELASTIC_RUN_ID`, else empty): two jobs that share a token still cannot mix.
+    pub job_id: String,
+    /// Bounds against hostile or broken peers.
+    pub limits: Limits,
+    /// Rank 0 (Unix): the descriptor of a listening socket already bound to `master_port`,
+    /// inherited from the launcher (`EP_RDZV_LISTEN_FD`), listened on instead of binding, so
+    /// the port cannot be taken between the launcher choosing it and rank 0 listening.
+    pub inherited_listener: Option<i32>,
+}
+
+/// Bounds on what a peer can make this process hold or wait for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// The largest blob one rank may contribute to a collective (and so the largest `Data`
+    /// frame; rank 0's all-gather reply may hold `world_size` of them, up to [`MAX_PAYLOAD`]).
+    pub max_blob: usize,
+    /// Rank 0: connections that have not yet proved who they are, at most; the oldest is
+    /// dropped to make room for a new one.
+    pub max_pending: usize,
+    /// Rank 0: how long a new connection has to complete its handshake before it is dropped.
+    /// Each rank: how long it waits for rank 0's challenge before reconnecting.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_blob: 64 << 20,
+            max_pending: 64,
+            handshake_timeout: Duration::from_secs(10),
+        }
+    }
 }
 
 impl RendezvousConfig {
@@ -225,7 +325,36 @@ impl RendezvousConfig {
             master_port: port,
             connect_timeout: timeout,
             op_timeout: timeout,
+            token: None,
+            open: false,
+            job_id: String::new(),
+            limits: Limits::default(),
+            inherited_listener: None,
         }
+    }
+
+    /// This configuration with `token` as the job's secret.
+    pub fn with_token(mut self, token: JobToken) -> Self {
+        self.token = Some(token);
+        self
+    }
+
+    /// Checks the configuration as [`Rendezvous::connect`] does, without touching the network.
+    pub fn check(&self) -> Result<()> {
+        self.validate()
+    }
+
+    /// Whether `master_addr` names this host only (a loopback IP or `localhost`): a job there
+    /// may run without a token. Anything else, names included, counts as reachable from other
+    /// hosts.
+    pub fn is_loopback(&self) -> bool {
+        let a = self
+            .master_addr
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        a.eq_ignore_ascii_case("localhost")
+            || a.parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback())
     }
 
     fn validate(&self) -> Result<()> {
@@ -246,6 +375,29 @@ impl RendezvousConfig {
         }
         if self.connect_timeout.is_zero() || self.op_timeout.is_zero() {
             return bad("timeouts must be nonzero".into());
+        }
+        let l = &self.limits;
+        if l.max_blob == 0 || l.max_blob as u64 > MAX_PAYLOAD {
+            return bad(format!(
+                "limits.max_blob {} out of 1..={MAX_PAYLOAD}",
+                l.max_blob
+            ));
+        }
+        if l.max_pending == 0 || l.handshake_timeout.is_zero() {
+            return bad("limits.max_pending and limits.handshake_timeout must be nonzero".into());
+        }
+        if self.job_id.len() > auth::MAX_JOB_ID_LEN {
+            return bad(format!(
+                "job id of {} bytes, above the limit {}",
+                self.job_id.len(),
+                auth::MAX_JOB_ID_LEN
+            ));
+        }
+        if self.token.is_none() && !self.open && self.world_size > 1 && !self.is_loopback() {
+            return Err(RendezvousError::NoJobToken {
+                rank: self.rank,
+                addr: self.addr_string(),
+            });
         }
         Ok(())
     }
@@ -280,6 +432,8 @@ enum Kind {
     Data = 3,
     Abort = 4,
     Bye = 5,
+    Challenge = 6,
+    Admit = 7,
 }
 
 impl Kind {
@@ -290,8 +444,86 @@ impl Kind {
             3 => Kind::Data,
             4 => Kind::Abort,
             5 => Kind::Bye,
+            6 => Kind::Challenge,
+            7 => Kind::Admit,
             _ => return None,
         })
+    }
+}
+
+/// Which way a link faces, for the payload limits of what it may receive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Facing {
+    /// Rank 0's side of a connection that has not proved who it is: only a hello may come.
+    Unidentified,
+    /// Rank 0's side of a link to an admitted rank.
+    Member,
+    /// A rank's side of its link to rank 0 before rank 0 has proved itself: only handshake
+    /// frames (the welcome may follow the admission in the same read), so an impostor cannot
+    /// make the rank buffer more than a failure report.
+    RootUnproven,
+    /// A rank's side of its link to rank 0.
+    Root,
+}
+
+/// What one link may receive: a payload limit per frame kind (and, for `Data`, per operation),
+/// derived from the world size and [`Limits::max_blob`].
+#[derive(Debug, Clone, Copy)]
+struct FrameLimits {
+    facing: Facing,
+    world: usize,
+    max_blob: usize,
+}
+
+impl FrameLimits {
+    /// Rank 0's all-gather reply: a count, then world x (length, blob).
+    fn gathered(&self) -> u64 {
+        (self.world as u64)
+            .saturating_mul(8 + self.max_blob as u64)
+            .saturating_add(4)
+            .min(MAX_PAYLOAD)
+    }
+
+    /// The largest payload a frame of `kind` for `op` may carry on this link.
+    fn max_payload(&self, kind: Kind, op: Op) -> std::result::Result<u64, String> {
+        if self.facing == Facing::Unidentified && kind != Kind::Hello {
+            return Err(format!(
+                "a new connection must start with a hello, not {kind:?}"
+            ));
+        }
+        if self.facing == Facing::RootUnproven
+            && !matches!(
+                kind,
+                Kind::Challenge | Kind::Admit | Kind::Welcome | Kind::Abort
+            )
+        {
+            return Err(format!("rank 0 sent {kind:?} before admitting this rank"));
+        }
+        Ok(match kind {
+            Kind::Hello => HELLO_LEN as u64,
+            Kind::Challenge => CHALLENGE_LEN as u64,
+            Kind::Admit => ADMIT_LEN as u64,
+            Kind::Welcome => WELCOME_LEN as u64,
+            Kind::Abort => MAX_ABORT as u64,
+            Kind::Bye => 0,
+            Kind::Data => match (self.facing, op) {
+                (_, Op::Connect | Op::CheckPeers) => 0,
+                (Facing::Root, Op::AllGather | Op::Barrier) => self.gathered(),
+                _ => self.max_blob as u64,
+            },
+        })
+    }
+
+    /// The most bytes the link buffers (unparsed bytes plus parsed frames not yet consumed):
+    /// one largest frame, so a peer cannot make it hold more than what it may legitimately send.
+    fn read_budget(&self) -> usize {
+        let largest = match self.facing {
+            Facing::Unidentified => HELLO_LEN as u64,
+            Facing::RootUnproven => MAX_ABORT as u64,
+            Facing::Member => (self.max_blob.max(MAX_ABORT)) as u64,
+            Facing::Root => self.gathered().max(MAX_ABORT as u64),
+        };
+        HEADER_LEN + largest as usize
     }
 }
 
@@ -318,7 +550,7 @@ fn encode(kind: Kind, op: Op, seq: u64, src: usize, payload: &[u8]) -> Vec<u8> {
 }
 
 /// Parses one frame from the front of `buf`: `Ok(None)` when more bytes are needed.
-fn parse(buf: &[u8]) -> std::result::Result<Option<(Frame, usize)>, String> {
+fn parse(buf: &[u8], limits: &FrameLimits) -> std::result::Result<Option<(Frame, usize)>, String> {
     if buf.len() < HEADER_LEN {
         // Reject a wrong magic as early as possible (a stray client, an HTTP probe, ...).
         let n = buf.len().min(4);
@@ -354,9 +586,10 @@ fn parse(buf: &[u8]) -> std::result::Result<Option<(Frame, usize)>, String> {
     let seq = u64_at(8);
     let src = u32_at(16) as usize;
     let len = u64_at(20);
-    if len > MAX_PAYLOAD {
+    let limit = limits.max_payload(kind, op)?.min(MAX_PAYLOAD);
+    if len > limit {
         return Err(format!(
-            "frame of {len} bytes exceeds the limit {MAX_PAYLOAD}"
+            "{kind:?} frame for {op} of {len} bytes exceeds the limit {limit}"
         ));
     }
     let total = HEADER_LEN + len as usize;
@@ -439,7 +672,11 @@ fn abort_payload(err: &RendezvousError) -> Vec<u8> {
     };
     let mut v = vec![kind as u8];
     v.extend_from_slice(&(culprit.min(u32::MAX as usize) as u32).to_le_bytes());
-    v.extend_from_slice(msg.as_bytes());
+    let mut end = msg.len().min(MAX_ABORT - v.len());
+    while !msg.is_char_boundary(end) {
+        end -= 1;
+    }
+    v.extend_from_slice(&msg.as_bytes()[..end]);
     v
 }
 
@@ -461,35 +698,61 @@ enum Fault {
 struct Link {
     peer: usize,
     stream: TcpStream,
+    limits: FrameLimits,
     rbuf: Vec<u8>,
     inbox: VecDeque<Frame>,
     fault: Option<Fault>,
 }
 
 impl Link {
-    fn new(peer: usize, stream: TcpStream) -> std::io::Result<Link> {
+    fn new(peer: usize, stream: TcpStream, limits: FrameLimits) -> std::io::Result<Link> {
         stream.set_nonblocking(true)?;
         stream.set_nodelay(true)?;
         Ok(Link {
             peer,
             stream,
+            limits,
             rbuf: Vec::new(),
             inbox: VecDeque::new(),
             fault: None,
         })
     }
 
-    /// Reads whatever is available without blocking and parses complete frames into the inbox.
-    /// Returns whether anything happened.
+    /// Bytes held for this link: unparsed input plus parsed frames not yet consumed.
+    fn buffered(&self) -> usize {
+        self.rbuf.len()
+            + self
+                .inbox
+                .iter()
+                .map(|f| HEADER_LEN + f.payload.len())
+                .sum::<usize>()
+    }
+
+    /// Reads whatever is available without blocking (but never more than the link's read
+    /// budget: past it the peer waits, on TCP flow control, until frames are consumed) and
+    /// parses complete frames into the inbox. Returns whether anything happened.
     fn pump(&mut self) -> bool {
         if self.fault.is_some() {
             return false;
         }
+        let budget = self.limits.read_budget();
         let mut progress = false;
+        // Bytes held back while the limits changed (see `held`) are parsed first.
+        if !self.rbuf.is_empty() && !self.held() {
+            let before = self.inbox.len();
+            if !self.parse_frames() {
+                return true;
+            }
+            progress = self.inbox.len() != before;
+        }
         let mut closed: Option<String> = None;
         let mut chunk = [0u8; 64 * 1024];
         loop {
-            match self.stream.read(&mut chunk) {
+            let room = budget.saturating_sub(self.buffered()).min(chunk.len());
+            if room == 0 || self.held() {
+                break;
+            }
+            match self.stream.read(&mut chunk[..room]) {
                 Ok(0) => {
                     closed = Some(
                         "connection closed without a goodbye (process exited or crashed)".into(),
@@ -499,6 +762,9 @@ impl Link {
                 Ok(n) => {
                     self.rbuf.extend_from_slice(&chunk[..n]);
                     progress = true;
+                    if !self.parse_frames() {
+                        break;
+                    }
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
@@ -508,21 +774,6 @@ impl Link {
                 }
             }
         }
-        let mut consumed = 0;
-        loop {
-            match parse(&self.rbuf[consumed..]) {
-                Ok(Some((frame, n))) => {
-                    consumed += n;
-                    self.inbox.push_back(frame);
-                }
-                Ok(None) => break,
-                Err(detail) => {
-                    self.fault = Some(Fault::Bad(detail));
-                    break;
-                }
-            }
-        }
-        self.rbuf.drain(..consumed);
         if let Some(cause) = closed {
             progress = true;
             if self.fault.is_none() {
@@ -537,6 +788,59 @@ impl Link {
             }
         }
         progress
+    }
+
+    /// Whether parsing waits: a rank has rank 0's admission in hand but has not checked its
+    /// proof yet. What follows it (the welcome, maybe a broadcast) is parsed under the limits
+    /// for a proven rank 0 once the proof is checked, and under none before.
+    fn held(&self) -> bool {
+        self.limits.facing == Facing::RootUnproven
+            && self.inbox.iter().any(|f| f.kind == Kind::Admit)
+    }
+
+    /// Moves every complete frame from the read buffer to the inbox; false (and a fault) on
+    /// bytes that are not a valid frame for this link.
+    fn parse_frames(&mut self) -> bool {
+        let mut consumed = 0;
+        let ok = loop {
+            if self.held() {
+                break true;
+            }
+            match parse(&self.rbuf[consumed..], &self.limits) {
+                Ok(Some((frame, n))) => {
+                    consumed += n;
+                    self.inbox.push_back(frame);
+                }
+                Ok(None) => break true,
+                Err(detail) => {
+                    self.fault = Some(Fault::Bad(detail));
+                    break false;
+                }
+            }
+        };
+        self.rbuf.drain(..consumed);
+        ok
+    }
+
+    /// Waits (bounded by `until`) for the next frame; `Err` says why none came.
+    fn next_frame(&mut self, until: Instant) -> std::result::Result<Frame, String> {
+        loop {
+            let progress = self.pump();
+            if let Some(f) = self.inbox.pop_front() {
+                return Ok(f);
+            }
+            match &self.fault {
+                Some(Fault::Clean) => return Err("the peer said goodbye".into()),
+                Some(Fault::Lost(c)) | Some(Fault::Bad(c)) => return Err(c.clone()),
+                None => {}
+            }
+            if Instant::now() >= until {
+                return Err("timed out waiting for the next handshake message".into());
+            }
+            if !progress {
+                std::thread::sleep(POLL_SLEEP);
+            }
+        }
     }
 
     /// Writes one whole frame before `deadline`, reading meanwhile so neither side can block the
@@ -567,6 +871,14 @@ enum SendFault {
     Timeout,
 }
 
+/// How a handshake attempt with rank 0 failed.
+enum Handshake {
+    /// Before rank 0 answered the hello: connect again (until the deadline).
+    Retry(String),
+    /// Rank 0 refused this rank, or failed to prove itself: give up.
+    Fatal(RendezvousError),
+}
+
 // ---------------------------------------------------------------------------------------------
 // The group
 
@@ -586,6 +898,7 @@ pub struct Rendezvous {
     rank: usize,
     world_size: usize,
     op_timeout: Duration,
+    max_blob: usize,
     inner: Mutex<Inner>,
 }
 
@@ -605,6 +918,21 @@ impl Rendezvous {
     /// `world_size` ranks are connected (this call is also a barrier).
     pub fn connect(cfg: &RendezvousConfig) -> Result<Self> {
         cfg.validate()?;
+        #[cfg(unix)]
+        if let (0, Some(fd)) = (cfg.rank, cfg.inherited_listener) {
+            match crate::inherit::take(fd, cfg.master_port) {
+                Ok(Some(listener)) => return Self::accept_all(cfg, listener),
+                // Taken by an earlier rendezvous of this process: bind as usual.
+                Ok(None) => {}
+                Err(cause) => {
+                    return Err(RendezvousError::Bind {
+                        rank: 0,
+                        addr: cfg.addr_string(),
+                        cause,
+                    })
+                }
+            }
+        }
         if cfg.rank == 0 {
             let addrs = cfg.resolve().map_err(|cause| RendezvousError::Bind {
                 rank: 0,
@@ -666,29 +994,44 @@ impl Rendezvous {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn from_links(cfg: &RendezvousConfig, links: Vec<Link>) -> Self {
+        Rendezvous {
+            rank: cfg.rank,
+            world_size: cfg.world_size,
+            op_timeout: cfg.op_timeout,
+            max_blob: cfg.limits.max_blob,
+            inner: Mutex::new(Inner {
+                seq: 0,
+                links,
+                broken: None,
+            }),
+        }
+    }
+
     fn accept_all(cfg: &RendezvousConfig, listener: TcpListener) -> Result<Self> {
         let rank = 0;
         let world = cfg.world_size;
-        let deadline = Instant::now() + cfg.connect_timeout;
+        let deadline = after(cfg.connect_timeout);
         let addr = listener
             .local_addr()
             .map(|a| a.to_string())
             .unwrap_or_else(|_| cfg.addr_string());
-        let bind_err = |e: std::io::Error| RendezvousError::Bind {
-            rank,
-            addr: addr.clone(),
-            cause: e.to_string(),
-        };
-        listener.set_nonblocking(true).map_err(bind_err)?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| RendezvousError::Bind {
+                rank,
+                addr: addr.clone(),
+                cause: e.to_string(),
+            })?;
 
         let mut slots: Vec<Option<Link>> = (0..world).map(|_| None).collect();
-        // Connections accepted but not yet identified (peer = usize::MAX until Hello).
-        let mut pending: Vec<Link> = Vec::new();
+        // Connections accepted but not yet identified: capped, deadlined, hello-sized buffers.
+        let mut door = admission::Door::new(cfg, addr);
         let mut connected = 1;
         let fail = |slots: &mut Vec<Option<Link>>, err: RendezvousError| {
             let payload = abort_payload(&err);
             let bytes = encode(Kind::Abort, Op::Connect, 0, 0, &payload);
-            let d = Instant::now() + Duration::from_millis(100);
+            let d = after(Duration::from_millis(100));
             for link in slots.iter_mut().flatten() {
                 let _ = link.send(&bytes, d);
             }
@@ -696,78 +1039,17 @@ impl Rendezvous {
         };
 
         while connected < world {
-            let mut progress = false;
-            loop {
-                match listener.accept() {
-                    Ok((stream, _)) => {
-                        progress = true;
-                        // A socket we cannot configure is dropped; its rank will retry or time out.
-                        if let Ok(link) = Link::new(usize::MAX, stream) {
-                            pending.push(link);
-                        }
-                    }
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                    // Transient accept errors (ECONNABORTED, EMFILE, ...): try again next round.
-                    Err(_) => break,
+            let now = Instant::now();
+            let mut progress = match door.accept(&listener, now) {
+                Ok(p) => p,
+                Err(err) => return Err(fail(&mut slots, err)),
+            };
+            match door.admit(now, &mut slots) {
+                Ok((p, n)) => {
+                    progress |= p;
+                    connected += n;
                 }
-            }
-            // Identify pending connections.
-            let mut i = 0;
-            while i < pending.len() {
-                progress |= pending[i].pump();
-                let link = &mut pending[i];
-                if let Some(hello) = link.inbox.pop_front() {
-                    let mut link = pending.swap_remove(i);
-                    let peer = hello.src;
-                    let claimed_world = if hello.payload.len() == 4 {
-                        u32::from_le_bytes([
-                            hello.payload[0],
-                            hello.payload[1],
-                            hello.payload[2],
-                            hello.payload[3],
-                        ]) as usize
-                    } else {
-                        0
-                    };
-                    let problem = if hello.kind != Kind::Hello || hello.op != Op::Connect {
-                        Some(format!(
-                            "expected a hello, got {:?} for {}",
-                            hello.kind, hello.op
-                        ))
-                    } else if claimed_world != world {
-                        Some(format!(
-                            "rank {peer} was started with world size {claimed_world}, rank 0 with {world}"
-                        ))
-                    } else if peer == 0 || peer >= world {
-                        Some(format!("a peer claims rank {peer}, outside 1..{world}"))
-                    } else if slots[peer].is_some() {
-                        Some(format!("two processes claim rank {peer}"))
-                    } else {
-                        None
-                    };
-                    if let Some(detail) = problem {
-                        let err = RendezvousError::Protocol {
-                            rank,
-                            peer: peer.min(u32::MAX as usize),
-                            op: Op::Connect,
-                            seq: 0,
-                            detail,
-                        };
-                        let bytes = encode(Kind::Abort, Op::Connect, 0, 0, &abort_payload(&err));
-                        let _ = link.send(&bytes, Instant::now() + Duration::from_millis(100));
-                        return Err(fail(&mut slots, err));
-                    }
-                    link.peer = peer;
-                    slots[peer] = Some(link);
-                    connected += 1;
-                    progress = true;
-                } else if link.fault.is_some() {
-                    // A stray or failed connection before identifying itself: not a rank of ours.
-                    pending.swap_remove(i);
-                } else {
-                    i += 1;
-                }
+                Err(err) => return Err(fail(&mut slots, err)),
             }
             // Ranks already in must stay alive while we wait for the rest.
             for link in slots.iter_mut().flatten() {
@@ -811,6 +1093,8 @@ impl Rendezvous {
                 std::thread::sleep(POLL_SLEEP);
             }
         }
+        // Strangers still in the handshake are dropped here; the listener closes on return.
+        drop(door);
 
         let mut links: Vec<Link> = slots.into_iter().flatten().collect();
         let welcome = encode(
@@ -820,7 +1104,7 @@ impl Rendezvous {
             0,
             &(world as u32).to_le_bytes(),
         );
-        let send_deadline = Instant::now() + cfg.op_timeout.min(Duration::from_secs(10));
+        let send_deadline = after(cfg.op_timeout.min(Duration::from_secs(10)));
         for i in 0..links.len() {
             if let Err(f) = links[i].send(&welcome, send_deadline) {
                 let peer = links[i].peer;
@@ -844,22 +1128,159 @@ impl Rendezvous {
                 return Err(fail(&mut slots, err));
             }
         }
-        Ok(Rendezvous {
-            rank,
-            world_size: world,
-            op_timeout: cfg.op_timeout,
-            inner: Mutex::new(Inner {
+        Ok(Self::from_links(cfg, links))
+    }
+
+    /// Opens a TCP connection to rank 0 (any of its addresses), bounded by `deadline`.
+    fn dial(cfg: &RendezvousConfig, deadline: Instant) -> std::result::Result<Link, String> {
+        let addrs = cfg.resolve()?;
+        let mut err = String::new();
+        for a in addrs {
+            let budget = deadline
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_secs(2))
+                .max(Duration::from_millis(1));
+            match TcpStream::connect_timeout(&a, budget) {
+                Ok(s) => {
+                    let limits = FrameLimits {
+                        facing: Facing::RootUnproven,
+                        world: cfg.world_size,
+                        max_blob: cfg.limits.max_blob,
+                    };
+                    return Link::new(0, s, limits).map_err(|e| e.to_string());
+                }
+                Err(e) => err = format!("{a}: {e}"),
+            }
+        }
+        Err(err)
+    }
+
+    /// The handshake on a fresh connection to rank 0: its challenge, this rank's hello with its
+    /// proof, rank 0's admission with its proof. `Retry` when the connection fails before rank 0
+    /// has answered the hello (rank 0 not up yet, or it dropped this connection to make room).
+    fn handshake(
+        cfg: &RendezvousConfig,
+        link: &mut Link,
+        deadline: Instant,
+    ) -> std::result::Result<(), Handshake> {
+        let rank = cfg.rank;
+        let unauth = |peer: usize, detail: String| {
+            Handshake::Fatal(RendezvousError::Unauthenticated { rank, peer, detail })
+        };
+        let challenge_by = deadline.min(after(cfg.limits.handshake_timeout));
+        let ch = link
+            .next_frame(challenge_by)
+            .map_err(|c| Handshake::Retry(format!("no challenge from rank 0: {c}")))?;
+        match ch.kind {
+            Kind::Challenge if ch.payload.len() == CHALLENGE_LEN => {}
+            Kind::Abort => {
+                return Err(Handshake::Fatal(abort_error(
+                    rank,
+                    0,
+                    Op::Connect,
+                    0,
+                    &ch.payload,
+                )))
+            }
+            other => {
+                return Err(Handshake::Retry(format!(
+                    "expected a challenge from rank 0, got {other:?}"
+                )))
+            }
+        }
+        let wants_token = ch.payload[0] & FLAG_TOKEN != 0;
+        let mut server_nonce = [0u8; NONCE_LEN];
+        server_nonce.copy_from_slice(&ch.payload[1..]);
+        match (&cfg.token, wants_token) {
+            (Some(_), false) => {
+                return Err(unauth(
+                    0,
+                    "rank 0 runs without a job token but this rank has one: set the same \
+                     EP_JOB_TOKEN on every rank"
+                        .into(),
+                ))
+            }
+            (None, true) => {
+                return Err(unauth(
+                    rank,
+                    "rank 0 requires a job token and this rank has none: set the same \
+                     EP_JOB_TOKEN on every rank"
+                        .into(),
+                ))
+            }
+            _ => {}
+        }
+        let client_nonce: [u8; NONCE_LEN] = auth::random().map_err(|e| {
+            Handshake::Fatal(RendezvousError::InvalidConfig {
+                rank,
+                detail: e.to_string(),
+            })
+        })?;
+        let claim = Claim {
+            server_nonce: &server_nonce,
+            client_nonce: &client_nonce,
+            rank: rank as u32,
+            world: cfg.world_size as u32,
+            job_id: &cfg.job_id,
+        };
+        let proof = cfg
+            .token
+            .as_ref()
+            .map_or([0u8; MAC_LEN], |t| auth::prove(t, Role::Hello, &claim));
+        let mut payload = Vec::with_capacity(HELLO_LEN);
+        payload.extend_from_slice(&(cfg.world_size as u32).to_le_bytes());
+        payload.extend_from_slice(&client_nonce);
+        payload.extend_from_slice(&proof);
+        let hello = encode(Kind::Hello, Op::Connect, 0, rank, &payload);
+        link.send(&hello, challenge_by).map_err(|f| {
+            Handshake::Retry(match f {
+                SendFault::Lost(c) => c,
+                SendFault::Timeout => "sending the hello timed out".into(),
+            })
+        })?;
+        // Rank 0 answers a hello at once (admits or refuses); wait up to the connect deadline
+        // so a slow answer is never mistaken for a drop.
+        let ad = link
+            .next_frame(deadline)
+            .map_err(|c| Handshake::Retry(format!("rank 0 did not answer the hello: {c}")))?;
+        match ad.kind {
+            Kind::Admit if ad.payload.len() == ADMIT_LEN => {
+                if let Some(t) = &cfg.token {
+                    if !auth::check(t, Role::Admit, &claim, &ad.payload) {
+                        return Err(unauth(
+                            0,
+                            format!(
+                                "the process at {} did not prove it holds the job token: it is \
+                                 not this job's rank 0 (or rank 0 has another EP_JOB_TOKEN or \
+                                 EP_JOB_ID); nothing was sent to it",
+                                cfg.addr_string()
+                            ),
+                        ));
+                    }
+                }
+                Ok(())
+            }
+            Kind::Abort => Err(Handshake::Fatal(abort_error(
+                rank,
+                0,
+                Op::Connect,
+                0,
+                &ad.payload,
+            ))),
+            other => Err(Handshake::Fatal(RendezvousError::Protocol {
+                rank,
+                peer: 0,
+                op: Op::Connect,
                 seq: 0,
-                links,
-                broken: None,
-            }),
-        })
+                detail: format!("expected an admission, got {other:?}"),
+            })),
+        }
     }
 
     fn connect_to_root(cfg: &RendezvousConfig) -> Result<Self> {
         let rank = cfg.rank;
         let start = Instant::now();
-        let deadline = start + cfg.connect_timeout;
+        let deadline = deadline_at(start, cfg.connect_timeout);
         let connect_err = |cause: String| RendezvousError::Connect {
             rank,
             peer: 0,
@@ -867,39 +1288,20 @@ impl Rendezvous {
             timeout: cfg.connect_timeout,
             cause,
         };
-        let hello = encode(
-            Kind::Hello,
-            Op::Connect,
-            0,
-            rank,
-            &(cfg.world_size as u32).to_le_bytes(),
-        );
         let mut last_error = String::from("no attempt made");
         let mut link = loop {
-            let now = Instant::now();
-            if now >= deadline {
+            if Instant::now() >= deadline {
                 return Err(connect_err(last_error));
             }
-            let attempt = (|| -> std::result::Result<TcpStream, String> {
-                let addrs = cfg.resolve()?;
-                let mut err = String::new();
-                for a in addrs {
-                    let budget = deadline
-                        .saturating_duration_since(Instant::now())
-                        .min(Duration::from_secs(2))
-                        .max(Duration::from_millis(1));
-                    match TcpStream::connect_timeout(&a, budget) {
-                        Ok(s) => return Ok(s),
-                        Err(e) => err = format!("{a}: {e}"),
+            match Self::dial(cfg, deadline) {
+                Ok(mut link) => match Self::handshake(cfg, &mut link, deadline) {
+                    Ok(()) => {
+                        // Rank 0 proved itself: from now on it may send collective results.
+                        link.limits.facing = Facing::Root;
+                        break link;
                     }
-                }
-                Err(err)
-            })();
-            match attempt.and_then(|s| Link::new(0, s).map_err(|e| e.to_string())) {
-                Ok(mut link) => match link.send(&hello, deadline) {
-                    Ok(()) => break link,
-                    Err(SendFault::Lost(c)) => last_error = c,
-                    Err(SendFault::Timeout) => last_error = "sending hello timed out".into(),
+                    Err(Handshake::Retry(cause)) => last_error = cause,
+                    Err(Handshake::Fatal(err)) => return Err(err),
                 },
                 Err(e) => last_error = e,
             }
@@ -909,21 +1311,14 @@ impl Rendezvous {
 
         // Wait to be welcomed: rank 0 answers once every rank is in, so allow it the whole
         // connect timeout plus a grace for the last rank's connection to arrive.
-        let welcome_deadline = deadline + grace(cfg.connect_timeout);
+        let welcome_deadline = deadline_at(deadline, grace(cfg.connect_timeout));
         loop {
             let progress = link.pump();
             if let Some(frame) = link.inbox.pop_front() {
                 return match frame.kind {
-                    Kind::Welcome if frame.op == Op::Connect => Ok(Rendezvous {
-                        rank,
-                        world_size: cfg.world_size,
-                        op_timeout: cfg.op_timeout,
-                        inner: Mutex::new(Inner {
-                            seq: 0,
-                            links: vec![link],
-                            broken: None,
-                        }),
-                    }),
+                    Kind::Welcome if frame.op == Op::Connect => {
+                        Ok(Self::from_links(cfg, vec![link]))
+                    }
                     Kind::Abort => Err(abort_error(rank, 0, Op::Connect, 0, &frame.payload)),
                     other => Err(RendezvousError::Protocol {
                         rank,
@@ -970,7 +1365,7 @@ impl Rendezvous {
                     peer: 0,
                     op: Op::Connect,
                     seq: 0,
-                    timeout: welcome_deadline - start,
+                    timeout: welcome_deadline.saturating_duration_since(start),
                 });
             }
             if !progress {
@@ -989,7 +1384,9 @@ impl Rendezvous {
     pub fn broadcast(&self, blob: &[u8]) -> Result<Vec<u8>> {
         let mut inner = self.lock();
         let seq = self.begin(&mut inner, Op::Broadcast)?;
-        let r = if self.rank == 0 {
+        let r = if self.rank == 0 && blob.len() > self.max_blob {
+            Err(self.too_large(Op::Broadcast, seq, blob.len()))
+        } else if self.rank == 0 {
             // Look at the links first, so a peer known to be dead fails this call.
             self.poll_faults(&mut inner, Op::Broadcast, seq)
                 .and_then(|()| {
@@ -1053,6 +1450,16 @@ impl Rendezvous {
 
     // -- internals ------------------------------------------------------------------------
 
+    fn too_large(&self, op: Op, seq: u64, len: usize) -> RendezvousError {
+        RendezvousError::BlobTooLarge {
+            rank: self.rank,
+            op,
+            seq,
+            len,
+            limit: self.max_blob,
+        }
+    }
+
     fn begin(&self, inner: &mut Inner, op: Op) -> Result<u64> {
         inner.seq += 1;
         let seq = inner.seq;
@@ -1076,9 +1483,12 @@ impl Rendezvous {
                 if inner.broken.is_none() {
                     inner.broken = Some(err.clone());
                     let bytes = encode(Kind::Abort, op, seq, self.rank, &abort_payload(&err));
-                    let d = Instant::now() + Duration::from_millis(200);
+                    let d = after(Duration::from_millis(200));
                     for link in inner.links.iter_mut() {
-                        if link.fault.is_none() && Some(link.peer) != err.peer_if_lost() {
+                        // A peer that sent garbage is still there and is told too; one whose
+                        // connection is gone is not.
+                        let gone = matches!(link.fault, Some(Fault::Lost(_) | Fault::Clean));
+                        if !gone && Some(link.peer) != err.peer_if_lost() {
                             let _ = link.send(&bytes, d);
                         }
                     }
@@ -1091,7 +1501,9 @@ impl Rendezvous {
     fn gather_op(&self, op: Op, blob: &[u8]) -> Result<Vec<Vec<u8>>> {
         let mut inner = self.lock();
         let seq = self.begin(&mut inner, op)?;
-        let r = if self.rank == 0 {
+        let r = if blob.len() > self.max_blob {
+            Err(self.too_large(op, seq, blob.len()))
+        } else if self.rank == 0 {
             self.collect(&mut inner, op, seq).and_then(|rest| {
                 let mut all = Vec::with_capacity(self.world_size);
                 all.push(blob.to_vec());
@@ -1115,7 +1527,7 @@ impl Rendezvous {
             })
         } else {
             let bytes = encode(Kind::Data, op, seq, self.rank, blob);
-            let deadline = Instant::now() + self.op_timeout;
+            let deadline = after(self.op_timeout);
             self.send_to(&mut inner, 0, &bytes, op, seq, deadline)
                 .and_then(|()| self.collect(&mut inner, op, seq))
                 .and_then(|mut v| {
@@ -1179,7 +1591,7 @@ impl Rendezvous {
     }
 
     fn send_all(&self, inner: &mut Inner, bytes: &[u8], op: Op, seq: u64) -> Result<()> {
-        let deadline = Instant::now() + self.op_timeout;
+        let deadline = after(self.op_timeout);
         for i in 0..inner.links.len() {
             self.send_to(inner, i, bytes, op, seq, deadline)?;
         }
@@ -1258,9 +1670,9 @@ impl Rendezvous {
         let timeout = if self.rank == 0 {
             self.op_timeout
         } else {
-            self.op_timeout + grace(self.op_timeout)
+            self.op_timeout.saturating_add(grace(self.op_timeout))
         };
-        let deadline = start + timeout;
+        let deadline = deadline_at(start, timeout);
         let n = inner.links.len();
         let mut got: Vec<Option<Vec<u8>>> = (0..n).map(|_| None).collect();
         loop {
@@ -1393,7 +1805,7 @@ impl Drop for Rendezvous {
     fn drop(&mut self) {
         let inner = self.inner.get_mut().unwrap_or_else(|p| p.into_inner());
         let bye = encode(Kind::Bye, Op::Connect, inner.seq, self.rank, &[]);
-        let d = Instant::now() + Duration::from_millis(100);
+        let d = after(Duration::from_millis(100));
         for link in inner.links.iter_mut() {
             // Drain unread bytes first: closing with unread data sends a reset, which could
             // reach the peer before the goodbye.
@@ -1410,10 +1822,19 @@ impl Drop for Rendezvous {
 mod tests {
     use super::*;
 
+    fn limits(facing: Facing) -> FrameLimits {
+        FrameLimits {
+            facing,
+            world: 4,
+            max_blob: 1000,
+        }
+    }
+
     #[test]
     fn frames_round_trip_and_reject_garbage() {
+        let member = limits(Facing::Member);
         let bytes = encode(Kind::Data, Op::Barrier, 7, 3, b"hello");
-        let (f, n) = parse(&bytes).unwrap().unwrap();
+        let (f, n) = parse(&bytes, &member).unwrap().unwrap();
         assert_eq!(n, bytes.len());
         assert_eq!(
             (f.kind, f.op, f.seq, f.src),
@@ -1421,16 +1842,124 @@ mod tests {
         );
         assert_eq!(f.payload, b"hello");
         // Incomplete: needs more bytes, not an error.
-        assert!(parse(&bytes[..bytes.len() - 1]).unwrap().is_none());
-        assert!(parse(&bytes[..3]).unwrap().is_none());
+        assert!(parse(&bytes[..bytes.len() - 1], &member).unwrap().is_none());
+        assert!(parse(&bytes[..3], &member).unwrap().is_none());
         // Wrong magic, wrong version, huge length.
-        assert!(parse(b"GET / HTTP/1.1\r\n").unwrap_err().contains("magic"));
+        assert!(parse(b"GET / HTTP/1.1\r\n", &member)
+            .unwrap_err()
+            .contains("magic"));
         let mut v = bytes.clone();
         v[4] = 99;
-        assert!(parse(&v).unwrap_err().contains("version"));
+        assert!(parse(&v, &member).unwrap_err().contains("version"));
         let mut v = bytes.clone();
         v[20..28].copy_from_slice(&(MAX_PAYLOAD + 1).to_le_bytes());
-        assert!(parse(&v).unwrap_err().contains("exceeds"));
+        assert!(parse(&v, &member).unwrap_err().contains("exceeds"));
+    }
+
+    #[test]
+    fn payload_limits_follow_the_operation_and_direction() {
+        let header_claiming = |kind: Kind, op: Op, len: u64| {
+            let mut v = encode(kind, op, 1, 1, &[]);
+            v[20..28].copy_from_slice(&len.to_le_bytes());
+            v
+        };
+        let (member, root, new) = (
+            limits(Facing::Member),
+            limits(Facing::Root),
+            limits(Facing::Unidentified),
+        );
+        // A blob from a rank: max_blob; rank 0's gathered reply: world x (8 + max_blob) + 4.
+        let blob = header_claiming(Kind::Data, Op::AllGather, 1000);
+        assert!(parse(&blob, &member).unwrap().is_none());
+        let over = header_claiming(Kind::Data, Op::AllGather, 1001);
+        assert!(parse(&over, &member).unwrap_err().contains("exceeds"));
+        assert!(parse(&over, &root).unwrap().is_none());
+        let gathered = header_claiming(Kind::Data, Op::AllGather, 4 * 1008 + 4);
+        assert!(parse(&gathered, &root).unwrap().is_none());
+        let gathered = header_claiming(Kind::Data, Op::AllGather, 4 * 1008 + 5);
+        assert!(parse(&gathered, &root).unwrap_err().contains("exceeds"));
+        let bcast = header_claiming(Kind::Data, Op::Broadcast, 1001);
+        assert!(parse(&bcast, &root).unwrap_err().contains("exceeds"));
+        // Handshake frames: their exact sizes; data on connect: none.
+        for (kind, len) in [
+            (Kind::Hello, HELLO_LEN),
+            (Kind::Challenge, CHALLENGE_LEN),
+            (Kind::Admit, ADMIT_LEN),
+            (Kind::Welcome, WELCOME_LEN),
+            (Kind::Bye, 0),
+            (Kind::Abort, MAX_ABORT),
+        ] {
+            let ok = header_claiming(kind, Op::Connect, len as u64);
+            assert!(parse(&ok, &root).is_ok(), "{kind:?}");
+            let big = header_claiming(kind, Op::Connect, len as u64 + 1);
+            assert!(parse(&big, &root).is_err(), "{kind:?}");
+        }
+        assert!(parse(&header_claiming(Kind::Data, Op::Connect, 1), &member).is_err());
+        // A new connection may only say hello, of hello size.
+        assert!(parse(
+            &header_claiming(Kind::Hello, Op::Connect, HELLO_LEN as u64),
+            &new
+        )
+        .unwrap()
+        .is_none());
+        assert!(parse(&header_claiming(Kind::Data, Op::AllGather, 1), &new)
+            .unwrap_err()
+            .contains("must start with a hello"));
+        assert!(parse(&header_claiming(Kind::Hello, Op::Connect, 1 << 30), &new).is_err());
+        // And what a link buffers is one largest frame.
+        assert_eq!(new.read_budget(), HEADER_LEN + HELLO_LEN);
+        assert_eq!(member.read_budget(), HEADER_LEN + MAX_ABORT);
+    }
+
+    #[test]
+    fn abort_reports_are_truncated_to_their_limit() {
+        let err = RendezvousError::InvalidConfig {
+            rank: 1,
+            detail: "é".repeat(MAX_ABORT),
+        };
+        let p = abort_payload(&err);
+        assert!(p.len() <= MAX_ABORT);
+        assert!(std::str::from_utf8(&p[5..]).is_ok());
+    }
+
+    #[test]
+    fn a_multi_host_job_needs_a_token_or_open() {
+        let mut c = RendezvousConfig::local(0, 2, 29500, Duration::from_secs(1));
+        for loopback in ["127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost"] {
+            c.master_addr = loopback.into();
+            assert!(c.is_loopback(), "{loopback}");
+            c.check().unwrap();
+        }
+        for remote in ["10.1.2.3", "node17", "::ffff:10.0.0.1", "192.0.2.1"] {
+            c.master_addr = remote.into();
+            assert!(!c.is_loopback(), "{remote}");
+            let e = c.check().unwrap_err();
+            assert!(
+                matches!(e, RendezvousError::NoJobToken { rank: 0, .. }),
+                "{e}"
+            );
+            let msg = e.to_string();
+            assert!(
+                msg.contains("EP_JOB_TOKEN") && msg.contains("EP_RDZV_OPEN=1"),
+                "{msg}"
+            );
+            // One rank alone needs no secret; open or a token makes it acceptable.
+            let alone = RendezvousConfig {
+                world_size: 1,
+                ..c.clone()
+            };
+            alone.check().unwrap();
+            RendezvousConfig {
+                open: true,
+                ..c.clone()
+            }
+            .check()
+            .unwrap();
+            c.clone()
+                .with_token(JobToken::new(*b"0123456789abcdef").unwrap())
+                .check()
+                .unwrap();
+        }
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! Real processes: the demo binary run by `spawn_local` (loopback only). Every wait is bounded.
 
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -280,6 +282,10 @@ fn demo_without_launcher_env() -> Command {
         "EP_LAUNCHER",
         "EP_RDZV_PORT",
         "TORCHELASTIC_RUN_ID",
+        "EP_JOB_TOKEN",
+        "EP_RDZV_OPEN",
+        "EP_JOB_ID",
+        "EP_RDZV_LISTEN_FD",
     ] {
         c.env_remove(v);
     }
@@ -349,4 +355,174 @@ fn bad_environment_is_a_typed_error_naming_the_variable() {
         assert_eq!(code, Some(1), "{vars:?}: {err}");
         assert!(err.contains(want), "{vars:?}: wanted {want:?} in {err:?}");
     }
+}
+
+#[test]
+fn a_multi_host_job_without_a_token_refuses_to_start() {
+    // Rank 0 of a job whose MASTER_ADDR is not loopback (a documentation address: only a local
+    // bind is ever attempted, no packet is sent). Without EP_JOB_TOKEN it refuses to start,
+    // saying what to set; with a token, or EP_RDZV_OPEN=1, it gets past that check and fails
+    // only at the bind (the address is not this host's).
+    let base = |extra: &[(&str, &str)]| {
+        let mut c = demo_without_launcher_env();
+        c.env("RANK", "0")
+            .env("WORLD_SIZE", "2")
+            .env("LOCAL_RANK", "0")
+            .env("MASTER_ADDR", "192.0.2.1")
+            .env("MASTER_PORT", "29500")
+            .args(["--timeout-s", "5"]);
+        for (k, v) in extra {
+            c.env(k, v);
+        }
+        run_bounded(&mut c, Duration::from_secs(30))
+    };
+    let (code, _, err) = base(&[]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("needs a shared secret: set EP_JOB_TOKEN") && err.contains("EP_RDZV_OPEN=1"),
+        "{err}"
+    );
+    for extra in [
+        &[("EP_RDZV_OPEN", "1")][..],
+        &[("EP_JOB_TOKEN", "a-token-of-enough-length")][..],
+    ] {
+        let (code, _, err) = base(extra);
+        assert_eq!(code, Some(2), "{extra:?}: {err}");
+        assert!(!err.contains("EP_JOB_TOKEN"), "{extra:?}: {err}");
+        assert!(
+            err.contains("cannot listen on 192.0.2.1:29500"),
+            "{extra:?}: {err}"
+        );
+    }
+    // A token too short to be a secret is an environment error, and is not echoed.
+    let (code, _, err) = base(&[("EP_JOB_TOKEN", "hunter2")]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("EP_JOB_TOKEN") && !err.contains("hunter2"),
+        "{err}"
+    );
+}
+
+/// Runs 3 demo ranks where rank 2 starts `delay_s` late (and rank 0 under `rank0_prefix`, a
+/// shell prefix such as a `ulimit`), while `stranger(port)` runs against the rendezvous port.
+/// Returns the launch result and what the stranger returned.
+fn with_stranger<T: Send + 'static>(
+    delay_s: &str,
+    rank0_prefix: &str,
+    stranger: impl FnOnce(u16) -> T + Send + 'static,
+) -> (Result<ep_launch::LaunchReport, LaunchError>, T) {
+    let script = format!(
+        "if [ \"$RANK\" = 2 ]; then sleep {delay_s}; fi; \
+         if [ \"$RANK\" = 0 ]; then {rank0_prefix} :; fi; \
+         exec \"$0\" --rounds 2 --timeout-s 30"
+    );
+    let launch = spawn_local_with(
+        &LaunchOptions {
+            echo: false,
+            ..opts()
+        },
+        3,
+        "/bin/sh",
+        ["-c", script.as_str(), DEMO],
+        &[],
+    )
+    .unwrap();
+    let port = launch.master_port();
+    let s = std::thread::spawn(move || stranger(port));
+    let r = launch.wait(Duration::from_secs(90));
+    (r, s.join().unwrap())
+}
+
+#[test]
+fn strangers_claiming_ranks_do_not_fail_a_launched_job() {
+    // While rank 2 is late, a stranger keeps claiming rank 2 (and rank 1): with hellos that
+    // carry no proof, and with hellos of the old protocol, which let the first claim win.
+    let (r, attempts) = with_stranger("0.5", "", |port| {
+        let t0 = Instant::now();
+        let mut attempts = 0;
+        while attempts < 200 && t0.elapsed() < Duration::from_millis(450) {
+            attempts += 1;
+            let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+                std::thread::sleep(Duration::from_millis(5));
+                continue;
+            };
+            let rank = 1 + (attempts % 2) as u32;
+            let (version, payload) = if attempts % 3 == 0 {
+                (1u16, 3u32.to_le_bytes().to_vec())
+            } else {
+                let mut p = 3u32.to_le_bytes().to_vec();
+                p.extend_from_slice(&[9u8; 64]);
+                (2u16, p)
+            };
+            let mut f = b"EPRZ".to_vec();
+            f.extend_from_slice(&version.to_le_bytes());
+            f.extend_from_slice(&[1, 0]); // hello, connect
+            f.extend_from_slice(&0u64.to_le_bytes());
+            f.extend_from_slice(&rank.to_le_bytes());
+            f.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+            f.extend_from_slice(&payload);
+            let _ = s.write_all(&f);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        attempts
+    });
+    assert!(
+        attempts > 10,
+        "the stranger got only {attempts} attempts in"
+    );
+    let report = r.unwrap_or_else(|e| panic!("the job failed: {e}"));
+    for (rank, out) in report.output.iter().enumerate() {
+        assert!(
+            out.contains(&format!("rank {rank}: ok")),
+            "rank {rank}: {out:?}"
+        );
+    }
+}
+
+#[test]
+fn rank_0_out_of_descriptors_sheds_idle_connections_and_the_job_forms() {
+    // Rank 0 may hold 40 descriptors; 90 idle connections arrive while rank 2 is late. accept
+    // fails with EMFILE once the descriptors are gone: rank 0 must drop idle connections and
+    // back off (not spin, not ignore it forever), so rank 2 still gets in.
+    const FLOOD: usize = 90;
+    let (r, closed) = with_stranger("1.5", "ulimit -n 40 &&", |port| {
+        let mut conns = Vec::new();
+        for _ in 0..FLOOD {
+            match TcpStream::connect(("127.0.0.1", port)) {
+                Ok(s) => {
+                    s.set_nonblocking(true).unwrap();
+                    conns.push(s);
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+        // Count those rank 0 closed before rank 2 arrives (the cap of 64 alone would close
+        // at most FLOOD - 64 = 26 of them).
+        std::thread::sleep(Duration::from_millis(1000));
+        let mut closed = 0;
+        let mut buf = [0u8; 512];
+        for s in &mut conns {
+            loop {
+                match s.read(&mut buf) {
+                    Ok(0) => {
+                        closed += 1;
+                        break;
+                    }
+                    Ok(_) => continue,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(_) => {
+                        closed += 1;
+                        break;
+                    }
+                }
+            }
+        }
+        closed
+    });
+    let report = r.unwrap_or_else(|e| panic!("the job failed: {e}"));
+    assert_eq!(report.exits.len(), 3);
+    assert!(
+        closed > FLOOD - 64,
+        "rank 0 closed only {closed} of {FLOOD}"
+    );
 }

@@ -6,6 +6,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ep_launch::auth::JobToken;
 use ep_launch::{Op, Rendezvous, RendezvousConfig, RendezvousError};
 
 /// Runs `f` on a thread and fails if it takes longer than `limit`.
@@ -378,10 +379,16 @@ fn connect_timeouts_name_the_missing_rank() {
 #[test]
 fn world_size_disagreement_is_refused() {
     bounded(Duration::from_secs(60), || {
+        // Both hold the job token: the disagreement is proven to come from the job's own rank 1,
+        // so it fails the job, promptly, on both sides.
+        let token = JobToken::new(*b"world-size-test-token").unwrap();
         let (l, port) = listener();
         let t = Duration::from_secs(10);
-        let r1 = std::thread::spawn(move || Rendezvous::connect(&cfg(1, 3, port, t)));
-        let e0 = Rendezvous::with_listener(&cfg(0, 2, port, t), l).unwrap_err();
+        let t0 = Instant::now();
+        let tk = token.clone();
+        let r1 =
+            std::thread::spawn(move || Rendezvous::connect(&cfg(1, 3, port, t).with_token(tk)));
+        let e0 = Rendezvous::with_listener(&cfg(0, 2, port, t).with_token(token), l).unwrap_err();
         let e1 = r1.join().unwrap().unwrap_err();
         assert!(
             matches!(&e0, RendezvousError::Protocol { rank: 0, peer: 1, op: Op::Connect, detail, .. } if detail.contains("world size 3")),
@@ -392,6 +399,44 @@ fn world_size_disagreement_is_refused() {
             "{e1}"
         );
         assert!(e1.to_string().contains("world size 3"), "{e1}");
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+
+        // Without a token nothing proves the claim comes from the job: rank 0 refuses that
+        // connection (which learns why at once) and keeps waiting for a real rank 1.
+        let (l, port) = listener();
+        let t = Duration::from_millis(1500);
+        let r1 = std::thread::spawn(move || {
+            let t0 = Instant::now();
+            (Rendezvous::connect(&cfg(1, 3, port, t)), t0.elapsed())
+        });
+        let e0 = Rendezvous::with_listener(&cfg(0, 2, port, t), l).unwrap_err();
+        let (e1, took1) = r1.join().unwrap();
+        let e1 = e1.unwrap_err();
+        assert!(
+            matches!(
+                e0,
+                RendezvousError::Timeout {
+                    rank: 0,
+                    peer: 1,
+                    op: Op::Connect,
+                    ..
+                }
+            ),
+            "{e0}"
+        );
+        assert!(
+            matches!(
+                e1,
+                RendezvousError::Aborted {
+                    rank: 1,
+                    peer: 1,
+                    ..
+                }
+            ),
+            "{e1}"
+        );
+        assert!(e1.to_string().contains("world size 3"), "{e1}");
+        assert!(took1 < Duration::from_secs(1), "{took1:?}");
     });
 }
 
@@ -494,5 +539,66 @@ fn a_clean_exit_is_not_a_failure_for_check_peers() {
         for r in results {
             r.unwrap();
         }
+    });
+}
+
+#[test]
+fn blobs_above_the_limit_fail_naming_the_sender() {
+    bounded(Duration::from_secs(60), || {
+        let (l, port) = listener();
+        let t = Duration::from_secs(10);
+        let small = ep_launch::rendezvous::Limits {
+            max_blob: 1000,
+            ..Default::default()
+        };
+        let c = move |rank| RendezvousConfig {
+            limits: small,
+            ..cfg(rank, 2, port, t)
+        };
+        // Rank 1 tries a blob above its own limit: refused before anything is sent, and the
+        // group learns who failed.
+        let r1 = std::thread::spawn(move || {
+            let r = Rendezvous::connect(&c(1))?;
+            Ok::<_, RendezvousError>(r.all_gather(&[1u8; 1001]).unwrap_err())
+        });
+        let r0 = Rendezvous::with_listener(&c(0), l).unwrap();
+        let e0 = r0.all_gather(b"zero").unwrap_err();
+        let e1 = r1.join().unwrap().unwrap();
+        assert!(
+            matches!(
+                e1,
+                RendezvousError::BlobTooLarge {
+                    rank: 1,
+                    op: Op::AllGather,
+                    seq: 1,
+                    len: 1001,
+                    limit: 1000
+                }
+            ),
+            "{e1}"
+        );
+        assert_eq!(e0.peer(), Some(1), "{e0}");
+
+        // A rank whose limit is larger than rank 0's: rank 0 refuses the frame on its header
+        // (it never buffers the blob) and names the sender.
+        let (l, port) = listener();
+        let r1 = std::thread::spawn(move || {
+            let r = Rendezvous::connect(&cfg(1, 2, port, t))?;
+            r.all_gather(&[1u8; 5000])
+        });
+        let r0 = Rendezvous::with_listener(
+            &RendezvousConfig {
+                limits: small,
+                ..cfg(0, 2, port, t)
+            },
+            l,
+        )
+        .unwrap();
+        let e0 = r0.all_gather(b"zero").unwrap_err();
+        assert!(
+            matches!(&e0, RendezvousError::Protocol { rank: 0, peer: 1, detail, .. } if detail.contains("exceeds the limit 1000")),
+            "{e0}"
+        );
+        assert_eq!(r1.join().unwrap().unwrap_err().peer(), Some(1));
     });
 }

@@ -113,7 +113,11 @@ fn main() -> ExitCode {
             }
         };
         // Bounded: connecting plus the calls, with room to spare.
-        let bound = args.timeout * (args.rounds as u32 + 4) + Duration::from_secs(30);
+        let calls = u32::try_from(args.rounds.saturating_add(4)).unwrap_or(u32::MAX);
+        let bound = args
+            .timeout
+            .saturating_mul(calls)
+            .saturating_add(Duration::from_secs(30));
         return match launch.wait(bound) {
             Ok(_) => {
                 println!("ep-rdzv-demo: all {n} ranks succeeded");

@@ -1,0 +1,334 @@
+//! Rank 0's door: accepting connections, challenging them, and admitting only those that prove
+//! they are ranks of this job, without letting strangers disturb the job or exhaust rank 0.
+//!
+//! - Every accepted connection is challenged at once (a fresh nonce) and must answer with a
+//!   hello within [`Limits::handshake_timeout`](super::Limits::handshake_timeout); its buffer is
+//!   bounded to one hello (`FrameLimits` of `Facing::Unidentified`).
+//! - At most [`Limits::max_pending`](super::Limits::max_pending) connections wait in the
+//!   handshake; a new one pushes out the oldest, so a flood cannot lock real ranks out (a real
+//!   rank answers within a round trip, and reconnects if it was pushed out).
+//! - A hello that fails (garbage, a wrong or missing proof, a world size, rank or rank number
+//!   that cannot be right) is refused: that connection gets a short report and is closed; the
+//!   job goes on. Only a connection that proved it holds the job token and still disagrees is
+//!   one of the job's own processes gone wrong: that fails the job.
+//! - `accept` failing for lack of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM) sheds
+//!   the oldest unidentified connection and backs off (1 ms doubling to 100 ms) instead of
+//!   spinning; if there is nothing to shed and it lasts [`ACCEPT_GIVE_UP`], it is an error
+//!   naming the cause.
+
+use std::collections::VecDeque;
+use std::io::ErrorKind;
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use super::{
+    abort_payload, encode, AbortKind, Facing, FrameLimits, Kind, Link, Op, RendezvousConfig,
+    RendezvousError, Result, ADMIT_LEN, FLAG_TOKEN, HELLO_LEN,
+};
+use crate::auth::{self, Claim, Role, MAC_LEN, NONCE_LEN};
+use crate::time::deadline;
+
+/// Accepts taken per call, so one call stays short under a flood.
+const ACCEPT_BATCH: usize = 16;
+const MIN_BACKOFF: Duration = Duration::from_millis(1);
+const MAX_BACKOFF: Duration = Duration::from_millis(100);
+/// How long `accept` may keep failing for lack of resources, with nothing left to shed, before
+/// rank 0 gives up.
+pub(crate) const ACCEPT_GIVE_UP: Duration = Duration::from_secs(5);
+
+/// A connection in the handshake.
+struct Pending {
+    link: Link,
+    nonce: [u8; NONCE_LEN],
+    until: Instant,
+}
+
+/// What to do with a hello.
+enum Verdict {
+    Admit {
+        rank: usize,
+        client_nonce: [u8; NONCE_LEN],
+    },
+    /// Not one of ours (or not provably): close it, with this reason, and go on.
+    Refuse { rank: Option<usize>, detail: String },
+    /// One of ours, proven, and wrong: the job fails.
+    Fatal(RendezvousError),
+}
+
+pub(super) struct Door<'a> {
+    cfg: &'a RendezvousConfig,
+    addr: String,
+    pending: VecDeque<Pending>,
+    /// While `accept` fails for lack of resources: since when, and when to try again.
+    starved_since: Option<Instant>,
+    retry_at: Option<Instant>,
+    backoff: Duration,
+    /// Counters, for tests and diagnostics.
+    pub(super) refused: usize,
+    pub(super) shed: usize,
+}
+
+/// Whether an `accept` error means this process or the system is out of descriptors or memory.
+fn is_exhaustion(e: &std::io::Error) -> bool {
+    // EMFILE 24, ENFILE 23, ENOBUFS 105, ENOMEM 12 (Linux numbering; the kinds cover the rest).
+    matches!(e.raw_os_error(), Some(24 | 23 | 105 | 12)) || e.kind() == ErrorKind::OutOfMemory
+}
+
+impl<'a> Door<'a> {
+    pub(super) fn new(cfg: &'a RendezvousConfig, addr: String) -> Self {
+        Door {
+            cfg,
+            addr,
+            pending: VecDeque::new(),
+            starved_since: None,
+            retry_at: None,
+            backoff: MIN_BACKOFF,
+            refused: 0,
+            shed: 0,
+        }
+    }
+
+    /// Accepts waiting connections and challenges each. Returns whether anything happened;
+    /// `Err` only when `accept` has failed for lack of resources for [`ACCEPT_GIVE_UP`] with
+    /// nothing left to shed.
+    pub(super) fn accept(&mut self, listener: &TcpListener, now: Instant) -> Result<bool> {
+        if self.retry_at.is_some_and(|t| now < t) {
+            return Ok(false);
+        }
+        self.retry_at = None;
+        let mut progress = false;
+        for _ in 0..ACCEPT_BATCH {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    progress = true;
+                    self.starved_since = None;
+                    self.backoff = MIN_BACKOFF;
+                    if self.pending.len() >= self.cfg.limits.max_pending {
+                        self.pending.pop_front();
+                        self.shed += 1;
+                    }
+                    self.challenge(stream, now);
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if is_exhaustion(&e) => {
+                    let since = *self.starved_since.get_or_insert(now);
+                    if self.pending.pop_front().is_some() {
+                        // A descriptor freed: the next attempt can take the next connection.
+                        self.shed += 1;
+                    } else if now.saturating_duration_since(since) >= ACCEPT_GIVE_UP {
+                        return Err(RendezvousError::Accept {
+                            rank: 0,
+                            addr: self.addr.clone(),
+                            cause: format!(
+                                "{e} for {:?} with no connection left to drop (raise the \
+                                 open-file limit, `ulimit -n`)",
+                                now.saturating_duration_since(since)
+                            ),
+                        });
+                    }
+                    self.retry_at = Some(deadline(now, self.backoff));
+                    self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+                    break;
+                }
+                // The connection died between arrival and accept (ECONNABORTED, ...): only
+                // that one is affected; take the next.
+                Err(_) => {}
+            }
+        }
+        Ok(progress)
+    }
+
+    /// Challenges a new connection; one that cannot take the challenge at once is dropped.
+    fn challenge(&mut self, stream: TcpStream, now: Instant) {
+        let Ok(nonce) = auth::random::<NONCE_LEN>() else {
+            return;
+        };
+        let limits = FrameLimits {
+            facing: Facing::Unidentified,
+            world: self.cfg.world_size,
+            max_blob: self.cfg.limits.max_blob,
+        };
+        let Ok(mut link) = Link::new(usize::MAX, stream, limits) else {
+            return;
+        };
+        let flags = if self.cfg.token.is_some() {
+            FLAG_TOKEN
+        } else {
+            0
+        };
+        let mut payload = vec![flags];
+        payload.extend_from_slice(&nonce);
+        // A fresh socket's send buffer takes these few bytes at once: no waiting (deadline now).
+        if link
+            .send(&encode(Kind::Challenge, Op::Connect, 0, 0, &payload), now)
+            .is_ok()
+        {
+            self.pending.push_back(Pending {
+                link,
+                nonce,
+                until: deadline(now, self.cfg.limits.handshake_timeout),
+            });
+        }
+    }
+
+    /// Reads every connection in the handshake once: admits into `slots` those that proved who
+    /// they are, drops strangers and those past their deadline. Returns (progress, ranks
+    /// admitted); `Err` when a proven rank of this job is in conflict (the job fails).
+    pub(super) fn admit(
+        &mut self,
+        now: Instant,
+        slots: &mut [Option<Link>],
+    ) -> Result<(bool, usize)> {
+        let mut progress = false;
+        let mut admitted = 0;
+        let mut i = 0;
+        while i < self.pending.len() {
+            progress |= self.pending[i].link.pump();
+            let p = &mut self.pending[i];
+            let Some(hello) = p.link.inbox.pop_front() else {
+                if p.link.fault.is_some() || now >= p.until {
+                    // Garbage, a close, or silence past the deadline: not a rank of ours.
+                    self.pending.remove(i);
+                    progress = true;
+                } else {
+                    i += 1;
+                }
+                continue;
+            };
+            let Some(mut p) = self.pending.remove(i) else {
+                break;
+            };
+            progress = true;
+            match self.judge(&hello, &p.nonce, slots) {
+                Verdict::Admit { rank, client_nonce } => {
+                    let proof = self.cfg.token.as_ref().map_or([0u8; MAC_LEN], |t| {
+                        auth::prove(t, Role::Admit, &self.claim(&p.nonce, &client_nonce, rank))
+                    });
+                    let bytes = encode(Kind::Admit, Op::Connect, 0, 0, &proof[..ADMIT_LEN]);
+                    // A rank that cannot take its admission at once reconnects.
+                    if p.link.send(&bytes, now).is_ok() {
+                        p.link.peer = rank;
+                        p.link.limits = FrameLimits {
+                            facing: Facing::Member,
+                            ..p.link.limits
+                        };
+                        slots[rank] = Some(p.link);
+                        admitted += 1;
+                    }
+                }
+                Verdict::Refuse { rank, detail } => {
+                    self.refused += 1;
+                    let msg = format!("rank 0 refused this connection: {detail}");
+                    let mut payload = vec![AbortKind::Other as u8];
+                    let culprit = rank.map_or(u32::MAX, |r| r.min(u32::MAX as usize) as u32);
+                    payload.extend_from_slice(&culprit.to_le_bytes());
+                    payload.extend_from_slice(msg.as_bytes());
+                    // Best effort, no waiting: a real rank learns why; a stranger is closed.
+                    let _ = p
+                        .link
+                        .send(&encode(Kind::Abort, Op::Connect, 0, 0, &payload), now);
+                }
+                Verdict::Fatal(err) => {
+                    let bytes = encode(Kind::Abort, Op::Connect, 0, 0, &abort_payload(&err));
+                    let _ = p.link.send(&bytes, now);
+                    return Err(err);
+                }
+            }
+        }
+        Ok((progress, admitted))
+    }
+
+    fn claim<'c>(
+        &'c self,
+        server_nonce: &'c [u8; NONCE_LEN],
+        client_nonce: &'c [u8; NONCE_LEN],
+        rank: usize,
+    ) -> Claim<'c> {
+        Claim {
+            server_nonce,
+            client_nonce,
+            rank: rank as u32,
+            world: self.cfg.world_size as u32,
+            job_id: &self.cfg.job_id,
+        }
+    }
+
+    fn judge(
+        &self,
+        hello: &super::Frame,
+        nonce: &[u8; NONCE_LEN],
+        slots: &[Option<Link>],
+    ) -> Verdict {
+        let world = self.cfg.world_size;
+        if hello.kind != Kind::Hello || hello.op != Op::Connect || hello.payload.len() != HELLO_LEN
+        {
+            return Verdict::Refuse {
+                rank: None,
+                detail: "malformed hello".into(),
+            };
+        }
+        let claimed = hello.src;
+        let claimed_world = u32::from_le_bytes([
+            hello.payload[0],
+            hello.payload[1],
+            hello.payload[2],
+            hello.payload[3],
+        ]);
+        let mut client_nonce = [0u8; NONCE_LEN];
+        client_nonce.copy_from_slice(&hello.payload[4..4 + NONCE_LEN]);
+        let proof = &hello.payload[4 + NONCE_LEN..];
+        // With a token, the proof comes first: nothing an unproven peer claims is believed, so
+        // nothing it claims can fail the job or be blamed on a real rank.
+        let proven = match &self.cfg.token {
+            Some(t) => {
+                let claim = Claim {
+                    server_nonce: nonce,
+                    client_nonce: &client_nonce,
+                    rank: claimed as u32,
+                    world: claimed_world,
+                    job_id: &self.cfg.job_id,
+                };
+                if !auth::check(t, Role::Hello, &claim, proof) {
+                    return Verdict::Refuse {
+                        rank: Some(claimed),
+                        detail: format!(
+                            "the claim to be rank {claimed} carries no valid proof of the job \
+                             token (EP_JOB_TOKEN and EP_JOB_ID must be the same on every rank)"
+                        ),
+                    };
+                }
+                true
+            }
+            None => false,
+        };
+        let problem = if claimed_world as usize != world {
+            Some(format!(
+                "rank {claimed} was started with world size {claimed_world}, rank 0 with {world}"
+            ))
+        } else if claimed == 0 || claimed >= world {
+            Some(format!("a peer claims rank {claimed}, outside 1..{world}"))
+        } else if slots[claimed].is_some() {
+            Some(format!("two processes claim rank {claimed}"))
+        } else {
+            None
+        };
+        match problem {
+            None => Verdict::Admit {
+                rank: claimed,
+                client_nonce,
+            },
+            Some(detail) if proven => Verdict::Fatal(RendezvousError::Protocol {
+                rank: 0,
+                peer: claimed.min(u32::MAX as usize),
+                op: Op::Connect,
+                seq: 0,
+                detail,
+            }),
+            Some(detail) => Verdict::Refuse {
+                rank: Some(claimed),
+                detail,
+            },
+        }
+    }
+}
