@@ -46,6 +46,8 @@ pub(crate) struct Dev {
     pub(crate) first_rank: usize,
     pub(crate) ranks: usize,
     pub(crate) allocs: Vec<sys::CUdeviceptr>,
+    /// Grow-only scratch buffers (profile stamps, encoder rows), reused across calls.
+    pub(crate) scratch: [(sys::CUdeviceptr, usize); 2],
 }
 
 pub(crate) fn load_family(
@@ -105,6 +107,7 @@ impl Dev {
             first_rank,
             ranks,
             allocs: Vec::new(),
+            scratch: [(0, 0); 2],
         };
         let mut all = Vec::new();
         for f in [compile::FP8, compile::PER_EXPERT, compile::BATCHED] {
@@ -189,6 +192,28 @@ impl Dev {
             result::memset_d8_sync(p, 0, bytes.max(16))
         })?;
         Ok(p)
+    }
+}
+
+impl Dev {
+    /// Scratch buffer `slot` of at least `bytes` (zeroed when it grows); reused by later calls.
+    pub(crate) fn scratch(
+        &mut self,
+        slot: usize,
+        bytes: usize,
+    ) -> Result<sys::CUdeviceptr, GpuError> {
+        let (p, have) = self.scratch[slot];
+        if have >= bytes && p != 0 {
+            return Ok(p);
+        }
+        let np = self.alloc(bytes)?;
+        if p != 0 {
+            // SAFETY: `p` is an idle scratch allocation of this (bound) context, replaced now.
+            let _ = unsafe { result::free_sync(p) };
+            self.allocs.retain(|&a| a != p);
+        }
+        self.scratch[slot] = (np, bytes);
+        Ok(np)
     }
 }
 

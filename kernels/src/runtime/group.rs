@@ -124,7 +124,7 @@ impl GpuGroup {
                 result::memcpy_htod_sync(table, &ptrs)
             })?;
             dev.table = table;
-            dev.err = dev.alloc(32)?;
+            dev.err = dev.alloc(4 * ERR_WORDS)?;
         }
         let (fp8, round_scale, ue8m0) = match cfg.mode {
             Mode::Bf16 => (0, 0, 0),
@@ -159,6 +159,7 @@ impl GpuGroup {
             stage: 0,
         };
         Ok(GpuGroup {
+            id: device_api::next_group_id(),
             cfg: *cfg,
             devs,
             ptrs,
@@ -284,7 +285,7 @@ impl GpuGroup {
             result::memcpy_htod_sync(table, &ptrs)
         })?;
         dev.table = table;
-        dev.err = dev.alloc(32)?;
+        dev.err = dev.alloc(4 * ERR_WORDS)?;
         let (fp8, round_scale, ue8m0) = match cfg.mode {
             Mode::Bf16 => (0, 0, 0),
             Mode::Fp8 { round_scale, ue8m0 } => (1, round_scale as i32, ue8m0 as i32),
@@ -313,6 +314,7 @@ impl GpuGroup {
             ..Default::default()
         };
         Ok(GpuGroup {
+            id: device_api::next_group_id(),
             cfg: *cfg,
             devs: vec![dev],
             ptrs,

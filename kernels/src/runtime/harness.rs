@@ -212,6 +212,7 @@ impl GpuGroup {
 
     /// Reads rank r's dispatch output (after [`GpuGroup::sync`]).
     pub fn read_dispatch_output(&self, r: usize) -> Result<DispatchOutput, GpuError> {
+        self.check_read_rank(r)?;
         let cfg = self.cfg;
         let p = self.ptrs[r];
         self.devs[self.dev_of(r)].bind()?;
@@ -255,6 +256,7 @@ impl GpuGroup {
 
     /// Reads rank r's combine output (n_r x H, after [`GpuGroup::sync`]).
     pub fn read_combine_output(&self, r: usize) -> Result<Vec<bf16>, GpuError> {
+        self.check_read_rank(r)?;
         let p = self.ptrs[r];
         self.devs[self.dev_of(r)].bind()?;
         let mut out = vec![bf16::ZERO; self.n_tokens[r] * self.cfg.hidden];
@@ -265,5 +267,24 @@ impl GpuGroup {
             })?;
         }
         Ok(out)
+    }
+
+    /// Rank `r` exists and its buffers are this process's to read.
+    fn check_read_rank(&self, r: usize) -> Result<(), GpuError> {
+        if r >= self.cfg.num_ranks {
+            return Err(Error::RankOutOfRange {
+                rank: r,
+                ranks: self.cfg.num_ranks,
+            }
+            .into());
+        }
+        if let Some(own) = self.own {
+            if r != own {
+                return Err(GpuError::Unsupported(format!(
+                    "this process runs rank {own}; rank {r}'s outputs live in its own process"
+                )));
+            }
+        }
+        Ok(())
     }
 }

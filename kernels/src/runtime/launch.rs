@@ -49,8 +49,23 @@ impl GpuGroup {
     }
 
     /// One launch per device: stage 0 = the whole call, 1 = pack (send side), 2 = unpack
-    /// (receive side); -1 = the empty kernel.
+    /// (receive side); -1 = the empty kernel. On the group's streams, with its own buffers.
     pub(crate) fn launch_stage(&self, op: Op, path: Path, stage: i32) -> Result<(), GpuError> {
+        let streams = self.streams_raw();
+        let io = vec![IoTable::default(); self.devs.len()];
+        self.launch_stage_on(op, path, stage, &streams, &io)
+    }
+
+    /// [`GpuGroup::launch_stage`] on the given streams (one per device) with the given tensors
+    /// (one table per device; zero entries: the group's own buffers).
+    pub(crate) fn launch_stage_on(
+        &self,
+        op: Op,
+        path: Path,
+        stage: i32,
+        streams: &[sys::CUstream],
+        io: &[IoTable],
+    ) -> Result<(), GpuError> {
         let what = (stage >= 0).then_some(());
         for (di, dev) in self.devs.iter().enumerate() {
             let f = match (op, path) {
@@ -67,20 +82,26 @@ impl GpuGroup {
             kp.ranks_here = dev.ranks as i32;
             kp.nccl_mask = self.masks[di];
             kp.stage = stage.max(0);
+            let mut iot = io[di];
             dev.bind()?;
-            let mut args = [(&mut kp as *mut KParams).cast::<c_void>()];
+            let mut args = [
+                (&mut kp as *mut KParams).cast::<c_void>(),
+                (&mut iot as *mut IoTable).cast::<c_void>(),
+            ];
             let grid = (dev.ranks * self.blocks_per_rank) as u32;
-            // SAFETY: `f` is a kernel of this device's module taking one KParams by value (the
-            // same #[repr(C)] layout as in common.cuh); every address in it and in the table is
-            // a live allocation of this group; the grid fits on the device at once (checked in
-            // new); the launch copies the parameter before returning.
+            // SAFETY: `f` is a kernel of this device's module taking (KParams, IoTable) by value
+            // (the same #[repr(C)] layouts as in common.cuh); every address in them and in the
+            // table is a live allocation of this group or a caller tensor whose size the device
+            // API checked; `streams[di]` belongs to this device's context (checked by the
+            // caller); the grid fits on the device at once (checked in new); the launch copies
+            // the parameters before returning.
             cuda("launch", unsafe {
                 result::launch_kernel(
                     f,
                     (grid, 1, 1),
                     (NTHREADS, 1, 1),
                     self.smem as u32,
-                    dev.stream,
+                    streams[di],
                     &mut args,
                 )
             })?;
@@ -298,31 +319,6 @@ impl GpuGroup {
                 return Err(err);
             }
         }
-        for dev in &self.devs {
-            dev.bind()?;
-            let mut w = [0u32; 8];
-            // SAFETY: `err` holds 8 u32 on the bound context; the stream is idle.
-            cuda("read error word", unsafe {
-                result::memcpy_dtoh_sync(&mut w, dev.err)
-            })?;
-            if w[0] != 0 {
-                let (op, side) = match w[3] {
-                    0 => (Op::Dispatch, Side::Send),
-                    1 => (Op::Dispatch, Side::Recv),
-                    2 => (Op::Combine, Side::Send),
-                    _ => (Op::Combine, Side::Recv),
-                };
-                let e = Error::Timeout {
-                    rank: w[1] as usize,
-                    peer: w[2] as usize,
-                    phase: Phase { op, side },
-                    call: w[4] as u64,
-                    waited_ms: w[5] as u64 / 1000,
-                };
-                self.broken = Some(GpuError::from(e.clone()));
-                return Err(e.into());
-            }
-        }
-        Ok(())
+        self.check()
     }
 }

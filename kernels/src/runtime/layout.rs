@@ -41,6 +41,45 @@ pub(crate) struct RankPtrs {
     pub(crate) rcv_hdr: u64,
 }
 
+/// Ranks of one launch the device API can address (`MAX_LOCAL` in common.cuh).
+pub(crate) const MAX_LOCAL: usize = 32;
+
+/// A rank's caller-supplied tensors for one call (`struct IoPtrs` in common.cuh): each nonzero
+/// address replaces the group's own buffer of that name; `ntok` points to an i32 token count.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct IoPtrs {
+    pub x: u64,
+    pub topk: u64,
+    pub weights: u64,
+    pub y: u64,
+    pub out: u64,
+    pub recv_x: u64,
+    pub recv_scales: u64,
+    pub recv_count: u64,
+    pub layout: u64,
+    pub src_info: u64,
+    pub ntok: u64,
+}
+
+/// The kernels' second parameter (`struct IoTable`): one entry per rank of the launch, in rank
+/// order from the device's first rank. All zero: the group's own buffers (the host harness).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct IoTable {
+    pub r: [IoPtrs; MAX_LOCAL],
+}
+
+/// Signal counts have this many bits (SIG_COUNT_BITS in common.cuh): T*K must stay below.
+pub(crate) const SIG_COUNT_BITS: u32 = 24;
+
+/// Byte offset of the u64 epochs inside a rank's `state` buffer (ST_EPOCH64 in common.cuh).
+pub(crate) const STATE_EPOCH_OFFSET: u64 = 64;
+/// u32 words of a device's error word (see common.cuh).
+pub(crate) const ERR_WORDS: usize = 16;
+/// Kernel kinds (NUM_KINDS in common.cuh), each with its own epoch.
+pub(crate) const NUM_KINDS: usize = 4;
+
 /// Kernel parameters (`struct KParams` in common.cuh), passed by value.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -108,6 +147,12 @@ pub(crate) fn rank_sizes(c: &Config, nccl: bool) -> Result<[usize; 25], GpuError
         c.hidden,
         c.top_k,
     );
+    if prod("T x K", &[t, k])? >= 1 << SIG_COUNT_BITS {
+        return Err(GpuError::Unsupported(format!(
+            "T x K = {} x {} must stay below 2^{SIG_COUNT_BITS} (the count field of a signal)",
+            t, k
+        )));
+    }
     let eb = entry_bytes_checked(c)?;
     let peb = pe_entry_bytes_checked(c)?;
     let cmb = prod("cmb_buf", &[r, t, k, h, 2])?;
@@ -138,7 +183,7 @@ pub(crate) fn rank_sizes(c: &Config, nccl: bool) -> Result<[usize; 25], GpuError
         prod("pe_buf", &[l, r, t, peb])?,
         cmb,
         prod("sig", &[sig_words, 8])?,
-        64,
+        128, // state: u32 counters, then the u64 epochs at STATE_EPOCH_OFFSET
         prod("bat_cnt", &[r, l, 4])?,
         if nccl {
             prod("snd_buf", &[r, t, eb])?.max(cmb)

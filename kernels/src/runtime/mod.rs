@@ -24,6 +24,8 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 mod device;
+mod device_api;
+mod errors;
 mod group;
 mod harness;
 mod launch;
@@ -32,6 +34,10 @@ mod profile;
 
 pub use device::probe_devices;
 pub(crate) use device::{cuda, Dev};
+pub use device_api::{
+    CombineHook, CombineIn, DeviceDispatchOut, DeviceHandle, DispatchHook, DispatchIn,
+    DispatchOutSizes, RankEp, Tokens,
+};
 pub(crate) use layout::*;
 pub use layout::{bytes_per_rank, bytes_per_rank_with, entry_bytes, pe_entry_bytes, NTHREADS};
 
@@ -98,6 +104,8 @@ impl Default for GpuOptions {
 
 /// R ranks on one or more GPUs: the communication buffers, and dispatch/combine on both paths.
 pub struct GpuGroup {
+    /// Unique per group in this process (device-API handles name their group).
+    pub(crate) id: u64,
     pub(crate) cfg: Config,
     pub(crate) devs: Vec<Dev>,
     pub(crate) ptrs: Vec<RankPtrs>,

@@ -8,7 +8,7 @@ impl GpuGroup {
     pub fn profile(&mut self, op: Op, path: Path) -> Result<Vec<[u64; 8]>, GpuError> {
         let grid = self.devs[0].ranks * self.blocks_per_rank;
         self.devs[0].bind()?;
-        let buf = self.devs[0].alloc(grid * 64)?;
+        let buf = self.devs[0].scratch(0, grid * 64)?;
         self.params.prof = buf;
         let r = self.launch(op, path).and_then(|_| self.sync());
         self.params.prof = 0;
@@ -35,8 +35,8 @@ impl GpuGroup {
         kp.entry_bytes = eb as i32;
         let dev = &mut self.devs[0];
         dev.bind()?;
-        let x = dev.alloc(rows.len() * 2)?;
-        let out = dev.alloc(n * eb)?;
+        let x = dev.scratch(0, rows.len() * 2)?;
+        let out = dev.scratch(1, n * eb)?;
         // SAFETY: `x` was allocated for exactly rows.len() bf16 on the bound context.
         cuda("upload rows", unsafe { result::memcpy_htod_sync(x, rows) })?;
         cuda("synchronize after upload", dev.ctx.synchronize())?;
@@ -74,5 +74,41 @@ impl GpuGroup {
             .chunks_exact(eb)
             .map(|c| c[..cfg.payload_bytes()].to_vec())
             .collect())
+    }
+
+    /// Test hook: sets every kernel kind's completed-call count (the device epochs) of every rank
+    /// of this process to `calls`, and the acknowledgements peers wait for to match, as if the
+    /// group had already made that many calls of each kind (to test the epochs past 2^32 without
+    /// 2^32 calls). Every rank of the job must set the same value between calls.
+    #[doc(hidden)]
+    pub fn set_epochs_for_test(&mut self, calls: u64) -> Result<(), GpuError> {
+        self.check_usable()?;
+        let r = self.cfg.num_ranks;
+        for rank in self.device_ranks() {
+            let di = self.dev_of(rank);
+            let p = self.ptrs[rank];
+            self.devs[di].bind()?;
+            cuda("synchronize", self.devs[di].ctx.synchronize())?;
+            let ep = [calls; NUM_KINDS];
+            // Acks live at sig words [R, 2R) (batched dispatch) and [3R, 6R) (batched combine,
+            // per-expert dispatch, per-expert combine); see sig_* in common.cuh.
+            let acks = vec![calls; r];
+            // SAFETY: `state` holds 128 bytes (epochs at STATE_EPOCH_OFFSET), `sig` at least 6R
+            // u64 words; both live allocations of the bound context; the device is idle.
+            unsafe {
+                cuda(
+                    "set epochs",
+                    result::memcpy_htod_sync(p.state + STATE_EPOCH_OFFSET, &ep),
+                )?;
+                for base in [r, 3 * r, 4 * r, 5 * r] {
+                    cuda(
+                        "set acks",
+                        result::memcpy_htod_sync(p.sig + 8 * base as u64, &acks),
+                    )?;
+                }
+            }
+        }
+        self.calls = [calls; NUM_KINDS];
+        Ok(())
     }
 }
