@@ -277,8 +277,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                         u32 lx = ((const u16*)(h + 16))[lane];
                         const u32 ix = ((const u16*)(h + 48))[lane];
                         if (lx != NO_LOCAL && (lx >= (u32)L || ix >= (u32)sm.cls[lx * R + s])) {
-                            if (lx >= (u32)L) report_error(p, ERR_PEER_DATA, rank, s, PF_HDR_LOCAL, lx, 0u, L - 1);
-                            else report_error(p, ERR_PEER_DATA, rank, s, PF_HDR_INDEX, ix, 0u, sm.cls[lx * R + s] - 1);
+                            if (lx >= (u32)L) report_error(p.err, ERR_PEER_DATA, rank, s, PF_HDR_LOCAL, lx, 0u, L - 1);
+                            else report_error(p.err, ERR_PEER_DATA, rank, s, PF_HDR_INDEX, ix, 0u, sm.cls[lx * R + s] - 1);
                             lx = NO_LOCAL;
                         }
                         lxq[q] = lx;
@@ -309,7 +309,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                     const int sel = ((const int*)h)[1];
                     // The selection offset indexes comb_map: bounded (t is only stored).
                     if (slots != 0u && (sel < 0 || sel > (int)TK - __popc(slots))) {
-                        if (lane == 0) report_error(p, ERR_PEER_DATA, rank, s, PF_HDR_SEL, (u32)sel, 0u, (u32)TK - __popc(slots));
+                        if (lane == 0) report_error(p.err, ERR_PEER_DATA, rank, s, PF_HDR_SEL, (u32)sel, 0u, (u32)TK - __popc(slots));
                         continue;
                     }
                     for (u32 m = slots; m != 0u; m &= m - 1u) {
