@@ -196,7 +196,7 @@ mod tests {
 
     #[test]
     fn input_errors_rank_before_the_timeouts_they_cause() {
-        let mut v = vec![
+        let mut v = [
             GpuError::from(Error::Timeout {
                 rank: 0,
                 peer: 1,

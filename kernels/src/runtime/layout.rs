@@ -365,13 +365,10 @@ mod tests {
         let total = total_bytes(&s).unwrap();
         assert_eq!(total % 256, 0);
         assert!(total >= s.iter().sum::<usize>());
-        assert_eq!(
-            to_i32("h", 1 << 31)
-                .unwrap_err()
-                .to_string()
-                .contains("i32"),
-            true
-        );
+        assert!(to_i32("h", 1 << 31)
+            .unwrap_err()
+            .to_string()
+            .contains("i32"));
     }
 
     #[test]
