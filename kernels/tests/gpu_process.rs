@@ -239,7 +239,7 @@ fn mismatch_field(r: Result<GpuGroup, GpuError>) -> (&'static str, String, Strin
 fn gpu_process_fabricated_peers_are_refused_before_mapping() {
     let ours = cfg(1024);
     let o = opts(Transport::Auto);
-    let alloc = bytes_per_rank_with(&ours, false);
+    let alloc = bytes_per_rank_with(&ours, false).expect("layout of a valid config");
     let run = |peer_blob: Vec<u8>| {
         let mut ag =
             |b: &[u8]| -> Result<Vec<Vec<u8>>, String> { Ok(vec![b.to_vec(), peer_blob.clone()]) };
@@ -310,7 +310,7 @@ fn gpu_process_two_processes_with_other_hidden_both_fail() {
 fn gpu_nccl_init_with_a_peer_that_never_joins_times_out() {
     let ours = cfg(1024);
     let o = opts(Transport::Nccl);
-    let alloc = bytes_per_rank_with(&ours, true);
+    let alloc = bytes_per_rank_with(&ours, true).expect("layout of a valid config");
     let theirs = Hello::new(&ours, &o, 1, alloc).encode(&[0; 64]).unwrap();
     let mut ag =
         |b: &[u8]| -> Result<Vec<Vec<u8>>, String> { Ok(vec![b.to_vec(), theirs.clone()]) };
