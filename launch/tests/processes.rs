@@ -1,7 +1,7 @@
 //! Real processes: the demo binary run by `spawn_local` (loopback only). Every wait is bounded.
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{TcpListener, TcpStream};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -271,7 +271,11 @@ fn run_bounded(cmd: &mut Command, limit: Duration) -> (Option<i32>, String, Stri
 }
 
 fn demo_without_launcher_env() -> Command {
-    let mut c = Command::new(DEMO);
+    without_launcher_env(DEMO)
+}
+
+fn without_launcher_env(program: &str) -> Command {
+    let mut c = Command::new(program);
     for v in [
         "RANK",
         "WORLD_SIZE",
@@ -524,5 +528,81 @@ fn rank_0_out_of_descriptors_sheds_idle_connections_and_the_job_forms() {
     assert!(
         closed > FLOOD - 64,
         "rank 0 closed only {closed} of {FLOOD}"
+    );
+}
+
+#[test]
+fn a_rank_0_with_one_descriptor_left_still_forms_the_job() {
+    // Rank 0 uses up its descriptors but one (under a limit of 64): the listener it inherits
+    // from the launcher is duplicated into that one and the inherited number closed, so exactly
+    // one is free for rank 1's connection, and every other accept fails with EMFILE (Linux
+    // reports it whether or not a connection waits). Rank 1, in the middle of its handshake,
+    // must not be dropped for that.
+    let launch = spawn_local_with(
+        &LaunchOptions {
+            echo: false,
+            ..opts()
+        },
+        2,
+        "/bin/sh",
+        [
+            "-c",
+            "if [ \"$RANK\" = 0 ]; then ulimit -n 64; fi; \
+             exec \"$0\" --exhaust-fds 0 --timeout-s 20",
+            DEMO,
+        ],
+        &[],
+    )
+    .unwrap();
+    let report = launch
+        .wait(Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        report.output[0].iter().any(|l| l.contains("holding")),
+        "{:?}",
+        report.output[0]
+    );
+    assert!(
+        report.output[1].contains(&"rank 1: ok".to_string()),
+        "{:?}",
+        report.output[1]
+    );
+}
+
+#[test]
+fn rank_0_that_cannot_accept_at_all_fails_naming_the_cause() {
+    // Rank 0 alone, no descriptor left once it has bound its port, nothing in the handshake to
+    // drop: after 5 s of EMFILE it gives up with an error naming the cause, instead of retrying
+    // until its connect timeout (60 s) or forever.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    // Through sh, for the ulimit.
+    let mut c = without_launcher_env("/bin/sh");
+    c.env("RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .env("LOCAL_RANK", "0")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .args([
+            "-c",
+            "ulimit -n 64; exec \"$0\" --exhaust-fds 0 --timeout-s 60",
+            DEMO,
+        ]);
+    let t0 = Instant::now();
+    let (code, out, err) = run_bounded(&mut c, Duration::from_secs(40));
+    let took = t0.elapsed();
+    assert_eq!(code, Some(2), "{out}{err}");
+    assert!(out.contains("holding"), "{out}");
+    assert!(
+        err.contains(&format!("cannot accept connections on 127.0.0.1:{port}"))
+            && err.contains("os error 24"),
+        "{err}"
+    );
+    assert!(
+        took >= Duration::from_secs(5) && took < Duration::from_secs(30),
+        "took {took:?}"
     );
 }

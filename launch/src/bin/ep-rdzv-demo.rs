@@ -8,7 +8,8 @@
 //! Options (for the failure tests): `--die-after-barrier R` (rank R exits with code 3 right after
 //! the first barrier, without closing its rendezvous: a crash as the others see it),
 //! `--abort-after-barrier R` (rank R calls `abort()`: killed by SIGABRT), `--rounds K`
-//! (all_gathers after the barrier, default 2), `--pause-ms P` (sleep after each round, so a test can
+//! (all_gathers after the barrier, default 2), `--exhaust-fds R` (rank R uses up its file
+//! descriptors but one before the rendezvous, so its `accept` fails with EMFILE), `--pause-ms P` (sleep after each round, so a test can
 //! kill a rank mid-run), `--timeout-s S` (connect and per-call timeout,
 //! default 60).
 //!
@@ -25,6 +26,7 @@ struct Args {
     nprocs: Option<usize>,
     die_after_barrier: Option<usize>,
     abort_after_barrier: Option<usize>,
+    exhaust_fds: Option<usize>,
     rounds: usize,
     pause: Duration,
     timeout: Duration,
@@ -36,6 +38,7 @@ fn parse_args() -> Result<(Args, Vec<String>), String> {
         nprocs: None,
         die_after_barrier: None,
         abort_after_barrier: None,
+        exhaust_fds: None,
         rounds: 2,
         pause: Duration::ZERO,
         timeout: Duration::from_secs(60),
@@ -52,6 +55,7 @@ fn parse_args() -> Result<(Args, Vec<String>), String> {
             "--nprocs" => a.nprocs = Some(value("--nprocs")? as usize),
             "--die-after-barrier" => a.die_after_barrier = Some(value(&flag)? as usize),
             "--abort-after-barrier" => a.abort_after_barrier = Some(value(&flag)? as usize),
+            "--exhaust-fds" => a.exhaust_fds = Some(value(&flag)? as usize),
             "--rounds" => a.rounds = value(&flag)? as usize,
             "--pause-ms" => a.pause = Duration::from_millis(value(&flag)?),
             "--timeout-s" => a.timeout = Duration::from_secs(value(&flag)?.max(1)),
@@ -68,6 +72,9 @@ fn parse_args() -> Result<(Args, Vec<String>), String> {
     // The children's arguments: everything but --nprocs, rebuilt from the parsed values.
     if let Some(r) = a.die_after_barrier {
         passthrough.extend(["--die-after-barrier".to_string(), r.to_string()]);
+    }
+    if let Some(r) = a.exhaust_fds {
+        passthrough.extend(["--exhaust-fds".to_string(), r.to_string()]);
     }
     if let Some(r) = a.abort_after_barrier {
         passthrough.extend(["--abort-after-barrier".to_string(), r.to_string()]);
@@ -152,7 +159,31 @@ fn main() -> ExitCode {
     }
 }
 
+/// Opens `/dev/null` until the descriptor limit is reached, then frees one (for the listener
+/// rank 0 takes over). The files stay open until the process exits. Bounded by the limit itself
+/// and by a cap of 1 << 20.
+fn exhaust_fds() -> usize {
+    let mut held = Vec::new();
+    while held.len() < 1 << 20 {
+        match std::fs::File::open("/dev/null") {
+            Ok(f) => held.push(f),
+            Err(_) => break,
+        }
+    }
+    held.pop();
+    let n = held.len();
+    std::mem::forget(held);
+    n
+}
+
 fn run(pc: &ProcessConfig, args: &Args) -> Result<(), ep_launch::RendezvousError> {
+    if args.exhaust_fds == Some(pc.rank) {
+        println!(
+            "rank {}: holding {} descriptors, as told",
+            pc.rank,
+            exhaust_fds()
+        );
+    }
     let t0 = Instant::now();
     let rdzv = Rendezvous::connect(&pc.rendezvous_config(args.timeout, args.timeout))?;
     let rank = rdzv.rank();

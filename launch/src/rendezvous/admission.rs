@@ -12,8 +12,10 @@
 //!   job goes on. Only a connection that proved it holds the job token and still disagrees is
 //!   one of the job's own processes gone wrong: that fails the job.
 //! - `accept` failing for lack of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM) sheds
-//!   the oldest unidentified connection and backs off (1 ms doubling to 100 ms) instead of
-//!   spinning; if there is nothing to shed and it lasts [`ACCEPT_GIVE_UP`], it is an error
+//!   the oldest unidentified connection if it has been silent for [`SHED_AGE`] (Linux reports
+//!   EMFILE whether or not a connection waits, so a real rank in the middle of its handshake
+//!   must not be shed for it), and backs off (1 ms doubling to 100 ms) instead of spinning; if
+//!   no connection is in the handshake at all and it lasts [`ACCEPT_GIVE_UP`], it is an error
 //!   naming the cause.
 
 use std::collections::VecDeque;
@@ -35,11 +37,16 @@ const MAX_BACKOFF: Duration = Duration::from_millis(100);
 /// How long `accept` may keep failing for lack of resources, with nothing left to shed, before
 /// rank 0 gives up.
 pub(crate) const ACCEPT_GIVE_UP: Duration = Duration::from_secs(5);
+/// How long a connection must have been in the handshake before it is shed for lack of
+/// descriptors (a real rank answers its challenge within a round trip). At most a quarter of
+/// the handshake timeout.
+pub(crate) const SHED_AGE: Duration = Duration::from_millis(250);
 
 /// A connection in the handshake.
 struct Pending {
     link: Link,
     nonce: [u8; NONCE_LEN],
+    since: Instant,
     until: Instant,
 }
 
@@ -113,10 +120,18 @@ impl<'a> Door<'a> {
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) if is_exhaustion(&e) => {
                     let since = *self.starved_since.get_or_insert(now);
-                    if self.pending.pop_front().is_some() {
+                    let shed_age = SHED_AGE.min(self.cfg.limits.handshake_timeout / 4);
+                    let oldest_silent = self
+                        .pending
+                        .front()
+                        .is_some_and(|p| now.saturating_duration_since(p.since) >= shed_age);
+                    if oldest_silent {
                         // A descriptor freed: the next attempt can take the next connection.
+                        self.pending.pop_front();
                         self.shed += 1;
-                    } else if now.saturating_duration_since(since) >= ACCEPT_GIVE_UP {
+                    } else if self.pending.is_empty()
+                        && now.saturating_duration_since(since) >= ACCEPT_GIVE_UP
+                    {
                         return Err(RendezvousError::Accept {
                             rank: 0,
                             addr: self.addr.clone(),
@@ -167,6 +182,7 @@ impl<'a> Door<'a> {
             self.pending.push_back(Pending {
                 link,
                 nonce,
+                since: now,
                 until: deadline(now, self.cfg.limits.handshake_timeout),
             });
         }
