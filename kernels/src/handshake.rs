@@ -14,7 +14,7 @@
 //! are refused. A malformed record is [`GpuError::PeerBlob`] naming the peer; any difference is
 //! [`GpuError::PeerMismatch`] naming the field, both values and both ranks.
 //!
-//! After a peer's IPC handle is opened, [`check_mapping`] asks the driver how large the mapped
+//! After a peer's IPC handle is opened, `check_mapping` asks the driver how large the mapped
 //! allocation is and refuses one smaller than this rank's layout of it.
 //!
 //! Wire format (little-endian): `b"EPhs"`, protocol `u8`, library version (`u8` length, 1..=64

@@ -13,12 +13,12 @@
 //! threads to quit), and the error names the rank and the step ([`GpuError::NcclTimeout`]).
 //! An aborted object is never destroyed again.
 //!
-//! **Release.** [`Comms::release`] runs first in the group's `Drop`, before any memory or stream
+//! **Release.** `Comms::release` runs first in the group's `Drop`, before any memory or stream
 //! the communicators use is freed: it waits (bounded) for the streams, destroys the communicators
 //! when they are idle and healthy, and aborts them otherwise. The single-process communicators
 //! (`ncclCommInitAll`) stay blocking: their peers are threads of this process and cannot vanish.
 //!
-//! **Peer counts.** [`check_header`] bounds every count of a batch header a peer sent before it
+//! **Peer counts.** `check_header` bounds every count of a batch header a peer sent before it
 //! sizes a transfer.
 
 use crate::GpuError;
@@ -141,7 +141,7 @@ fn nonblocking_config() -> sys::ncclConfig_t {
     }
 }
 
-/// How long [`Comms::abort`] waits for NCCL to finish aborting.
+/// How long `Comms::abort` waits for NCCL to finish aborting.
 pub const ABORT_WAIT: Duration = Duration::from_secs(10);
 
 /// Communicator handles on their way to the abort helper thread.

@@ -1,6 +1,6 @@
 //! `ep-launch`: the CPU-side foundation for running ep-dispatch as one process per GPU.
 //!
-//! - [`env`]: the torchrun-style process configuration (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+//! - [`env`](mod@env): the torchrun-style process configuration (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 //!   `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`).
 //! - [`rendezvous`]: a small TCP rendezvous with `all_gather`, `broadcast` and `barrier`
 //!   of opaque byte blobs: how the NCCL unique id and the CUDA IPC handles of the communication
