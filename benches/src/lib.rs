@@ -22,3 +22,8 @@ pub mod memory;
 pub mod multiproc;
 pub mod report;
 pub mod stats;
+
+/// The README's code blocks, compiled (and the CPU one run) by `cargo test --doc`.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;

@@ -92,6 +92,8 @@ pub mod nccl;
 pub mod runtime;
 pub mod testing;
 
+/// The cudarc this crate is built on (its `CudaStream`, `CudaView`, ... are the device API's types).
+pub use cudarc;
 pub use runtime::{
     CombineIn, DeviceDispatchOut, DeviceHandle, DispatchIn, GpuGroup, GpuOptions, Path, RankEp,
     Tokens, Transport,
