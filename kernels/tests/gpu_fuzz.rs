@@ -50,7 +50,7 @@ fn main() {
         }
     };
     let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    let wanted = |name: &str| filter.as_deref().map_or(true, |f| name.contains(f));
+    let wanted = |name: &str| filter.as_deref().is_none_or(|f| name.contains(f));
     let (mut passed, mut failed, mut skipped, mut incomplete) = (0, 0, 0, 0);
 
     let name = "fuzz_cases_are_valid_and_cover_every_mode_routing_and_shape";
@@ -163,7 +163,7 @@ impl Settings {
         if s.blocks_per_rank == Some(0) {
             return Err("EP_GPU_BLOCKS_PER_RANK=0: at least 1".into());
         }
-        if !(s.max_secs > 0.0) {
+        if s.max_secs.is_nan() || s.max_secs <= 0.0 {
             return Err(format!("EP_GPU_FUZZ_MAX_SECS={}: must be > 0", s.max_secs));
         }
         Ok(s)
