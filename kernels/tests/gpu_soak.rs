@@ -1,7 +1,9 @@
 //! GPU soak (issue 10 item 9): `EP_SOAK_CALLS` calls of each path (default 10^5; one call is a
-//! dispatch and the combine after it) on a few fixed configs, each call with its own random
-//! routing (token counts 0..=T per rank, masked slots, skew to one expert or one rank), on
-//! groups that live for the whole run (the same buffers, epochs counting up).
+//! dispatch and the combine after it) on a few fixed configs, on groups that live for the whole
+//! run (the same buffers, epochs counting up). Each round draws one random input (token counts
+//! 0..=T per rank, empty and full ranks, masked slots, skew to one expert or one rank) and runs it
+//! on both paths, alternating which goes first: every call of a path sees a new routing, and the
+//! expected outputs are computed once per round.
 //!
 //! Every call is checked for conservation: on every rank, `recv_count` and `layout_range` are
 //! what the routing implies, each selection arrives exactly once, at the row the contract gives
@@ -200,8 +202,9 @@ struct SoakConfig {
     zero_copy_local: bool,
 }
 
-/// The soak's configs: every mode, R from 2 to 4 on one GPU, small H so that a call costs a few
-/// hundred microseconds; with two GPUs one more across them (system-scope signals).
+/// The soak's configs: every mode, R from 2 to 4 on one GPU, small H and K so that a call (the
+/// device round trips and the host's checks, the oracle's combine included) costs a few hundred
+/// microseconds; with two GPUs one more across them (system-scope signals).
 fn configs(two_gpus: bool) -> Vec<SoakConfig> {
     let c = |r, e, t, h, k, mode, gpus, zero_copy_local| SoakConfig {
         cfg: Config::new(r, e, t, h, k, mode).expect("a valid soak config"),
@@ -210,12 +213,12 @@ fn configs(two_gpus: bool) -> Vec<SoakConfig> {
     };
     let mut v = vec![
         c(2, 8, 16, 128, 4, Mode::FP8, 1, true),
-        c(4, 16, 8, 512, 6, Mode::FP8_UE8M0, 1, true),
-        c(2, 6, 24, 96, 5, Mode::Bf16, 1, false),
-        c(3, 9, 12, 256, 2, Mode::FP8_ROUND, 1, true),
+        c(4, 8, 6, 512, 3, Mode::FP8_UE8M0, 1, true),
+        c(2, 6, 24, 64, 5, Mode::Bf16, 1, false),
+        c(3, 9, 12, 128, 2, Mode::FP8_ROUND, 1, true),
     ];
     if two_gpus {
-        v.push(c(2, 8, 16, 256, 4, Mode::FP8, 2, true));
+        v.push(c(2, 8, 16, 128, 4, Mode::FP8, 2, true));
     }
     v
 }
@@ -397,26 +400,44 @@ fn check_conservation(
     Ok(())
 }
 
-/// One call of `path`: dispatch (conservation; every `full`-th also the full oracle), then
-/// combine (bitwise the oracle's for every token). `Err` describes the first problem; `broken`
-/// says whether the group refuses further calls (an error rather than a wrong output).
+/// What one input must give, computed once and checked against both paths: every token's
+/// payload, the oracle's combine, and (on sampled calls) the oracle's full dispatch.
+struct Expected {
+    payloads: Vec<Vec<Vec<u8>>>,
+    combine: Vec<Vec<half::bf16>>,
+    dispatch: Option<Vec<DispatchOutput>>,
+}
+
+fn expected(cfg: &Config, w: &Workload, ys: &[Vec<half::bf16>], full: bool) -> Result<Expected, String> {
+    Ok(Expected {
+        payloads: encode_all(cfg, w),
+        combine: oracle::combine(cfg, &w.combine_inputs(ys)).map_err(|e| format!("oracle: {e}"))?,
+        dispatch: if full {
+            Some(oracle::dispatch(cfg, &w.dispatch_inputs()).map_err(|e| format!("oracle: {e}"))?)
+        } else {
+            None
+        },
+    })
+}
+
+/// One call of `path`: dispatch (conservation; on sampled calls the full oracle too), then
+/// combine (bitwise the oracle's for every token). `Err` describes the first problem and says
+/// whether the group refuses further calls (an error rather than a wrong output).
 fn one_call(
     g: &mut GpuGroup,
     path: Path,
     w: &Workload,
     ys: &[Vec<half::bf16>],
-    full: bool,
+    want: &Expected,
 ) -> Result<(), (String, bool)> {
     let cfg = *g.config();
     let got = g
         .dispatch(path, &w.x, &w.topk_idx)
         .map_err(|e| (format!("dispatch: {e}"), true))?;
-    let payloads = encode_all(&cfg, w);
-    check_conservation(&cfg, w, &payloads, &got).map_err(|e| (format!("dispatch: {e}"), false))?;
-    if full {
-        let want = oracle::dispatch(&cfg, &w.dispatch_inputs())
-            .map_err(|e| (format!("oracle: {e}"), false))?;
-        for (r, (a, b)) in got.iter().zip(&want).enumerate() {
+    check_conservation(&cfg, w, &want.payloads, &got)
+        .map_err(|e| (format!("dispatch: {e}"), false))?;
+    if let Some(want_d) = &want.dispatch {
+        for (r, (a, b)) in got.iter().zip(want_d).enumerate() {
             if let Some(d) = a.diff(b) {
                 return Err((format!("dispatch, rank {r}: full oracle diff: {d}"), false));
             }
@@ -425,9 +446,7 @@ fn one_call(
     let got_c = g
         .combine(path, ys, &w.topk_weights)
         .map_err(|e| (format!("combine: {e}"), true))?;
-    let want_c = oracle::combine(&cfg, &w.combine_inputs(ys))
-        .map_err(|e| (format!("oracle: {e}"), false))?;
-    for (r, (a, b)) in got_c.iter().zip(&want_c).enumerate() {
+    for (r, (a, b)) in got_c.iter().zip(&want.combine).enumerate() {
         if let Some(d) = combine_diff(a, b, cfg.hidden) {
             return Err((format!("combine, rank {r}: {d}"), false));
         }
@@ -490,15 +509,23 @@ fn soak(s: &Settings, two_gpus: bool) -> Outcome {
                 );
                 break;
             }
-            // Both paths each round, alternating which goes first.
+            // One input per round, run on both paths (alternating which goes first): every call
+            // of a path sees a new random routing, and the expected outputs are computed once.
+            let seed = call_seed(s.seed, ci, call);
+            let (w, routing) = call_inputs(&sc.cfg, seed);
+            *routings.entry(routing).or_default() += 1;
+            let full = call.is_multiple_of(s.full_every as u64);
+            let want = match expected(&sc.cfg, &w, &ys, full) {
+                Ok(x) => x,
+                Err(e) => {
+                    println!("FAIL: config {ci}, call {call}: {e}");
+                    return Outcome::Failed;
+                }
+            };
             for pi in 0..2 {
                 let pi = if call.is_multiple_of(2) { pi } else { 1 - pi };
                 let path = PATHS[pi];
-                let seed = call_seed(s.seed, ci, 2 * call + pi as u64);
-                let (w, routing) = call_inputs(&sc.cfg, seed);
-                *routings.entry(routing).or_default() += 1;
-                let full = call.is_multiple_of(s.full_every as u64);
-                let res = one_call(&mut g, path, &w, &ys, full);
+                let res = one_call(&mut g, path, &w, &ys, &want);
                 counts[pi].calls += 1;
                 counts[pi].full += full as u64;
                 if let Err((msg, broken)) = res {
@@ -587,7 +614,14 @@ fn replay(s: &Settings, r: Replay) -> Outcome {
     };
     let ys = Workload::uniform(&sc.cfg, 0, Routing::EveryRank, s.seed).expert_outputs(s.seed);
     let (w, routing) = call_inputs(&sc.cfg, r.seed);
-    match one_call(&mut g, r.path, &w, &ys, true) {
+    let want = match expected(&sc.cfg, &w, &ys, true) {
+        Ok(x) => x,
+        Err(e) => {
+            println!("FAIL: replay: {e}");
+            return Outcome::Failed;
+        }
+    };
+    match one_call(&mut g, r.path, &w, &ys, &want) {
         Ok(()) => {
             println!("replay ({routing}): conservation, full oracle and combine all hold");
             Outcome::Complete
