@@ -19,9 +19,9 @@
 //!
 //! Environment: `EP_SOAK_CALLS` (calls per path, default 100000), `EP_SOAK_QUICK=1` or the
 //! argument `--quick` (2000 calls per path), `EP_SOAK_FULL_EVERY` (1000), `EP_SOAK_SEED` (default
-//! from the clock; printed), `EP_SOAK_MAX_SECS` (time budget, default 170 s, shared evenly by the
-//! configs: past its share a config stops, the run says how many calls ran and exits 2,
-//! incomplete, never passed), `EP_SOAK_REPLAY=<config>:<call seed>:<path>` (one call that a
+//! from the clock; printed), `EP_SOAK_MAX_SECS` (time budget, default 170 s; each config gets the
+//! time left divided by the configs left: past its share a config stops, the run says how many
+//! calls ran and exits 2, incomplete, never passed), `EP_SOAK_REPLAY=<config>:<call seed>:<path>` (one call that a
 //! failure printed, on a fresh group), `EP_GPU_TIMEOUT_MS` (the kernels' wait bound).
 
 use ep_kernels::runtime::probe_devices;
@@ -472,9 +472,8 @@ struct PathCount {
 fn soak(s: &Settings, two_gpus: bool) -> Outcome {
     let scs = configs(two_gpus);
     let per_config = s.calls.div_ceil(scs.len()) as u64;
-    let share = s.max_secs / scs.len() as f64;
     println!(
-        "gpu_soak: {} calls per path over {} configs ({per_config} each), seed {} (EP_SOAK_SEED), full oracle every {} calls, wait bound {} ms, budget {} s ({share:.0} s per config)",
+        "gpu_soak: {} calls per path over {} configs ({per_config} each), seed {} (EP_SOAK_SEED), full oracle every {} calls, wait bound {} ms, budget {} s (shared by the configs left)",
         s.calls,
         scs.len(),
         s.seed,
@@ -489,6 +488,8 @@ fn soak(s: &Settings, two_gpus: bool) -> Outcome {
     let mut routings = std::collections::BTreeMap::<&str, u64>::new();
     for (ci, sc) in scs.iter().enumerate() {
         let t0 = Instant::now();
+        // The budget left, shared by the configs left (a quick config leaves time to the next).
+        let share = (s.max_secs - t_all.elapsed().as_secs_f64()) / (scs.len() - ci) as f64;
         let mut g = match group(sc, s.timeout_ns) {
             Ok(g) => g,
             Err(e) => {
