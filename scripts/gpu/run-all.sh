@@ -83,7 +83,7 @@ step() {
   # The lines that carry the figures, on stdout too (the device tool returns the output's tail).
   grep -E "$GREP" "$log" | tail -n 40 | sed "s/^/  [$name] /"
 }
-GREP='^(gpu_fuzz|gpu_soak|config [0-9]|test |SKIPPED|FAIL|TIME BUDGET|CUT|  bitwise|    [a-z0-9+]+ +(per-expert|batched)|  configs passed|  inputs passed|  calls per routing|== |transport|ipc |nccl |\(|memcheck|racecheck|synccheck|compute-sanitizer|per tool|\[faults)'
+GREP='^(gpu_fuzz|gpu_soak|config [0-9]|test |SKIPPED|FAIL|TIME BUDGET|CUT|  bitwise|    [a-z0-9+_]+ +(per-expert|batched)|  configs passed|  inputs passed|  calls per routing|== |transport|ipc |nccl |\(|memcheck|racecheck|synccheck|compute-sanitizer|per tool|\[faults)'
 
 env_info() {
   echo "date: $(date -u)"
