@@ -40,6 +40,8 @@ const MODES: [Mode; 4] = [Mode::Bf16, Mode::FP8, Mode::FP8_ROUND, Mode::FP8_UE8M
 
 /// Failures printed in full; later ones are counted only.
 const PRINTED_FAILURES: usize = 20;
+/// The run stops after this many failures (the first ones say what is wrong).
+const MAX_FAILURES: usize = 100;
 
 fn main() {
     let settings = match Settings::from_env() {
@@ -201,7 +203,7 @@ struct Case {
 }
 
 impl Case {
-    /// Cases with the same key share a group (sorted next to each other).
+    /// Cases with the same key share a group (run next to each other).
     fn key(&self) -> (usize, usize, usize, usize, usize, usize, usize, bool, usize) {
         let c = &self.cfg;
         let mode = MODES.iter().position(|m| *m == c.mode).unwrap_or(9);
@@ -441,7 +443,13 @@ struct Stats {
 fn run_fuzz(s: &Settings, two_gpus: bool) -> Outcome {
     let t0 = Instant::now();
     let mut cases = draw_cases(s, two_gpus);
-    cases.sort_by_key(|c| c.key());
+    // Cases with the same config shape next to each other (they share a group), otherwise in the
+    // drawn order: a run cut by its time budget still covers every R, mode and size.
+    let mut first = std::collections::HashMap::new();
+    for (i, c) in cases.iter().enumerate() {
+        first.entry(c.key()).or_insert(i);
+    }
+    cases.sort_by_key(|c| first[&c.key()]);
     match s.replay {
         Some(seed) => println!("replaying case seed {seed}"),
         None => println!(
@@ -456,7 +464,7 @@ fn run_fuzz(s: &Settings, two_gpus: bool) -> Outcome {
     }
     // Keep each device's primary context alive between groups: without a holder, dropping the
     // last group releases it and the next group pays a full context creation.
-    let _keepers = keep_contexts(two_gpus, s.timeout_ns);
+    let mut keepers = keep_contexts(two_gpus, s.timeout_ns);
     let mut st = Stats {
         configs: 0,
         rounds: 0,
@@ -470,6 +478,10 @@ fn run_fuzz(s: &Settings, two_gpus: bool) -> Outcome {
     let mut group: Option<(GpuGroup, _)> = None;
     let mut cut = false;
     for (i, case) in cases.iter().enumerate() {
+        if st.failures >= MAX_FAILURES {
+            println!("STOPPED after {MAX_FAILURES} failures ({i} of {} configs tried)", cases.len());
+            break;
+        }
         if t0.elapsed().as_secs_f64() > s.max_secs {
             cut = true;
             println!(
@@ -521,6 +533,12 @@ fn run_fuzz(s: &Settings, two_gpus: bool) -> Outcome {
                 group = None;
             }
         }
+        if group.is_none() {
+            // After a failure, let the primary contexts go and take them again: a sticky CUDA
+            // error (a faulting kernel) would otherwise fail every later config too.
+            keepers.clear();
+            keepers = keep_contexts(two_gpus, s.timeout_ns);
+        }
         st.configs += 1;
         if (i + 1) % 100 == 0 {
             println!(
@@ -532,6 +550,7 @@ fn run_fuzz(s: &Settings, two_gpus: bool) -> Outcome {
         }
     }
     drop(group);
+    drop(keepers);
     report(&st, t0.elapsed().as_secs_f64(), cases.len());
     if st.failures > 0 {
         Outcome::Failed
