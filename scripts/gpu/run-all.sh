@@ -15,9 +15,10 @@
 #   faults      120 s faults.sh: kill -9 / SIGSTOP of a rank, IPC (and NCCL with 2 GPUs)
 #   sanitizer    85 s sanitizer.sh: memcheck, racecheck, synccheck
 #
-# 515 s of limits, 25 s of kill grace at most: 540 s (9 minutes). A step is also shortened if the
-# ones before it ran long, so the whole never passes RUN_ALL_TOTAL_S (default 530). It continues
-# after a failure; the summary says which step failed and which was cut by its limit.
+# 515 s of nominal limits; a step also gets the time the steps before it left unused (a quick
+# fuzz leaves more to the soak), and is shortened so that the whole never passes
+# RUN_ALL_TOTAL_S (default 530 s; with the 5 s kill grace, 9 minutes). It continues after a
+# failure; the summary says which step failed and which was cut by its limit.
 #
 # Output ($OUT, at most 8 files): summary.txt, env.txt, fuzz.log, soak.log, faults.log,
 # sanitizer.log, faults-ranks.tar.gz (every fault trial's rank logs), sanitizer-logs.tar.gz.
@@ -46,23 +47,34 @@ say() { echo "$*" | tee -a "$SUMMARY"; }
 
 declare -A RC=() SECS=() NOTE=()
 ORDER=()
+PLANNED=0     # the sum of the nominal limits of the steps so far
+LIM=0         # the limit of the next step (set by plan)
+
+# plan NOMINAL_S: sets LIM, the next step's limit: its nominal limit, plus the time the steps
+# before it left unused (a quick fuzz gives the soak more), never past the total.
+plan() {
+  local carry
+  PLANNED=$(( PLANNED + $1 ))
+  carry=$(( PLANNED - $1 - $(elapsed) ))
+  [ "$carry" -lt 0 ] && carry=0
+  LIM=$(( $1 + carry ))
+  local left=$(( TOTAL - $(elapsed) - 5 ))
+  [ "$LIM" -gt "$left" ] && LIM=$left
+  [ "$LIM" -lt 0 ] && LIM=0
+  return 0
+}
 
 # step NAME LIMIT_S LOG CMD...: runs CMD under `timeout`, output to LOG; records the outcome.
 step() {
   local name=$1 limit=$2 log=$3; shift 3
   ORDER+=("$name")
   case " $STEPS " in *" $name "*) ;; *) RC[$name]=-; SECS[$name]=0; NOTE[$name]="not selected"; return ;; esac
-  local left=$(( TOTAL - $(elapsed) - 5 ))
-  if [ "$left" -lt 10 ]; then
+  if [ "$limit" -lt 10 ]; then
     RC[$name]=-; SECS[$name]=0; NOTE[$name]="NOT RUN: the 9-minute total is spent"
     say "[run-all $(elapsed) s] $name: not run (total time spent)"
     return
   fi
   local note=""
-  if [ "$left" -lt "$limit" ]; then
-    note="limit shortened from $limit s to $left s; "
-    limit=$left
-  fi
   say "[run-all $(elapsed) s] $name: start (limit $limit s): $*"
   local t0=$EPOCHREALTIME rc
   timeout -k 5 "$limit" "$@" > "$log" 2>&1
@@ -104,12 +116,18 @@ for need in gpu_fuzz gpu_soak ep-gpu-mp gpu; do
   [ -x "$BIN/$need" ] || say "WARNING: $BIN/$need missing: its step will fail"
 done
 
-step env 10 "$OUT/env.txt" bash -c env_info
-step fuzz 145 "$OUT/fuzz.log" env EP_GPU_FUZZ_MAX_SECS=135 "$BIN/gpu_fuzz"
-step soak 155 "$OUT/soak.log" env EP_SOAK_MAX_SECS=145 "$BIN/gpu_soak"
-step faults 120 "$OUT/faults.log" env FAULT_BUDGET_S=112 FAULT_LOGDIR="$WORK/faults" \
+# Each harness's own budget is its limit less a margin, so it stops itself and reports.
+plan 10
+step env "$LIM" "$OUT/env.txt" bash -c env_info
+plan 145
+step fuzz "$LIM" "$OUT/fuzz.log" env EP_GPU_FUZZ_MAX_SECS=$(( LIM - 10 )) "$BIN/gpu_fuzz"
+plan 155
+step soak "$LIM" "$OUT/soak.log" env EP_SOAK_MAX_SECS=$(( LIM - 10 )) "$BIN/gpu_soak"
+plan 120
+step faults "$LIM" "$OUT/faults.log" env FAULT_BUDGET_S=$(( LIM - 8 )) FAULT_LOGDIR="$WORK/faults" \
   bash "$HERE/faults.sh" "$BIN"
-step sanitizer 85 "$OUT/sanitizer.log" env SAN_TOOL_LIMIT_S=26 \
+plan 85
+step sanitizer "$LIM" "$OUT/sanitizer.log" env SAN_TOOL_LIMIT_S=$(( (LIM - 4) / 3 )) \
   bash "$HERE/sanitizer.sh" "$BIN" "$WORK/sanitizer"
 
 [ -d "$WORK/faults" ] && tar -czf "$OUT/faults-ranks.tar.gz" -C "$WORK" faults 2>/dev/null
