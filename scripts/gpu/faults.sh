@@ -5,9 +5,10 @@
 #
 # Two processes (ranks 0 and 1 of ep-gpu-mp, started here with the torchrun-style environment
 # that ep_launch::spawn_local sets, so this script holds each rank's pid) run a small config:
-# rendezvous, group set-up, bitwise-checked rounds, then back-to-back calls of both paths. After
-# a random delay (a fraction of a fault-free baseline run's wall time, so most faults land in the
-# middle of calls) one rank, chosen at random, is
+# rendezvous, group set-up, bitwise-checked rounds, then back-to-back calls of both paths. A
+# fault-free baseline run gives the run's wall time W and, from its BENCH lines, the timed calls'
+# share P at its end; each trial waits a random W - 0.3 s - u (P + 0.2 s) (a random point of a
+# call; without BENCH figures, a random 0.25 W to 0.95 W), then one rank, chosen at random, is
 #   kill : killed with SIGKILL (kill -9), or
 #   stall: stopped with SIGSTOP (alive, holding its buffers and sockets, doing nothing);
 # the survivor must then exit on its own within the limit, with an error that names the lost
@@ -146,7 +147,12 @@ baseline() {
     return 1
   fi
   W0=$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.2f", b - a }')
+  # The timed calls' share of the run, from rank 0's BENCH lines (us per call of each op and
+  # path, ITERS calls plus 5 warm-ups each): P seconds at the end of the run, before teardown.
+  P=$(grep -oE 'dispatch [0-9.]+ us/call, combine [0-9.]+' "$dir/r0.log" \
+    | awk -v n="$ITERS" '{ s += $2 + $5 } END { printf "%.3f", s * (n + 5) / 1e6 }')
 }
+P=0
 
 # One trial: name, --transport value, fault (kill|stall), trial number, baseline wall time.
 trial() {
@@ -155,8 +161,13 @@ trial() {
   mkdir -p "$dir"
   CUR=$dir
   victim=$(( RANDOM % 2 )); survivor=$(( 1 - victim ))
-  frac=$(awk -v r="$RANDOM" 'BEGIN { printf "%.3f", 0.25 + 0.70 * r / 32767 }')
-  delay=$(awk -v f="$frac" -v w="$w0" 'BEGIN { printf "%.3f", f * w }')
+  # A random point of the timed calls: W0 - 0.3 s (teardown) - u * (P + 0.2 s); without BENCH
+  # figures, a random point between 0.25 and 0.95 of the run.
+  delay=$(awk -v r="$RANDOM" -v w="$w0" -v p="$P" 'BEGIN {
+    u = r / 32767
+    d = (p > 0.05 && w - 0.5 - p > 0.2) ? w - 0.3 - u * (p + 0.2) : (0.25 + 0.70 * u) * w
+    printf "%.3f", d }')
+  frac=$(awk -v d="$delay" -v w="$w0" 'BEGIN { printf "%.2f", d / w }')
   PORT=$((PORT + 2))
   start_rank "$dir" 0 "$tr" "$PORT"
   start_rank "$dir" 1 "$tr" "$PORT"
@@ -268,12 +279,14 @@ for tr in ipc nccl; do
   fi
   w0=$W0
   log "baseline $tr (no fault): both ranks exited 0 in $w0 s"
-  for fault in kill stall; do
-    for n in $(seq 1 "$TRIALS"); do
-      need=$(awk -v w="$w0" -v t="$TMO" 'BEGIN { printf "%d", w + t / 1000 + 12 }')
+  log "baseline $tr: timed calls ~$P s at the end of the run (faults aimed there)"
+  # kill and stall trials alternate, so a budget cut shortens both alike.
+  for n in $(seq 1 "$TRIALS"); do
+    for fault in kill stall; do
+      need=$(awk -v w="$w0" -v t="$TMO" 'BEGIN { printf "%d", w + t / 1000 + 5 }')
       if [ "$(left)" -lt "$need" ]; then
-        echo "CUT: $tr $fault trials $n..$TRIALS not run (budget: $(left) s left, a trial needs ~$need s)"
-        break
+        echo "CUT: $tr $fault trial $n not run (budget: $(left) s left, a trial needs ~$need s)"
+        continue
       fi
       trial "$tr" "$mtr" "$fault" "$n" "$w0"
     done
