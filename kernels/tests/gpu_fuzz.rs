@@ -592,12 +592,21 @@ fn fail(st: &mut Stats, case: &Case, round: Option<usize>, msg: &str) {
             )
         });
         println!(
-            "FAIL: {}{round}: {msg}\n  replay: EP_GPU_FUZZ_REPLAY={} EP_GPU_FUZZ_ROUNDS={} (same GPU count)",
+            "FAIL: {}{round}: {msg}\n  replay: EP_GPU_FUZZ_REPLAY={} EP_GPU_FUZZ_ROUNDS={}{} (on a machine with as many GPUs)",
             case.describe(),
             case.seed,
-            case.rounds.len()
+            case.rounds.len(),
+            replay_env()
         );
     }
+}
+
+/// The settings besides the seed that a replay needs (those that change the case or its group).
+fn replay_env() -> String {
+    ["EP_GPU_FUZZ_SMALL", "EP_GPU_BLOCKS_PER_RANK", "EP_GPU_TIMEOUT_MS"]
+        .iter()
+        .filter_map(|v| std::env::var(v).ok().map(|x| format!(" {v}={x}")))
+        .collect()
 }
 
 /// Every round of a case on `g`; `Err((round, what))` on the first difference or error.

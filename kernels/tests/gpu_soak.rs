@@ -34,6 +34,8 @@ use ep_reference::{oracle, Config, DispatchOutput, Mode, RecvScales, RecvX};
 use std::time::Instant;
 
 const PRINTED_FAILURES: usize = 20;
+/// A config stops after this many failures in the run.
+const MAX_FAILURES: usize = 200;
 const PATHS: [Path; 2] = [Path::PerExpert, Path::Batched];
 
 fn main() {
@@ -503,6 +505,10 @@ fn soak(s: &Settings, two_gpus: bool) -> Outcome {
         let mut rebuilt = 0;
         let mut call = 0u64;
         while call < per_config {
+            if printed >= MAX_FAILURES {
+                println!("STOPPED: {MAX_FAILURES} failures (the first ones say what is wrong)");
+                break;
+            }
             if t0.elapsed().as_secs_f64() > share {
                 cut = true;
                 println!(
@@ -534,10 +540,11 @@ fn soak(s: &Settings, two_gpus: bool) -> Outcome {
                     printed += 1;
                     if printed <= PRINTED_FAILURES {
                         println!(
-                            "FAIL: config {ci} ({}), call {call}, {} ({routing}, tokens {:?}): {msg}\n  replay: EP_SOAK_REPLAY={ci}:{seed}:{}",
+                            "FAIL: config {ci} ({}), call {call}, {} ({routing}, tokens {:?}): {msg}\n  replay: EP_SOAK_SEED={} EP_SOAK_REPLAY={ci}:{seed}:{}",
                             describe(sc),
                             path.name(),
                             (0..sc.cfg.num_ranks).map(|r| w.num_tokens(r)).collect::<Vec<_>>(),
+                            s.seed,
                             path.name()
                         );
                     }
