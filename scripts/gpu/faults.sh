@@ -13,8 +13,9 @@
 #   stall: stopped with SIGSTOP (alive, holding its buffers and sockets, doing nothing);
 # the survivor must then exit on its own within the limit, with an error that names the lost
 # rank ("rank <victim>"). Detect time = fault to the survivor's exit. The stopped rank is killed
-# afterwards. After each block (transport x fault) a fresh group on the same GPUs
-# (`ep-gpu-mp --nprocs 2 --rounds 1 --iters 0`, outputs checked bitwise) shows they are usable.
+# afterwards. After each transport's trials a fresh group on the same GPUs
+# (`ep-gpu-mp --nprocs 2 --rounds 1 --iters 0`, outputs checked bitwise) shows they are usable
+# (each trial also starts new groups on them, but a failure there would read as the fault's).
 #
 # Transports: ipc (NVLink/peer memory through CUDA IPC; with one GPU both ranks share it) and
 # nccl (needs one rank per GPU, so two GPUs; skipped with a reason on one).
