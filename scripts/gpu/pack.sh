@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Builds the GPU verification binaries here (no GPU needed) and copies them, stripped, into a
+# folder that travels to the GPU machine:
+#
+#   bash scripts/gpu/pack.sh [DEST]      (DEST default .gpu, git-ignored; run from the checkout)
+#
+# DEST gets the test binaries gpu, gpu_fuzz, gpu_soak, gpu_process (custom runners; paths from
+# `cargo test --no-run --message-format=json`), ep-gpu-mp, ep-bench, and BUILD-INFO (the commit
+# and whether the tree had changes). Then, on the GPU machine: bash scripts/gpu/run-all.sh DEST.
+
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+DEST=${1:-.gpu}
+mkdir -p "$DEST"
+command -v jq > /dev/null || { echo "pack.sh: jq is needed to read cargo's JSON" >&2; exit 2; }
+
+cargo build --release -p ep-kernels --bin ep-gpu-mp
+cargo build --release -p ep-benches --bin ep-bench
+json=$(cargo test --release -p ep-kernels --no-run --message-format=json)
+for t in gpu gpu_fuzz gpu_soak gpu_process; do
+  exe=$(echo "$json" | jq -r --arg t "$t" \
+    'select(.reason == "compiler-artifact" and .target.name == $t and (.target.kind | index("test")) and .executable != null) | .executable' \
+    | tail -n 1)
+  if [ -z "$exe" ] || [ ! -x "$exe" ]; then
+    echo "pack.sh: no test binary for $t in cargo's output" >&2
+    exit 1
+  fi
+  strip -o "$DEST/$t" "$exe"
+done
+strip -o "$DEST/ep-gpu-mp" target/release/ep-gpu-mp
+strip -o "$DEST/ep-bench" target/release/ep-bench
+dirty=$(git status --porcelain --untracked-files=no | wc -l)
+echo "commit $(git rev-parse --short HEAD)$([ "$dirty" -gt 0 ] && echo " + $dirty changed tracked files"), built $(date -u +%FT%TZ) on $(hostname)" > "$DEST/BUILD-INFO"
+ls -l "$DEST"
+size=$(du -sm "$DEST" | cut -f1)
+echo "pack.sh: $DEST holds ${size} MiB: $(cat "$DEST/BUILD-INFO")"
+if [ "$size" -gt 40 ]; then
+  echo "pack.sh: more than 40 MiB: the device tool carries at most 64 MiB with the tree" >&2
+  exit 1
+fi
