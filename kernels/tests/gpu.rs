@@ -149,6 +149,20 @@ fn main() {
 
 const MODES: [Mode; 4] = [Mode::Bf16, Mode::FP8, Mode::FP8_ROUND, Mode::FP8_UE8M0];
 
+/// The options every test starts from: the library's defaults, with the wait bound raised by
+/// `EP_GPU_TEST_TIMEOUT_MS` where set (compute-sanitizer slows the kernels many times over; the
+/// timeout tests set their own bound and are not affected).
+fn test_opts() -> GpuOptions {
+    let mut o = GpuOptions::default();
+    if let Ok(v) = std::env::var("EP_GPU_TEST_TIMEOUT_MS") {
+        let ms: u64 = v
+            .parse()
+            .unwrap_or_else(|_| panic!("EP_GPU_TEST_TIMEOUT_MS={v:?}: want milliseconds"));
+        o.timeout_ns = ms.saturating_mul(1_000_000);
+    }
+    o
+}
+
 fn group(cfg: &Config, gpus: usize) -> GpuGroup {
     group_with(cfg, gpus, true)
 }
@@ -159,7 +173,7 @@ fn group_with(cfg: &Config, gpus: usize, zero_copy_local: bool) -> GpuGroup {
         GpuOptions {
             num_gpus: gpus,
             zero_copy_local,
-            ..Default::default()
+            ..test_opts()
         },
     )
     .unwrap_or_else(|e| panic!("{}: {e}", cfg.describe()))
@@ -394,7 +408,7 @@ fn nccl_case(r: usize, seed: u64) -> usize {
     let opts = GpuOptions {
         num_gpus: r,
         transport: Transport::Nccl,
-        ..Default::default()
+        ..test_opts()
     };
     let mut rng = Rng::new(seed);
     let mut checks = 0;
