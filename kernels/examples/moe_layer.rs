@@ -292,7 +292,12 @@ fn host_topk(cfg: &Config, h: &HostRank) -> (Vec<i64>, Vec<f32>) {
             let mut best: Option<usize> = None;
             for (c, &v) in s.iter().enumerate() {
                 let taken = ti[..slot].contains(&(c as i64));
-                if !taken && best.map_or(true, |b| v > s[b]) {
+                if !taken
+                    && match best {
+                        None => true,
+                        Some(b) => v > s[b],
+                    }
+                {
                     best = Some(c);
                 }
             }
@@ -514,12 +519,11 @@ fn launch_experts(
     Ok(())
 }
 
+/// One rank's (dispatch output, combine output, topk_idx, topk_weights).
+type Downloaded = (DispatchOutput, Vec<bf16>, Vec<i64>, Vec<f32>);
+
 /// One rank's device results, downloaded after the stream finished.
-fn download(
-    s: &Arc<CudaStream>,
-    cfg: &Config,
-    b: &RankBufs,
-) -> Result<(DispatchOutput, Vec<bf16>, Vec<i64>, Vec<f32>), LayerError> {
+fn download(s: &Arc<CudaStream>, cfg: &Config, b: &RankBufs) -> Result<Downloaded, LayerError> {
     let mut d = DispatchOutput::zeroed(cfg);
     let bytes = cuda("read recv_x", s.clone_dtoh(&b.recv_x))?;
     match &mut d.recv_x {
