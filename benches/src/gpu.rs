@@ -3,12 +3,13 @@
 //! events. All ranks of a GPU run in one launch, so every rank of a call shares one latency
 //! sample (the slowest GPU's); the per-rank lines differ only by each rank's own bytes.
 //! Beside the event figures, each path's kernel time from CUPTI (DeepEP's figure: each kernel's
-//! own GPU duration), or why it is missing ([`crate::report::KernelTime`]).
+//! own GPU duration), or why it is missing ([`crate::report::KernelTime`]), and the receive-hook
+//! split ([`crate::report::HookSplit`]).
 
 use crate::accounting;
 use crate::backend::{BenchError, BenchSpec};
 use crate::report::{
-    assemble, KernelTime, PathSamples, PointInfo, PointResult, RankSamples, Traffic,
+    assemble, HookSplit, KernelTime, PathSamples, PointInfo, PointResult, RankSamples, Traffic,
 };
 use crate::stats::Summary;
 
@@ -48,6 +49,7 @@ pub fn run(
         .iter()
         .map(|t| kernel_time(&t.kernel))
         .collect();
+    let hook_splits: Vec<HookSplit> = report.paths.iter().map(|t| hook_split(&t.hook)).collect();
     let paths: Vec<PathSamples> = report
         .paths
         .into_iter()
@@ -97,8 +99,9 @@ pub fn run(
         },
         paths,
     );
-    for (p, k) in point.paths.iter_mut().zip(kernel_times) {
+    for ((p, k), h) in point.paths.iter_mut().zip(kernel_times).zip(hook_splits) {
         p.kernel_time = Some(k);
+        p.hook_split = Some(h);
     }
     Ok(point)
 }
@@ -116,5 +119,34 @@ fn kernel_time(k: &Result<ep_kernels::bench::KernelTimes, String>) -> KernelTime
             (Err(e), _) | (_, Err(e)) => KernelTime::Unavailable { reason: e.into() },
         },
         Err(e) => KernelTime::Unavailable { reason: e.clone() },
+    }
+}
+
+/// The report's form of one path's receive-hook split.
+fn hook_split(h: &Result<ep_kernels::bench::HookSplit, String>) -> HookSplit {
+    let four = |v: [&[f64]; 4]| -> Result<[Summary; 4], String> {
+        let s = |x: &[f64]| Summary::of(x).ok_or_else(|| "no timed calls".to_string());
+        Ok([s(v[0])?, s(v[1])?, s(v[2])?, s(v[3])?])
+    };
+    match h {
+        Err(reason) => HookSplit::Unavailable {
+            reason: reason.clone(),
+        },
+        Ok(h) => match four([
+            &h.dispatch_send_us,
+            &h.dispatch_recv_us,
+            &h.combine_send_us,
+            &h.combine_recv_us,
+        ]) {
+            Err(reason) => HookSplit::Unavailable { reason },
+            Ok(events) => HookSplit::Measured {
+                events,
+                kernel: h
+                    .kernel
+                    .as_ref()
+                    .map_err(|e| e.clone())
+                    .and_then(|k| four([&k[0], &k[1], &k[2], &k[3]])),
+            },
+        },
     }
 }
