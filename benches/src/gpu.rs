@@ -150,3 +150,73 @@ fn hook_split(h: &Result<ep_kernels::bench::HookSplit, String>) -> HookSplit {
         },
     }
 }
+
+/// `ep-bench --profile`: the in-kernel phase profile of one call of each kernel (moved here from
+/// the old `ep-gpu-check`). Every block stamps `%globaltimer` at the start of each phase; a
+/// line per (path, op) gives, per phase i, the median/max over device 0's blocks of
+/// (stamp_i - earliest block start), in us, from the third of three profiled calls (the first
+/// two warm up). First line: the per-launch time of an empty kernel with the same grid, stream
+/// launches (the fixed overhead). A debugging figure: the stamps perturb the kernels slightly.
+pub fn phase_profile(spec: &BenchSpec) -> Result<String, BenchError> {
+    use ep_kernels::{GpuGroup, GpuOptions, Path};
+    use ep_reference::Op;
+    use std::fmt::Write as _;
+    let be = |e: ep_kernels::GpuError| BenchError::Backend(format!("profile: {e}"));
+    let cfg = spec.cfg;
+    let w = spec.workload();
+    let y = w.expert_outputs(spec.seed);
+    let mut g = GpuGroup::new(
+        &cfg,
+        GpuOptions {
+            num_gpus: spec.gpus,
+            ..Default::default()
+        },
+    )
+    .map_err(be)?;
+    let mut s = String::new();
+    let empty = ep_kernels::bench::time_empty(&mut g, 200).map_err(be)?;
+    let med = |v: &[f64]| Summary::of(v).map_or(f64::NAN, |m| m.median_us);
+    let _ = writeln!(
+        s,
+        "profile R={}: empty kernel ({} blocks x 512 on device 0), stream launches: median {:.2} us",
+        cfg.num_ranks,
+        g.blocks_per_rank() * (cfg.num_ranks / g.num_gpus().max(1)),
+        med(&empty)
+    );
+    g.upload_dispatch_inputs(&w.x, &w.topk_idx).map_err(be)?;
+    g.upload_combine_inputs(&y, &w.topk_weights).map_err(be)?;
+    for path in [Path::PerExpert, Path::Batched] {
+        for op in [Op::Dispatch, Op::Combine] {
+            let mut stamps = Vec::new();
+            for _ in 0..3 {
+                if op == Op::Combine {
+                    g.launch(Op::Dispatch, path).map_err(be)?;
+                }
+                stamps = g.profile(op, path).map_err(be)?;
+            }
+            let t0 = stamps
+                .iter()
+                .map(|s| s[0])
+                .filter(|&v| v > 0)
+                .min()
+                .unwrap_or(0);
+            let mut line = format!("profile {:<10} {:?}:", path.name(), op);
+            for ph in 0..8 {
+                let v: Vec<f64> = stamps
+                    .iter()
+                    .filter(|s| s[ph] > 0)
+                    .map(|s| s[ph].saturating_sub(t0) as f64 / 1e3)
+                    .collect();
+                if let Some(m) = Summary::of(&v) {
+                    let _ = write!(line, " p{ph} {:.1}/{:.1}", m.median_us, m.max_us);
+                }
+            }
+            let _ = writeln!(
+                s,
+                "{line}  (phase start, us since the first block started: median/max over blocks)"
+            );
+        }
+    }
+    g.sync().map_err(be)?;
+    Ok(s)
+}

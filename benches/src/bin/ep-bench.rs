@@ -132,6 +132,11 @@ struct Cli {
     /// Print one JSON document instead of text.
     #[arg(long)]
     json: bool,
+    /// GPU backend: after each point, the in-kernel phase profile (`%globaltimer` stamps per
+    /// block and phase, one call of each kernel) and the empty kernel's launch time: where
+    /// inside a call the time goes. A debugging figure, not a latency.
+    #[arg(long)]
+    profile: bool,
 }
 
 fn parse_fraction(s: &str) -> Result<f64, String> {
@@ -330,6 +335,7 @@ fn refuse_in_multiproc(cli: &Cli, given: &Given<'_>, launched: bool) -> Result<(
         "workers",
         "json",
         "per_rank",
+        "profile",
     ]) {
         let why = if f == "--ranks" {
             "R is the number of processes"
@@ -367,6 +373,11 @@ fn refuse_in_single(given: &Given<'_>, json: bool) -> Result<(), String> {
             "{f} applies to the text output; --json always has every rank's figures"
         ));
     }
+    if let Some(f) = given.first(&["profile"]).filter(|_| json) {
+        return Err(format!(
+            "{f} prints text lines, which --json cannot carry: drop one of them"
+        ));
+    }
     Ok(())
 }
 
@@ -374,7 +385,7 @@ fn refuse_in_single(given: &Given<'_>, json: bool) -> Result<(), String> {
 fn refuse_on_backend(given: &Given<'_>, backend: &Backend) -> Result<(), String> {
     match backend {
         Backend::Cpu => {
-            if let Some(f) = given.first(&["gpus"]) {
+            if let Some(f) = given.first(&["gpus", "profile"]) {
                 return Err(format!(
                     "{f} applies to the GPU backend, and this run uses the CPU backend: drop {f}"
                 ));
@@ -574,6 +585,18 @@ fn main() -> ExitCode {
                 if !cli.json {
                     print_point(&p, cli.per_rank);
                 }
+                if cli.profile {
+                    progress.show(&format!("{label} phase profile"));
+                    let prof = ep_benches::gpu::phase_profile(spec);
+                    progress.done();
+                    match prof {
+                        Ok(lines) => println!("{lines}"),
+                        Err(e) => {
+                            eprintln!("ep-bench: {label} profile not run: {e}");
+                            exit = exit.max(e.exit_code());
+                        }
+                    }
+                }
                 results.push(Ok(p));
             }
             Err(e @ BenchError::Mismatch(_)) => return fail(&e, e.exit_code()),
@@ -637,6 +660,9 @@ fn print_point(p: &PointResult, per_rank: bool) {
         print!("{}", report::deepep_lines(p));
     } else {
         println!("(every rank's line in DeepEP's format: --per-rank)");
+        // Per path, not per rank: the CUPTI kernel time and the receive-hook split (GPU).
+        print!("{}", report::kernel_time_lines(p));
+        print!("{}", report::hook_split_lines(p));
     }
     // The summary last, ending with the speed-up: what a user looks for.
     print!("{}", report::table(p));
