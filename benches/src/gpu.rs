@@ -28,7 +28,9 @@ pub fn run(
     progress("generating inputs");
     let w = spec.workload();
     progress("running both paths on the GPU: verify against the oracle, then time");
-    let report = ep_kernels::bench::run(
+    // As run_timed decides: a graph on one GPU only.
+    let graph = spec.graph.unwrap_or(spec.gpus == 1) && spec.gpus == 1;
+    let report = ep_kernels::bench::run_timed(
         &cfg,
         &w.x,
         &w.topk_idx,
@@ -36,6 +38,7 @@ pub fn run(
         spec.iters,
         spec.warmup,
         spec.gpus,
+        graph,
     )
     .map_err(|e| {
         if e.contains("differ") || e.contains("mismatch") {
@@ -94,7 +97,11 @@ pub fn run(
             iters: spec.iters,
             warmup: spec.warmup,
             selections: &selections,
-            verified: "ep-kernels checked both paths bitwise against the oracle before timing",
+            verified: if graph {
+                "ep-kernels checked both paths bitwise against the oracle before timing; timed calls replayed from a CUDA graph"
+            } else {
+                "ep-kernels checked both paths bitwise against the oracle before timing; timed calls launched one by one (stream)"
+            },
             load_average: None,
         },
         paths,

@@ -200,6 +200,12 @@ fn flags_that_do_not_apply_are_refused() {
     let mut a = TINY.to_vec();
     a.extend(["--json", "--profile"]);
     refused(&a, 2, &["--profile prints text lines"]);
+    let mut a = TINY.to_vec();
+    a.extend(["--timing", "stream"]);
+    refused(&a, 2, &["--timing applies to the GPU backend"]);
+    let mut a = TINY.to_vec();
+    a.extend(["--timing", "graph", "--gpus", "2"]);
+    refused(&a, 2, &["--timing graph", "--gpus 2"]);
     refused(
         &["--nprocs", "2", "--profile"],
         2,

@@ -29,6 +29,16 @@ enum TransportArg {
     Nccl,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum TimingArg {
+    /// A CUDA graph on one GPU, one launch per call on several.
+    Auto,
+    /// Replay the timed calls from a CUDA graph (one GPU only).
+    Graph,
+    /// Launch every timed call on the stream.
+    Stream,
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum DispatchArg {
     Fp8,
@@ -137,6 +147,10 @@ struct Cli {
     /// inside a call the time goes. A debugging figure, not a latency.
     #[arg(long)]
     profile: bool,
+    /// GPU backend: how the timed calls are issued (graph: replayed from one CUDA graph, one
+    /// GPU only; stream: launched one by one, what an eager caller sees).
+    #[arg(long, value_enum, default_value_t = TimingArg::Auto)]
+    timing: TimingArg,
 }
 
 fn parse_fraction(s: &str) -> Result<f64, String> {
@@ -336,6 +350,7 @@ fn refuse_in_multiproc(cli: &Cli, given: &Given<'_>, launched: bool) -> Result<(
         "json",
         "per_rank",
         "profile",
+        "timing",
     ]) {
         let why = if f == "--ranks" {
             "R is the number of processes"
@@ -385,7 +400,7 @@ fn refuse_in_single(given: &Given<'_>, json: bool) -> Result<(), String> {
 fn refuse_on_backend(given: &Given<'_>, backend: &Backend) -> Result<(), String> {
     match backend {
         Backend::Cpu => {
-            if let Some(f) = given.first(&["gpus", "profile"]) {
+            if let Some(f) = given.first(&["gpus", "profile", "timing"]) {
                 return Err(format!(
                     "{f} applies to the GPU backend, and this run uses the CPU backend: drop {f}"
                 ));
@@ -498,6 +513,15 @@ fn main() -> ExitCode {
     if let Err(e) = refuse_in_single(&given, cli.json) {
         return fail(e, 2);
     }
+    if cli.timing == TimingArg::Graph && cli.gpus > 1 {
+        return fail(
+            format!(
+                "--timing graph replays one GPU's CUDA graph, and --gpus {} spreads the ranks over several: drop --timing graph, or use --gpus 1",
+                cli.gpus
+            ),
+            2,
+        );
+    }
     // Every config is checked before anything runs.
     let mut specs = Vec::new();
     for (tokens, t) in cli.points() {
@@ -534,6 +558,11 @@ fn main() -> ExitCode {
                 memory_limit: None,
             },
             gpus: cli.gpus as usize,
+            graph: match cli.timing {
+                TimingArg::Auto => None,
+                TimingArg::Graph => Some(true),
+                TimingArg::Stream => Some(false),
+            },
         });
     }
     let choice = match cli.backend {
