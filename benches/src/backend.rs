@@ -77,6 +77,9 @@ pub struct BenchSpec {
     pub cpu: CpuOptions,
     /// GPU backend: GPUs to spread the ranks over (1 = every rank a virtual rank on GPU 0).
     pub gpus: usize,
+    /// GPU backend: replay the timed calls from a CUDA graph (one GPU only) or launch them one
+    /// by one; `None`: a graph on one GPU, launches on several.
+    pub graph: Option<bool>,
 }
 
 impl BenchSpec {

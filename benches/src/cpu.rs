@@ -472,6 +472,7 @@ mod tests {
             warmup: 1,
             cpu: CpuOptions::default(),
             gpus: 1,
+            graph: None,
         }
     }
 

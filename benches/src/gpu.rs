@@ -3,12 +3,13 @@
 //! events. All ranks of a GPU run in one launch, so every rank of a call shares one latency
 //! sample (the slowest GPU's); the per-rank lines differ only by each rank's own bytes.
 //! Beside the event figures, each path's kernel time from CUPTI (DeepEP's figure: each kernel's
-//! own GPU duration), or why it is missing ([`crate::report::KernelTime`]).
+//! own GPU duration), or why it is missing ([`crate::report::KernelTime`]), and the receive-hook
+//! split ([`crate::report::HookSplit`]).
 
 use crate::accounting;
 use crate::backend::{BenchError, BenchSpec};
 use crate::report::{
-    assemble, KernelTime, PathSamples, PointInfo, PointResult, RankSamples, Traffic,
+    assemble, HookSplit, KernelTime, PathSamples, PointInfo, PointResult, RankSamples, Traffic,
 };
 use crate::stats::Summary;
 
@@ -27,7 +28,9 @@ pub fn run(
     progress("generating inputs");
     let w = spec.workload();
     progress("running both paths on the GPU: verify against the oracle, then time");
-    let report = ep_kernels::bench::run(
+    // As run_timed decides: a graph on one GPU only.
+    let graph = spec.graph.unwrap_or(spec.gpus == 1) && spec.gpus == 1;
+    let report = ep_kernels::bench::run_timed(
         &cfg,
         &w.x,
         &w.topk_idx,
@@ -35,6 +38,7 @@ pub fn run(
         spec.iters,
         spec.warmup,
         spec.gpus,
+        graph,
     )
     .map_err(|e| {
         if e.contains("differ") || e.contains("mismatch") {
@@ -48,6 +52,7 @@ pub fn run(
         .iter()
         .map(|t| kernel_time(&t.kernel))
         .collect();
+    let hook_splits: Vec<HookSplit> = report.paths.iter().map(|t| hook_split(&t.hook)).collect();
     let paths: Vec<PathSamples> = report
         .paths
         .into_iter()
@@ -92,13 +97,18 @@ pub fn run(
             iters: spec.iters,
             warmup: spec.warmup,
             selections: &selections,
-            verified: "ep-kernels checked both paths bitwise against the oracle before timing",
+            verified: if graph {
+                "ep-kernels checked both paths bitwise against the oracle before timing; timed calls replayed from a CUDA graph"
+            } else {
+                "ep-kernels checked both paths bitwise against the oracle before timing; timed calls launched one by one (stream)"
+            },
             load_average: None,
         },
         paths,
     );
-    for (p, k) in point.paths.iter_mut().zip(kernel_times) {
+    for ((p, k), h) in point.paths.iter_mut().zip(kernel_times).zip(hook_splits) {
         p.kernel_time = Some(k);
+        p.hook_split = Some(h);
     }
     Ok(point)
 }
@@ -117,4 +127,103 @@ fn kernel_time(k: &Result<ep_kernels::bench::KernelTimes, String>) -> KernelTime
         },
         Err(e) => KernelTime::Unavailable { reason: e.clone() },
     }
+}
+
+/// The report's form of one path's receive-hook split.
+fn hook_split(h: &Result<ep_kernels::bench::HookSplit, String>) -> HookSplit {
+    let four = |v: [&[f64]; 4]| -> Result<[Summary; 4], String> {
+        let s = |x: &[f64]| Summary::of(x).ok_or_else(|| "no timed calls".to_string());
+        Ok([s(v[0])?, s(v[1])?, s(v[2])?, s(v[3])?])
+    };
+    match h {
+        Err(reason) => HookSplit::Unavailable {
+            reason: reason.clone(),
+        },
+        Ok(h) => match four([
+            &h.dispatch_send_us,
+            &h.dispatch_recv_us,
+            &h.combine_send_us,
+            &h.combine_recv_us,
+        ]) {
+            Err(reason) => HookSplit::Unavailable { reason },
+            Ok(events) => HookSplit::Measured {
+                events,
+                kernel: h
+                    .kernel
+                    .as_ref()
+                    .map_err(|e| e.clone())
+                    .and_then(|k| four([&k[0], &k[1], &k[2], &k[3]])),
+            },
+        },
+    }
+}
+
+/// `ep-bench --profile`: the in-kernel phase profile of one call of each kernel (moved here from
+/// the old `ep-gpu-check`). Every block stamps `%globaltimer` at the start of each phase; a
+/// line per (path, op) gives, per phase i, the median/max over device 0's blocks of
+/// (stamp_i - earliest block start), in us, from the third of three profiled calls (the first
+/// two warm up). First line: the per-launch time of an empty kernel with the same grid, stream
+/// launches (the fixed overhead). A debugging figure: the stamps perturb the kernels slightly.
+pub fn phase_profile(spec: &BenchSpec) -> Result<String, BenchError> {
+    use ep_kernels::{GpuGroup, GpuOptions, Path};
+    use ep_reference::Op;
+    use std::fmt::Write as _;
+    let be = |e: ep_kernels::GpuError| BenchError::Backend(format!("profile: {e}"));
+    let cfg = spec.cfg;
+    let w = spec.workload();
+    let y = w.expert_outputs(spec.seed);
+    let mut g = GpuGroup::new(
+        &cfg,
+        GpuOptions {
+            num_gpus: spec.gpus,
+            ..Default::default()
+        },
+    )
+    .map_err(be)?;
+    let mut s = String::new();
+    let empty = ep_kernels::bench::time_empty(&mut g, 200).map_err(be)?;
+    let med = |v: &[f64]| Summary::of(v).map_or(f64::NAN, |m| m.median_us);
+    let _ = writeln!(
+        s,
+        "profile R={}: empty kernel ({} blocks x 512 on device 0), stream launches: median {:.2} us",
+        cfg.num_ranks,
+        g.blocks_per_rank() * (cfg.num_ranks / g.num_gpus().max(1)),
+        med(&empty)
+    );
+    g.upload_dispatch_inputs(&w.x, &w.topk_idx).map_err(be)?;
+    g.upload_combine_inputs(&y, &w.topk_weights).map_err(be)?;
+    for path in [Path::PerExpert, Path::Batched] {
+        for op in [Op::Dispatch, Op::Combine] {
+            let mut stamps = Vec::new();
+            for _ in 0..3 {
+                if op == Op::Combine {
+                    g.launch(Op::Dispatch, path).map_err(be)?;
+                }
+                stamps = g.profile(op, path).map_err(be)?;
+            }
+            let t0 = stamps
+                .iter()
+                .map(|s| s[0])
+                .filter(|&v| v > 0)
+                .min()
+                .unwrap_or(0);
+            let mut line = format!("profile {:<10} {:?}:", path.name(), op);
+            for ph in 0..8 {
+                let v: Vec<f64> = stamps
+                    .iter()
+                    .filter(|s| s[ph] > 0)
+                    .map(|s| s[ph].saturating_sub(t0) as f64 / 1e3)
+                    .collect();
+                if let Some(m) = Summary::of(&v) {
+                    let _ = write!(line, " p{ph} {:.1}/{:.1}", m.median_us, m.max_us);
+                }
+            }
+            let _ = writeln!(
+                s,
+                "{line}  (phase start, us since the first block started: median/max over blocks)"
+            );
+        }
+    }
+    g.sync().map_err(be)?;
+    Ok(s)
 }

@@ -76,6 +76,24 @@ pub struct PathResult {
     /// GPU backend: the kernel time from CUPTI (see [`KernelTime`]); `None` where the backend
     /// has no kernel timer (the CPU backend, process mode).
     pub kernel_time: Option<KernelTime>,
+    /// GPU backend: the receive-hook split (see [`HookSplit`]); `None` elsewhere.
+    pub hook_split: Option<HookSplit>,
+}
+
+/// The receive-hook split (DeepEP's `return_recv_hook`, pplx's `do_send`/`do_recv`): dispatch
+/// and combine each issued as a send half and a receive half through the device API, one
+/// launch per half. Events: stream time between CUDA events around each half; CUPTI: each
+/// half's kernel duration in a profiled run of its own.
+#[derive(Debug, Clone, Serialize)]
+pub enum HookSplit {
+    Measured {
+        /// Dispatch send, dispatch recv, combine send, combine recv (CUDA events).
+        events: [Summary; 4],
+        /// The same halves from CUPTI, or why not.
+        kernel: Result<[Summary; 4], String>,
+    },
+    /// Why the split was not timed.
+    Unavailable { reason: String },
 }
 
 /// The GPU kernels' own durations from CUPTI's activity records (DeepEP's figure: its test reads
@@ -224,6 +242,7 @@ pub fn assemble(info: &PointInfo<'_>, paths: Vec<PathSamples>) -> PointResult {
                 signals_per_call: p.signals_total,
                 ranks,
                 kernel_time: None,
+                hook_split: None,
             }
         })
         .collect();
@@ -282,6 +301,52 @@ pub fn deepep_lines(p: &PointResult) -> String {
         }
     }
     s.push_str(&kernel_time_lines(p));
+    s.push_str(&hook_split_lines(p));
+    s
+}
+
+/// The receive-hook split per path in DeepEP's format, means over the calls, labelled:
+/// `batched Dispatch send/recv time: a + b us | Combine send/recv time: c + d us   (receive hook: CUDA events around each half)`
+/// and the same from CUPTI where it works. Empty where no path has a split (the CPU backend).
+pub fn hook_split_lines(p: &PointResult) -> String {
+    let mut s = String::new();
+    let line = |s: &mut String, path: &str, h: &[Summary; 4], what: &str| {
+        let _ = writeln!(
+            s,
+            "{path} Dispatch send/recv time: {:.2} + {:.2} us | Combine send/recv time: {:.2} + {:.2} us   (receive hook: {what})",
+            h[0].mean_us, h[1].mean_us, h[2].mean_us, h[3].mean_us
+        );
+    };
+    for path in &p.paths {
+        match &path.hook_split {
+            None => {}
+            Some(HookSplit::Measured { events, kernel }) => {
+                line(
+                    &mut s,
+                    &path.path,
+                    events,
+                    "CUDA events around each half, one launch per half",
+                );
+                match kernel {
+                    Ok(k) => line(&mut s, &path.path, k, "CUPTI kernel time of each half"),
+                    Err(why) => {
+                        let _ = writeln!(
+                            s,
+                            "{} receive hook, CUPTI kernel time of each half: not measured: {why}",
+                            path.path
+                        );
+                    }
+                }
+            }
+            Some(HookSplit::Unavailable { reason }) => {
+                let _ = writeln!(
+                    s,
+                    "{} receive hook split: not measured: {reason}",
+                    path.path
+                );
+            }
+        }
+    }
     s
 }
 
@@ -505,6 +570,7 @@ mod tests {
         assert_eq!(sp.total, 90.0 / 40.0);
         // CPU: no kernel timer, no kernel-time line and no event label.
         assert_eq!(kernel_time_lines(&p), "");
+        assert_eq!(hook_split_lines(&p), "");
         assert!(!deepep_lines(&p).contains("CUPTI"));
         let lines = deepep_lines(&p);
         let t = table(&p);
@@ -562,5 +628,57 @@ mod tests {
         assert!(lines.contains(
             "batched kernel time (CUPTI, each kernel's own GPU duration, DeepEP's figure): Dispatch 8.00 us | Combine 20.00 us   [CUDA events: Dispatch 10.00 us | Combine 30.00 us]"
         ), "{lines}");
+    }
+
+    #[test]
+    fn hook_split_prints_in_deepep_format_with_its_source() {
+        let cfg = Config::new(2, 4, 8, 128, 2, Mode::FP8).unwrap();
+        let sel = [3u64, 5];
+        let info = PointInfo {
+            backend: "gpu",
+            device: "test",
+            cfg: &cfg,
+            tokens_per_rank: 4,
+            masked: 0.0,
+            seed: 1,
+            iters: 3,
+            warmup: 0,
+            selections: &sel,
+            verified: "yes",
+            load_average: None,
+        };
+        let mut p = assemble(
+            &info,
+            vec![
+                samples("per-expert", 30.0, 60.0),
+                samples("batched", 10.0, 30.0),
+            ],
+        );
+        let sm = |v: f64| Summary::of(&[v, v + 2.0]).unwrap();
+        p.paths[0].hook_split = Some(HookSplit::Unavailable {
+            reason: "no device".into(),
+        });
+        p.paths[1].hook_split = Some(HookSplit::Measured {
+            events: [sm(1.0), sm(2.0), sm(3.0), sm(4.0)],
+            kernel: Err("libcupti not found".into()),
+        });
+        let lines = deepep_lines(&p);
+        assert!(
+            lines.contains("per-expert receive hook split: not measured: no device"),
+            "{lines}"
+        );
+        assert!(lines.contains(
+            "batched Dispatch send/recv time: 2.00 + 3.00 us | Combine send/recv time: 4.00 + 5.00 us   (receive hook: CUDA events around each half, one launch per half)"
+        ), "{lines}");
+        assert!(lines.contains(
+            "batched receive hook, CUPTI kernel time of each half: not measured: libcupti not found"
+        ), "{lines}");
+        p.paths[1].hook_split = Some(HookSplit::Measured {
+            events: [sm(1.0), sm(2.0), sm(3.0), sm(4.0)],
+            kernel: Ok([sm(0.0), sm(1.0), sm(2.0), sm(3.0)]),
+        });
+        assert!(hook_split_lines(&p).contains(
+            "batched Dispatch send/recv time: 1.00 + 2.00 us | Combine send/recv time: 3.00 + 4.00 us   (receive hook: CUPTI kernel time of each half)"
+        ));
     }
 }

@@ -186,6 +186,31 @@ fn flags_that_do_not_apply_are_refused() {
     let mut a = TINY.to_vec();
     a.extend(["--json", "--per-rank"]);
     refused(&a, 2, &["--per-rank"]);
+    // The phase profile (formerly ep-gpu-check's) is the GPU kernels' own.
+    let mut a = TINY.to_vec();
+    a.push("--profile");
+    refused(
+        &a,
+        2,
+        &[
+            "--profile applies to the GPU backend",
+            "uses the CPU backend",
+        ],
+    );
+    let mut a = TINY.to_vec();
+    a.extend(["--json", "--profile"]);
+    refused(&a, 2, &["--profile prints text lines"]);
+    let mut a = TINY.to_vec();
+    a.extend(["--timing", "stream"]);
+    refused(&a, 2, &["--timing applies to the GPU backend"]);
+    let mut a = TINY.to_vec();
+    a.extend(["--timing", "graph", "--gpus", "2"]);
+    refused(&a, 2, &["--timing graph", "--gpus 2"]);
+    refused(
+        &["--nprocs", "2", "--profile"],
+        2,
+        &["--profile does not apply in multi-process mode"],
+    );
     // Multi-process mode takes R from --nprocs and runs the GPU backend.
     refused(
         &["--nprocs", "2", "--ranks", "2"],

@@ -39,5 +39,21 @@ fn main() {
         );
     }
     println!("compiled {} modules for sm_90", FAMILIES.len());
+    // The moe_layer example's own kernels, with the options the example uses.
+    let opts = cudarc::nvrtc::CompileOptions {
+        fmad: Some(false),
+        arch: Some("sm_90"),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(include_str!("../examples/moe_layer.cu"), opts)
+        .unwrap_or_else(|e| panic!("examples/moe_layer.cu failed to compile: {e:?}"));
+    let ptx = ptx.to_src();
+    for k in ["moe_topk", "moe_expert"] {
+        assert!(
+            ptx.contains(k),
+            "examples/moe_layer.cu: no entry {k} in the PTX"
+        );
+    }
+    println!("compiled examples/moe_layer.cu for sm_90");
     println!("compile check: 1 passed; 0 failed; 0 skipped");
 }

@@ -29,6 +29,16 @@ enum TransportArg {
     Nccl,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum TimingArg {
+    /// A CUDA graph on one GPU, one launch per call on several.
+    Auto,
+    /// Replay the timed calls from a CUDA graph (one GPU only).
+    Graph,
+    /// Launch every timed call on the stream.
+    Stream,
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum DispatchArg {
     Fp8,
@@ -132,6 +142,15 @@ struct Cli {
     /// Print one JSON document instead of text.
     #[arg(long)]
     json: bool,
+    /// GPU backend: after each point, the in-kernel phase profile (`%globaltimer` stamps per
+    /// block and phase, one call of each kernel) and the empty kernel's launch time: where
+    /// inside a call the time goes. A debugging figure, not a latency.
+    #[arg(long)]
+    profile: bool,
+    /// GPU backend: how the timed calls are issued (graph: replayed from one CUDA graph, one
+    /// GPU only; stream: launched one by one, what an eager caller sees).
+    #[arg(long, value_enum, default_value_t = TimingArg::Auto)]
+    timing: TimingArg,
 }
 
 fn parse_fraction(s: &str) -> Result<f64, String> {
@@ -330,6 +349,8 @@ fn refuse_in_multiproc(cli: &Cli, given: &Given<'_>, launched: bool) -> Result<(
         "workers",
         "json",
         "per_rank",
+        "profile",
+        "timing",
     ]) {
         let why = if f == "--ranks" {
             "R is the number of processes"
@@ -367,6 +388,11 @@ fn refuse_in_single(given: &Given<'_>, json: bool) -> Result<(), String> {
             "{f} applies to the text output; --json always has every rank's figures"
         ));
     }
+    if let Some(f) = given.first(&["profile"]).filter(|_| json) {
+        return Err(format!(
+            "{f} prints text lines, which --json cannot carry: drop one of them"
+        ));
+    }
     Ok(())
 }
 
@@ -374,7 +400,7 @@ fn refuse_in_single(given: &Given<'_>, json: bool) -> Result<(), String> {
 fn refuse_on_backend(given: &Given<'_>, backend: &Backend) -> Result<(), String> {
     match backend {
         Backend::Cpu => {
-            if let Some(f) = given.first(&["gpus"]) {
+            if let Some(f) = given.first(&["gpus", "profile", "timing"]) {
                 return Err(format!(
                     "{f} applies to the GPU backend, and this run uses the CPU backend: drop {f}"
                 ));
@@ -487,6 +513,15 @@ fn main() -> ExitCode {
     if let Err(e) = refuse_in_single(&given, cli.json) {
         return fail(e, 2);
     }
+    if cli.timing == TimingArg::Graph && cli.gpus > 1 {
+        return fail(
+            format!(
+                "--timing graph replays one GPU's CUDA graph, and --gpus {} spreads the ranks over several: drop --timing graph, or use --gpus 1",
+                cli.gpus
+            ),
+            2,
+        );
+    }
     // Every config is checked before anything runs.
     let mut specs = Vec::new();
     for (tokens, t) in cli.points() {
@@ -523,6 +558,11 @@ fn main() -> ExitCode {
                 memory_limit: None,
             },
             gpus: cli.gpus as usize,
+            graph: match cli.timing {
+                TimingArg::Auto => None,
+                TimingArg::Graph => Some(true),
+                TimingArg::Stream => Some(false),
+            },
         });
     }
     let choice = match cli.backend {
@@ -573,6 +613,18 @@ fn main() -> ExitCode {
             Ok(p) => {
                 if !cli.json {
                     print_point(&p, cli.per_rank);
+                }
+                if cli.profile {
+                    progress.show(&format!("{label} phase profile"));
+                    let prof = ep_benches::gpu::phase_profile(spec);
+                    progress.done();
+                    match prof {
+                        Ok(lines) => println!("{lines}"),
+                        Err(e) => {
+                            eprintln!("ep-bench: {label} profile not run: {e}");
+                            exit = exit.max(e.exit_code());
+                        }
+                    }
                 }
                 results.push(Ok(p));
             }
@@ -637,6 +689,9 @@ fn print_point(p: &PointResult, per_rank: bool) {
         print!("{}", report::deepep_lines(p));
     } else {
         println!("(every rank's line in DeepEP's format: --per-rank)");
+        // Per path, not per rank: the CUPTI kernel time and the receive-hook split (GPU).
+        print!("{}", report::kernel_time_lines(p));
+        print!("{}", report::hook_split_lines(p));
     }
     // The summary last, ending with the speed-up: what a user looks for.
     print!("{}", report::table(p));

@@ -1,5 +1,9 @@
 //! Multi-process dispatch/combine: one process per rank, torchrun style.
 //!
+//! The per-rank process binary that launchers and scripts start (its flags are stable: the
+//! fault scripts use `--die-rank` / `--stall-rank`). For timing, `ep-bench --nprocs N` is the
+//! user-facing entry point; it runs the same rank code (`ep_kernels::mp`).
+//!
 //! `ep-gpu-mp --nprocs N [options]` starts N local ranks of itself (`ep_launch::spawn_local`) and
 //! reports which rank failed; under an external launcher (torchrun: `RANK`, `WORLD_SIZE`,
 //! `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`) it runs as one rank. Each rank opens GPU
