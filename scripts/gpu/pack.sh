@@ -16,6 +16,7 @@ command -v jq > /dev/null || { echo "pack.sh: jq is needed to read cargo's JSON"
 
 cargo build --release -p ep-kernels --bin ep-gpu-mp
 cargo build --release -p ep-benches --bin ep-bench
+cargo build --release -p ep-kernels --example moe_layer
 json=$(cargo test --release -p ep-kernels --no-run --message-format=json)
 for t in gpu gpu_fuzz gpu_soak gpu_process; do
   exe=$(echo "$json" | jq -r --arg t "$t" \
@@ -29,6 +30,15 @@ for t in gpu gpu_fuzz gpu_soak gpu_process; do
 done
 strip -o "$DEST/ep-gpu-mp" target/release/ep-gpu-mp
 strip -o "$DEST/ep-bench" target/release/ep-bench
+strip -o "$DEST/moe_layer" target/release/examples/moe_layer
+# The Python Buffer, where maturin is at hand (PACK_WHEEL=1): the abi3 wheel plus what
+# python/gpu.sh runs beside it (its tests and bench.py).
+if [ "${PACK_WHEEL:-0}" = 1 ]; then
+  rm -rf "$DEST/python" "$DEST"/ep_dispatch-*.whl
+  (cd python && maturin build --release --strip --out "../$DEST")
+  mkdir -p "$DEST/python"
+  cp -r python/gpu.sh python/bench.py python/tests "$DEST/python/"
+fi
 dirty=$(git status --porcelain --untracked-files=no | wc -l)
 echo "commit $(git rev-parse --short HEAD)$([ "$dirty" -gt 0 ] && echo " + $dirty changed tracked files"), built $(date -u +%FT%TZ) on $(hostname)" > "$DEST/BUILD-INFO"
 ls -l "$DEST"

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The whole GPU gate in ONE device call on a two-GPU machine (nvidia-h200-x2), inside the
+# device tool's 10-minute limit. Two phases:
+#   1. two tracks at once, one per GPU (CUDA_VISIBLE_DEVICES): the GPU tests, the differential
+#      fuzz and EP1 figures on GPU 0; the soak, the sanitizers, EP8-virtual figures and the
+#      example on GPU 1;
+#   2. both GPUs: the two-GPU tests, process mode (handshake, NCCL bounds), EP2 figures over
+#      NVLink (one process and two), the example in two processes, the fault runs, and the
+#      Python Buffer under torchrun (N = 2) when a wheel was packed.
+# Every step has its own time limit; the script keeps going after a failure and ends with a table
+# (ok / FAILED / CUT). Logs go to one tarball in $OUT plus summary.txt (the tool returns 8 files).
+#
+#   bash scripts/gpu/gate.sh BIN_DIR            (BIN_DIR filled by scripts/gpu/pack.sh)
+#
+# Timings from phase 1 ran beside the other track's work on the other GPU (separate GPUs, 32
+# host cores): they are indicative; BENCHMARKS.md says which figures came from where.
+set -u
+BIN=$(cd "${1:?usage: gate.sh BIN_DIR}" && pwd)
+HERE=$(cd "$(dirname "$0")" && pwd)
+OUT=${OUT:-/tmp/ep-gate-out}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export NCCL_NVLS_ENABLE=0
+LOGS=$(mktemp -d /tmp/ep-gate.XXXXXX)
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+T0=$EPOCHREALTIME
+elapsed() { awk -v a="$T0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%d", b - a }'; }
+
+# step NAME LIMIT_S CMD...: runs CMD under `timeout`, its output in $LOGS/NAME.log; one line in
+# $LOGS/NAME.rc ("rc seconds").
+step() {
+  local name=$1 limit=$2; shift 2
+  local t0=$EPOCHREALTIME rc
+  echo "[gate $(elapsed) s] $name: start (limit $limit s): $*" >> "$LOGS/progress.txt"
+  timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  rc=$?
+  echo "$rc $(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.0f", b - a }') $limit" \
+    > "$LOGS/$name.rc"
+  echo "[gate $(elapsed) s] $name: rc=$rc" >> "$LOGS/progress.txt"
+}
+
+nvidia-smi -L > "$LOGS/env.txt" 2>&1
+cat "$BIN/BUILD-INFO" >> "$LOGS/env.txt" 2>/dev/null
+
+# ---- phase 1: one track per GPU -------------------------------------------------------------
+(
+  export CUDA_VISIBLE_DEVICES=0
+  step gpu-tests-1gpu 150 "$BIN/gpu"
+  step fuzz 110 env EP_GPU_FUZZ_MAX_SECS=100 "$BIN/gpu_fuzz"
+  step bench-ep1 40 "$BIN/ep-bench" --backend gpu --ranks 1 --masked 0 --iters 200
+) &
+A=$!
+(
+  export CUDA_VISIBLE_DEVICES=1
+  step soak 110 env EP_SOAK_MAX_SECS=100 "$BIN/gpu_soak"
+  step sanitizer 120 env SAN_TOOL_LIMIT_S=38 bash "$HERE/sanitizer.sh" "$BIN" "$LOGS/sanitizer"
+  step bench-ep8-virtual 45 "$BIN/ep-bench" --backend gpu --ranks 8 --masked 0 --iters 100
+  step example-virtual 40 bash -c "'$BIN/moe_layer' && '$BIN/moe_layer' --ranks 4 --mode bf16 \
+    && '$BIN/moe_layer' --ranks 8 --mode fp8-ue8m0 && '$BIN/moe_layer' --nprocs 2"
+) &
+B=$!
+wait $A $B
+
+# ---- phase 2: both GPUs ---------------------------------------------------------------------
+step gpu-tests-2gpu 80 "$BIN/gpu" two_gpus
+step gpu-process 100 "$BIN/gpu_process"
+step bench-ep2-2gpu 40 "$BIN/ep-bench" --backend gpu --ranks 2 --gpus 2 --masked 0 --iters 200
+step bench-ep2-2proc 40 "$BIN/ep-bench" --nprocs 2 --gpus 2 --masked 0
+step example-2proc 25 "$BIN/moe_layer" --nprocs 2 --gpus 2
+if ls "$BIN"/ep_dispatch-*.whl > /dev/null 2>&1 && [ -f "$BIN/python/gpu.sh" ]; then
+  step python 90 env OUT="$LOGS" BENCH_ARGS="--iters 50" bash "$BIN/python/gpu.sh" "$BIN" "$LOGS"
+fi
+left=$(( 575 - $(elapsed) ))
+if [ "$left" -gt 30 ]; then
+  step faults "$left" env FAULT_BUDGET_S=$(( left - 8 )) FAULT_LOGDIR="$LOGS/faults" \
+    bash "$HERE/faults.sh" "$BIN"
+fi
+
+# ---- summary ----------------------------------------------------------------------------------
+{
+  echo "== gate summary ($(elapsed) s; $(head -n 1 "$BIN/BUILD-INFO" 2>/dev/null))"
+  for f in "$LOGS"/*.rc; do
+    n=$(basename "$f" .rc); read -r rc secs limit < "$f"
+    case $rc in 0) s=ok ;; 124|137) s="CUT at $limit s" ;; *) s="FAILED (exit $rc)" ;; esac
+    printf '%-18s %4s s  %s\n' "$n" "$secs" "$s"
+  done
+} >> "$SUMMARY"
+# The lines a reader needs from each log, in the tail the tool returns.
+for n in gpu-tests-1gpu gpu-tests-2gpu gpu-process fuzz soak sanitizer example-virtual \
+         example-2proc faults python; do
+  [ -f "$LOGS/$n.log" ] || continue
+  echo "-- $n" >> "$SUMMARY"
+  grep -aE '(passed|failed|skipped|SKIPPED|FAIL|PASS|panicked|configs|calls|ERROR SUMMARY|error|trials|survived|detect)' \
+    "$LOGS/$n.log" | tail -n 14 >> "$SUMMARY"
+done
+for n in bench-ep1 bench-ep8-virtual bench-ep2-2gpu bench-ep2-2proc; do
+  [ -f "$LOGS/$n.log" ] && { echo "-- $n"; tail -n 24 "$LOGS/$n.log"; } >> "$SUMMARY"
+done
+tar -czf "$OUT/gate-logs.tar.gz" -C "$LOGS" . 2>/dev/null
+cat "$SUMMARY"
