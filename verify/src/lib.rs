@@ -4,7 +4,10 @@
 //! oracle, bit for bit, on every output (tests in `tests/`), and loom models of the signaling
 //! protocol run on the shipped code (`tests/loom_*.rs`, built with `--cfg ep_loom`).
 //!
-//! This library holds the harness the tests share: run a path on a workload and compare it.
+//! This library holds the harness the tests share: run a path on a workload and compare it, and
+//! [`gpu_protocol`], the CUDA kernels' synchronisation as a model that loom checks.
+
+pub mod gpu_protocol;
 
 use ep_reference::oracle;
 use ep_reference::output::combine_diff;
