@@ -179,12 +179,14 @@ fn per_expert_two_senders_one_receiver() {
     });
 }
 
-/// Two calls on the same buffers, one block each side. Call 2 routes the tokens the other way
-/// round (per-expert: other regions and slots, next to call 1's stale messages).
+/// Two calls on the same buffers, one block each side. Per-expert: call 2 sends both tokens to
+/// local expert 0 (slot 0 is rewritten, slot 1 is new) and none to local expert 1, whose region
+/// keeps call 1's message, stale. (Slot 0 of expert 0 must be rewritten: the sender's first
+/// expert is the one written before any fence of the call.)
 fn consecutive(kind: Kind) {
     model(move || {
         let g = group(kind, vec![(0, 1), (1, 1)], 2);
-        let c = vec![input(1, 0, 1), input(2, 1, 0)];
+        let c = vec![input(1, 0, 1), input(2, 0, 0)];
         calls(g, bounded(1), c.clone(), c)
     });
 }
