@@ -394,10 +394,7 @@ fn failed(e: &ErrorWord) -> bool {
 /// raises the flag; later ones only see it.
 fn report_timeout(e: &ErrorWord, rank: usize, peer: usize, phase: u32, call: u32, waited: u64) {
     // if (atomicCAS(e + 7, 0u, 1u) == 0u)
-    if e.claim
-        .compare_exchange(0, 1, RELAXED, RELAXED)
-        .is_ok()
-    {
+    if e.claim.compare_exchange(0, 1, RELAXED, RELAXED).is_ok() {
         // e[1] = rank; e[2] = peer; e[3] = phase; e[4] = call; e[5] = waited / 1000;
         let words = [rank as u32, peer as u32, phase, call, waited as u32];
         // SAFETY: only the claim's one winner writes the row, once; the host reads it after
@@ -664,8 +661,15 @@ fn per_expert_receive(
     for l in (bid..l_n).step_by(me.blocks) {
         for &s in &sources {
             // per_expert.cu:92 s_cnt = wait_signal(p, sig_pe(me, R) + l * R + s, epoch, rank, s, PH_DISPATCH_RECV);
-            let cnt = match wait_signal(g, kp, &me.sig[l * r_n + s], epoch, rank, s, PH_DISPATCH_RECV)
-            {
+            let cnt = match wait_signal(
+                g,
+                kp,
+                &me.sig[l * r_n + s],
+                epoch,
+                rank,
+                s,
+                PH_DISPATCH_RECV,
+            ) {
                 Ok(c) => c as usize,
                 // per_expert.cu:96 if (cnt < 0) goto finish;
                 Err(e) => {
@@ -729,7 +733,13 @@ fn finish(g: &Group, rank: usize, epoch: u32, rep: &mut BlockReport) {
 
 /// One block of one dispatch launch, every role in kernel order (batched.cu
 /// `ep_batched_dispatch` / per_expert.cu `ep_per_expert_dispatch`).
-pub fn dispatch_block(g: &Group, kp: &Launch, input: &Input, rank: usize, bid: usize) -> BlockReport {
+pub fn dispatch_block(
+    g: &Group,
+    kp: &Launch,
+    input: &Input,
+    rank: usize,
+    bid: usize,
+) -> BlockReport {
     let me = &g.ranks[rank];
     let epoch = block_epoch(me);
     let mut rep = BlockReport {

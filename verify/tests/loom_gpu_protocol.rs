@@ -35,8 +35,8 @@ use std::sync::atomic::{AtomicBool, Ordering as StdOrdering};
 use std::time::Duration;
 
 use ep_verify::gpu_protocol::{
-    dispatch_block, merged, BlockReport, Group, Host, Input, Kind, Launch, Setup, Timeout,
-    WaitEnd, PH_DISPATCH_RECV,
+    dispatch_block, merged, BlockReport, Group, Host, Input, Kind, Launch, Setup, Timeout, WaitEnd,
+    PH_DISPATCH_RECV,
 };
 use loom::thread;
 
@@ -96,8 +96,13 @@ struct Done {
 fn host_check(g: &Group, done: &[Done]) -> bool {
     let mut host = Host::default();
     if let Err(t) = host.sync(g) {
-        assert!(t.rank < 2 && t.peer < 2 && t.call >= 1 && t.call <= 2, "{t:?}");
-        assert!(done.iter().any(|d| d.reps.iter().any(|r| r.failed_wait.is_some())));
+        assert!(
+            t.rank < 2 && t.peer < 2 && t.call >= 1 && t.call <= 2,
+            "{t:?}"
+        );
+        assert!(done
+            .iter()
+            .any(|d| d.reps.iter().any(|r| r.failed_wait.is_some())));
         assert_eq!(host.check_usable(), Err(t), "the next call must be refused");
         return false;
     }
@@ -251,7 +256,9 @@ fn fault_timeout_stops_every_waiter() {
         let b0 = dispatch_block(g, &kp, &c1, 1, 0);
         let reps: Vec<BlockReport> = blocks.into_iter().map(|t| t.join().unwrap()).collect();
         let rx = [&b0, &reps[1]];
-        assert!(rx.iter().all(|r| r.failed_wait.is_some() && r.read.is_empty()));
+        assert!(rx
+            .iter()
+            .all(|r| r.failed_wait.is_some() && r.read.is_empty()));
         assert!(rx.iter().any(|r| r.failed_wait == Some(WaitEnd::TimedOut)));
         if rx.iter().any(|r| r.failed_wait == Some(WaitEnd::SawError)) {
             seen.store(true, StdOrdering::Relaxed);
