@@ -43,6 +43,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     // The previous call's batches must have been consumed before this call overwrites them.
     int bad = 0;
     if (tid < R && p.stage != 2 && !via_nccl(p, tid))
+        // loom: gpu_protocol::sender_wait_acks, model batched_consecutive_calls.
         bad = !wait_ack(p, sig_bat_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_DISPATCH_SEND);
     __syncthreads();
     // Per token: selections bound for each destination; per expert: bitmap of its tokens.
@@ -162,6 +163,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         PROF(2);
         if (tid == 0) {
             fence_rel(p);
+            // loom: gpu_protocol::batched_send (counter, fence, signal), model batched_two_senders_one_receiver.
             const u32 old = atomicAdd(state + ST_SENT + KIND, 1u);
             if (old == (u32)p.blocks_per_rank - 1u) {
                 state[ST_SENT + KIND] = 0u;
@@ -179,6 +181,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         if (tid < R) {
             long long c;
             if (via_nccl(p, tid)) c = ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L)];
+            // loom: gpu_protocol::batched_receive, models batched_two_senders_one_receiver, batched_consecutive_calls.
             else c = wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
             bad = c < 0;
             sm.rcnt[tid] = (int)c;
@@ -308,6 +311,7 @@ finish:
         if (threadIdx.x == 0) {
             state[ST_EPOCH + KIND] = epoch;
             for (int s = 0; s < R; s++)
+                // loom: gpu_protocol::finish (the ack), models batched_consecutive_calls, batched_one_sender_two_receivers.
                 if (!via_nccl(p, s)) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
         }
     }
@@ -341,6 +345,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
     if (tid < R) sm.tot[tid] = ((const int*)me.comb_cnt)[tid];
     int bad = 0;
     if (tid < R && p.stage != 2 && !via_nccl(p, tid))
+        // loom: not modelled itself; the same wait_ack as batched dispatch (model batched_consecutive_calls).
         bad = !wait_ack(p, sig_cb_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_COMBINE_SEND);
     if (__syncthreads_or(bad)) goto finish;
     PROF(1);
@@ -420,6 +425,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
         PROF(2);
         if (tid == 0 && !all_local && p.stage != 2) {
             fence_rel(p);
+            // loom: not modelled itself; the same counter + signal as batched dispatch (model
+            // batched_two_senders_one_receiver).
             u32 old = atomicAdd(state + ST_SENT + KIND, 1u);
             if (old == (u32)p.blocks_per_rank - 1u) {
                 state[ST_SENT + KIND] = 0u;
@@ -432,6 +439,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
         // ---- receive: every owner's batch, then the reduction in k order
         bad = 0;
         for (int d = tid; d < R && !all_local; d += NTHREADS)
+            // loom: not modelled itself; the same wait_signal as batched dispatch (model batched_two_senders_one_receiver).
             if (!via_nccl(p, d)) bad |= wait_signal(p, sig_cb(me, R) + d, epoch, rank, d, PH_COMBINE_RECV) < 0;
         if (__syncthreads_or(bad)) goto finish;
         PROF(3);
@@ -445,6 +453,7 @@ finish:
         if (threadIdx.x == 0) {
             state[ST_EPOCH + KIND] = epoch;
             for (int d = 0; d < R; d++)
+                // loom: not modelled itself; the same ack as batched dispatch (model batched_consecutive_calls).
                 if (!via_nccl(p, d)) st_release(p, sig_cb_ack(tab[d], R) + rank, (u64)epoch);
         }
     }

@@ -128,6 +128,8 @@ __device__ __forceinline__ void st_release(const KParams& p, u64* a, u64 v) {
 }
 // Release fence of one thread after a __syncthreads: by cumulativity it orders every store the
 // block made before the barrier ahead of this thread's later signal or counter update.
+// loom model: verify/src/gpu_protocol.rs mirrors every fence_rel (fence(AcqRel)); the mutants
+// gpu_counter_release/_acquire and gpu_exit_release/_acquire drop one half of one of them.
 __device__ __forceinline__ void fence_rel(const KParams& p) {
     if (p.sys_scope) asm volatile("fence.acq_rel.sys;" ::: "memory");
     else asm volatile("fence.acq_rel.gpu;" ::: "memory");
@@ -149,6 +151,9 @@ __device__ __forceinline__ u64 globaltimer() {
 __device__ __forceinline__ bool failed(const KParams& p) {
     return ld_volatile_u32((const u32*)p.err) != 0;
 }
+// loom model: gpu_protocol::report_timeout and failed; covered by loom_gpu_protocol.rs
+// fault_timeout_stops_every_waiter (one report, the other waiter sees the flag) and
+// slow_sender_timeout_refused_or_correct (the host refuses the next call).
 __device__ void report_timeout(const KParams& p, int rank, int peer, int phase, u32 call, u64 waited) {
     u32* e = (u32*)p.err;
     if (atomicCAS(e + 7, 0u, 1u) == 0u) {
@@ -163,6 +168,10 @@ __device__ void report_timeout(const KParams& p, int rank, int peer, int phase, 
 }
 // Waits until the signal word carries `epoch` in its upper half. Returns the lower half, or -1
 // on timeout (reported) or when another wait already failed.
+// loom model: gpu_protocol::wait_signal; covered by loom_gpu_protocol.rs
+// batched_two_senders_one_receiver, per_expert_two_senders_one_receiver (acquire: mutant
+// gpu_wait_relaxed), *_consecutive_calls (the epoch), fault_timeout_stops_every_waiter and
+// slow_sender_timeout_refused_or_correct (the bound, the error word).
 __device__ long long wait_signal(const KParams& p, const u64* addr, u32 epoch, int rank, int peer, int phase) {
     u64 t0 = globaltimer();
     u32 spins = 0;
@@ -180,6 +189,9 @@ __device__ long long wait_signal(const KParams& p, const u64* addr, u32 epoch, i
     }
 }
 // Waits until an acknowledgement word is at least `need` (the peer has consumed call need).
+// loom model: gpu_protocol::wait_ack; covered by loom_gpu_protocol.rs batched_consecutive_calls
+// and per_expert_consecutive_calls (acquire: mutant gpu_ack_load_relaxed; the wait itself:
+// gpu_no_ack_wait).
 __device__ bool wait_ack(const KParams& p, const u64* addr, u32 need, u32 call, int rank, int peer, int phase) {
     u64 t0 = globaltimer();
     u32 spins = 0;
@@ -275,6 +287,8 @@ __device__ __forceinline__ void load_topk(const KParams& p, const RankPtrs& me, 
 // The end of a kernel for one rank: the last block to leave publishes the epoch, resets the
 // counters and acknowledges to every peer that this rank has consumed the call's data.
 // `ack` points to the ack array index base in each peer: ack_of(peer)[rank].
+// loom model: gpu_protocol::last_block_out; covered by loom_gpu_protocol.rs
+// batched_one_sender_two_receivers (mutants gpu_exit_release, gpu_exit_acquire).
 __device__ __forceinline__ bool last_block_out(const KParams& p, u32* state, int kind) {
     __shared__ int s_last;
     __syncthreads();

@@ -35,6 +35,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
     const int n = s_n;
     load_topk(p, me, n, sm.sk, sm.sdl);
     int bad = 0;
+    // loom: gpu_protocol::sender_wait_acks, model per_expert_consecutive_calls.
     if (tid < R) bad = !wait_ack(p, sig_pe_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_DISPATCH_SEND);
     if (__syncthreads_or(bad)) goto finish;
     PROF(1);
@@ -80,6 +81,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
             __syncthreads();
             if (tid == 0 && rank != p.fault_rank) {
                 fence_rel(p);
+                // loom: gpu_protocol::per_expert_send, model per_expert_two_senders_one_receiver (mutant gpu_signal_relaxed).
                 st_release(p, sig_pe(tab[d], R) + (u64)l * R + rank, signal_word(epoch, (u32)count));
             }
         }
@@ -89,6 +91,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
         for (int l = bid; l < L; l += p.blocks_per_rank) {
             int base = 0;
             for (int s = 0; s < R; s++) {
+                // loom: gpu_protocol::per_expert_receive, models per_expert_two_senders_one_receiver, per_expert_consecutive_calls.
                 if (tid == 0) s_cnt = (int)wait_signal(p, sig_pe(me, R) + (u64)l * R + s, epoch, rank, s, PH_DISPATCH_RECV);
                 __syncthreads();
                 if (s == 0 && l == bid) PROF(3);
@@ -142,6 +145,7 @@ finish:
     if (last_out) {
         if (threadIdx.x == 0) {
             state[ST_EPOCH + KIND] = epoch;
+            // loom: gpu_protocol::finish (the ack), model per_expert_consecutive_calls.
             for (int s = 0; s < R; s++) st_release(p, sig_pe_ack(tab[s], R) + rank, (u64)epoch);
         }
     }
@@ -174,6 +178,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
     const int n = s_n;
     load_topk(p, me, n, sm.sk, sm.sdl);
     int bad = 0;
+    // loom: not modelled itself; the same wait_ack as per-expert dispatch (model per_expert_consecutive_calls).
     if (tid < R) bad = !wait_ack(p, sig_pc_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_COMBINE_SEND);
     if (__syncthreads_or(bad)) goto finish;
     PROF(1);
@@ -197,6 +202,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
             __syncthreads();
             for (int s = tid; s < R; s += NTHREADS) {
                 fence_rel(p);
+                // loom: not modelled itself; fence + release store after __syncthreads, as per-expert dispatch
+                // (model per_expert_two_senders_one_receiver).
                 st_release(p, sig_pc(tab[s], R, L) + (u64)rank * L + l, signal_word(epoch, (u32)layout[(l * R + s) * 2 + 1]));
             }
         }
@@ -204,6 +211,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
         // ---- receive: every expert's signal, then the reduction in k order
         bad = 0;
         for (int e = tid; e < E; e += NTHREADS)
+            // loom: not modelled itself; the same wait_signal as per-expert dispatch (model per_expert_two_senders_one_receiver).
             bad |= wait_signal(p, sig_pc(me, R, L) + e, epoch, rank, e / L, PH_COMBINE_RECV) < 0;
         if (__syncthreads_or(bad)) goto finish;
         PROF(3);
@@ -217,6 +225,7 @@ finish:
     if (last_out) {
         if (threadIdx.x == 0) {
             state[ST_EPOCH + KIND] = epoch;
+            // loom: not modelled itself; the same ack as per-expert dispatch (model per_expert_consecutive_calls).
             for (int d = 0; d < R; d++) st_release(p, sig_pc_ack(tab[d], R) + rank, (u64)epoch);
         }
     }
