@@ -39,6 +39,23 @@
 //! itself a release fence: making only the store relaxed is an equivalent mutant (the protocol
 //! stays correct, and loom agrees). So `gpu_signal_relaxed` and `gpu_ack_store_relaxed` drop
 //! the store's release *and* the release half of the fences before it in that thread.
+//!
+//! # What the model found in the kernels
+//! No ordering is missing. Three observations:
+//! - The `.release` of the signal stores (batched.cu:171, per_expert.cu:83) and of the ack
+//!   stores (batched.cu:311, per_expert.cu:145) is redundant: the same thread has just run
+//!   `fence.acq_rel` (batched.cu:168, per_expert.cu:82, `last_block_out`), which makes a relaxed
+//!   store a release pattern. Harmless; kept as belt and braces.
+//! - In per-expert dispatch a block that owns several experts writes the second expert's
+//!   messages after the first expert's `fence_rel`, so only the first expert's writes rely on
+//!   `wait_ack`'s acquire alone (the consecutive-calls model rewrites exactly those).
+//! - A batched dispatch block whose `wait_ack` fails skips the send side, hence the
+//!   `ST_SENT` count (batched.cu:92 jumps over :165). If only some blocks of a rank fail, the
+//!   count is left non-zero and a later launch on the same state would signal before every
+//!   block has written. The host's refusal of every call after a timeout (runtime.rs
+//!   `check_usable`) is what keeps this from happening: it is needed, not just prudent. Back to
+//!   back `launch`es without a sync (benchmarks, graph replay) after a timeout give garbage
+//!   until the next sync reports the timeout.
 
 use std::time::Duration;
 
