@@ -182,8 +182,10 @@ pub struct Setup {
 pub struct Rank {
     pub device: usize,
     pub blocks: usize,
-    /// `state[ST_EPOCH + KIND]`: calls completed (a u32 on the device).
-    epoch: AtomicU64,
+    /// `state[ST_EPOCH + KIND]`: calls completed (a u32 of plain memory on the device: read
+    /// with `ld.volatile` at a block's start, stored by the last block out; loom checks that
+    /// the exit counter and the launch boundary order the two).
+    epoch: SharedRows,
     /// `state[ST_SENT + KIND]`: blocks that finished sending in this call.
     sent: AtomicU64,
     /// `state[ST_EXIT + KIND]`: blocks that left this call.
@@ -276,7 +278,7 @@ impl Group {
             .map(|&(device, blocks)| Rank {
                 device,
                 blocks,
-                epoch: AtomicU64::new(0),
+                epoch: SharedRows::new(1, 4),
                 sent: AtomicU64::new(0),
                 exit: AtomicU64::new(0),
                 sig: (0..l_n * r_n).map(|_| AtomicU64::new(0)).collect(),
@@ -500,7 +502,13 @@ fn wait_ack(
 /// Role: the start of every block (batched.cu:32-38, per_expert.cu:28-33): this call's epoch.
 fn block_epoch(me: &Rank) -> u32 {
     // s_epoch = ld_volatile_u32(state + ST_EPOCH + KIND) + 1u;
-    (me.epoch.load(RELAXED) as u32).wrapping_add(1)
+    // SAFETY: the only write is the previous launch's last block out (`finish`), which ended
+    // before this launch started.
+    let calls = unsafe {
+        me.epoch
+            .with_rows(0, 1, |b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+    };
+    calls.wrapping_add(1)
 }
 
 /// Role: the sender of the next call waits for every destination's ack of the previous call
@@ -740,7 +748,12 @@ fn finish(g: &Group, rank: usize, epoch: u32, rep: &mut BlockReport) {
     rep.last_out = last_block_out(me);
     if rep.last_out {
         // state[ST_EPOCH + KIND] = epoch;
-        me.epoch.store(epoch as u64, RELAXED);
+        // SAFETY: every block of this launch read the word before its exit count, which the
+        // last block out acquired (`last_block_out`); the next launch starts after this one.
+        unsafe {
+            me.epoch
+                .with_row_mut(0, |b| b.copy_from_slice(&epoch.to_le_bytes()))
+        };
         for s in g.sources(rank) {
             // st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
             g.ranks[s].ack[rank].store(epoch as u64, ACK_STORE);
