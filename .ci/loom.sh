@@ -1,29 +1,68 @@
 #!/usr/bin/env bash
-# The loom suite on the shipped protocol code, then the mutants that must make it fail.
-# Each build has its own target dir (RUSTFLAGS differ), so the normal build is not disturbed.
+# The loom suite: the CPU protocol on the shipped code (loom_protocol) and the CUDA kernels'
+# protocol as a model (loom_gpu_protocol); then the mutants, each of which a model must reject.
+# One target dir, built with --cfg ep_loom. A mutant adds --cfg ep_mutant="NAME" to the workspace
+# crates only, through a RUSTC_WORKSPACE_WRAPPER whose path names the mutant: cargo keys the
+# workspace crates' artifacts on that path, so dependencies (loom, ...) are built once and each
+# mutant recompiles only the workspace crates.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-4}"
+export RUSTFLAGS="--cfg ep_loom"
+export CARGO_TARGET_DIR=target/loom
+t0=$SECONDS
 
 echo "-- loom models (LOOM_MAX_PREEMPTIONS=$LOOM_MAX_PREEMPTIONS)"
-RUSTFLAGS="--cfg ep_loom" CARGO_TARGET_DIR=target/loom \
-  cargo test --release -p ep-verify --test loom_protocol
+cargo test --release -p ep-verify --test loom_protocol --test loom_gpu_protocol
+echo "-- loom models: $((SECONDS - t0)) s"
 
-# mutant cfg value : the model that must catch it
+# mutant cfg value : test file : the model that must catch it
 mutants=(
-  "signal_relaxed:payload_then_signal"
-  "finish_relaxed:staging_workers_then_sender"
-  "credit_relaxed:consecutive_dispatches"
+  "signal_relaxed:loom_protocol:payload_then_signal"
+  "finish_relaxed:loom_protocol:staging_workers_then_sender"
+  "credit_relaxed:loom_protocol:consecutive_dispatches"
+  "gpu_counter_release:loom_gpu_protocol:batched_two_senders_one_receiver"
+  "gpu_counter_acquire:loom_gpu_protocol:batched_two_senders_one_receiver"
+  "gpu_signal_relaxed:loom_gpu_protocol:batched_two_senders_one_receiver"
+  "gpu_signal_relaxed:loom_gpu_protocol:per_expert_two_senders_one_receiver"
+  "gpu_wait_relaxed:loom_gpu_protocol:batched_two_senders_one_receiver"
+  "gpu_wait_relaxed:loom_gpu_protocol:per_expert_two_senders_one_receiver"
+  "gpu_exit_release:loom_gpu_protocol:batched_one_sender_two_receivers"
+  "gpu_exit_acquire:loom_gpu_protocol:batched_one_sender_two_receivers"
+  "gpu_ack_store_relaxed:loom_gpu_protocol:batched_consecutive_calls"
+  "gpu_ack_store_relaxed:loom_gpu_protocol:per_expert_consecutive_calls"
+  "gpu_ack_load_relaxed:loom_gpu_protocol:batched_consecutive_calls"
+  "gpu_ack_load_relaxed:loom_gpu_protocol:per_expert_consecutive_calls"
+  "gpu_no_ack_wait:loom_gpu_protocol:batched_consecutive_calls"
+  "gpu_no_ack_wait:loom_gpu_protocol:per_expert_consecutive_calls"
+  # and the model of everything at once must reject each of its orderings too
+  "gpu_counter_release:loom_gpu_protocol:batched_two_senders_one_receiver_two_calls"
+  "gpu_counter_acquire:loom_gpu_protocol:batched_two_senders_one_receiver_two_calls"
+  "gpu_signal_relaxed:loom_gpu_protocol:batched_two_senders_one_receiver_two_calls"
+  "gpu_wait_relaxed:loom_gpu_protocol:batched_two_senders_one_receiver_two_calls"
+  "gpu_ack_store_relaxed:loom_gpu_protocol:batched_two_senders_one_receiver_two_calls"
+  "gpu_ack_load_relaxed:loom_gpu_protocol:batched_two_senders_one_receiver_two_calls"
+  "gpu_no_ack_wait:loom_gpu_protocol:batched_two_senders_one_receiver_two_calls"
 )
 log=$(mktemp)
+trap 'rm -f "$log"' EXIT
 for m in "${mutants[@]}"; do
-  name=${m%%:*}
-  model=${m#*:}
-  echo "-- mutant $name (one ordering weakened to Relaxed): loom must find the violation in $model"
-  if RUSTFLAGS="--cfg ep_loom --cfg ep_mutant=\"$name\"" CARGO_TARGET_DIR=target/loom-mutant \
-    cargo test --release -p ep-verify --test loom_protocol -- "$model" >"$log" 2>&1; then
-    echo "FAIL: mutant $name survived: loom found nothing"
+  IFS=: read -r name test model <<<"$m"
+  wrapper="$PWD/$CARGO_TARGET_DIR/mutants/$name/rustc"
+  mkdir -p "$(dirname "$wrapper")"
+  printf '#!/bin/sh\nexec "$@" --cfg '\''ep_mutant="%s"'\''\n' "$name" >"$wrapper"
+  chmod +x "$wrapper"
+  echo "-- mutant $name (one ordering weakened): loom must find the violation in $test::$model"
+  exact=()
+  [ "$test" = loom_gpu_protocol ] && exact=(--exact)
+  if RUSTC_WORKSPACE_WRAPPER="$wrapper" \
+    cargo test --release -p ep-verify --test "$test" -- "${exact[@]}" "$model" >"$log" 2>&1; then
+    echo "FAIL: mutant $name survived: loom found nothing in $model"
     tail -n 30 "$log"
+    exit 1
+  fi
+  if ! grep -qE "^running [1-9]" "$log"; then
+    echo "FAIL: no test matched $model"
     exit 1
   fi
   if ! grep -q "Causality violation" "$log"; then
@@ -33,4 +72,4 @@ for m in "${mutants[@]}"; do
   fi
   echo "ok: mutant $name killed: $(grep -m1 'Causality violation' "$log")"
 done
-rm -f "$log"
+echo "-- loom step: $((SECONDS - t0)) s"

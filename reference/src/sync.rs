@@ -223,3 +223,13 @@ impl Drop for SharedRows {
         }
     }
 }
+
+/// A memory fence, std's or loom's. The loom model of the GPU protocol (`ep_verify::gpu_protocol`)
+/// mirrors the kernels' `fence.acq_rel` with it.
+#[inline]
+pub fn fence(order: Ordering) {
+    #[cfg(not(ep_loom))]
+    std::sync::atomic::fence(order);
+    #[cfg(ep_loom)]
+    loom::sync::atomic::fence(order);
+}

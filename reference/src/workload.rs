@@ -19,6 +19,70 @@ pub enum Routing {
     OneRank { rank: usize },
     /// Every token selects one expert on every rank (up to K ranks).
     EveryRank,
+    /// K distinct experts per token, each slot drawn from the `hot` first experts with
+    /// probability `share` (else uniformly), then -1 with probability `masked`: a few experts
+    /// (and their ranks) get most of the rows.
+    Skewed { hot: usize, share: f64, masked: f64 },
+}
+
+/// What values `x` and the expert outputs hold.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Values {
+    /// Uniform in [-4, 4) (x: a sprinkling 300 times larger, so FP8 scales vary).
+    Normal,
+    /// As `Normal`, then each element is replaced with probability `share` by a special value
+    /// ([`SPECIAL_BF16`]: ±inf, NaN of both signs, ±0, subnormals, the largest finite values,
+    /// values beyond e4m3's 448), and each 128-channel block is filled with one special value
+    /// with probability `share` (so a block's amax, hence its FP8 scale, is special too).
+    Special { share: f64 },
+}
+
+/// The special bf16 bit patterns of [`Values::Special`].
+pub const SPECIAL_BF16: [u16; 20] = [
+    0x7F80, // +inf
+    0xFF80, // -inf
+    0x7FC0, // NaN
+    0xFFC0, // -NaN
+    0x7F81, // NaN with a low payload (signalling in f32)
+    0x8000, // -0
+    0x0000, // +0
+    0x0001, // smallest subnormal
+    0x8001, // -smallest subnormal
+    0x007F, // largest subnormal
+    0x0080, // smallest normal
+    0x7F7F, // largest finite
+    0xFF7F, // -largest finite
+    0x43E1, // 450: beyond e4m3's 448
+    0xC3E8, // -464
+    0x4480, // 1024
+    0x477F, // 65280
+    0x3A80, // 2^-10: below e4m3's smallest subnormal at scale 1
+    0x43E0, // 448: e4m3's largest
+    0x3B00, // 2^-9: e4m3's smallest subnormal
+];
+
+impl Values {
+    /// Replaces elements of `rows` (rows of `h` channels) as `self` says. `Normal` draws
+    /// nothing, so it leaves the generator's stream as it was.
+    fn apply(self, rows: &mut [bf16], h: usize, rng: &mut StdRng) {
+        let Values::Special { share } = self else {
+            return;
+        };
+        let pick =
+            |rng: &mut StdRng| bf16::from_bits(*SPECIAL_BF16.choose(rng).expect("non-empty"));
+        for v in rows.iter_mut() {
+            if rng.random_bool(share) {
+                *v = pick(rng);
+            }
+        }
+        for row in rows.chunks_mut(h.max(1)) {
+            for block in row.chunks_mut(128) {
+                if rng.random_bool(share) {
+                    block.fill(pick(rng));
+                }
+            }
+        }
+    }
 }
 
 /// Every rank's inputs.
@@ -34,6 +98,17 @@ impl Workload {
     /// `tokens[r]` tokens on rank r, values uniform in [-4, 4) as bf16 (with a sprinkling of
     /// larger magnitudes so FP8 scales vary), routing as asked.
     pub fn generate(cfg: &Config, tokens: &[usize], routing: Routing, seed: u64) -> Workload {
+        Workload::generate_with(cfg, tokens, routing, Values::Normal, seed)
+    }
+
+    /// As [`Workload::generate`] (the same draws for `Values::Normal`), with `values` in `x`.
+    pub fn generate_with(
+        cfg: &Config,
+        tokens: &[usize],
+        routing: Routing,
+        values: Values,
+        seed: u64,
+    ) -> Workload {
         let mut rng = StdRng::seed_from_u64(seed);
         let (e_n, l_n, h, k) = (
             cfg.num_experts,
@@ -49,13 +124,14 @@ impl Workload {
         };
         let all: Vec<i64> = (0..e_n as i64).collect();
         for &n in tokens {
-            let x: Vec<bf16> = (0..n * h)
+            let mut x: Vec<bf16> = (0..n * h)
                 .map(|_| {
                     let v: f32 = rng.random_range(-4.0..4.0);
                     let big = rng.random_bool(0.01);
                     bf16::from_f32(if big { v * 300.0 } else { v })
                 })
                 .collect();
+            values.apply(&mut x, h, &mut rng);
             let mut idx = vec![-1i64; n * k];
             for t in 0..n {
                 let row = &mut idx[t * k..(t + 1) * k];
@@ -81,6 +157,23 @@ impl Workload {
                             *slot = (d * l_n + rng.random_range(0..l_n)) as i64;
                         }
                         row.shuffle(&mut rng);
+                    }
+                    Routing::Skewed { hot, share, masked } => {
+                        let hot = hot.clamp(1, e_n) as i64;
+                        let mut picks: Vec<i64> = Vec::with_capacity(k);
+                        while picks.len() < k.min(e_n) {
+                            let e = if rng.random_bool(share) {
+                                rng.random_range(0..hot)
+                            } else {
+                                rng.random_range(0..e_n as i64)
+                            };
+                            if !picks.contains(&e) {
+                                picks.push(e);
+                            }
+                        }
+                        for (slot, p) in row.iter_mut().zip(picks) {
+                            *slot = if rng.random_bool(masked) { -1 } else { p };
+                        }
                     }
                 }
             }
@@ -118,14 +211,21 @@ impl Workload {
     /// Expert outputs that differ per expert and per row: y[l][row] = x-like values scaled by an
     /// expert-specific factor, for every rank, in the dispatch layout.
     pub fn expert_outputs(&self, seed: u64) -> Vec<Vec<bf16>> {
+        self.expert_outputs_with(seed, Values::Normal)
+    }
+
+    /// As [`Workload::expert_outputs`] (the same draws for `Values::Normal`), with `values`.
+    pub fn expert_outputs_with(&self, seed: u64, values: Values) -> Vec<Vec<bf16>> {
         let cfg = &self.config;
         let mut rng = StdRng::seed_from_u64(seed ^ 0x9E37_79B9_7F4A_7C15);
         let len = cfg.num_local_experts() * cfg.rows_per_expert() * cfg.hidden;
         (0..cfg.num_ranks)
             .map(|_| {
-                (0..len)
+                let mut y: Vec<bf16> = (0..len)
                     .map(|_| bf16::from_f32(rng.random_range(-8.0f32..8.0)))
-                    .collect()
+                    .collect();
+                values.apply(&mut y, cfg.hidden, &mut rng);
+                y
             })
             .collect()
     }

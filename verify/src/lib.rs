@@ -4,7 +4,11 @@
 //! oracle, bit for bit, on every output (tests in `tests/`), and loom models of the signaling
 //! protocol run on the shipped code (`tests/loom_*.rs`, built with `--cfg ep_loom`).
 //!
-//! This library holds the harness the tests share: run a path on a workload and compare it.
+//! This library holds the harness the tests share: run a path on a workload and compare it, and
+//! [`gpu_protocol`], the CUDA kernels' synchronisation as a model that loom checks.
+
+pub mod differential;
+pub mod gpu_protocol;
 
 use ep_reference::oracle;
 use ep_reference::output::combine_diff;
@@ -44,6 +48,16 @@ pub fn check_against_oracle<R: EpRank>(
     w: &Workload,
     seed: u64,
 ) -> std::result::Result<(), String> {
+    check_against_oracle_with(name, ranks, w, &w.expert_outputs(seed))
+}
+
+/// As [`check_against_oracle`], with the expert outputs `ys` given (one per rank).
+pub fn check_against_oracle_with<R: EpRank>(
+    name: &str,
+    ranks: &mut [R],
+    w: &Workload,
+    ys: &[Vec<bf16>],
+) -> std::result::Result<(), String> {
     let cfg = &w.config;
     let want = oracle::dispatch(cfg, &w.dispatch_inputs()).map_err(|e| format!("oracle: {e}"))?;
     let got = dispatch_all(ranks, w);
@@ -57,9 +71,8 @@ pub fn check_against_oracle<R: EpRank>(
         }
         handles.push(h);
     }
-    let ys = w.expert_outputs(seed);
-    let want = oracle::combine(cfg, &w.combine_inputs(&ys)).map_err(|e| format!("oracle: {e}"))?;
-    let got = combine_all(ranks, w, &ys, &handles);
+    let want = oracle::combine(cfg, &w.combine_inputs(ys)).map_err(|e| format!("oracle: {e}"))?;
+    let got = combine_all(ranks, w, ys, &handles);
     for (r, (g, wo)) in got.into_iter().zip(&want).enumerate() {
         let out = g.map_err(|e| format!("{name} combine rank {r}: {e}"))?;
         if let Some(d) = combine_diff(wo, &out, cfg.hidden) {

@@ -47,6 +47,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     for (int i = tid; i < E * W; i += NTHREADS) sm.bm[i] = 0;
     for (int i = tid; i < n * R; i += NTHREADS) sm.tokpos[i] = 0;
     // The previous call's batches must have been consumed before this call overwrites them.
+        // loom: gpu_protocol::sender_wait_acks, model batched_consecutive_calls.
     int bad = in_bad;
     if (!in_bad && tid < R && p.stage != 2 && !via_nccl(p, tid))
         bad = !wait_ack(p, sig_bat_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_DISPATCH_SEND);
@@ -173,6 +174,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         PROF(2);
         if (tid == 0) {
             fence_rel(p);
+            // loom: gpu_protocol::batched_send (counter, fence, signal), model batched_two_senders_one_receiver.
             const u32 old = atomicAdd(state + ST_SENT + KIND, 1u);
             if (old == (u32)p.blocks_per_rank - 1u) {
                 state[ST_SENT + KIND] = 0u;
@@ -190,6 +192,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         if (tid < R) {
             long long c;
             if (via_nccl(p, tid)) c = ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L)];
+            // loom: gpu_protocol::batched_receive, models batched_two_senders_one_receiver, batched_consecutive_calls.
             else c = wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
             bad = c < 0 || peer_bad(p, rank, tid, PF_BATCH_TOKENS, c, T);
             sm.rcnt[tid] = bad ? 0 : (int)c;
@@ -343,6 +346,7 @@ finish:
         if (threadIdx.x == 0) {
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
             for (int s = 0; s < R; s++)
+                // loom: gpu_protocol::finish (the ack), models batched_consecutive_calls, batched_one_sender_two_receivers.
                 if (!via_nccl(p, s)) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
         }
     }
@@ -384,6 +388,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
     if (tid < R) sm.tot[tid] = ((const int*)me.comb_cnt)[tid];
     int bad = 0;
     if (tid < R && p.stage != 2 && !via_nccl(p, tid))
+        // loom: not modelled itself; the same wait_ack as batched dispatch (model batched_consecutive_calls).
         bad = !wait_ack(p, sig_cb_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_COMBINE_SEND);
     if (__syncthreads_or(bad)) goto finish;
     PROF(1);
@@ -463,6 +468,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
         PROF(2);
         if (tid == 0 && !all_local && p.stage != 2) {
             fence_rel(p);
+            // loom: not modelled itself; the same counter + signal as batched dispatch (model
+            // batched_two_senders_one_receiver).
             u32 old = atomicAdd(state + ST_SENT + KIND, 1u);
             if (old == (u32)p.blocks_per_rank - 1u) {
                 state[ST_SENT + KIND] = 0u;
@@ -475,6 +482,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
         // ---- receive: every owner's batch, then the reduction in k order
         bad = 0;
         for (int d = tid; d < R && !all_local; d += NTHREADS)
+            // loom: not modelled itself; the same wait_signal as batched dispatch (model batched_two_senders_one_receiver).
             if (!via_nccl(p, d)) bad |= wait_signal(p, sig_cb(me, R) + d, epoch, rank, d, PH_COMBINE_RECV) < 0;
         if (__syncthreads_or(bad)) goto finish;
         PROF(3);
@@ -488,6 +496,7 @@ finish:
         if (threadIdx.x == 0) {
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
             for (int d = 0; d < R; d++)
+                // loom: not modelled itself; the same ack as batched dispatch (model batched_consecutive_calls).
                 if (!via_nccl(p, d)) st_release(p, sig_cb_ack(tab[d], R) + rank, (u64)epoch);
         }
     }

@@ -155,6 +155,8 @@ __device__ __forceinline__ void st_release(const KParams& p, u64* a, u64 v) {
 }
 // Release fence of one thread after a __syncthreads: by cumulativity it orders every store the
 // block made before the barrier ahead of this thread's later signal or counter update.
+// loom model: verify/src/gpu_protocol.rs mirrors every fence_rel (fence(AcqRel)); the mutants
+// gpu_counter_release/_acquire and gpu_exit_release/_acquire drop one half of one of them.
 __device__ __forceinline__ void fence_rel(const KParams& p) {
     if (p.sys_scope) asm volatile("fence.acq_rel.sys;" ::: "memory");
     else asm volatile("fence.acq_rel.gpu;" ::: "memory");
@@ -198,6 +200,7 @@ __device__ __forceinline__ u64 globaltimer() {
 __device__ __forceinline__ bool failed(const KParams& p) {
     return ld_volatile_u32((const u32*)p.err) != 0;
 }
+// loom model: gpu_protocol::report_timeout and failed; covered by loom_gpu_protocol.rs
 // Out of line: it sits in the cold branches of hot loops.
 __device__ __noinline__ void report_error(u64 err, u32 code, u32 a, u32 b, u32 c, u32 d, u32 e, u32 f) {
     u32* w = (u32*)err;
@@ -212,6 +215,7 @@ __device__ __noinline__ void report_error(u64 err, u32 code, u32 a, u32 b, u32 c
         atomicExch(w, code);
     }
 }
+// loom model: gpu_protocol::wait_signal; covered by loom_gpu_protocol.rs
 __device__ void report_timeout(const KParams& p, int rank, int peer, int phase, u64 call, u64 waited) {
     report_error(p.err, ERR_TIMEOUT, (u32)rank, (u32)peer, (u32)phase, (u32)call, (u32)(waited / 1000ull), (u32)(call >> 32));
 }
@@ -256,6 +260,7 @@ __device__ long long wait_signal(const KParams& p, const u64* addr, u64 epoch, i
     }
 }
 // Waits until an acknowledgement word is at least `need` (the peer has consumed call need).
+// loom model: gpu_protocol::wait_ack; covered by loom_gpu_protocol.rs batched_consecutive_calls
 __device__ bool wait_ack(const KParams& p, const u64* addr, u64 need, u64 call, int rank, int peer, int phase) {
     u64 t0 = globaltimer();
     u32 spins = 0;
@@ -388,6 +393,8 @@ __device__ __forceinline__ int read_ntok(const KParams& p, const IoPtrs& io, int
 // The end of a kernel for one rank: the last block to leave publishes the epoch, resets the
 // counters and acknowledges to every peer that this rank has consumed the call's data.
 // `ack` points to the ack array index base in each peer: ack_of(peer)[rank].
+// loom model: gpu_protocol::last_block_out; covered by loom_gpu_protocol.rs
+// batched_one_sender_two_receivers (mutants gpu_exit_release, gpu_exit_acquire).
 __device__ __forceinline__ bool last_block_out(const KParams& p, u32* state, int kind) {
     __shared__ int s_last;
     __syncthreads();

@@ -37,6 +37,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
     const u64 epoch = s_epoch;
     PROF(0);
     const int n = s_n;
+    // loom: gpu_protocol::sender_wait_acks, model per_expert_consecutive_calls.
     // Bad routing (or token count) is caught here, before anything is written (see batched.cu).
     const int in_bad = load_topk(p, (const i64*)io.topk, n, sm.sk, sm.sdl, rank, true) | s_bad;
     int bad = in_bad;
@@ -91,6 +92,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
             __syncthreads();
             if (tid == 0 && rank != p.fault_rank) {
                 fence_rel(p);
+                // loom: gpu_protocol::per_expert_send, model per_expert_two_senders_one_receiver (mutant gpu_signal_relaxed).
                 st_release(p, sig_pe(tab[d], R) + (u64)l * R + rank, signal_word(epoch, (u32)count));
             }
         }
@@ -100,6 +102,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
         for (int l = bid; l < L && p.stage != 1; l += p.blocks_per_rank) {  // stage 1: send half only
             int base = 0;
             for (int s = 0; s < R; s++) {
+                // loom: gpu_protocol::per_expert_receive, models per_expert_two_senders_one_receiver, per_expert_consecutive_calls.
                 if (tid == 0) {
                     long long c = wait_signal(p, sig_pe(me, R) + (u64)l * R + s, epoch, rank, s, PH_DISPATCH_RECV);
                     if (c >= 0 && peer_bad(p, rank, s, PF_PE_COUNT, c, T)) c = -1;
@@ -171,6 +174,7 @@ finish:
     PROF(5);
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
+            // loom: gpu_protocol::finish (the ack), model per_expert_consecutive_calls.
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
             for (int s = 0; s < R; s++) st_release(p, sig_pe_ack(tab[s], R) + rank, (u64)epoch);
         }
@@ -207,6 +211,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
     const int n = s_n;
     load_topk(p, (const i64*)me.topk, n, sm.sk, sm.sdl, rank, false);
     int bad = 0;
+    // loom: not modelled itself; the same wait_ack as per-expert dispatch (model per_expert_consecutive_calls).
     if (tid < R && p.stage != 2) bad = !wait_ack(p, sig_pc_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_COMBINE_SEND);
     if (__syncthreads_or(bad)) goto finish;
     PROF(1);
@@ -230,6 +235,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
             __syncthreads();
             for (int s = tid; s < R; s += NTHREADS) {
                 fence_rel(p);
+                // loom: not modelled itself; fence + release store after __syncthreads, as per-expert dispatch
+                // (model per_expert_two_senders_one_receiver).
                 st_release(p, sig_pc(tab[s], R, L) + (u64)rank * L + l, signal_word(epoch, (u32)layout[(l * R + s) * 2 + 1]));
             }
         }
@@ -238,6 +245,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
         // ---- receive: every expert's signal, then the reduction in k order
         bad = 0;
         for (int e = tid; e < E; e += NTHREADS)
+            // loom: not modelled itself; the same wait_signal as per-expert dispatch (model per_expert_two_senders_one_receiver).
             bad |= wait_signal(p, sig_pc(me, R, L) + e, epoch, rank, e / L, PH_COMBINE_RECV) < 0;
         if (__syncthreads_or(bad)) goto finish;
         PROF(3);
@@ -250,6 +258,7 @@ finish:
     PROF(5);
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
+            // loom: not modelled itself; the same ack as per-expert dispatch (model per_expert_consecutive_calls).
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
             for (int d = 0; d < R; d++) st_release(p, sig_pc_ack(tab[d], R) + rank, (u64)epoch);
         }

@@ -1,0 +1,127 @@
+//! The differential run: thousands of small random configs, both CPU paths (ep_fast's batched
+//! path and ep_reference's per-expert path) bitwise against `ep_reference::oracle`.
+//!
+//! Every case comes from one seed ([`Case::from_seed`]), so a failing case is replayed exactly
+//! by its seed (`tests/differential.rs` reads `EP_DIFF_SEED`). Inputs come from
+//! `ep_reference::workload`, the project's one generator of test inputs.
+
+use ep_reference::workload::{Routing, Values, Workload};
+use ep_reference::{per_expert, Config, CpuOptions, Mode};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::check_against_oracle_with;
+
+/// One random config, its inputs' shape and kind, from a seed.
+#[derive(Debug, Clone)]
+pub struct Case {
+    pub seed: u64,
+    pub cfg: Config,
+    /// Tokens per rank (0: an empty rank).
+    pub tokens: Vec<usize>,
+    pub routing: Routing,
+    /// Values of x and of the expert outputs.
+    pub values: Values,
+    /// Staging workers of the batched path.
+    pub workers: usize,
+}
+
+/// The four dispatch modes.
+pub const MODES: [Mode; 4] = [Mode::Bf16, Mode::FP8, Mode::FP8_ROUND, Mode::FP8_UE8M0];
+
+impl Case {
+    /// R in 1..=16, L in 1..=6, T in 1..=48, K in 1..=min(16, E), every mode, H a small
+    /// multiple of what the mode needs, every routing kind, empty and full ranks, special
+    /// values in half the cases.
+    pub fn from_seed(seed: u64) -> Case {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let r = rng.random_range(1..=16usize);
+        let l = rng.random_range(1..=6usize);
+        let e = r * l;
+        let t = rng.random_range(1..=48usize);
+        let k = rng.random_range(1..=e.min(16));
+        let mode = MODES[rng.random_range(0..4)];
+        let h = match mode {
+            Mode::Bf16 => [8, 128, 200, 256][rng.random_range(0..4)],
+            Mode::Fp8 { ue8m0: false, .. } => [128, 256, 384][rng.random_range(0..3)],
+            Mode::Fp8 { ue8m0: true, .. } => 512,
+        };
+        let cfg = Config::new(r, e, t, h, k, mode).expect("the generated config is valid");
+        let tokens = (0..r)
+            .map(|_| match rng.random_range(0..10) {
+                0 => 0,
+                1 | 2 => t,
+                _ => rng.random_range(0..=t),
+            })
+            .collect();
+        let routing = match rng.random_range(0..10) {
+            0 | 1 => Routing::Random { masked: 0.0 },
+            2 | 3 => Routing::Random {
+                masked: rng.random_range(0.0..0.6),
+            },
+            4 | 5 => Routing::Skewed {
+                hot: rng.random_range(1..=e.min(3)),
+                share: rng.random_range(0.5..1.0),
+                masked: if rng.random_bool(0.5) {
+                    0.0
+                } else {
+                    rng.random_range(0.0..0.4)
+                },
+            },
+            6 => Routing::OneExpert,
+            7 => Routing::OneRank {
+                rank: rng.random_range(0..r),
+            },
+            _ => Routing::EveryRank,
+        };
+        let values = if rng.random_bool(0.5) {
+            Values::Normal
+        } else {
+            Values::Special {
+                share: [0.01, 0.05, 0.3][rng.random_range(0..3)],
+            }
+        };
+        let workers = rng.random_range(1..=3);
+        Case {
+            seed,
+            cfg,
+            tokens,
+            routing,
+            values,
+            workers,
+        }
+    }
+
+    /// One line naming everything the seed chose.
+    pub fn describe(&self) -> String {
+        format!(
+            "seed {}: {} tokens {:?} routing {:?} values {:?} workers {}",
+            self.seed,
+            self.cfg.describe(),
+            self.tokens,
+            self.routing,
+            self.values,
+            self.workers
+        )
+    }
+
+    /// Both paths, dispatch then combine, against the oracle; `Err` names the first difference.
+    pub fn run(&self) -> Result<(), String> {
+        let w = Workload::generate_with(
+            &self.cfg,
+            &self.tokens,
+            self.routing,
+            self.values,
+            self.seed,
+        );
+        let ys = w.expert_outputs_with(self.seed, self.values);
+        let opts = CpuOptions {
+            staging_workers: self.workers,
+            ..CpuOptions::default()
+        };
+        let mut reference = per_expert::group(&self.cfg, opts).map_err(|e| e.to_string())?;
+        check_against_oracle_with("per-expert", &mut reference, &w, &ys)?;
+        let mut fast = ep_fast::group(&self.cfg, opts).map_err(|e| e.to_string())?;
+        check_against_oracle_with("batched", &mut fast, &w, &ys)
+    }
+}
