@@ -654,6 +654,67 @@ impl GpuRank {
     }
 }
 
+/// Test hook: raises a sample of the error `kind` (a Rust variant name), so the tests can check
+/// that every variant maps to its Python class with its fields. Not part of the API.
+#[pyfunction]
+fn _raise_sample_error(kind: &str) -> PyResult<()> {
+    use ep_reference::{Op, Phase, Side};
+    let phase = Phase {
+        op: Op::Combine,
+        side: Side::Recv,
+    };
+    let e: BindError = match kind {
+        "Timeout" => Error::Timeout {
+            rank: 1,
+            peer: 3,
+            phase,
+            call: 7,
+            waited_ms: 2000,
+        }
+        .into(),
+        "PeerMismatch" => Error::PeerMismatch {
+            rank: 0,
+            peer: 2,
+            phase,
+            call: 4,
+            expected: 5,
+            got: 6,
+        }
+        .into(),
+        "OutOfMemory" => Error::OutOfMemory {
+            needed: 1 << 40,
+            available: 1 << 30,
+        }
+        .into(),
+        "HandleMismatch" => Error::HandleMismatch {
+            rank: 0,
+            expected: "group 1".into(),
+            got: "group 2".into(),
+        }
+        .into(),
+        "Cuda" => GpuError::Cuda("cuLaunchKernel: CUDA_ERROR_LAUNCH_FAILED".into()).into(),
+        "Nccl" => GpuError::Nccl("ncclSend: unhandled system error".into()).into(),
+        "Process" => GpuError::Process("peer 1 closed the rendezvous".into()).into(),
+        "Unsupported" => GpuError::Unsupported("64 ranks (at most 32)".into()).into(),
+        "GpuTimeout" => GpuError::Contract(Error::Timeout {
+            rank: 0,
+            peer: 1,
+            phase,
+            call: 2,
+            waited_ms: 10,
+        })
+        .into(),
+        "NotBuilt" => BindError::NotBuilt("dispatch".into()),
+        other => {
+            return Err(to_py(BindError::argument(
+                "kind",
+                format!("{other:?} has no sample"),
+            )))
+        }
+    };
+    Err(to_py(e))
+}
+
 #[pymodule]
 fn _ep_dispatch(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEVICE_API", gpu::DEVICE_API)?;
@@ -667,6 +728,7 @@ fn _ep_dispatch(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(size_hint, m)?)?;
     m.add_function(wrap_pyfunction!(probe_devices, m)?)?;
     m.add_function(wrap_pyfunction!(check_keywords, m)?)?;
+    m.add_function(wrap_pyfunction!(_raise_sample_error, m)?)?;
     m.add_class::<GpuRank>()?;
     Ok(())
 }

@@ -244,3 +244,28 @@ def test_argument_errors_name_the_argument():
     with pytest.raises(ep.ArgumentError) as e:
         oracle.dispatch([bf16(1.0, (1, 128))], [np.array([[0]])], -1, 1)
     assert e.value.argument == "num_max_dispatch_tokens_per_rank"
+
+
+@pytest.mark.parametrize("kind, cls, fields", [
+    ("Timeout", ep.TimeoutError,
+     dict(rank=1, peer=3, phase="combine/recv", call=7, waited_ms=2000)),
+    ("GpuTimeout", ep.TimeoutError, dict(rank=0, peer=1, phase="combine/recv", call=2)),
+    ("PeerMismatch", ep.PeerError, dict(rank=0, peer=2, call=4, expected=5, got=6)),
+    ("OutOfMemory", ep.OutOfMemoryError, dict(needed=1 << 40, available=1 << 30)),
+    ("HandleMismatch", ep.InputError, dict(rank=0)),
+    ("Cuda", ep.DeviceError, {}),
+    ("Nccl", ep.DeviceError, {}),
+    ("Process", ep.PeerError, {}),
+    ("Unsupported", ep.UnsupportedError, {}),
+    ("NotBuilt", ep.NotBuiltError, {}),
+])
+def test_every_error_kind_raises_its_class_with_its_fields(kind, cls, fields):
+    with pytest.raises(cls) as e:
+        ep._native._raise_sample_error(kind)
+    assert isinstance(e.value, ep.EpError)
+    assert e.value.kind == ("Timeout" if kind == "GpuTimeout" else kind)
+    for name, value in fields.items():
+        assert getattr(e.value, name) == value, name
+    if kind == "Timeout":
+        assert str(e.value) == ("rank 1 timed out after 2000 ms waiting for rank 3 in "
+                                "combine/recv (call 7)")
