@@ -74,7 +74,10 @@ pub mod nccl;
 pub mod runtime;
 pub mod testing;
 
-pub use runtime::{GpuGroup, GpuOptions, Path, Transport};
+pub use runtime::{
+    CombineIn, DeviceDispatchOut, DeviceHandle, DispatchIn, GpuGroup, GpuOptions, Path, RankEp,
+    Tokens, Transport,
+};
 
 /// Errors of the GPU backend.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -100,6 +103,25 @@ pub enum GpuError {
     /// A config outside what the GPU kernels support (e.g. more than 32 ranks).
     #[error("unsupported on the GPU: {0}")]
     Unsupported(String),
+    /// A peer-supplied count or header field outside its bound (caught on the device before use).
+    #[error("rank {rank}: rank {peer} sent {field} = {value}, outside [0, {limit}]")]
+    PeerData {
+        rank: usize,
+        peer: usize,
+        field: &'static str,
+        value: i64,
+        limit: u64,
+    },
+    /// A caller's stream (or tensor) belongs to another device or context than the group's.
+    #[error("{what} belongs to device {got}, the group's ranks there run on device {expected}")]
+    WrongDevice {
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    },
+    /// A device-API handle used with another group, path or call than it came from.
+    #[error("stale or foreign handle: {0}")]
+    Handle(String),
     /// Combine was called on another path than the last dispatch.
     #[error(
         "combine on the {combine} path needs a dispatch on that path (last dispatch: {dispatch})"

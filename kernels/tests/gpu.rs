@@ -67,6 +67,41 @@ const TESTS: &[(&str, usize, fn())] = &[
         2,
         gpu_nccl_two_gpus_r2_batched_equals_oracle,
     ),
+    (
+        "gpu_device_api_r1_r2_r4_r8_all_modes_equal_oracle",
+        1,
+        gpu_device_api_r1_r2_r4_r8_all_modes_equal_oracle,
+    ),
+    (
+        "gpu_device_api_two_gpus_r2_r4_equal_oracle",
+        2,
+        gpu_device_api_two_gpus_r2_r4_equal_oracle,
+    ),
+    (
+        "gpu_device_api_checks_stream_and_shapes_on_the_host",
+        1,
+        gpu_device_api_checks_stream_and_shapes_on_the_host,
+    ),
+    (
+        "gpu_device_bad_input_typed_error_no_stray_write",
+        1,
+        gpu_device_bad_input_typed_error_no_stray_write,
+    ),
+    (
+        "gpu_graph_dispatch_expert_combine_1000_replays",
+        1,
+        gpu_graph_dispatch_expert_combine_1000_replays,
+    ),
+    (
+        "gpu_graph_with_receive_hook_split_1000_replays",
+        1,
+        gpu_graph_with_receive_hook_split_1000_replays,
+    ),
+    (
+        "gpu_epochs_past_2_32_and_the_signal_tag_wrap",
+        1,
+        gpu_epochs_past_2_32_and_the_signal_tag_wrap,
+    ),
 ];
 
 fn main() {
@@ -426,4 +461,812 @@ fn gpu_nccl_r1_self_send_batched_equals_oracle() {
 
 fn gpu_nccl_two_gpus_r2_batched_equals_oracle() {
     assert_eq!(nccl_case(2, 62), 4 * 3 * 2 + 2 * 2);
+}
+
+// ------------------------------------------------------------------ the device API
+
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DeviceRepr, LaunchConfig,
+    PushKernelArg,
+};
+use ep_kernels::{CombineIn, DeviceDispatchOut, DeviceHandle, DispatchIn, Tokens};
+use ep_reference::oracle::{self, CombineInput, RankInput};
+use ep_reference::{DispatchOutput, RecvScales, RecvX};
+use half::bf16;
+use std::sync::Arc;
+
+/// Elements of guard on each side of every output buffer.
+const GUARD: usize = 96;
+
+/// A device buffer of `len` elements with `GUARD` elements of a known value on each side.
+struct Guarded<T> {
+    buf: CudaSlice<T>,
+    len: usize,
+    fill: T,
+}
+
+impl<T: DeviceRepr + Copy + PartialEq + std::fmt::Debug + Default> Guarded<T> {
+    fn new(s: &Arc<CudaStream>, len: usize, fill: T) -> Self {
+        Guarded {
+            buf: s.clone_htod(&vec![fill; len + 2 * GUARD]).unwrap(),
+            len,
+            fill,
+        }
+    }
+    fn view_mut(&mut self) -> CudaViewMut<'_, T> {
+        self.buf.slice_mut(GUARD..GUARD + self.len)
+    }
+    /// The inside; panics when a guard element changed (a stray write).
+    fn read(&self, s: &Arc<CudaStream>, what: &str) -> Vec<T> {
+        let all = s.clone_dtoh(&self.buf).unwrap();
+        for (i, v) in all[..GUARD]
+            .iter()
+            .chain(&all[GUARD + self.len..])
+            .enumerate()
+        {
+            assert_eq!(*v, self.fill, "{what}: guard element {i} was written");
+        }
+        all[GUARD..GUARD + self.len].to_vec()
+    }
+}
+
+/// One rank's caller-allocated outputs (dispatch and combine), guarded.
+struct RankOut {
+    recv_x: Guarded<u8>,
+    scales: Option<Guarded<u8>>,
+    count: Guarded<i32>,
+    layout: Guarded<i64>,
+    src: Guarded<i32>,
+    out: Guarded<u16>,
+}
+
+impl RankOut {
+    fn new(g: &GpuGroup, s: &Arc<CudaStream>) -> RankOut {
+        let z = g.dispatch_out_sizes();
+        let cfg = g.config();
+        RankOut {
+            recv_x: Guarded::new(s, z.recv_x_bytes, 0xA5),
+            scales: (z.recv_scales_bytes > 0).then(|| Guarded::new(s, z.recv_scales_bytes, 0x5A)),
+            count: Guarded::new(s, z.recv_count, -7),
+            layout: Guarded::new(s, z.layout_range, -9),
+            src: Guarded::new(s, z.src_info, -11),
+            out: Guarded::new(s, cfg.max_tokens_per_rank * cfg.hidden, 0x4321),
+        }
+    }
+    fn dispatch_out(&mut self) -> DeviceDispatchOut<'_> {
+        DeviceDispatchOut {
+            recv_x: self.recv_x.view_mut(),
+            recv_scales: self.scales.as_mut().map(|g| g.view_mut()),
+            recv_count: self.count.view_mut(),
+            layout_range: self.layout.view_mut(),
+            src_info: self.src.view_mut(),
+        }
+    }
+    /// The dispatch output in the oracle's form (guards checked).
+    fn read_dispatch(&self, cfg: &Config, s: &Arc<CudaStream>) -> DispatchOutput {
+        let mut d = DispatchOutput::zeroed(cfg);
+        let bytes = self.recv_x.read(s, "recv_x");
+        match &mut d.recv_x {
+            RecvX::Bf16(v) => {
+                for (o, c) in v.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = bf16::from_bits(u16::from_le_bytes([c[0], c[1]]));
+                }
+            }
+            RecvX::Fp8(v) => v.copy_from_slice(&bytes),
+        }
+        if let Some(g) = &self.scales {
+            let b = g.read(s, "recv_scales");
+            let w = b.chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]);
+            match &mut d.recv_scales {
+                Some(RecvScales::F32(v)) => {
+                    for (o, c) in v.iter_mut().zip(w) {
+                        *o = f32::from_le_bytes(c);
+                    }
+                }
+                Some(RecvScales::Ue8m0(v)) => {
+                    for (o, c) in v.iter_mut().zip(w) {
+                        *o = i32::from_le_bytes(c);
+                    }
+                }
+                None => {}
+            }
+        }
+        d.recv_count = self.count.read(s, "recv_count");
+        d.layout_range = self
+            .layout
+            .read(s, "layout_range")
+            .iter()
+            .map(|&v| (v as i32, (v >> 32) as i32))
+            .collect();
+        d.src_info = self.src.read(s, "src_info");
+        d
+    }
+    fn check_untouched(&self, s: &Arc<CudaStream>) {
+        let _ = self.recv_x.read(s, "recv_x");
+        if let Some(g) = &self.scales {
+            let _ = g.read(s, "recv_scales");
+        }
+        let _ = self.count.read(s, "recv_count");
+        let _ = self.layout.read(s, "layout_range");
+        let _ = self.src.read(s, "src_info");
+        let _ = self.out.read(s, "out");
+    }
+}
+
+/// One rank's inputs on the device, padded to T tokens.
+/// (bf16 tensors are held as u16 and viewed as bf16: cudarc's DeviceRepr for bf16 needs its
+/// `f16` feature, which the library itself does not need.)
+struct RankIn {
+    x: CudaSlice<u16>,
+    topk: CudaSlice<i64>,
+    w: CudaSlice<f32>,
+    y: CudaSlice<u16>,
+    n: CudaSlice<i32>,
+}
+
+fn bits(v: &[bf16]) -> Vec<u16> {
+    v.iter().map(|b| b.to_bits()).collect()
+}
+
+/// A u16 buffer seen as bf16.
+fn as_bf16(s: &CudaSlice<u16>) -> cudarc::driver::CudaView<'_, bf16> {
+    // SAFETY: u16 and bf16 have the same size, and every bit pattern is a valid bf16.
+    unsafe { s.transmute::<bf16>(s.len()).unwrap() }
+}
+
+impl RankIn {
+    fn new(cfg: &Config, s: &Arc<CudaStream>) -> RankIn {
+        let (t, h, k) = (cfg.max_tokens_per_rank, cfg.hidden, cfg.top_k);
+        let ylen = cfg.num_local_experts() * cfg.rows_per_expert() * h;
+        RankIn {
+            x: s.alloc_zeros(t * h).unwrap(),
+            topk: s.clone_htod(&vec![-1i64; t * k]).unwrap(),
+            w: s.alloc_zeros(t * k).unwrap(),
+            y: s.alloc_zeros(ylen).unwrap(),
+            n: s.alloc_zeros(1).unwrap(),
+        }
+    }
+    /// Copies host data into the (same) device buffers, on the stream.
+    fn set(&mut self, s: &Arc<CudaStream>, d: &ep_kernels::testing::RankData, y: Option<&[bf16]>) {
+        if !d.x.is_empty() {
+            s.memcpy_htod(&bits(&d.x), &mut self.x.slice_mut(..d.x.len()))
+                .unwrap();
+            s.memcpy_htod(&d.topk_idx, &mut self.topk.slice_mut(..d.topk_idx.len()))
+                .unwrap();
+            s.memcpy_htod(
+                &d.topk_weights,
+                &mut self.w.slice_mut(..d.topk_weights.len()),
+            )
+            .unwrap();
+        }
+        if let Some(y) = y {
+            s.memcpy_htod(&bits(y), &mut self.y).unwrap();
+        }
+    }
+}
+
+fn context(ordinal: usize) -> (Arc<CudaContext>, Arc<CudaStream>) {
+    let ctx = CudaContext::new(ordinal).unwrap();
+    // SAFETY: nothing of this context is in use yet; the tests order their work on one stream
+    // per GPU themselves (and graph capture must not see cudarc's cross-stream events).
+    unsafe { ctx.disable_event_tracking() };
+    let s = ctx.new_stream().unwrap();
+    (ctx, s)
+}
+
+fn oracle_of(
+    cfg: &Config,
+    data: &[ep_kernels::testing::RankData],
+    y: &[Vec<bf16>],
+) -> (Vec<DispatchOutput>, Vec<Vec<bf16>>) {
+    let inputs: Vec<RankInput> = data
+        .iter()
+        .map(|d| RankInput {
+            x: &d.x,
+            topk_idx: &d.topk_idx,
+        })
+        .collect();
+    let want = oracle::dispatch(cfg, &inputs).unwrap();
+    let cin: Vec<CombineInput> = data
+        .iter()
+        .zip(y)
+        .map(|(d, y)| CombineInput {
+            y,
+            topk_idx: &d.topk_idx,
+            topk_weights: &d.topk_weights,
+        })
+        .collect();
+    (want, oracle::combine(cfg, &cin).unwrap())
+}
+
+/// Device-API dispatch + combine of every rank, outputs in caller buffers (guarded) or, with
+/// `owned`, in the group's own buffers; compared bit for bit with the oracle.
+fn device_case(
+    g: &mut GpuGroup,
+    streams: &[Arc<CudaStream>],
+    path: Path,
+    data: &[ep_kernels::testing::RankData],
+    y: &[Vec<bf16>],
+    owned: bool,
+) {
+    let cfg = *g.config();
+    let r = cfg.num_ranks;
+    let per = r / streams.len();
+    let st = |rank: usize| &streams[rank / per];
+    let mut ins: Vec<RankIn> = (0..r).map(|q| RankIn::new(&cfg, st(q))).collect();
+    for q in 0..r {
+        ins[q].set(st(q), &data[q], Some(&y[q]));
+    }
+    let mut outs: Vec<RankOut> = (0..r).map(|q| RankOut::new(g, st(q))).collect();
+    for s in streams {
+        s.synchronize().unwrap();
+    }
+    let xs: Vec<_> = ins.iter().map(|i| as_bf16(&i.x)).collect();
+    let ts: Vec<_> = ins.iter().map(|i| i.topk.slice(..)).collect();
+    let ws: Vec<_> = ins.iter().map(|i| i.w.slice(..)).collect();
+    let ys: Vec<_> = ins.iter().map(|i| as_bf16(&i.y)).collect();
+    let dins: Vec<DispatchIn> = (0..r)
+        .map(|q| DispatchIn {
+            x: &xs[q],
+            topk_idx: &ts[q],
+            n_tokens: Tokens::Host(data[q].topk_idx.len() / cfg.top_k),
+        })
+        .collect();
+    let sref: Vec<&CudaStream> = streams.iter().map(|s| s.as_ref()).collect();
+    let handle = {
+        let mut douts: Vec<DeviceDispatchOut> = outs.iter_mut().map(|o| o.dispatch_out()).collect();
+        g.dispatch_device(
+            path,
+            &sref,
+            &dins,
+            if owned { None } else { Some(&mut douts) },
+        )
+        .unwrap()
+    };
+    let cins: Vec<CombineIn> = (0..r)
+        .map(|q| CombineIn {
+            y: &ys[q],
+            topk_idx: &ts[q],
+            topk_weights: &ws[q],
+        })
+        .collect();
+    {
+        let mut fulls = out_views(&mut outs);
+        let mut couts = inner(&mut fulls);
+        g.combine_device(&sref, &handle, &cins, &mut couts).unwrap();
+    }
+    for s in streams {
+        s.synchronize().unwrap();
+    }
+    g.check()
+        .unwrap_or_else(|e| panic!("{} {}: {e}", path.name(), cfg.describe()));
+    let (want, want_c) = oracle_of(&cfg, data, y);
+    for q in 0..r {
+        let got = if owned {
+            g.read_dispatch_output(q).unwrap()
+        } else {
+            outs[q].read_dispatch(&cfg, st(q))
+        };
+        if let Some(d) = got.diff(&want[q]) {
+            panic!(
+                "device {} dispatch, {}, rank {q}: {d}",
+                path.name(),
+                cfg.describe()
+            );
+        }
+        let n = want_c[q].len();
+        let bits = outs[q].out.read(st(q), "out");
+        let got_c: Vec<bf16> = bits[..n].iter().map(|&b| bf16::from_bits(b)).collect();
+        if let Some(d) = ep_reference::output::combine_diff(&got_c, &want_c[q], cfg.hidden) {
+            panic!(
+                "device {} combine, {}, rank {q}: {d}",
+                path.name(),
+                cfg.describe()
+            );
+        }
+        // Rows past n tokens are the caller's: untouched.
+        assert!(
+            bits[n..].iter().all(|&b| b == 0x4321),
+            "combine wrote past n tokens"
+        );
+    }
+}
+
+/// The combine outputs (u16 buffers with guards) as whole bf16 views.
+fn out_views(outs: &mut [RankOut]) -> Vec<CudaViewMut<'_, bf16>> {
+    outs.iter_mut()
+        .map(|o| {
+            let n = o.out.len + 2 * GUARD;
+            // SAFETY: u16 and bf16 have the same size, and every bit pattern is a valid bf16.
+            unsafe { o.out.buf.transmute_mut::<bf16>(n).unwrap() }
+        })
+        .collect()
+}
+
+/// The insides (without the guards) of whole views.
+fn inner<'a>(fulls: &'a mut [CudaViewMut<'_, bf16>]) -> Vec<CudaViewMut<'a, bf16>> {
+    fulls
+        .iter_mut()
+        .map(|f| {
+            let n = f.len() - 2 * GUARD;
+            f.slice_mut(GUARD..GUARD + n)
+        })
+        .collect()
+}
+
+impl<T: DeviceRepr + Copy + PartialEq + std::fmt::Debug + Default> Guarded<T> {
+    /// Panics unless the whole buffer (inside too) still holds the fill value.
+    fn all_fill(&self, s: &Arc<CudaStream>, what: &str) {
+        let inside = self.read(s, what);
+        assert!(inside.iter().all(|v| *v == self.fill), "{what}: written");
+    }
+}
+
+impl RankOut {
+    fn check_all_untouched(&self, s: &Arc<CudaStream>) {
+        self.recv_x.all_fill(s, "recv_x");
+        if let Some(g) = &self.scales {
+            g.all_fill(s, "recv_scales");
+        }
+        self.count.all_fill(s, "recv_count");
+        self.layout.all_fill(s, "layout_range");
+        self.src.all_fill(s, "src_info");
+        self.out.all_fill(s, "out");
+    }
+}
+
+/// Random configs (every mode) at R ranks over the given streams' GPUs, device API, both paths,
+/// caller buffers, plus one round with the group's own buffers.
+fn device_configs(r: usize, streams: &[Arc<CudaStream>], seed: u64) {
+    let mut rng = Rng::new(seed);
+    for (i, mode) in MODES.iter().enumerate() {
+        let l = [1, 2, 3, 5][i];
+        let e = r * l;
+        let k = (1 + rng.below(8)).min(e);
+        let t = [1, 7, 16, 33][i];
+        let h = if mode.is_fp8() {
+            512 * (1 + rng.below(3)) + if *mode == Mode::FP8 { 128 } else { 0 }
+        } else {
+            [72, 256, 1001, 7168][i]
+        };
+        let cfg = Config::new(r, e, t, h, k, *mode).unwrap();
+        let mut g = group(&cfg, streams.len());
+        for round in 0..3 {
+            let tokens: Vec<usize> = (0..r)
+                .map(|s| {
+                    if (s + round) % 3 == 2 {
+                        0
+                    } else {
+                        rng.below(t + 1)
+                    }
+                })
+                .collect();
+            let data = random_inputs(&cfg, &tokens, Routing::Random { masked: 0.15 }, &mut rng);
+            let y = random_y(&cfg, &mut rng);
+            for path in [Path::PerExpert, Path::Batched] {
+                device_case(&mut g, streams, path, &data, &y, round == 2);
+            }
+        }
+        println!("ok: device API {} 3 rounds, both paths", cfg.describe());
+    }
+}
+
+fn gpu_device_api_r1_r2_r4_r8_all_modes_equal_oracle() {
+    let (_c, s) = context(0);
+    for (r, seed) in [(1, 31), (2, 32), (4, 34), (8, 38)] {
+        device_configs(r, std::slice::from_ref(&s), seed);
+    }
+}
+
+fn gpu_device_api_two_gpus_r2_r4_equal_oracle() {
+    let (_c0, s0) = context(0);
+    let (_c1, s1) = context(1);
+    for (r, seed) in [(2, 42), (4, 44)] {
+        device_configs(r, &[s0.clone(), s1.clone()], seed);
+    }
+}
+
+fn gpu_device_api_checks_stream_and_shapes_on_the_host() {
+    let cfg = Config::new(2, 4, 4, 128, 2, Mode::Bf16).unwrap();
+    let mut g = group(&cfg, 1);
+    let (_c, s) = context(0);
+    let ins: Vec<RankIn> = (0..2).map(|_| RankIn::new(&cfg, &s)).collect();
+    let xs: Vec<_> = ins.iter().map(|i| as_bf16(&i.x)).collect();
+    let short = s.alloc_zeros::<i64>(3).unwrap();
+    let ts: Vec<_> = ins.iter().map(|i| i.topk.slice(..)).collect();
+    let sv = short.slice(..);
+    // n_tokens above T, and a topk_idx too short for n tokens: typed host errors, nothing enqueued.
+    let bad_n = [
+        DispatchIn {
+            x: &xs[0],
+            topk_idx: &ts[0],
+            n_tokens: Tokens::Host(5),
+        },
+        DispatchIn {
+            x: &xs[1],
+            topk_idx: &ts[1],
+            n_tokens: Tokens::Host(0),
+        },
+    ];
+    assert!(matches!(
+        g.dispatch_device(Path::Batched, &[&s], &bad_n, None),
+        Err(GpuError::Contract(Error::TooManyTokens {
+            rank: 0,
+            tokens: 5,
+            ..
+        }))
+    ));
+    let bad_len = [
+        DispatchIn {
+            x: &xs[0],
+            topk_idx: &ts[0],
+            n_tokens: Tokens::Host(1),
+        },
+        DispatchIn {
+            x: &xs[1],
+            topk_idx: &sv,
+            n_tokens: Tokens::Host(2),
+        },
+    ];
+    assert!(matches!(
+        g.dispatch_device(Path::Batched, &[&s], &bad_len, None),
+        Err(GpuError::Contract(Error::ShapeMismatch {
+            rank: 1,
+            tensor: "topk_idx",
+            ..
+        }))
+    ));
+    // One entry per rank.
+    assert!(matches!(
+        g.dispatch_device(Path::Batched, &[&s], &bad_len[..1], None),
+        Err(GpuError::Contract(Error::WrongRankCount { .. }))
+    ));
+    if probe_devices(2).is_ok() {
+        // A stream of another device.
+        let (_c1, s1) = context(1);
+        let ok = [
+            DispatchIn {
+                x: &xs[0],
+                topk_idx: &ts[0],
+                n_tokens: Tokens::Host(1),
+            },
+            DispatchIn {
+                x: &xs[1],
+                topk_idx: &ts[1],
+                n_tokens: Tokens::Host(1),
+            },
+        ];
+        let r = g.dispatch_device(Path::Batched, &[&s1], &ok, None);
+        assert!(matches!(r, Err(GpuError::WrongDevice { .. })), "{r:?}");
+    }
+    // A process-mode-only face on a two-rank group.
+    assert!(g.rank_ep().is_err());
+    // Rank checks of the harness read-back (issue 10 item 7).
+    assert!(matches!(
+        g.read_dispatch_output(2),
+        Err(GpuError::Contract(Error::RankOutOfRange {
+            rank: 2,
+            ranks: 2
+        }))
+    ));
+    assert!(matches!(
+        g.read_combine_output(7),
+        Err(GpuError::Contract(Error::RankOutOfRange {
+            rank: 7,
+            ranks: 2
+        }))
+    ));
+}
+
+/// Bad routing in device memory: caught by the kernel, typed at check(), the bad rank's outputs
+/// untouched, no write outside any output of any rank, later calls refused.
+fn gpu_device_bad_input_typed_error_no_stray_write() {
+    let mut rng = Rng::new(77);
+    for mode in [Mode::Bf16, Mode::FP8_UE8M0] {
+        let cfg = Config::new(2, 8, 4, 512, 2, mode).unwrap();
+        for path in [Path::PerExpert, Path::Batched] {
+            for case in ["out of range", "below -1", "duplicate", "n above T"] {
+                let mut g = group(&cfg, 1);
+                let (_c, s) = context(0);
+                let mut data =
+                    random_inputs(&cfg, &[4, 4], Routing::Random { masked: 0.0 }, &mut rng);
+                let k = cfg.top_k;
+                let first = data[1].topk_idx[2 * k];
+                match case {
+                    "out of range" => data[1].topk_idx[2 * k + 1] = 8,
+                    "below -1" => data[1].topk_idx[2 * k + 1] = -2,
+                    "duplicate" => data[1].topk_idx[2 * k + 1] = first,
+                    _ => {}
+                }
+                let mut ins: Vec<RankIn> = (0..2).map(|_| RankIn::new(&cfg, &s)).collect();
+                for q in 0..2 {
+                    ins[q].set(&s, &data[q], None);
+                }
+                let n1: i32 = if case == "n above T" { 5 } else { 4 };
+                s.memcpy_htod(&[4i32], &mut ins[0].n).unwrap();
+                s.memcpy_htod(&[n1], &mut ins[1].n).unwrap();
+                let mut outs: Vec<RankOut> = (0..2).map(|_| RankOut::new(&g, &s)).collect();
+                s.synchronize().unwrap();
+                let xs: Vec<_> = ins.iter().map(|i| as_bf16(&i.x)).collect();
+                let ts: Vec<_> = ins.iter().map(|i| i.topk.slice(..)).collect();
+                let nsv: Vec<_> = ins.iter().map(|i| i.n.slice(..)).collect();
+                let dins: Vec<DispatchIn> = (0..2)
+                    .map(|q| DispatchIn {
+                        x: &xs[q],
+                        topk_idx: &ts[q],
+                        n_tokens: Tokens::Device(&nsv[q]),
+                    })
+                    .collect();
+                {
+                    let mut douts: Vec<DeviceDispatchOut> =
+                        outs.iter_mut().map(|o| o.dispatch_out()).collect();
+                    g.dispatch_device(path, &[&s], &dins, Some(&mut douts))
+                        .unwrap();
+                }
+                s.synchronize().unwrap();
+                let err = g.check().unwrap_err();
+                println!("{} {} {case}: {err}", mode.name(), path.name());
+                match (case, &err) {
+                    (
+                        "out of range",
+                        GpuError::Contract(Error::ExpertOutOfRange {
+                            rank: 1,
+                            token: 2,
+                            slot: 1,
+                            expert: 8,
+                            num_experts: 8,
+                        }),
+                    ) => {}
+                    (
+                        "below -1",
+                        GpuError::Contract(Error::ExpertOutOfRange {
+                            rank: 1,
+                            token: 2,
+                            slot: 1,
+                            expert: -2,
+                            ..
+                        }),
+                    ) => {}
+                    (
+                        "duplicate",
+                        GpuError::Contract(Error::DuplicateExpert {
+                            rank: 1,
+                            token: 2,
+                            first_slot: 0,
+                            second_slot: 1,
+                            expert,
+                        }),
+                    ) if *expert == first => {}
+                    (
+                        "n above T",
+                        GpuError::Contract(Error::TooManyTokens {
+                            rank: 1,
+                            tokens: 5,
+                            max: 4,
+                        }),
+                    ) => {}
+                    _ => panic!("{case}: unexpected {err:?}"),
+                }
+                // The bad rank wrote nothing; nobody wrote outside an output.
+                outs[1].check_all_untouched(&s);
+                outs[0].check_untouched(&s);
+                // Later calls are refused with the same error.
+                let mut douts: Vec<DeviceDispatchOut> =
+                    outs.iter_mut().map(|o| o.dispatch_out()).collect();
+                assert_eq!(
+                    g.dispatch_device(path, &[&s], &dins, Some(&mut douts))
+                        .unwrap_err(),
+                    err
+                );
+            }
+        }
+    }
+}
+
+const NEGATE_SRC: &str = r#"
+extern "C" __global__ void ep_test_negate(const unsigned short* in, unsigned short* out, unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        out[i] = in[i] ^ 0x8000u;
+}
+"#;
+
+/// The expert kernel of the graph test: y = -recv_x, bit for bit (bf16 sign flip).
+fn negate(s: &Arc<CudaStream>, f: &cudarc::driver::CudaFunction, from: u64, to: u64, n: u64) {
+    let mut b = s.launch_builder(f);
+    b.arg(&from);
+    b.arg(&to);
+    b.arg(&n);
+    // SAFETY: ep_test_negate(const u16*, u16*, u64): `from` and `to` hold n u16 each.
+    unsafe {
+        b.launch(LaunchConfig {
+            grid_dim: (64, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+    .unwrap();
+}
+
+fn dev_ptr<T>(s: &Arc<CudaStream>, b: &CudaSlice<T>) -> u64 {
+    let (p, _g) = b.device_ptr(s);
+    p
+}
+
+/// dispatch -> expert kernel -> combine captured in one graph on the caller's stream, replayed
+/// 1000 times with fresh routing, token counts (through device memory) and x, every replay
+/// checked bit for bit against the oracle. With `hook`, each call as its send and receive
+/// halves with an unrelated kernel in between.
+fn graph_case(path: Path, hook: bool) {
+    let cfg = Config::new(2, 8, 16, 256, 4, Mode::Bf16).unwrap();
+    let r = cfg.num_ranks;
+    let mut g = group(&cfg, 1);
+    let (ctx, s) = context(0);
+    let ptx = cudarc::nvrtc::compile_ptx(NEGATE_SRC).unwrap();
+    let f = ctx
+        .load_module(ptx)
+        .unwrap()
+        .load_function("ep_test_negate")
+        .unwrap();
+    let mut ins: Vec<RankIn> = (0..r).map(|_| RankIn::new(&cfg, &s)).collect();
+    let mut outs: Vec<RankOut> = (0..r).map(|_| RankOut::new(&g, &s)).collect();
+    let scratch = s.alloc_zeros::<u16>(4096).unwrap();
+    let ylen = (cfg.num_local_experts() * cfg.rows_per_expert() * cfg.hidden) as u64;
+    s.synchronize().unwrap();
+    let graph = {
+        let xs: Vec<_> = ins.iter().map(|i| as_bf16(&i.x)).collect();
+        let ts: Vec<_> = ins.iter().map(|i| i.topk.slice(..)).collect();
+        let ws: Vec<_> = ins.iter().map(|i| i.w.slice(..)).collect();
+        let ys: Vec<_> = ins.iter().map(|i| as_bf16(&i.y)).collect();
+        let nsv: Vec<_> = ins.iter().map(|i| i.n.slice(..)).collect();
+        let dins: Vec<DispatchIn> = (0..r)
+            .map(|q| DispatchIn {
+                x: &xs[q],
+                topk_idx: &ts[q],
+                n_tokens: Tokens::Device(&nsv[q]),
+            })
+            .collect();
+        let cins: Vec<CombineIn> = (0..r)
+            .map(|q| CombineIn {
+                y: &ys[q],
+                topk_idx: &ts[q],
+                topk_weights: &ws[q],
+            })
+            .collect();
+        let recv: Vec<u64> = outs
+            .iter()
+            .map(|o| dev_ptr(&s, &o.recv_x.buf) + GUARD as u64)
+            .collect();
+        let yp: Vec<u64> = ins.iter().map(|i| dev_ptr(&s, &i.y)).collect();
+        let sp = dev_ptr(&s, &scratch);
+        s.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .unwrap();
+        let handle: DeviceHandle = {
+            let mut douts: Vec<DeviceDispatchOut> =
+                outs.iter_mut().map(|o| o.dispatch_out()).collect();
+            if hook {
+                let h = g
+                    .dispatch_send(path, &[&s], &dins, Some(&mut douts))
+                    .unwrap();
+                negate(&s, &f, sp, sp, 4096); // other work between the halves
+                g.dispatch_recv(h, &[&s]).unwrap()
+            } else {
+                g.dispatch_device(path, &[&s], &dins, Some(&mut douts))
+                    .unwrap()
+            }
+        };
+        for q in 0..r {
+            negate(&s, &f, recv[q], yp[q], ylen);
+        }
+        {
+            let mut fulls = out_views(&mut outs);
+            let mut couts = inner(&mut fulls);
+            if hook {
+                let h = g.combine_send(&[&s], &handle, &cins, &mut couts).unwrap();
+                negate(&s, &f, sp, sp, 4096);
+                g.combine_recv(h, &[&s]).unwrap();
+            } else {
+                g.combine_device(&[&s], &handle, &cins, &mut couts).unwrap();
+            }
+        }
+        s.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .unwrap()
+            .unwrap()
+    };
+    let mut rng = Rng::new(5000 + hook as u64 * 7 + (path == Path::Batched) as u64);
+    let t = cfg.max_tokens_per_rank;
+    for rep in 0..1000 {
+        let tokens: Vec<usize> = (0..r).map(|_| rng.below(t + 1)).collect();
+        let data = random_inputs(&cfg, &tokens, Routing::Random { masked: 0.1 }, &mut rng);
+        for q in 0..r {
+            ins[q].set(&s, &data[q], None);
+            s.memcpy_htod(&[tokens[q] as i32], &mut ins[q].n).unwrap();
+        }
+        graph.launch().unwrap();
+        s.synchronize().unwrap();
+        g.check().unwrap_or_else(|e| panic!("replay {rep}: {e}"));
+        let inputs: Vec<RankInput> = data
+            .iter()
+            .map(|d| RankInput {
+                x: &d.x,
+                topk_idx: &d.topk_idx,
+            })
+            .collect();
+        let want = oracle::dispatch(&cfg, &inputs).unwrap();
+        let y: Vec<Vec<bf16>> = want
+            .iter()
+            .map(|w| match &w.recv_x {
+                RecvX::Bf16(v) => v
+                    .iter()
+                    .map(|b| bf16::from_bits(b.to_bits() ^ 0x8000))
+                    .collect(),
+                RecvX::Fp8(_) => unreachable!("bf16 config"),
+            })
+            .collect();
+        let cin: Vec<CombineInput> = data
+            .iter()
+            .zip(&y)
+            .map(|(d, y)| CombineInput {
+                y,
+                topk_idx: &d.topk_idx,
+                topk_weights: &d.topk_weights,
+            })
+            .collect();
+        let want_c = oracle::combine(&cfg, &cin).unwrap();
+        for q in 0..r {
+            if let Some(d) = outs[q].read_dispatch(&cfg, &s).diff(&want[q]) {
+                panic!(
+                    "{} hook={hook} replay {rep} rank {q} dispatch: {d}",
+                    path.name()
+                );
+            }
+            let n = want_c[q].len();
+            let got: Vec<bf16> = outs[q].out.read(&s, "out")[..n]
+                .iter()
+                .map(|&b| bf16::from_bits(b))
+                .collect();
+            if let Some(d) = ep_reference::output::combine_diff(&got, &want_c[q], cfg.hidden) {
+                panic!(
+                    "{} hook={hook} replay {rep} rank {q} combine: {d}",
+                    path.name()
+                );
+            }
+        }
+    }
+    println!(
+        "ok: {} hook={hook}: 1000 graph replays equal the oracle",
+        path.name()
+    );
+}
+
+fn gpu_graph_dispatch_expert_combine_1000_replays() {
+    for path in [Path::PerExpert, Path::Batched] {
+        graph_case(path, false);
+    }
+}
+
+fn gpu_graph_with_receive_hook_split_1000_replays() {
+    for path in [Path::PerExpert, Path::Batched] {
+        graph_case(path, true);
+    }
+}
+
+/// The device epochs started just below 2^32 (where u32 epochs wrapped to 0) and below the
+/// signal tag's modulus (2^40 - 1): calls across both points stay bit-identical.
+fn gpu_epochs_past_2_32_and_the_signal_tag_wrap() {
+    let mut rng = Rng::new(4242);
+    let cfg = Config::new(4, 16, 8, 512, 4, Mode::FP8).unwrap();
+    for start in [(1u64 << 32) - 3, (1u64 << 40) - 5] {
+        let mut g = group(&cfg, 1);
+        g.set_epochs_for_test(start).unwrap();
+        for round in 0..6 {
+            let tokens: Vec<usize> = (0..4).map(|_| rng.below(9)).collect();
+            let data = random_inputs(&cfg, &tokens, Routing::Random { masked: 0.1 }, &mut rng);
+            let y = random_y(&cfg, &mut rng);
+            verify_case(&mut g, &data, &y)
+                .unwrap_or_else(|e| panic!("start {start} round {round}: {e}"));
+        }
+        assert_eq!(g.calls(), [start + 6; 4]);
+        println!("ok: 6 calls of each kind from epoch {start}");
+    }
 }

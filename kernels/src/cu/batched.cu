@@ -16,7 +16,7 @@
 // resident together and may wait for one another.
 
 #define KIND KIND_BAT_DISPATCH
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KParams p) {
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KParams p, IoTable iot) {
     extern __shared__ int smem_raw[];
     const RankPtrs* tab = (const RankPtrs*)p.table;
     const int bid = blockIdx.x % p.blocks_per_rank;
@@ -27,23 +27,29 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     const int W = (T + 31) / 32;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     Smem sm = carve(p, smem_raw);
-    __shared__ u32 s_epoch;
-    __shared__ int s_n;
+    __shared__ u64 s_epoch;
+    __shared__ int s_n, s_bad;
+    __shared__ IoPtrs s_io;
     if (tid == 0) {
-        s_epoch = ld_volatile_u32(state + ST_EPOCH + KIND) + 1u;
-        s_n = ((const int*)me.meta)[0];
+        s_io = resolve_io(iot.r[rank - p.rank_base], me);
+        s_epoch = ld_epoch(state, KIND) + 1ull;
+        s_bad = 0;
+        s_n = read_ntok(p, s_io, rank, &s_bad);
     }
     __syncthreads();
-    const u32 epoch = s_epoch;
+    const IoPtrs& io = s_io;
+    const u64 epoch = s_epoch;
     const int n = s_n;
     PROF(0);
-    load_topk(p, me, n, sm.sk, sm.sdl);
+    // Bad routing (or token count) is caught here, before anything is written: the rank goes to
+    // the end without sending or signalling (its peers' waits end on the error flag).
+    const int in_bad = load_topk(p, (const i64*)io.topk, n, sm.sk, sm.sdl, rank, true) | s_bad;
     for (int i = tid; i < E * W; i += NTHREADS) sm.bm[i] = 0;
     for (int i = tid; i < n * R; i += NTHREADS) sm.tokpos[i] = 0;
     // The previous call's batches must have been consumed before this call overwrites them.
-    int bad = 0;
-    if (tid < R && p.stage != 2 && !via_nccl(p, tid))
-        bad = !wait_ack(p, sig_bat_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_DISPATCH_SEND);
+    int bad = in_bad;
+    if (!in_bad && tid < R && p.stage != 2 && !via_nccl(p, tid))
+        bad = !wait_ack(p, sig_bat_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_DISPATCH_SEND);
     __syncthreads();
     // Per token: selections bound for each destination; per expert: bitmap of its tokens.
     // (one thread per selection)
@@ -91,6 +97,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     }
     if (__syncthreads_or(bad)) goto finish;
     PROF(1);
+    // The device API's routing and token count, kept for this call's combine (its handle).
+    if (bid == 0 && io.topk != me.topk) {
+        for (int i = tid; i < n * K; i += NTHREADS) ((i64*)me.topk)[i] = ((const i64*)io.topk)[i];
+        if (tid == 0) ((int*)me.meta)[0] = n;
+    }
     if (p.stage != 2) {
         // ---- send: units (token, 512-channel segment) over all warps of this rank
         const int segs = (p.H + 511) / 512;
@@ -102,7 +113,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                 if (dl >= 0) mask |= 1u << (dl >> 16);
             }
             if (mask == 0u) continue;
-            const u16* xr = (const u16*)me.x + (u64)t * p.H;
+            const u16* xr = (const u16*)io.x + (u64)t * p.H;
             Seg sg = seg_load(p, xr, g * 512);
             // this lane's slot (lanes < K): owner, local expert, index within the expert
             int my_dl = -1, my_idx = 0;
@@ -180,15 +191,19 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             long long c;
             if (via_nccl(p, tid)) c = ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L)];
             else c = wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
-            bad = c < 0;
-            sm.rcnt[tid] = (int)c;
+            bad = c < 0 || peer_bad(p, rank, tid, PF_BATCH_TOKENS, c, T);
+            sm.rcnt[tid] = bad ? 0 : (int)c;
         }
         if (__syncthreads_or(bad)) goto finish;
         PROF(3);
         // begin(l, s) = rows of l from sources before s (canonical order)
+        // Rows of each local expert from each source (peer-supplied: at most T each).
         for (int i = tid; i < L * R; i += NTHREADS) {
             const int s = i % R, l = i / R;
-            sm.cls[i] = via_nccl(p, s) ? ((const int*)me.rcv_hdr)[s * HDR_WORDS(L) + 2 + l] : ((const int*)me.bat_cnt)[s * L + l];
+            const int c = via_nccl(p, s) ? ((const int*)me.rcv_hdr)[s * HDR_WORDS(L) + 2 + l] : ((const int*)me.bat_cnt)[s * L + l];
+            const bool b = peer_bad(p, rank, s, PF_EXPERT_ROWS, c, T);
+            bad |= b;
+            sm.cls[i] = b ? 0 : c;
         }
         if (tid == 0) {
             int a = 0;
@@ -198,7 +213,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             }
             sm.rcnt[32 + R] = a;
         }
-        __syncthreads();
+        if (__syncthreads_or(bad)) goto finish;
         for (int l = tid; l < L; l += NTHREADS) {
             int b0 = 0;
             for (int s = 0; s < R; s++) {
@@ -206,15 +221,21 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                 b0 += sm.cls[l * R + s];
             }
             if (bid == 0) {
+                // The caller's outputs, and the group's copy combine reads (the handle).
+                ((int*)io.recv_count)[l] = b0;
                 ((int*)me.recv_count)[l] = b0;
                 for (int s = 0; s < R; s++) {
+                    ((int*)io.layout)[(l * R + s) * 2] = sm.beg[l * R + s];
+                    ((int*)io.layout)[(l * R + s) * 2 + 1] = sm.cls[l * R + s];
                     ((int*)me.layout)[(l * R + s) * 2] = sm.beg[l * R + s];
                     ((int*)me.layout)[(l * R + s) * 2 + 1] = sm.cls[l * R + s];
                 }
             }
         }
-        if (bid == 0 && tid < R)
-            ((int*)me.comb_cnt)[tid] = via_nccl(p, tid) ? ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L) + 1] : ((const int*)me.bat_meta)[2 * tid + 1];
+        if (bid == 0 && tid < R) {
+            const int c = via_nccl(p, tid) ? ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L) + 1] : ((const int*)me.bat_meta)[2 * tid + 1];
+            ((int*)me.comb_cnt)[tid] = peer_bad(p, rank, tid, PF_SELECTIONS, c, T * K) ? 0 : c;
+        }
         __syncthreads();
         const u64 RT = (u64)R * T;
         const u64 TK = (u64)T * K;
@@ -251,8 +272,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                     sq[q] = s;
                     cq[q] = c;
                     if (lane < K) {
-                        lxq[q] = ((const u16*)(h + 16))[lane];
-                        ixq[q] = ((const u16*)(h + 48))[lane];
+                        // Peer-written header: a local expert below L and an index below the
+                        // rows of (l, s), or the slot is skipped and the error reported.
+                        u32 lx = ((const u16*)(h + 16))[lane];
+                        const u32 ix = ((const u16*)(h + 48))[lane];
+                        if (lx != NO_LOCAL && (lx >= (u32)L || ix >= (u32)sm.cls[lx * R + s])) {
+                            if (lx >= (u32)L) report_error(p, ERR_PEER_DATA, rank, s, PF_HDR_LOCAL, lx, 0u, L - 1);
+                            else report_error(p, ERR_PEER_DATA, rank, s, PF_HDR_INDEX, ix, 0u, sm.cls[lx * R + s] - 1);
+                            lx = NO_LOCAL;
+                        }
+                        lxq[q] = lx;
+                        ixq[q] = ix;
                     }
                     const int off = c * 512 + lane * 16;
                     if (c < Cx && off < p.xrow) vq[q] = *(const uint4*)(h + HDR_BYTES + off);
@@ -272,24 +302,29 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                         const int l = __shfl_sync(0xffffffffu, (int)lx, k);
                         const int i = __shfl_sync(0xffffffffu, (int)ix, k);
                         const u64 row = (u64)l * RT + sm.beg[l * R + s] + i;
-                        if (off < p.xrow) *(uint4*)((u8*)me.recv_x + row * p.xrow + off) = vq[q];
+                        if (off < p.xrow) *(uint4*)((u8*)io.recv_x + row * p.xrow + off) = vq[q];
                     }
                 } else {
                     const int t = ((const int*)h)[0];
                     const int sel = ((const int*)h)[1];
+                    // The selection offset indexes comb_map: bounded (t is only stored).
+                    if (slots != 0u && (sel < 0 || sel > (int)TK - __popc(slots))) {
+                        if (lane == 0) report_error(p, ERR_PEER_DATA, rank, s, PF_HDR_SEL, (u32)sel, 0u, (u32)TK - __popc(slots));
+                        continue;
+                    }
                     for (u32 m = slots; m != 0u; m &= m - 1u) {
                         const int k = __ffs(m) - 1;
                         const int l = __shfl_sync(0xffffffffu, (int)lx, k);
                         const int i = __shfl_sync(0xffffffffu, (int)ix, k);
                         const u64 row = (u64)l * RT + sm.beg[l * R + s] + i;
-                        if (!vec) warp_copy((u8*)me.recv_x + row * p.xrow, h + HDR_BYTES, p.xrow);
+                        if (!vec) warp_copy((u8*)io.recv_x + row * p.xrow, h + HDR_BYTES, p.xrow);
                         if (p.spr) {
                             const u32* src = (const u32*)(h + HDR_BYTES + p.xrow);
-                            u32* dst = (u32*)me.recv_scales + row * p.spr;
+                            u32* dst = (u32*)io.recv_scales + row * p.spr;
                             for (int z = lane; z < p.spr; z += 32) dst[z] = src[z];
                         }
                         if (lane == 0) {
-                            ((int*)me.src_info)[row] = t;
+                            ((int*)io.src_info)[row] = t;
                             ((int*)me.row_tk)[row] = t * K + k;
                             ((int*)me.comb_map)[(u64)s * TK + sel + __popc(slots & ((1u << k) - 1u))] = (int)row;
                         }
@@ -306,7 +341,7 @@ finish:
     // stream orders this call's unpack before the next call's send/recv into the same buffers.
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
-            state[ST_EPOCH + KIND] = epoch;
+            ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
             for (int s = 0; s < R; s++)
                 if (!via_nccl(p, s)) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
         }
@@ -316,7 +351,7 @@ finish:
 
 #define KIND KIND_BAT_COMBINE
 #define SEGB 2048
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KParams p) {
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KParams p, IoTable iot) {
     extern __shared__ int smem_raw[];
     const RankPtrs* tab = (const RankPtrs*)p.table;
     const int bid = blockIdx.x % p.blocks_per_rank;
@@ -327,21 +362,29 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
     const int tid = threadIdx.x, warp = tid >> 5;
     const u64 rowb = 2ull * p.H;
     Smem sm = carve(p, smem_raw);
-    __shared__ u32 s_epoch;
+    __shared__ u64 s_epoch;
     __shared__ int s_n;
+    __shared__ IoPtrs s_io;
+    __shared__ u64 s_y[MAX_LOCAL];  // y of every rank of this launch (zero-copy reads)
     if (tid == 0) {
-        s_epoch = ld_volatile_u32(state + ST_EPOCH + KIND) + 1u;
-        s_n = ((const int*)me.meta)[0];
+        s_io = resolve_io(iot.r[rank - p.rank_base], me);
+        s_epoch = ld_epoch(state, KIND) + 1ull;
+        s_n = ((const int*)me.meta)[0];  // the dispatch's count and routing (the handle)
+    }
+    if (tid < p.ranks_here) {
+        const u64 y = iot.r[tid].y;
+        s_y[tid] = y ? y : tab[p.rank_base + tid].y;
     }
     __syncthreads();
-    const u32 epoch = s_epoch;
+    const IoPtrs& io = s_io;
+    const u64 epoch = s_epoch;
     PROF(0);
     const int n = s_n;
-    load_topk(p, me, n, sm.sk, sm.sdl);
+    load_topk(p, (const i64*)me.topk, n, sm.sk, sm.sdl, rank, false);
     if (tid < R) sm.tot[tid] = ((const int*)me.comb_cnt)[tid];
     int bad = 0;
     if (tid < R && p.stage != 2 && !via_nccl(p, tid))
-        bad = !wait_ack(p, sig_cb_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_COMBINE_SEND);
+        bad = !wait_ack(p, sig_cb_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_COMBINE_SEND);
     if (__syncthreads_or(bad)) goto finish;
     PROF(1);
     {
@@ -358,7 +401,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
                 if (dl >= 0) {
                     const int d = dl >> 16;
                     const int pos = cpos[i];
-                    a = local(d) ? (u64)((const u8*)tab[d].y + (u64)((const int*)tab[d].comb_map)[(u64)rank * TK + pos] * rowb)
+                    a = local(d) ? (u64)((const u8*)s_y[d - p.rank_base] + (u64)((const int*)tab[d].comb_map)[(u64)rank * TK + pos] * rowb)
                                  : (u64)(cbuf + ((u64)d * TK + (u64)pos) * rowb);
                 }
                 sm.rowp[i] = a;
@@ -394,7 +437,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
                         }
                         if (off < rowb) {
                             const u64 yrow = (u64)((const int*)me.comb_map)[(u64)s * T * K + i];
-                            v[q] = *(const uint4*)((const u8*)me.y + yrow * rowb + off);
+                            v[q] = *(const uint4*)((const u8*)io.y + yrow * rowb + off);
                             dst[q] = (via_nccl(p, s) ? (u8*)me.snd_buf + ((u64)s * T * K + i) * rowb
                                                      : (u8*)tab[s].cmb_buf + ((u64)rank * T * K + i) * rowb) + off;
                         }
@@ -413,7 +456,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
                 }
                 const u64 yrow = (u64)((const int*)me.comb_map)[(u64)s * T * K + i];
                 u8* dst = via_nccl(p, s) ? (u8*)me.snd_buf + ((u64)s * T * K + i) * rowb : (u8*)tab[s].cmb_buf + ((u64)rank * T * K + i) * rowb;
-                warp_copy(dst, (const u8*)me.y + yrow * rowb, (int)rowb);
+                warp_copy(dst, (const u8*)io.y + yrow * rowb, (int)rowb);
             }
         }
         __syncthreads();
@@ -435,7 +478,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
             if (!via_nccl(p, d)) bad |= wait_signal(p, sig_cb(me, R) + d, epoch, rank, d, PH_COMBINE_RECV) < 0;
         if (__syncthreads_or(bad)) goto finish;
         PROF(3);
-        reduce_tokens(p, me, n, sm.sk, bid, [&](int t, int k) -> const u8* { return (const u8*)sm.rowp[t * K + k]; });
+        reduce_tokens(p, io, n, sm.sk, bid, [&](int t, int k) -> const u8* { return (const u8*)sm.rowp[t * K + k]; });
     }
 finish:
     PROF(4);
@@ -443,7 +486,7 @@ finish:
     PROF(5);
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
-            state[ST_EPOCH + KIND] = epoch;
+            ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
             for (int d = 0; d < R; d++)
                 if (!via_nccl(p, d)) st_release(p, sig_cb_ack(tab[d], R) + rank, (u64)epoch);
         }

@@ -20,8 +20,8 @@ typedef long long i64;
 #define PH_COMBINE_SEND 2
 #define PH_COMBINE_RECV 3
 
-// Layout of the u32 state words of one rank.
-#define ST_EPOCH 0      // [kind]: calls completed, one per kernel kind (4 kinds)
+// Layout of the state words of one rank (128 bytes): u32 counters, then u64 epochs.
+#define ST_EPOCH64 8    // [kind], in u64 words: calls completed, one per kernel kind (4 kinds)
 #define ST_EXIT 4       // [kind]: blocks that left the current call
 #define ST_SENT 8       // [kind]: blocks that finished sending in the current call
 #define NUM_KINDS 4
@@ -53,7 +53,7 @@ struct RankPtrs {
     u64 pe_buf;      // L*R*T entries of pe_entry_bytes (per-expert dispatch, receive side)
     u64 cmb_buf;     // R*T*K rows of 2H bytes (combine, receive side)
     u64 sig;         // u64 signal words, see SIG_* below
-    u64 state;       // u32 state words
+    u64 state;       // u32 counters and u64 epochs (ST_*)
     u64 bat_cnt;     // int [R*L]: rows of local expert l from source s (batched dispatch, on d)
     // NCCL transport (peers in p.nccl_mask): staging of what goes out, and the received headers.
     u64 snd_buf;     // dispatch: R*T entries (region d = batch me->d); combine: R*T*K rows of 2H
@@ -73,7 +73,34 @@ __device__ __forceinline__ u64* sig_pc(const RankPtrs& p, int R, int L) {       
     return (u64*)p.sig + 6 * R + (u64)L * R;
 }
 
-// Kernel parameters, passed by value (matches `KParams` in kernels/src/runtime.rs).
+// A rank's caller-supplied tensors (the device API): each nonzero address replaces the group's own
+// buffer of that name for this call (`IoPtrs` in kernels/src/runtime/layout.rs). `ntok`: an int
+// holding the rank's token count (else meta[0]). Passed by value as the kernels' second
+// parameter (one entry per rank of this launch), read once per block into shared memory.
+#define MAX_LOCAL 32
+struct IoPtrs {
+    u64 x, topk, weights, y, out, recv_x, recv_scales, recv_count, layout, src_info, ntok;
+};
+struct IoTable {
+    IoPtrs r[MAX_LOCAL];
+};
+// The addresses this rank uses in this call: the caller's where given, else the group's own.
+__device__ __forceinline__ IoPtrs resolve_io(IoPtrs o, const RankPtrs& me) {
+    if (!o.x) o.x = me.x;
+    if (!o.topk) o.topk = me.topk;
+    if (!o.weights) o.weights = me.weights;
+    if (!o.y) o.y = me.y;
+    if (!o.out) o.out = me.out;
+    if (!o.recv_x) o.recv_x = me.recv_x;
+    if (!o.recv_scales) o.recv_scales = me.recv_scales;
+    if (!o.recv_count) o.recv_count = me.recv_count;
+    if (!o.layout) o.layout = me.layout;
+    if (!o.src_info) o.src_info = me.src_info;
+    if (!o.ntok) o.ntok = me.meta;
+    return o;
+}
+
+// Kernel parameters, passed by value (matches `KParams` in kernels/src/runtime/layout.rs).
 struct KParams {
     u64 table;        // const RankPtrs* on this GPU
     u64 err;          // u32[8] error word on this GPU
@@ -144,31 +171,79 @@ __device__ __forceinline__ u64 globaltimer() {
 }
 
 // ---------------------------------------------------------------- errors and bounded waits
-// err[0]: 0 = ok, 1 = a wait timed out; [1] waiting rank; [2] peer; [3] phase; [4] call (low);
-// [5] waited ns / 1000 (low). The first failing wait wins; later ones only see the flag.
+// err[0]: the error code (0 = ok, ERR_*); the words after it by code (decoded in
+// kernels/src/runtime/errors.rs):
+//   ERR_TIMEOUT:      [1] waiting rank, [2] peer, [3] phase, [4] call (low), [5] waited us, [6] call (high)
+//   ERR_EXPERT_RANGE: [1] rank, [2] token, [3] slot, [4] value (low), [5] value (high), [6] E
+//   ERR_DUP_EXPERT:   [1] rank, [2] token, [3] second slot, [4] expert, [6] first slot
+//   ERR_TOKENS:       [1] rank, [2] token count, [6] T
+//   ERR_PEER_DATA:    [1] rank, [2] peer, [3] field (PF_*), [4] value, [6] limit
+// [7] is the claim word: the first error wins, later ones only see the code.
+#define ERR_TIMEOUT 1
+#define ERR_EXPERT_RANGE 2
+#define ERR_DUP_EXPERT 3
+#define ERR_TOKENS 4
+#define ERR_PEER_DATA 5
+// Peer-supplied fields that are bounded before use (ERR_PEER_DATA's field).
+#define PF_BATCH_TOKENS 0
+#define PF_EXPERT_ROWS 1
+#define PF_HDR_LOCAL 2
+#define PF_HDR_INDEX 3
+#define PF_HDR_TOKEN 4
+#define PF_HDR_SEL 5
+#define PF_SELECTIONS 6
+#define PF_PE_COUNT 7
+#define PF_PE_TOKEN 8
+#define PF_PE_SLOT 9
 __device__ __forceinline__ bool failed(const KParams& p) {
     return ld_volatile_u32((const u32*)p.err) != 0;
 }
-__device__ void report_timeout(const KParams& p, int rank, int peer, int phase, u32 call, u64 waited) {
-    u32* e = (u32*)p.err;
-    if (atomicCAS(e + 7, 0u, 1u) == 0u) {
-        e[1] = (u32)rank;
-        e[2] = (u32)peer;
-        e[3] = (u32)phase;
-        e[4] = call;
-        e[5] = (u32)(waited / 1000ull);
+__device__ void report_error(const KParams& p, u32 code, u32 a, u32 b, u32 c, u32 d, u32 e, u32 f) {
+    u32* w = (u32*)p.err;
+    if (atomicCAS(w + 7, 0u, 1u) == 0u) {
+        w[1] = a;
+        w[2] = b;
+        w[3] = c;
+        w[4] = d;
+        w[5] = e;
+        w[6] = f;
         __threadfence_system();
-        atomicExch(e, 1u);
+        atomicExch(w, code);
     }
 }
-// Waits until the signal word carries `epoch` in its upper half. Returns the lower half, or -1
-// on timeout (reported) or when another wait already failed.
-__device__ long long wait_signal(const KParams& p, const u64* addr, u32 epoch, int rank, int peer, int phase) {
+__device__ void report_timeout(const KParams& p, int rank, int peer, int phase, u64 call, u64 waited) {
+    report_error(p, ERR_TIMEOUT, (u32)rank, (u32)peer, (u32)phase, (u32)call, (u32)(waited / 1000ull), (u32)(call >> 32));
+}
+// A peer-supplied `value` of `field` outside [0, limit]: reported, and the caller skips its use.
+__device__ __forceinline__ bool peer_bad(const KParams& p, int rank, int peer, int field, long long value, long long limit) {
+    if (value >= 0 && value <= limit) return false;
+    report_error(p, ERR_PEER_DATA, (u32)rank, (u32)peer, (u32)field, (u32)value, 0u, (u32)limit);
+    return true;
+}
+
+// ---------------------------------------------------------------- epochs and signals
+// Epochs are u64 (calls of one kind since the group was built: they never wrap). A signal word is
+// (tag << 24) | count with tag = epoch mod (2^40 - 1) + 1: never 0 (the zeroed initial words carry
+// tag 0), and consecutive calls have different tags, so a signal left by the previous call is never
+// taken for the current one (every call rewrites every signal word it waits on). Counts are below
+// 2^24 (the host checks T*K < 2^24). Acknowledgements carry the whole u64 epoch.
+#define SIG_COUNT_BITS 24
+#define SIG_COUNT_MASK ((1ull << SIG_COUNT_BITS) - 1ull)
+__device__ __forceinline__ u64 sig_tag(u64 epoch) { return epoch % ((1ull << 40) - 1ull) + 1ull; }
+__device__ __forceinline__ u64 ld_epoch(const u32* state, int kind) {
+    u64 v;
+    asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"((const u64*)state + ST_EPOCH64 + kind) : "memory");
+    return v;
+}
+// Waits until the signal word carries this call's tag. Returns its count, or -1 on timeout
+// (reported) or when another wait already failed.
+__device__ long long wait_signal(const KParams& p, const u64* addr, u64 epoch, int rank, int peer, int phase) {
     u64 t0 = globaltimer();
     u32 spins = 0;
+    const u64 tag = sig_tag(epoch);
     while (true) {
         u64 v = ld_acquire(p, addr);
-        if ((u32)(v >> 32) == epoch) return (long long)(u32)v;
+        if ((v >> SIG_COUNT_BITS) == tag) return (long long)(v & SIG_COUNT_MASK);
         if ((++spins & 63u) == 0u) {
             if (failed(p)) return -1;
             u64 now = globaltimer();
@@ -180,12 +255,12 @@ __device__ long long wait_signal(const KParams& p, const u64* addr, u32 epoch, i
     }
 }
 // Waits until an acknowledgement word is at least `need` (the peer has consumed call need).
-__device__ bool wait_ack(const KParams& p, const u64* addr, u32 need, u32 call, int rank, int peer, int phase) {
+__device__ bool wait_ack(const KParams& p, const u64* addr, u64 need, u64 call, int rank, int peer, int phase) {
     u64 t0 = globaltimer();
     u32 spins = 0;
     while (true) {
         u64 v = ld_acquire(p, addr);
-        if ((u32)v >= need) return true;
+        if (v >= need) return true;
         if ((++spins & 63u) == 0u) {
             if (failed(p)) return false;
             u64 now = globaltimer();
@@ -196,7 +271,7 @@ __device__ bool wait_ack(const KParams& p, const u64* addr, u32 need, u32 call, 
         }
     }
 }
-__device__ __forceinline__ u64 signal_word(u32 epoch, u32 count) { return ((u64)epoch << 32) | (u64)count; }
+__device__ __forceinline__ u64 signal_word(u64 epoch, u32 count) { return (sig_tag(epoch) << SIG_COUNT_BITS) | ((u64)count & SIG_COUNT_MASK); }
 
 // ---------------------------------------------------------------- bf16
 __device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
@@ -263,13 +338,47 @@ __device__ __forceinline__ void warp_copy(u8* dst, const u8* src, int n) {
 
 // Routing of one rank, loaded into shared memory: sk[t*K+k] = expert or -1, and
 // sdl[t*K+k] = (owner rank << 16) | local expert, or -1 (one division per selection, here only).
-__device__ __forceinline__ void load_topk(const KParams& p, const RankPtrs& me, int n, int* sk, int* sdl) {
-    const i64* topk = (const i64*)me.topk;
+// With `check` (dispatch: topk_idx may come from the caller's device memory), every index is
+// checked first: outside [-1, E) or repeated within its token is reported (ERR_EXPERT_RANGE /
+// ERR_DUP_EXPERT with rank, token, slot, value) and stored as -1, so nothing indexes with it.
+// Returns nonzero in every thread when an index was bad (a block barrier: all threads call it).
+__device__ __forceinline__ int load_topk(const KParams& p, const i64* topk, int n, int* sk, int* sdl, int rank, bool check) {
+    int bad = 0;
     for (int i = threadIdx.x; i < n * p.K; i += NTHREADS) {
-        const int e = (int)topk[i];
+        const i64 v = topk[i];
+        int e = (int)v;
+        if (check) {
+            const int t = i / p.K, k = i % p.K;
+            if (v < -1 || v >= (i64)p.E) {
+                report_error(p, ERR_EXPERT_RANGE, (u32)rank, (u32)t, (u32)k, (u32)(unsigned long long)v,
+                             (u32)((unsigned long long)v >> 32), (u32)p.E);
+                bad = 1;
+                e = -1;
+            } else if (v >= 0) {
+                for (int j = 0; j < k; j++)
+                    if (topk[t * p.K + j] == v) {
+                        report_error(p, ERR_DUP_EXPERT, (u32)rank, (u32)t, (u32)k, (u32)e, 0u, (u32)j);
+                        bad = 1;
+                        e = -1;
+                        break;
+                    }
+            }
+        }
         sk[i] = e;
         sdl[i] = e >= 0 ? ((e / p.L) << 16) | (e % p.L) : -1;
     }
+    return __syncthreads_or(bad);
+}
+// The rank's token count for this call, from `ntok`; outside [0, T] is reported (ERR_TOKENS) and
+// read as 0 with *bad set. Thread 0 only.
+__device__ __forceinline__ int read_ntok(const KParams& p, const IoPtrs& io, int rank, int* bad) {
+    const int n = *(const int*)io.ntok;
+    if (n < 0 || n > p.T) {
+        report_error(p, ERR_TOKENS, (u32)rank, (u32)n, 0u, 0u, 0u, (u32)p.T);
+        *bad = 1;
+        return 0;
+    }
+    return n;
 }
 
 // The end of a kernel for one rank: the last block to leave publishes the epoch, resets the
@@ -296,11 +405,11 @@ __device__ __forceinline__ bool last_block_out(const KParams& p, u32* state, int
 // out = bf16_rne(acc). `rowbase[k]` is computed by the caller's functor ROW(t, k) -> row pointer.
 // Units are (token, 256-channel chunk), spread over every warp of the rank's blocks.
 template <typename RowFn>
-__device__ __forceinline__ void reduce_tokens(const KParams& p, const RankPtrs& me, int n, const int* sk, int bid, RowFn row_of) {
+__device__ __forceinline__ void reduce_tokens(const KParams& p, const IoPtrs& io, int n, const int* sk, int bid, RowFn row_of) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int H = p.H, K = p.K;
-    const float* wts = (const float*)me.weights;
-    u16* out = (u16*)me.out;
+    const float* wts = (const float*)io.weights;
+    u16* out = (u16*)io.out;
     if ((H & 7) == 0) {
         const int chunks = (H + 255) / 256;
         for (int u = bid * NWARPS + warp; u < n * chunks; u += p.blocks_per_rank * NWARPS) {

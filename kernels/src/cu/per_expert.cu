@@ -13,7 +13,7 @@
 #define PE_HDR 16
 
 #define KIND KIND_PE_DISPATCH
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch(KParams p) {
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch(KParams p, IoTable iot) {
     extern __shared__ int smem_raw[];
     const RankPtrs* tab = (const RankPtrs*)p.table;
     const int bid = blockIdx.x % p.blocks_per_rank;
@@ -23,25 +23,35 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
     const int R = p.R, K = p.K, L = p.L, T = p.T, E = p.E;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     Smem sm = carve(p, smem_raw);
-    __shared__ u32 s_epoch;
-    __shared__ int s_n, s_cnt;
+    __shared__ u64 s_epoch;
+    __shared__ int s_n, s_cnt, s_bad;
+    __shared__ IoPtrs s_io;
     if (tid == 0) {
-        s_epoch = ld_volatile_u32(state + ST_EPOCH + KIND) + 1u;
-        s_n = ((const int*)me.meta)[0];
+        s_io = resolve_io(iot.r[rank - p.rank_base], me);
+        s_epoch = ld_epoch(state, KIND) + 1ull;
+        s_bad = 0;
+        s_n = read_ntok(p, s_io, rank, &s_bad);
     }
     __syncthreads();
-    const u32 epoch = s_epoch;
+    const IoPtrs& io = s_io;
+    const u64 epoch = s_epoch;
     PROF(0);
     const int n = s_n;
-    load_topk(p, me, n, sm.sk, sm.sdl);
-    int bad = 0;
-    if (tid < R) bad = !wait_ack(p, sig_pe_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_DISPATCH_SEND);
+    // Bad routing (or token count) is caught here, before anything is written (see batched.cu).
+    const int in_bad = load_topk(p, (const i64*)io.topk, n, sm.sk, sm.sdl, rank, true) | s_bad;
+    int bad = in_bad;
+    if (!in_bad && tid < R && p.stage != 2) bad = !wait_ack(p, sig_pe_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_DISPATCH_SEND);
     if (__syncthreads_or(bad)) goto finish;
     PROF(1);
+    // The device API's routing and token count, kept for this call's combine (its handle).
+    if (bid == 0 && io.topk != me.topk) {
+        for (int i = tid; i < n * K; i += NTHREADS) ((i64*)me.topk)[i] = ((const i64*)io.topk)[i];
+        if (tid == 0) ((int*)me.meta)[0] = n;
+    }
     {
         const int segs = (p.H + 511) / 512;
-        // ---- send: one message per selection, one signal per expert
-        for (int e = bid; e < E; e += p.blocks_per_rank) {
+        // ---- send: one message per selection, one signal per expert (stage 2: the receive half)
+        for (int e = bid; e < E && p.stage != 2; e += p.blocks_per_rank) {
             const int d = e / L, l = e % L;
             u8* region = (u8*)tab[d].pe_buf + ((u64)l * R + rank) * T * p.pe_entry_bytes;
             int count = 0;
@@ -65,13 +75,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
                     const int m = u / segs, g = u % segs;
                     const int tt = sm.m_a[m];
                     u8* entry = region + (u64)tt * p.pe_entry_bytes;
-                    const u16* xr = (const u16*)me.x + (u64)tt * p.H;
+                    const u16* xr = (const u16*)io.x + (u64)tt * p.H;
                     Seg sg = seg_load(p, xr, g * 512);
                     seg_store(p, sg, xr, g * 512, entry + PE_HDR);
                     if (g == 0 && lane == 0) {
-                        ((u32*)entry)[0] = epoch;
+                        ((u32*)entry)[0] = (u32)epoch;
                         ((int*)entry)[1] = tt;
                         ((int*)entry)[2] = sm.m_b[m];
+                        ((u32*)entry)[3] = (u32)(epoch >> 32);
                     }
                 }
                 count += total;
@@ -86,10 +97,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
         PROF(2);
         // ---- receive: block per local expert, sources in order, slots in token order
         const u64 RT = (u64)R * T;
-        for (int l = bid; l < L; l += p.blocks_per_rank) {
+        for (int l = bid; l < L && p.stage != 1; l += p.blocks_per_rank) {  // stage 1: send half only
             int base = 0;
             for (int s = 0; s < R; s++) {
-                if (tid == 0) s_cnt = (int)wait_signal(p, sig_pe(me, R) + (u64)l * R + s, epoch, rank, s, PH_DISPATCH_RECV);
+                if (tid == 0) {
+                    long long c = wait_signal(p, sig_pe(me, R) + (u64)l * R + s, epoch, rank, s, PH_DISPATCH_RECV);
+                    if (c >= 0 && peer_bad(p, rank, s, PF_PE_COUNT, c, T)) c = -1;
+                    s_cnt = (int)c;
+                }
                 __syncthreads();
                 if (s == 0 && l == bid) PROF(3);
                 const int cnt = s_cnt;
@@ -98,7 +113,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
                 const u8* region = (const u8*)me.pe_buf + ((u64)l * R + s) * T * p.pe_entry_bytes;
                 for (int c = 0; c < T && base - begin < cnt; c += NTHREADS) {
                     const int j = c + tid;
-                    const int has = (j < T) && ((const u32*)(region + (u64)j * p.pe_entry_bytes))[0] == epoch;
+                    const u32* hj = (const u32*)(region + (u64)j * p.pe_entry_bytes);
+                    const int has = (j < T) && hj[0] == (u32)epoch && hj[3] == (u32)(epoch >> 32);
                     int total;
                     const int idx = block_excl_scan(has, sm.scratch, &total);
                     if (has) sm.m_a[idx] = j;
@@ -107,41 +123,50 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
                     if (vec)
                         block_copy_rows(
                             total, p.xrow, [&](int m) { return region + (u64)sm.m_a[m] * p.pe_entry_bytes + PE_HDR; },
-                            [&](int m) { return (u8*)me.recv_x + ((u64)l * RT + base + m) * p.xrow; });
+                            [&](int m) { return (u8*)io.recv_x + ((u64)l * RT + base + m) * p.xrow; });
                     for (int m = warp; m < total; m += NWARPS) {
                         const u8* h = region + (u64)sm.m_a[m] * p.pe_entry_bytes;
                         const u64 row = (u64)l * RT + base + m;
-                        if (!vec) warp_copy((u8*)me.recv_x + row * p.xrow, h + PE_HDR, p.xrow);
+                        if (!vec) warp_copy((u8*)io.recv_x + row * p.xrow, h + PE_HDR, p.xrow);
                         if (p.spr) {
                             const u32* src = (const u32*)(h + PE_HDR + p.xrow);
-                            u32* dst = (u32*)me.recv_scales + row * p.spr;
+                            u32* dst = (u32*)io.recv_scales + row * p.spr;
                             for (int i = lane; i < p.spr; i += 32) dst[i] = src[i];
                         }
                         if (lane == 0) {
+                            // Peer-written: the token and slot index combine's write-back.
                             const int t = ((const int*)h)[1];
-                            ((int*)me.src_info)[row] = t;
-                            ((int*)me.row_tk)[row] = t * K + ((const int*)h)[2];
+                            const int k = ((const int*)h)[2];
+                            ((int*)io.src_info)[row] = t;
+                            if (!peer_bad(p, rank, s, PF_PE_TOKEN, t, T - 1) && !peer_bad(p, rank, s, PF_PE_SLOT, k, K - 1))
+                                ((int*)me.row_tk)[row] = t * K + k;
                         }
                     }
                     base += total;
                     __syncthreads();
                 }
                 if (tid == 0) {
+                    // The caller's output, and the group's copy combine reads (the handle).
+                    ((int*)io.layout)[(l * R + s) * 2] = begin;
+                    ((int*)io.layout)[(l * R + s) * 2 + 1] = base - begin;
                     ((int*)me.layout)[(l * R + s) * 2] = begin;
                     ((int*)me.layout)[(l * R + s) * 2 + 1] = base - begin;
                 }
                 __syncthreads();
             }
-            if (tid == 0) ((int*)me.recv_count)[l] = base;
+            if (tid == 0) {
+                ((int*)io.recv_count)[l] = base;
+                ((int*)me.recv_count)[l] = base;
+            }
         }
     }
 finish:
     PROF(4);
     bool last_out = last_block_out(p, state, KIND);
     PROF(5);
-    if (last_out) {
+    if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
-            state[ST_EPOCH + KIND] = epoch;
+            ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
             for (int s = 0; s < R; s++) st_release(p, sig_pe_ack(tab[s], R) + rank, (u64)epoch);
         }
     }
@@ -150,7 +175,7 @@ finish:
 
 #define KIND KIND_PE_COMBINE
 #define SEGB 2048
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(KParams p) {
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(KParams p, IoTable iot) {
     extern __shared__ int smem_raw[];
     const RankPtrs* tab = (const RankPtrs*)p.table;
     const int bid = blockIdx.x % p.blocks_per_rank;
@@ -162,26 +187,29 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
     const u64 rowb = 2ull * p.H;
     const u64 RT = (u64)R * T;
     Smem sm = carve(p, smem_raw);
-    __shared__ u32 s_epoch;
+    __shared__ u64 s_epoch;
     __shared__ int s_n;
+    __shared__ IoPtrs s_io;
     if (tid == 0) {
-        s_epoch = ld_volatile_u32(state + ST_EPOCH + KIND) + 1u;
-        s_n = ((const int*)me.meta)[0];
+        s_io = resolve_io(iot.r[rank - p.rank_base], me);
+        s_epoch = ld_epoch(state, KIND) + 1ull;
+        s_n = ((const int*)me.meta)[0];  // the dispatch's count and routing (the handle)
     }
     __syncthreads();
-    const u32 epoch = s_epoch;
+    const IoPtrs& io = s_io;
+    const u64 epoch = s_epoch;
     PROF(0);
     const int n = s_n;
-    load_topk(p, me, n, sm.sk, sm.sdl);
+    load_topk(p, (const i64*)me.topk, n, sm.sk, sm.sdl, rank, false);
     int bad = 0;
-    if (tid < R) bad = !wait_ack(p, sig_pc_ack(me, R) + tid, epoch - 1u, epoch, rank, tid, PH_COMBINE_SEND);
+    if (tid < R && p.stage != 2) bad = !wait_ack(p, sig_pc_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_COMBINE_SEND);
     if (__syncthreads_or(bad)) goto finish;
     PROF(1);
     {
         const int G = (int)((rowb + SEGB - 1) / SEGB);
         const int* layout = (const int*)me.layout;
         // ---- send: every row of local expert l back to its source's slot t*K+k
-        for (int l = bid; l < L; l += p.blocks_per_rank) {
+        for (int l = bid; l < L && p.stage != 2; l += p.blocks_per_rank) {
             const int cnt = ((const int*)me.recv_count)[l];
             for (int u = warp; u < cnt * G; u += NWARPS) {
                 const int i = u / G, g = u % G;
@@ -189,7 +217,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
                 while (s + 1 < R && i >= layout[(l * R + s + 1) * 2]) s++;
                 const u64 row = (u64)l * RT + i;
                 const u64 tk = (u64)((const int*)me.row_tk)[row];
-                const u8* src = (const u8*)me.y + row * rowb + (u64)g * SEGB;
+                const u8* src = (const u8*)io.y + row * rowb + (u64)g * SEGB;
                 u8* dst = (u8*)tab[s].cmb_buf + tk * rowb + (u64)g * SEGB;
                 const u64 left = rowb - (u64)g * SEGB;
                 warp_copy(dst, src, (int)(left < SEGB ? left : SEGB));
@@ -201,6 +229,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
             }
         }
         PROF(2);
+        if (p.stage == 1) goto finish;  // send half only
         // ---- receive: every expert's signal, then the reduction in k order
         bad = 0;
         for (int e = tid; e < E; e += NTHREADS)
@@ -208,15 +237,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
         if (__syncthreads_or(bad)) goto finish;
         PROF(3);
         const u8* cbuf = (const u8*)me.cmb_buf;
-        reduce_tokens(p, me, n, sm.sk, bid, [&](int t, int k) -> const u8* { return cbuf + ((u64)t * K + k) * rowb; });
+        reduce_tokens(p, io, n, sm.sk, bid, [&](int t, int k) -> const u8* { return cbuf + ((u64)t * K + k) * rowb; });
     }
 finish:
     PROF(4);
     bool last_out = last_block_out(p, state, KIND);
     PROF(5);
-    if (last_out) {
+    if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
-            state[ST_EPOCH + KIND] = epoch;
+            ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
             for (int d = 0; d < R; d++) st_release(p, sig_pc_ack(tab[d], R) + rank, (u64)epoch);
         }
     }

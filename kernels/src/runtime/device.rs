@@ -1,0 +1,240 @@
+//! One GPU: the CUDA context, the group's stream, the loaded kernel modules, and the plain
+//! `cuMemAlloc` allocations peers may reach; plus the driver probe.
+
+use super::*;
+
+pub(crate) fn cuda<T>(what: &str, r: Result<T, result::DriverError>) -> Result<T, GpuError> {
+    r.map_err(|e| GpuError::Cuda(format!("{what}: {e:?}")))
+}
+
+/// A usable CUDA driver and at least `need` devices, or why not. Never panics.
+pub fn probe_devices(need: usize) -> Result<usize, String> {
+    // SAFETY: only tries to dlopen libcuda and reports whether that worked.
+    if !unsafe { sys::is_culib_present() } {
+        return Err("no CUDA driver (libcuda not found)".into());
+    }
+    if !compile::nvrtc_present() {
+        return Err("no NVRTC (libnvrtc not found on LD_LIBRARY_PATH)".into());
+    }
+    result::init().map_err(|e| format!("cuInit failed: {e:?}"))?;
+    let n = result::device::get_count().map_err(|e| format!("cuDeviceGetCount: {e:?}"))? as usize;
+    if n < need {
+        return Err(format!("{n} CUDA device(s), {need} needed"));
+    }
+    Ok(n)
+}
+
+/// The loaded kernels of one device.
+pub(crate) struct Funcs {
+    pub(crate) fp8: sys::CUfunction,
+    pub(crate) empty: sys::CUfunction,
+    pub(crate) pe_dispatch: sys::CUfunction,
+    pub(crate) pe_combine: sys::CUfunction,
+    pub(crate) bat_dispatch: sys::CUfunction,
+    pub(crate) bat_combine: sys::CUfunction,
+}
+
+/// One GPU: its context, stream, modules and the table of every rank's addresses.
+pub(crate) struct Dev {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: sys::CUstream,
+    pub(crate) funcs: Funcs,
+    pub(crate) modules: Vec<sys::CUmodule>,
+    pub(crate) table: sys::CUdeviceptr,
+    pub(crate) err: sys::CUdeviceptr,
+    pub(crate) sms: usize,
+    pub(crate) first_rank: usize,
+    pub(crate) ranks: usize,
+    pub(crate) allocs: Vec<sys::CUdeviceptr>,
+    /// Grow-only scratch buffers (profile stamps, encoder rows), reused across calls.
+    pub(crate) scratch: [(sys::CUdeviceptr, usize); 2],
+}
+
+pub(crate) fn load_family(
+    f: &Family,
+    arch: &str,
+) -> Result<(sys::CUmodule, Vec<sys::CUfunction>), GpuError> {
+    let cubin = compile::cubin(f, arch)?;
+    // SAFETY: `cubin` is a complete CUBIN image produced by NVRTC for this device's arch; the
+    // right context is bound by the caller.
+    let module = cuda("cuModuleLoadData", unsafe {
+        result::module::load_data(cubin.as_ptr().cast())
+    })?;
+    let mut fs = Vec::new();
+    for k in f.kernels {
+        let name = std::ffi::CString::new(*k).expect("kernel names have no NUL");
+        // SAFETY: `module` was just loaded; `name` is a kernel it defines.
+        match cuda(k, unsafe { result::module::get_function(module, name) }) {
+            Ok(func) => fs.push(func),
+            Err(e) => {
+                // SAFETY: nothing of `module` is in use yet.
+                let _ = unsafe { result::module::unload(module) };
+                return Err(e);
+            }
+        }
+    }
+    Ok((module, fs))
+}
+
+impl Dev {
+    /// Opens device `ordinal` (its primary context), loads the three kernel modules and creates
+    /// the group's stream. On any failure, what was already loaded is unloaded (by `Drop`).
+    pub(crate) fn new(ordinal: usize, first_rank: usize, ranks: usize) -> Result<Dev, GpuError> {
+        let ctx = cuda("context", CudaContext::new(ordinal))?;
+        cuda("bind", ctx.bind_to_thread())?;
+        let (major, minor) = cuda("compute capability", ctx.compute_capability())?;
+        let arch = format!("sm_{major}{minor}");
+        let sms = cuda(
+            "SM count",
+            ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+        )? as usize;
+        // Built first and filled in, so that an error below drops (and unloads) what it holds.
+        let mut dev = Dev {
+            ctx,
+            stream: std::ptr::null_mut(),
+            funcs: Funcs {
+                fp8: std::ptr::null_mut(),
+                empty: std::ptr::null_mut(),
+                pe_dispatch: std::ptr::null_mut(),
+                pe_combine: std::ptr::null_mut(),
+                bat_dispatch: std::ptr::null_mut(),
+                bat_combine: std::ptr::null_mut(),
+            },
+            modules: Vec::new(),
+            table: 0,
+            err: 0,
+            sms,
+            first_rank,
+            ranks,
+            allocs: Vec::new(),
+            scratch: [(0, 0); 2],
+        };
+        let mut all = Vec::new();
+        for f in [compile::FP8, compile::PER_EXPERT, compile::BATCHED] {
+            let (m, fs) = load_family(&f, &arch)?;
+            dev.modules.push(m);
+            all.extend(fs);
+        }
+        dev.funcs = Funcs {
+            fp8: all[0],
+            empty: all[1],
+            pe_dispatch: all[2],
+            pe_combine: all[3],
+            bat_dispatch: all[4],
+            bat_combine: all[5],
+        };
+        dev.stream = cuda(
+            "stream",
+            result::stream::create(result::stream::StreamKind::NonBlocking),
+        )?;
+        Ok(dev)
+    }
+
+    /// Sets every kernel's dynamic shared memory to `smem` bytes and checks that `ranks` x
+    /// `blocks_per_rank` blocks of each can be resident at once (one launch holds every rank of
+    /// this device, and its blocks wait on each other). Binds nothing: call after [`Dev::bind`].
+    pub(crate) fn check_residency(
+        &self,
+        smem: usize,
+        ranks: usize,
+        blocks_per_rank: usize,
+    ) -> Result<(), GpuError> {
+        for f in [
+            self.funcs.pe_dispatch,
+            self.funcs.pe_combine,
+            self.funcs.bat_dispatch,
+            self.funcs.bat_combine,
+        ] {
+            if smem > 48 * 1024 {
+                // SAFETY: `f` is a loaded kernel of the bound context.
+                let rc = unsafe {
+                    sys::cuFuncSetAttribute(
+                        f,
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem as i32,
+                    )
+                };
+                cuda("cuFuncSetAttribute", rc.result())?;
+            }
+            let mut per_sm = 0i32;
+            // SAFETY: `f` is a loaded kernel; `per_sm` receives the answer.
+            let rc = unsafe {
+                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    &mut per_sm,
+                    f,
+                    NTHREADS as i32,
+                    smem,
+                )
+            };
+            cuda("occupancy", rc.result())?;
+            if per_sm < 1 || ranks * blocks_per_rank > self.sms * per_sm as usize {
+                return Err(GpuError::Unsupported(format!(
+                    "{ranks} ranks x {blocks_per_rank} blocks cannot be resident together on a GPU \
+                     with {} SMs ({per_sm} blocks/SM at {smem} bytes of shared memory)",
+                    self.sms
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn bind(&self) -> Result<(), GpuError> {
+        cuda("bind", self.ctx.bind_to_thread())
+    }
+
+    pub(crate) fn alloc(&mut self, bytes: usize) -> Result<sys::CUdeviceptr, GpuError> {
+        // SAFETY: the context of this device is bound; plain cuMemAlloc memory (reachable by
+        // peers once peer access is on), freed in Drop.
+        let p = cuda("cuMemAlloc", unsafe { result::malloc_sync(bytes.max(16)) })?;
+        self.allocs.push(p);
+        // SAFETY: `p` is a fresh allocation of at least `bytes` bytes on the bound context.
+        cuda("memset", unsafe {
+            result::memset_d8_sync(p, 0, bytes.max(16))
+        })?;
+        Ok(p)
+    }
+}
+
+impl Dev {
+    /// Scratch buffer `slot` of at least `bytes` (zeroed when it grows); reused by later calls.
+    pub(crate) fn scratch(
+        &mut self,
+        slot: usize,
+        bytes: usize,
+    ) -> Result<sys::CUdeviceptr, GpuError> {
+        let (p, have) = self.scratch[slot];
+        if have >= bytes && p != 0 {
+            return Ok(p);
+        }
+        let np = self.alloc(bytes)?;
+        if p != 0 {
+            // SAFETY: `p` is an idle scratch allocation of this (bound) context, replaced now.
+            let _ = unsafe { result::free_sync(p) };
+            self.allocs.retain(|&a| a != p);
+        }
+        self.scratch[slot] = (np, bytes);
+        Ok(np)
+    }
+}
+
+impl Drop for Dev {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: all work on this device is finished (synchronised below) before anything is
+        // freed; the pointers and handles were created on this context and are not used again.
+        unsafe {
+            if !self.stream.is_null() {
+                let _ = result::stream::synchronize(self.stream);
+            }
+            for &p in &self.allocs {
+                let _ = result::free_sync(p);
+            }
+            for &m in &self.modules {
+                let _ = result::module::unload(m);
+            }
+            if !self.stream.is_null() {
+                let _ = result::stream::destroy(self.stream);
+            }
+        }
+    }
+}

@@ -1,0 +1,627 @@
+//! The library face: dispatch and combine on device tensors, enqueued on the caller's CUDA
+//! stream, with no host synchronisation and no host copy of tensor data.
+//!
+//! A call names the ranks this process runs: in process mode (`GpuGroup::new_process`) its one
+//! rank; in a single-process group every rank (all ranks of a GPU run in ONE launch, so they are
+//! issued together: one entry per rank, one stream per GPU). [`RankEp`] is the one-rank form
+//! (`dispatch(stream, x, topk_idx, n_tokens, out)`), shaped like DeepEP's low-latency calls.
+//!
+//! - Inputs are cudarc views on the group's device and context (checked: [`GpuError::WrongDevice`]);
+//!   sizes are checked on the host against the config (`Error::ShapeMismatch`).
+//! - Dispatch writes DeepEP's low-latency outputs: recv_x `[L, R*T, H]` (bf16 rows, or e4m3 bytes),
+//!   scales `[L, R*T, H/128]` f32 or UE8M0-packed `[L, R*T, H/512]` i32, recv_count `[L]` i32,
+//!   layout_range `[L, R]` i64 (two i32: begin in the low half, count in the high half),
+//!   src_info `[L, R*T]` i32; into the caller's buffers ([`DeviceDispatchOut`], bytes for recv_x
+//!   and scales) or, with `None`, into buffers the group owns (read with
+//!   `GpuGroup::read_dispatch_output`).
+//! - The routing is checked on the device: an expert outside [-1, E) or repeated within a token
+//!   stops the rank before it writes or sends anything, and the next [`GpuGroup::check`] (or
+//!   `sync`) returns `ExpertOutOfRange` / `DuplicateExpert` naming rank, token, slot and value.
+//!   After that the group refuses later calls (as after a timeout).
+//! - The token count is a host value ([`Tokens::Host`], checked, baked into a captured graph) or
+//!   an i32 in device memory ([`Tokens::Device`], read by the kernel and checked against T): with
+//!   the latter a captured graph serves any count up to T.
+//! - The handle: combine uses the routing and token count of the dispatch whose
+//!   [`DeviceHandle`] it gets; that must be the latest dispatch on that path (the group keeps one
+//!   handle's state), and combine's topk_idx must be the dispatched tensor (same address).
+//! - Receive hook: `dispatch_send` / `dispatch_recv` (and `combine_send` / `combine_recv`) are the
+//!   two halves of the fused call (the same kernel, stage 1: send and signal; stage 2: wait,
+//!   receive), so other kernels may run on the stream in between. Same bits as the fused call.
+//! - Not supported here (typed `Unsupported`): the NCCL transport (its exchange is host-driven).
+//!
+//! Ordering: the group's internal buffers are reused by every call, so calls on one group must
+//! be issued in program order on streams that are ordered with each other (the usual case: one
+//! stream per GPU). Two groups must not run on one GPU at the same time (see the crate docs).
+
+use super::*;
+use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A fresh id for a group (handles name the group they came from).
+pub(crate) fn next_group_id() -> u64 {
+    NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A rank's token count for a device-API dispatch.
+#[derive(Debug, Clone, Copy)]
+pub enum Tokens<'a> {
+    /// Known on the host (checked against T).
+    Host(usize),
+    /// One i32 in device memory, read by the kernel when it runs (checked there against T).
+    Device(&'a CudaView<'a, i32>),
+}
+
+/// One rank's dispatch inputs: x `[n, H]` bf16, topk_idx `[n, K]` i64.
+#[derive(Debug)]
+pub struct DispatchIn<'a> {
+    pub x: &'a CudaView<'a, bf16>,
+    pub topk_idx: &'a CudaView<'a, i64>,
+    pub n_tokens: Tokens<'a>,
+}
+
+/// One rank's combine inputs: y `[L, R*T, H]` bf16 (the expert outputs in the dispatch layout),
+/// topk_idx (the dispatched tensor) and topk_weights `[n, K]` f32.
+#[derive(Debug)]
+pub struct CombineIn<'a> {
+    pub y: &'a CudaView<'a, bf16>,
+    pub topk_idx: &'a CudaView<'a, i64>,
+    pub topk_weights: &'a CudaView<'a, f32>,
+}
+
+/// Caller-allocated dispatch outputs of one rank (sizes: [`GpuGroup::dispatch_out_sizes`]).
+#[derive(Debug)]
+pub struct DeviceDispatchOut<'a> {
+    /// L*R*T rows of `recv_x_row_bytes` bytes (bf16 rows, or e4m3 bytes).
+    pub recv_x: CudaViewMut<'a, u8>,
+    /// FP8 modes: L*R*T rows of `scales_per_row` 4-byte words (f32, or UE8M0 packed in i32).
+    pub recv_scales: Option<CudaViewMut<'a, u8>>,
+    /// `[L]` rows received per local expert.
+    pub recv_count: CudaViewMut<'a, i32>,
+    /// `[L, R]` (begin, count) as two i32 in one i64.
+    pub layout_range: CudaViewMut<'a, i64>,
+    /// `[L, R*T]` source token of each received row.
+    pub src_info: CudaViewMut<'a, i32>,
+}
+
+/// Element counts of one rank's dispatch outputs (what [`DeviceDispatchOut`] must hold).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DispatchOutSizes {
+    pub recv_x_bytes: usize,
+    pub recv_scales_bytes: usize,
+    pub recv_count: usize,
+    pub layout_range: usize,
+    pub src_info: usize,
+}
+
+/// What combine needs from its dispatch: which group, path and call it was, and the routing
+/// tensors it used. Returned by a dispatch (or its receive half).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceHandle {
+    group: u64,
+    path: Path,
+    call: u64,
+    /// Per rank of the call: topk_idx's address, and the combine output's minimum length.
+    topk: Vec<u64>,
+    out_len: Vec<usize>,
+}
+
+impl DeviceHandle {
+    pub fn path(&self) -> Path {
+        self.path
+    }
+}
+
+/// The send half of a dispatch ([`GpuGroup::dispatch_send`]): pass it to `dispatch_recv`.
+#[derive(Debug)]
+#[must_use = "the receive half must be issued before the next call"]
+pub struct DispatchHook {
+    handle: DeviceHandle,
+    io: Vec<IoTable>,
+}
+
+/// The send half of a combine ([`GpuGroup::combine_send`]): pass it to `combine_recv`.
+#[derive(Debug)]
+#[must_use = "the receive half must be issued before the next call"]
+pub struct CombineHook {
+    path: Path,
+    io: Vec<IoTable>,
+}
+
+fn shape(rank: usize, tensor: &'static str, need: usize, got: usize, what: String) -> GpuError {
+    Error::ShapeMismatch {
+        rank,
+        tensor,
+        expected: need,
+        got,
+        shape: what,
+    }
+    .into()
+}
+
+/// `len >= need` or a shape error.
+fn at_least(rank: usize, tensor: &'static str, need: usize, got: usize) -> Result<(), GpuError> {
+    if got < need {
+        return Err(shape(
+            rank,
+            tensor,
+            need,
+            got,
+            format!("at least {need} elements"),
+        ));
+    }
+    Ok(())
+}
+
+impl GpuGroup {
+    /// The ranks a device-API call covers, in order: this process's rank, or every rank.
+    pub fn device_ranks(&self) -> std::ops::Range<usize> {
+        match self.own {
+            Some(r) => r..r + 1,
+            None => 0..self.cfg.num_ranks,
+        }
+    }
+
+    /// What one rank's [`DeviceDispatchOut`] must hold.
+    pub fn dispatch_out_sizes(&self) -> DispatchOutSizes {
+        let c = &self.cfg;
+        let rows = c.num_local_experts() * c.num_ranks * c.max_tokens_per_rank;
+        DispatchOutSizes {
+            recv_x_bytes: rows * c.recv_x_row_bytes(),
+            recv_scales_bytes: rows * c.scales_per_row() * 4,
+            recv_count: c.num_local_experts(),
+            layout_range: c.num_local_experts() * c.num_ranks,
+            src_info: rows,
+        }
+    }
+
+    /// Checks a device-API call: usable group, no NCCL, one stream per device on its context,
+    /// one entry per rank of [`GpuGroup::device_ranks`]. Returns the raw streams.
+    fn device_call_check(
+        &self,
+        streams: &[&CudaStream],
+        entries: usize,
+    ) -> Result<Vec<sys::CUstream>, GpuError> {
+        self.check_usable()?;
+        if self.comms.is_some() {
+            return Err(GpuError::Unsupported(
+                "the device API runs over NVLink only; the NCCL transport's exchange is host-driven"
+                    .into(),
+            ));
+        }
+        let want = self.device_ranks().len();
+        if entries != want {
+            return Err(Error::WrongRankCount {
+                expected: want,
+                got: entries,
+            }
+            .into());
+        }
+        if streams.len() != self.devs.len() {
+            return Err(shape(
+                0,
+                "streams",
+                self.devs.len(),
+                streams.len(),
+                "one stream per GPU of the group".into(),
+            ));
+        }
+        for (s, d) in streams.iter().zip(&self.devs) {
+            if s.context().cu_ctx() != d.ctx.cu_ctx() {
+                return Err(GpuError::WrongDevice {
+                    what: "the stream",
+                    expected: d.ctx.ordinal(),
+                    got: s.context().ordinal(),
+                });
+            }
+        }
+        Ok(streams.iter().map(|s| s.cu_stream()).collect())
+    }
+
+    /// Tensor `t` must live on the context of the device that runs rank `r`.
+    fn same_ctx<T, S: DeviceSlice<T>>(
+        &self,
+        r: usize,
+        what: &'static str,
+        t: &S,
+    ) -> Result<(), GpuError> {
+        let d = &self.devs[self.dev_of(r)];
+        if t.stream().context().cu_ctx() != d.ctx.cu_ctx() {
+            return Err(GpuError::WrongDevice {
+                what,
+                expected: d.ctx.ordinal(),
+                got: t.stream().context().ordinal(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Dispatch of every rank of [`GpuGroup::device_ranks`] on `path`, enqueued on `streams`
+    /// (one per GPU). `outs`: one [`DeviceDispatchOut`] per rank, or None for the group's own
+    /// buffers. Returns without waiting; errors found by the kernels surface at
+    /// [`GpuGroup::check`].
+    pub fn dispatch_device(
+        &mut self,
+        path: Path,
+        streams: &[&CudaStream],
+        ranks: &[DispatchIn<'_>],
+        outs: Option<&mut [DeviceDispatchOut<'_>]>,
+    ) -> Result<DeviceHandle, GpuError> {
+        let hook = self.dispatch_part(path, streams, ranks, outs, 0)?;
+        Ok(hook.handle)
+    }
+
+    /// The send half of [`GpuGroup::dispatch_device`]: checks, stores and signals every
+    /// token; the receive half ([`GpuGroup::dispatch_recv`]) waits and writes the outputs.
+    pub fn dispatch_send(
+        &mut self,
+        path: Path,
+        streams: &[&CudaStream],
+        ranks: &[DispatchIn<'_>],
+        outs: Option<&mut [DeviceDispatchOut<'_>]>,
+    ) -> Result<DispatchHook, GpuError> {
+        self.dispatch_part(path, streams, ranks, outs, 1)
+    }
+
+    /// The receive half of a dispatch; returns the handle for combine.
+    pub fn dispatch_recv(
+        &mut self,
+        hook: DispatchHook,
+        streams: &[&CudaStream],
+    ) -> Result<DeviceHandle, GpuError> {
+        let raw = self.device_call_check(streams, hook.handle.topk.len())?;
+        if hook.handle.group != self.id {
+            return Err(GpuError::Handle("a dispatch hook of another group".into()));
+        }
+        self.launch_stage_on(Op::Dispatch, hook.handle.path, 2, &raw, &hook.io)?;
+        self.finish_device_call(Op::Dispatch, hook.handle.path);
+        Ok(hook.handle)
+    }
+
+    fn dispatch_part(
+        &mut self,
+        path: Path,
+        streams: &[&CudaStream],
+        ranks: &[DispatchIn<'_>],
+        mut outs: Option<&mut [DeviceDispatchOut<'_>]>,
+        stage: i32,
+    ) -> Result<DispatchHook, GpuError> {
+        let raw = self.device_call_check(streams, ranks.len())?;
+        let cfg = self.cfg;
+        let (t, h, k) = (cfg.max_tokens_per_rank, cfg.hidden, cfg.top_k);
+        let sizes = self.dispatch_out_sizes();
+        if let Some(o) = outs.as_deref() {
+            if o.len() != ranks.len() {
+                return Err(Error::WrongRankCount {
+                    expected: ranks.len(),
+                    got: o.len(),
+                }
+                .into());
+            }
+        }
+        // Host checks of every shape first: nothing is enqueued unless all pass.
+        let mut ns = Vec::with_capacity(ranks.len());
+        for (i, inp) in ranks.iter().enumerate() {
+            let r = self.device_ranks().start + i;
+            let n = match inp.n_tokens {
+                Tokens::Host(n) => {
+                    if n > t {
+                        return Err(Error::TooManyTokens {
+                            rank: r,
+                            tokens: n,
+                            max: t,
+                        }
+                        .into());
+                    }
+                    n
+                }
+                Tokens::Device(v) => {
+                    at_least(r, "n_tokens", 1, v.len())?;
+                    self.same_ctx(r, "n_tokens", v)?;
+                    t // the kernel reads at most T tokens
+                }
+            };
+            at_least(r, "x", n * h, inp.x.len())?;
+            at_least(r, "topk_idx", n * k, inp.topk_idx.len())?;
+            self.same_ctx(r, "x", inp.x)?;
+            self.same_ctx(r, "topk_idx", inp.topk_idx)?;
+            if let Some(o) = outs.as_deref() {
+                let o = &o[i];
+                at_least(r, "recv_x", sizes.recv_x_bytes, o.recv_x.len())?;
+                match &o.recv_scales {
+                    Some(s) => at_least(r, "recv_scales", sizes.recv_scales_bytes, s.len())?,
+                    None if sizes.recv_scales_bytes > 0 => {
+                        return Err(shape(
+                            r,
+                            "recv_scales",
+                            sizes.recv_scales_bytes,
+                            0,
+                            "FP8 dispatch needs a scales buffer".into(),
+                        ))
+                    }
+                    None => {}
+                }
+                at_least(r, "recv_count", sizes.recv_count, o.recv_count.len())?;
+                at_least(r, "layout_range", sizes.layout_range, o.layout_range.len())?;
+                at_least(r, "src_info", sizes.src_info, o.src_info.len())?;
+                self.same_ctx(r, "recv_x", &o.recv_x)?;
+                self.same_ctx(r, "recv_count", &o.recv_count)?;
+                self.same_ctx(r, "layout_range", &o.layout_range)?;
+                self.same_ctx(r, "src_info", &o.src_info)?;
+                if let Some(s) = &o.recv_scales {
+                    self.same_ctx(r, "recv_scales", s)?;
+                }
+            }
+            ns.push(n);
+        }
+        if path == Path::PerExpert && self.comms.is_some() {
+            return Err(GpuError::Unsupported("per-expert path over NCCL".into()));
+        }
+        // The addresses, per device table. The SyncOnDrop guards (cudarc's event tracking:
+        // the stream waits for earlier writes of each tensor, and records this use) live until
+        // the launch is enqueued.
+        let mut io = vec![IoTable::default(); self.devs.len()];
+        let mut topk = Vec::with_capacity(ranks.len());
+        let mut out_len = Vec::with_capacity(ranks.len());
+        let mut guards = Vec::new();
+        for (i, inp) in ranks.iter().enumerate() {
+            let r = self.device_ranks().start + i;
+            let di = self.dev_of(r);
+            let s = streams[di];
+            let slot = &mut io[di].r[r - self.devs[di].first_rank];
+            let (x, gx) = inp.x.device_ptr(s);
+            let (tk, gt) = inp.topk_idx.device_ptr(s);
+            guards.push(gx);
+            guards.push(gt);
+            slot.x = x;
+            slot.topk = tk;
+            topk.push(tk);
+            out_len.push(ns[i] * h);
+            match inp.n_tokens {
+                Tokens::Device(v) => {
+                    let (p, g) = v.device_ptr(s);
+                    guards.push(g);
+                    slot.ntok = p;
+                }
+                Tokens::Host(n) => {
+                    // The count goes into the rank's meta word, in stream order.
+                    self.devs[di].bind()?;
+                    // SAFETY: `meta` is a live 16-byte buffer of this group on the bound
+                    // context; the stream belongs to it (checked).
+                    cuda("set n_tokens", unsafe {
+                        sys::cuMemsetD32Async(self.ptrs[r].meta, n as u32, 1, raw[di]).result()
+                    })?;
+                }
+            }
+        }
+        if let Some(o) = outs.as_deref_mut() {
+            for (i, o) in o.iter_mut().enumerate() {
+                let r = self.device_ranks().start + i;
+                let di = self.dev_of(r);
+                let s = streams[di];
+                let slot = &mut io[di].r[r - self.devs[di].first_rank];
+                let (p, g) = o.recv_x.device_ptr_mut(s);
+                slot.recv_x = p;
+                guards.push(g);
+                if let Some(sc) = o.recv_scales.as_mut() {
+                    let (p, g) = sc.device_ptr_mut(s);
+                    slot.recv_scales = p;
+                    guards.push(g);
+                }
+                let (p, g) = o.recv_count.device_ptr_mut(s);
+                slot.recv_count = p;
+                guards.push(g);
+                let (p, g) = o.layout_range.device_ptr_mut(s);
+                slot.layout = p;
+                guards.push(g);
+                let (p, g) = o.src_info.device_ptr_mut(s);
+                slot.src_info = p;
+                guards.push(g);
+            }
+        }
+        self.launch_stage_on(Op::Dispatch, path, stage, &raw, &io)?;
+        drop(guards);
+        let call = self.calls[kind(Op::Dispatch, path)] + 1;
+        if stage == 0 {
+            self.finish_device_call(Op::Dispatch, path);
+        }
+        Ok(DispatchHook {
+            handle: DeviceHandle {
+                group: self.id,
+                path,
+                call,
+                topk,
+                out_len,
+            },
+            io,
+        })
+    }
+
+    /// Bookkeeping after a whole device-API call (or its receive half) was enqueued.
+    fn finish_device_call(&mut self, op: Op, path: Path) {
+        if op == Op::Dispatch {
+            self.last_dispatch = Some(path);
+        }
+        self.last_op = Some(op);
+        self.calls[kind(op, path)] += 1;
+        // The harness's host copy of the routing no longer describes the device state.
+        for v in &mut self.topk {
+            v.clear();
+        }
+    }
+
+    /// Combine of every rank of [`GpuGroup::device_ranks`] after the dispatch of `handle`,
+    /// enqueued on `streams`; rank i's n x H result goes to `outs[i]`.
+    pub fn combine_device(
+        &mut self,
+        streams: &[&CudaStream],
+        handle: &DeviceHandle,
+        ranks: &[CombineIn<'_>],
+        outs: &mut [CudaViewMut<'_, bf16>],
+    ) -> Result<(), GpuError> {
+        let hook = self.combine_part(streams, handle, ranks, outs, 0)?;
+        let _ = hook;
+        Ok(())
+    }
+
+    /// The send half of [`GpuGroup::combine_device`]: every expert row goes back to its source.
+    pub fn combine_send(
+        &mut self,
+        streams: &[&CudaStream],
+        handle: &DeviceHandle,
+        ranks: &[CombineIn<'_>],
+        outs: &mut [CudaViewMut<'_, bf16>],
+    ) -> Result<CombineHook, GpuError> {
+        self.combine_part(streams, handle, ranks, outs, 1)
+    }
+
+    /// The receive half of a combine: waits for the rows and reduces them into the outputs
+    /// given to `combine_send`.
+    pub fn combine_recv(
+        &mut self,
+        hook: CombineHook,
+        streams: &[&CudaStream],
+    ) -> Result<(), GpuError> {
+        let raw = self.device_call_check(streams, self.device_ranks().len())?;
+        self.launch_stage_on(Op::Combine, hook.path, 2, &raw, &hook.io)?;
+        self.finish_device_call(Op::Combine, hook.path);
+        Ok(())
+    }
+
+    fn combine_part(
+        &mut self,
+        streams: &[&CudaStream],
+        handle: &DeviceHandle,
+        ranks: &[CombineIn<'_>],
+        outs: &mut [CudaViewMut<'_, bf16>],
+        stage: i32,
+    ) -> Result<CombineHook, GpuError> {
+        let raw = self.device_call_check(streams, ranks.len())?;
+        let path = handle.path;
+        if handle.group != self.id {
+            return Err(GpuError::Handle("a handle of another group".into()));
+        }
+        self.check_combine_path(path)?;
+        let latest = self.calls[kind(Op::Dispatch, path)];
+        if handle.call != latest {
+            return Err(GpuError::Handle(format!(
+                "the handle is of {} dispatch call {}, the group holds call {latest}'s state",
+                path.name(),
+                handle.call
+            )));
+        }
+        if outs.len() != ranks.len() || handle.topk.len() != ranks.len() {
+            return Err(Error::WrongRankCount {
+                expected: handle.topk.len(),
+                got: outs.len().min(ranks.len()),
+            }
+            .into());
+        }
+        let cfg = self.cfg;
+        let y_len = cfg.num_local_experts() * cfg.rows_per_expert() * cfg.hidden;
+        let (t, k) = (cfg.max_tokens_per_rank, cfg.top_k);
+        for (i, inp) in ranks.iter().enumerate() {
+            let r = self.device_ranks().start + i;
+            at_least(r, "y", y_len, inp.y.len())?;
+            // The weights are read for the dispatched tokens: at most T (Tokens::Device).
+            let n_max = handle.out_len[i] / cfg.hidden;
+            at_least(r, "topk_weights", n_max.min(t) * k, inp.topk_weights.len())?;
+            at_least(r, "out", handle.out_len[i], outs[i].len())?;
+            self.same_ctx(r, "y", inp.y)?;
+            self.same_ctx(r, "topk_weights", inp.topk_weights)?;
+            self.same_ctx(r, "out", &outs[i])?;
+            let (p, _g) = inp.topk_idx.device_ptr(streams[self.dev_of(r)]);
+            if p != handle.topk[i] {
+                return Err(GpuError::Handle(format!(
+                    "rank {r}: combine's topk_idx is not the dispatched tensor (address {p:#x}, dispatched {:#x})",
+                    handle.topk[i]
+                )));
+            }
+        }
+        let mut io = vec![IoTable::default(); self.devs.len()];
+        let mut guards = Vec::new();
+        for (i, (inp, out)) in ranks.iter().zip(outs.iter_mut()).enumerate() {
+            let r = self.device_ranks().start + i;
+            let di = self.dev_of(r);
+            let s = streams[di];
+            let slot = &mut io[di].r[r - self.devs[di].first_rank];
+            let (p, g) = inp.y.device_ptr(s);
+            slot.y = p;
+            guards.push(g);
+            let (p, g) = inp.topk_weights.device_ptr(s);
+            slot.weights = p;
+            guards.push(g);
+            let (p, g) = out.device_ptr_mut(s);
+            slot.out = p;
+            guards.push(g);
+        }
+        self.launch_stage_on(Op::Combine, path, stage, &raw, &io)?;
+        drop(guards);
+        if stage == 0 {
+            self.finish_device_call(Op::Combine, path);
+        }
+        Ok(CombineHook { path, io })
+    }
+
+    /// The one-rank face of a process-mode group (or of a single-rank group).
+    pub fn rank_ep(&mut self) -> Result<RankEp<'_>, GpuError> {
+        if self.device_ranks().len() != 1 {
+            return Err(GpuError::Unsupported(format!(
+                "RankEp is one rank; this group runs {} ranks in this process (use dispatch_device)",
+                self.device_ranks().len()
+            )));
+        }
+        Ok(RankEp { group: self })
+    }
+}
+
+/// One rank's dispatch/combine on the caller's stream (process mode: one rank per process).
+pub struct RankEp<'g> {
+    group: &'g mut GpuGroup,
+}
+
+impl RankEp<'_> {
+    /// Dispatch of this rank's `n_tokens` tokens on `path` (see the module docs).
+    pub fn dispatch(
+        &mut self,
+        path: Path,
+        stream: &CudaStream,
+        x: &CudaView<'_, bf16>,
+        topk_idx: &CudaView<'_, i64>,
+        n_tokens: Tokens<'_>,
+        out: Option<&mut DeviceDispatchOut<'_>>,
+    ) -> Result<DeviceHandle, GpuError> {
+        let inp = [DispatchIn {
+            x,
+            topk_idx,
+            n_tokens,
+        }];
+        let outs = out.map(std::slice::from_mut);
+        self.group.dispatch_device(path, &[stream], &inp, outs)
+    }
+
+    /// Combine of this rank after the dispatch of `handle`: `out` receives n x H bf16.
+    pub fn combine(
+        &mut self,
+        stream: &CudaStream,
+        y: &CudaView<'_, bf16>,
+        topk_idx: &CudaView<'_, i64>,
+        topk_weights: &CudaView<'_, f32>,
+        handle: &DeviceHandle,
+        out: &mut CudaViewMut<'_, bf16>,
+    ) -> Result<(), GpuError> {
+        let inp = [CombineIn {
+            y,
+            topk_idx,
+            topk_weights,
+        }];
+        let mut o = [out.slice_mut(..)];
+        self.group.combine_device(&[stream], handle, &inp, &mut o)
+    }
+
+    /// Reads the device error word ([`GpuGroup::check`]).
+    pub fn check(&mut self) -> Result<(), GpuError> {
+        self.group.check()
+    }
+}

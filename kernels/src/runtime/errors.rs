@@ -1,0 +1,121 @@
+//! The device error word: what a kernel reports (a timed-out wait, bad routing in the caller's
+//! `topk_idx`, a bad token count, a peer-supplied field out of bounds) and its typed host form.
+//! Layout and codes: common.cuh (`report_error`). The first error of a device wins; the group
+//! then refuses later calls (`GpuGroup::check_usable`): the ranks' epochs may disagree after a
+//! call that stopped half-way, so a new group is the way back.
+
+use super::*;
+
+/// Codes of err[0] (ERR_* in common.cuh).
+const ERR_TIMEOUT: u32 = 1;
+const ERR_EXPERT_RANGE: u32 = 2;
+const ERR_DUP_EXPERT: u32 = 3;
+const ERR_TOKENS: u32 = 4;
+const ERR_PEER_DATA: u32 = 5;
+
+/// Names of the peer-supplied fields (PF_* in common.cuh).
+const PEER_FIELDS: [&str; 10] = [
+    "batch token count",
+    "rows per local expert",
+    "batch header local expert",
+    "batch header index within the expert",
+    "batch header token",
+    "batch header selection offset",
+    "selections to send back",
+    "per-expert message count",
+    "per-expert header token",
+    "per-expert header slot",
+];
+
+/// The typed error of an error word, or None when it is clear.
+pub(crate) fn decode(w: &[u32; ERR_WORDS], cfg: &Config) -> Option<GpuError> {
+    let (a, b, c) = (w[1] as usize, w[2] as usize, w[3] as usize);
+    Some(match w[0] {
+        0 => return None,
+        ERR_TIMEOUT => {
+            let (op, side) = match w[3] {
+                0 => (Op::Dispatch, Side::Send),
+                1 => (Op::Dispatch, Side::Recv),
+                2 => (Op::Combine, Side::Send),
+                _ => (Op::Combine, Side::Recv),
+            };
+            Error::Timeout {
+                rank: a,
+                peer: b,
+                phase: Phase { op, side },
+                call: (w[4] as u64) | ((w[6] as u64) << 32),
+                waited_ms: w[5] as u64 / 1000,
+            }
+            .into()
+        }
+        ERR_EXPERT_RANGE => Error::ExpertOutOfRange {
+            rank: a,
+            token: b,
+            slot: c,
+            expert: ((w[4] as u64) | ((w[5] as u64) << 32)) as i64,
+            num_experts: cfg.num_experts,
+        }
+        .into(),
+        ERR_DUP_EXPERT => Error::DuplicateExpert {
+            rank: a,
+            token: b,
+            expert: w[4] as i64,
+            first_slot: w[6] as usize,
+            second_slot: c,
+        }
+        .into(),
+        ERR_TOKENS => Error::TooManyTokens {
+            rank: a,
+            tokens: w[2] as i32 as i64 as usize,
+            max: cfg.max_tokens_per_rank,
+        }
+        .into(),
+        ERR_PEER_DATA => GpuError::PeerData {
+            rank: a,
+            peer: b,
+            field: PEER_FIELDS.get(c).copied().unwrap_or("unknown field"),
+            value: w[4] as i32 as i64,
+            limit: w[6] as u64,
+        },
+        code => GpuError::Cuda(format!("unknown device error code {code}")),
+    })
+}
+
+/// Ranks the errors of several devices: bad input and bad peer data are the cause, timeouts on
+/// other devices (waiting for the rank that stopped) their consequence.
+fn cause_first(e: &GpuError) -> u8 {
+    match e {
+        GpuError::Contract(Error::Timeout { .. }) => 1,
+        _ => 0,
+    }
+}
+
+impl GpuGroup {
+    /// Reads every device's error word (without waiting for running work) and turns the first
+    /// error into its typed form: input errors of the device API (`ExpertOutOfRange`,
+    /// `DuplicateExpert`, `TooManyTokens`, naming rank, token, slot and value), a bounded wait
+    /// that ran out (`Timeout`), or a peer's out-of-bounds field (`PeerData`). After an error the
+    /// group refuses later calls. Call after synchronising the stream the calls went on.
+    pub fn check(&mut self) -> Result<(), GpuError> {
+        self.check_usable()?;
+        let mut found: Vec<GpuError> = Vec::new();
+        for dev in &self.devs {
+            dev.bind()?;
+            let mut w = [0u32; ERR_WORDS];
+            // SAFETY: `err` holds ERR_WORDS u32 on the bound context; a synchronous copy of a
+            // word the kernels only ever set once (claim word first, code last).
+            cuda("read error word", unsafe {
+                result::memcpy_dtoh_sync(&mut w, dev.err)
+            })?;
+            if let Some(e) = decode(&w, &self.cfg) {
+                found.push(e);
+            }
+        }
+        found.sort_by_key(cause_first);
+        if let Some(e) = found.into_iter().next() {
+            self.broken = Some(e.clone());
+            return Err(e);
+        }
+        Ok(())
+    }
+}

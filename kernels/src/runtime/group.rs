@@ -1,0 +1,337 @@
+//! Building a group: every rank in this process (`GpuGroup::new`, ranks spread over the GPUs,
+//! peer access) or one rank per process (`GpuGroup::new_process`, CUDA IPC or NCCL).
+use super::*;
+
+impl GpuGroup {
+    /// Allocates every rank's buffers (R / num_gpus ranks per device), enables peer access,
+    /// uploads the address table. Fails with [`Error::OutOfMemory`] (the size it needed) when a
+    /// device lacks the memory.
+    pub fn new(cfg: &Config, opts: GpuOptions) -> Result<GpuGroup, GpuError> {
+        cfg.validate()?;
+        let g = opts.num_gpus.max(1);
+        probe_devices(g).map_err(GpuError::NoDevice)?;
+        let r = cfg.num_ranks;
+        if r > MAX_RANKS {
+            return Err(GpuError::Unsupported(format!(
+                "{r} ranks; the GPU kernels support at most {MAX_RANKS}"
+            )));
+        }
+        if r % g != 0 {
+            return Err(GpuError::Unsupported(format!(
+                "{r} ranks cannot be spread evenly over {g} GPUs"
+            )));
+        }
+        let per = r / g;
+        let mut devs = Vec::new();
+        for d in 0..g {
+            devs.push(Dev::new(d, d * per, per)?);
+        }
+        if opts.transport == Transport::Nccl && per != 1 {
+            return Err(GpuError::Unsupported(format!(
+                "Transport::Nccl needs one rank per GPU ({r} ranks on {g} GPUs): NCCL refuses two ranks on one device"
+            )));
+        }
+        // Peer access between every pair of devices (pairs without it go through NCCL).
+        let mut nccl_pairs = Vec::new();
+        for a in 0..g {
+            for b in 0..g {
+                if a == b {
+                    continue;
+                }
+                devs[a].bind()?;
+                let mut can = 0i32;
+                // SAFETY: valid device handles; `can` receives the answer.
+                let rc = unsafe {
+                    sys::cuDeviceCanAccessPeer(
+                        &mut can,
+                        devs[a].ctx.cu_device(),
+                        devs[b].ctx.cu_device(),
+                    )
+                };
+                cuda("cuDeviceCanAccessPeer", rc.result())?;
+                if can == 0 {
+                    if per == 1 {
+                        // Transport::Auto: this pair goes through NCCL.
+                        nccl_pairs.push((a, b));
+                        continue;
+                    }
+                    return Err(GpuError::Unsupported(format!(
+                        "GPU {a} cannot access GPU {b}, and NCCL needs one rank per GPU"
+                    )));
+                }
+                // SAFETY: the context of `a` is bound; `b`'s context is live.
+                let rc = unsafe { sys::cuCtxEnablePeerAccess(devs[b].ctx.cu_ctx(), 0) };
+                if rc != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+                    cuda("cuCtxEnablePeerAccess", rc.result())?;
+                }
+            }
+        }
+        // Memory.
+        let mut masks = vec![0u32; g];
+        if opts.transport == Transport::Nccl {
+            masks = vec![all_peers(r); g];
+        }
+        for &(a, b) in &nccl_pairs {
+            masks[a] |= 1 << b;
+        }
+        let use_nccl = masks.iter().any(|&m| m != 0);
+        let comms = if use_nccl {
+            for d in &devs {
+                d.bind()?;
+            }
+            Some(crate::nccl::Comms::init_all(g)?)
+        } else {
+            None
+        };
+        let need = bytes_per_rank_with(cfg, use_nccl)?
+            .checked_mul(per)
+            .and_then(|b| b.checked_add(1 << 20))
+            .ok_or_else(|| GpuError::Unsupported("the group's memory overflows usize".into()))?;
+        for dev in &devs {
+            dev.bind()?;
+            let (free, _) = cuda("cuMemGetInfo", result::mem_get_info())?;
+            if need > free {
+                return Err(Error::OutOfMemory {
+                    needed: need as u64,
+                    available: free as u64,
+                }
+                .into());
+            }
+        }
+        // Co-residency: every block of a launch must be resident at once.
+        let smem = smem_bytes(cfg);
+        let sms = devs[0].sms;
+        let bpr = opts.blocks_per_rank.unwrap_or((sms / per).max(1)).max(1);
+        for dev in &devs {
+            dev.bind()?;
+            dev.check_residency(smem, per, bpr)?;
+        }
+        let sizes = rank_sizes(cfg, use_nccl)?;
+        let mut ptrs = vec![RankPtrs::default(); r];
+        for dev in devs.iter_mut() {
+            dev.bind()?;
+            for slot in ptrs.iter_mut().skip(dev.first_rank).take(dev.ranks) {
+                let total = total_bytes(&sizes)?;
+                let base = dev.alloc(total)?;
+                *slot = carve_rank(base, &sizes);
+            }
+        }
+        for dev in devs.iter_mut() {
+            dev.bind()?;
+            let table = dev.alloc(std::mem::size_of::<RankPtrs>() * r)?;
+            // SAFETY: `table` holds R RankPtrs; RankPtrs is plain old data.
+            cuda("upload table", unsafe {
+                result::memcpy_htod_sync(table, &ptrs)
+            })?;
+            dev.table = table;
+            dev.err = dev.alloc(4 * ERR_WORDS)?;
+        }
+        let (fp8, round_scale, ue8m0) = match cfg.mode {
+            Mode::Bf16 => (0, 0, 0),
+            Mode::Fp8 { round_scale, ue8m0 } => (1, round_scale as i32, ue8m0 as i32),
+        };
+        let params = KParams {
+            table: 0,
+            err: 0,
+            timeout_ns: opts.timeout_ns,
+            r: r as i32,
+            e: cfg.num_experts as i32,
+            l: cfg.num_local_experts() as i32,
+            t: cfg.max_tokens_per_rank as i32,
+            h: cfg.hidden as i32,
+            k: cfg.top_k as i32,
+            fp8,
+            round_scale,
+            ue8m0,
+            rank_base: 0,
+            ranks_here: per as i32,
+            blocks_per_rank: bpr as i32,
+            xrow: cfg.recv_x_row_bytes() as i32,
+            spr: cfg.scales_per_row() as i32,
+            entry_bytes: to_i32("entry bytes", entry_bytes_checked(cfg)?)?,
+            pe_entry_bytes: to_i32("per-expert entry bytes", pe_entry_bytes_checked(cfg)?)?,
+            fault_rank: -1,
+            sys_scope: (g > 1) as i32,
+            zero_copy: opts.zero_copy_local as i32,
+            pad1: 0,
+            prof: 0,
+            nccl_mask: 0,
+            stage: 0,
+        };
+        Ok(GpuGroup {
+            id: device_api::next_group_id(),
+            cfg: *cfg,
+            devs,
+            ptrs,
+            params,
+            blocks_per_rank: bpr,
+            smem,
+            n_tokens: vec![0; r],
+            topk: vec![Vec::new(); r],
+            last_dispatch: None,
+            calls: [0; 4],
+            broken: None,
+            sels: vec![(vec![0; r], vec![0; r]); g],
+            masks,
+            comms,
+            own: None,
+            ipc_opened: IpcMappings {
+                ctx: None,
+                ptrs: Vec::new(),
+            },
+            last_op: None,
+        })
+    }
+
+    /// Process mode: this process runs rank `rank` of `cfg.num_ranks` on GPU `ordinal`. Every
+    /// rank allocates its buffers in one cuMemAlloc allocation; `all_gather` (e.g.
+    /// `ep_launch::Rendezvous::all_gather`) exchanges a blob per rank: the allocation's CUDA IPC
+    /// handle (Transport::Auto: every peer is reached through CUDA IPC and the NVLink kernels run
+    /// between processes exactly as between ranks of one process) and, from rank 0, the NCCL
+    /// unique id (Transport::Nccl: every peer, self included, through NCCL; no IPC).
+    /// All ranks must call it with the same config and options.
+    pub fn new_process(
+        cfg: &Config,
+        opts: GpuOptions,
+        rank: usize,
+        ordinal: usize,
+        all_gather: &mut AllGather<'_>,
+    ) -> Result<GpuGroup, GpuError> {
+        cfg.validate()?;
+        probe_devices(ordinal + 1).map_err(GpuError::NoDevice)?;
+        let r = cfg.num_ranks;
+        if r > MAX_RANKS || rank >= r {
+            return Err(GpuError::Unsupported(format!(
+                "rank {rank} of {r} (at most {MAX_RANKS} ranks)"
+            )));
+        }
+        let nccl = opts.transport == Transport::Nccl;
+        let mut dev = Dev::new(ordinal, rank, 1)?;
+        let smem = smem_bytes(cfg);
+        let bpr = opts.blocks_per_rank.unwrap_or(dev.sms).max(1);
+        dev.check_residency(smem, 1, bpr)?;
+        let need = bytes_per_rank_with(cfg, nccl)?.saturating_add(1 << 20);
+        let (free, _) = cuda("cuMemGetInfo", result::mem_get_info())?;
+        if need > free {
+            return Err(Error::OutOfMemory {
+                needed: need as u64,
+                available: free as u64,
+            }
+            .into());
+        }
+        let sizes = rank_sizes(cfg, nccl)?;
+        let total = total_bytes(&sizes)?;
+        let base = dev.alloc(total)?; // zeroed before its handle leaves this process
+        let mut blob = vec![0u8; 64];
+        if !nccl {
+            let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+            // SAFETY: `base` is a cuMemAlloc allocation of the bound context.
+            cuda(
+                "cuIpcGetMemHandle",
+                unsafe { sys::cuIpcGetMemHandle(&mut h, base) }.result(),
+            )?;
+            for (d, &b) in blob.iter_mut().zip(h.reserved.iter()) {
+                *d = b as u8;
+            }
+        } else if rank == 0 {
+            blob.extend(crate::nccl::unique_id()?);
+        }
+        let all = all_gather(&blob).map_err(GpuError::Process)?;
+        if all.len() != r || all.iter().any(|b| b.len() < 64) {
+            return Err(GpuError::Process(format!(
+                "handle exchange returned {} blobs, want {r} of at least 64 bytes",
+                all.len()
+            )));
+        }
+        let mut ptrs = vec![RankPtrs::default(); r];
+        ptrs[rank] = carve_rank(base, &sizes);
+        let mut ipc_opened = IpcMappings {
+            ctx: Some(dev.ctx.clone()),
+            ptrs: Vec::new(),
+        };
+        let comms = if nccl {
+            Some(crate::nccl::Comms::init_rank(r, rank, &all[0][64..])?)
+        } else {
+            for (peer, b) in all.iter().enumerate() {
+                if peer == rank {
+                    continue;
+                }
+                let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+                for (d, &x) in h.reserved.iter_mut().zip(&b[..64]) {
+                    *d = x as _;
+                }
+                let mut p: sys::CUdeviceptr = 0;
+                // SAFETY: `h` is the handle rank `peer` exported for its live allocation; the
+                // opened mapping is closed in Drop.
+                let rc = unsafe {
+                    sys::cuIpcOpenMemHandle_v2(
+                        &mut p,
+                        h,
+                        sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                    )
+                };
+                cuda(
+                    &format!("cuIpcOpenMemHandle (rank {rank}, peer {peer})"),
+                    rc.result(),
+                )?;
+                ipc_opened.ptrs.push(p);
+                ptrs[peer] = carve_rank(p, &sizes);
+            }
+            None
+        };
+        let table = dev.alloc(std::mem::size_of::<RankPtrs>() * r)?;
+        // SAFETY: `table` holds R RankPtrs; RankPtrs is plain old data.
+        cuda("upload table", unsafe {
+            result::memcpy_htod_sync(table, &ptrs)
+        })?;
+        dev.table = table;
+        dev.err = dev.alloc(4 * ERR_WORDS)?;
+        let (fp8, round_scale, ue8m0) = match cfg.mode {
+            Mode::Bf16 => (0, 0, 0),
+            Mode::Fp8 { round_scale, ue8m0 } => (1, round_scale as i32, ue8m0 as i32),
+        };
+        let params = KParams {
+            timeout_ns: opts.timeout_ns,
+            r: r as i32,
+            e: cfg.num_experts as i32,
+            l: cfg.num_local_experts() as i32,
+            t: cfg.max_tokens_per_rank as i32,
+            h: cfg.hidden as i32,
+            k: cfg.top_k as i32,
+            fp8,
+            round_scale,
+            ue8m0,
+            rank_base: rank as i32,
+            ranks_here: 1,
+            blocks_per_rank: bpr as i32,
+            xrow: cfg.recv_x_row_bytes() as i32,
+            spr: cfg.scales_per_row() as i32,
+            entry_bytes: to_i32("entry bytes", entry_bytes_checked(cfg)?)?,
+            pe_entry_bytes: to_i32("per-expert entry bytes", pe_entry_bytes_checked(cfg)?)?,
+            fault_rank: -1,
+            sys_scope: 1,
+            zero_copy: opts.zero_copy_local as i32,
+            ..Default::default()
+        };
+        Ok(GpuGroup {
+            id: device_api::next_group_id(),
+            cfg: *cfg,
+            devs: vec![dev],
+            ptrs,
+            params,
+            blocks_per_rank: bpr,
+            smem,
+            n_tokens: vec![0; r],
+            topk: vec![Vec::new(); r],
+            last_dispatch: None,
+            calls: [0; 4],
+            broken: None,
+            masks: vec![if nccl { all_peers(r) } else { 0 }],
+            comms,
+            sels: vec![(vec![0; r], vec![0; r])],
+            own: Some(rank),
+            ipc_opened,
+            last_op: None,
+        })
+    }
+}

@@ -1,0 +1,314 @@
+//! The memory layout shared with the kernels: the rank-address table entry (`RankPtrs`), the
+//! kernel parameters (`KParams`), every buffer's byte size (checked arithmetic), and the carving
+//! of one rank's single allocation into its buffers.
+
+use super::*;
+
+/// Threads per block (NTHREADS in common.cuh).
+pub const NTHREADS: u32 = 512;
+pub(crate) const HDR_BYTES: usize = 80;
+pub(crate) const PE_HDR: usize = 16;
+pub(crate) const MAX_RANKS: usize = 32;
+
+/// Every device address of one rank (`struct RankPtrs` in common.cuh).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct RankPtrs {
+    pub(crate) x: u64,
+    pub(crate) topk: u64,
+    pub(crate) weights: u64,
+    pub(crate) y: u64,
+    pub(crate) meta: u64,
+    pub(crate) recv_x: u64,
+    pub(crate) recv_scales: u64,
+    pub(crate) recv_count: u64,
+    pub(crate) layout: u64,
+    pub(crate) src_info: u64,
+    pub(crate) out: u64,
+    pub(crate) row_tk: u64,
+    pub(crate) comb_map: u64,
+    pub(crate) comb_pos: u64,
+    pub(crate) comb_cnt: u64,
+    pub(crate) bat_buf: u64,
+    pub(crate) bat_meta: u64,
+    pub(crate) pe_buf: u64,
+    pub(crate) cmb_buf: u64,
+    pub(crate) sig: u64,
+    pub(crate) state: u64,
+    pub(crate) bat_cnt: u64,
+    pub(crate) snd_buf: u64,
+    pub(crate) snd_hdr: u64,
+    pub(crate) rcv_hdr: u64,
+}
+
+/// Ranks of one launch the device API can address (`MAX_LOCAL` in common.cuh).
+pub(crate) const MAX_LOCAL: usize = 32;
+
+/// A rank's caller-supplied tensors for one call (`struct IoPtrs` in common.cuh): each nonzero
+/// address replaces the group's own buffer of that name; `ntok` points to an i32 token count.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct IoPtrs {
+    pub x: u64,
+    pub topk: u64,
+    pub weights: u64,
+    pub y: u64,
+    pub out: u64,
+    pub recv_x: u64,
+    pub recv_scales: u64,
+    pub recv_count: u64,
+    pub layout: u64,
+    pub src_info: u64,
+    pub ntok: u64,
+}
+
+/// The kernels' second parameter (`struct IoTable`): one entry per rank of the launch, in rank
+/// order from the device's first rank. All zero: the group's own buffers (the host harness).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct IoTable {
+    pub r: [IoPtrs; MAX_LOCAL],
+}
+
+/// Signal counts have this many bits (SIG_COUNT_BITS in common.cuh): T*K must stay below.
+pub(crate) const SIG_COUNT_BITS: u32 = 24;
+
+/// Byte offset of the u64 epochs inside a rank's `state` buffer (ST_EPOCH64 in common.cuh).
+pub(crate) const STATE_EPOCH_OFFSET: u64 = 64;
+/// u32 words of a device's error word (see common.cuh).
+pub(crate) const ERR_WORDS: usize = 16;
+/// Kernel kinds (NUM_KINDS in common.cuh), each with its own epoch.
+pub(crate) const NUM_KINDS: usize = 4;
+
+/// Kernel parameters (`struct KParams` in common.cuh), passed by value.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct KParams {
+    pub table: u64,
+    pub err: u64,
+    pub timeout_ns: u64,
+    pub r: i32,
+    pub e: i32,
+    pub l: i32,
+    pub t: i32,
+    pub h: i32,
+    pub k: i32,
+    pub fp8: i32,
+    pub round_scale: i32,
+    pub ue8m0: i32,
+    pub rank_base: i32,
+    pub ranks_here: i32,
+    pub blocks_per_rank: i32,
+    pub xrow: i32,
+    pub spr: i32,
+    pub entry_bytes: i32,
+    pub pe_entry_bytes: i32,
+    pub fault_rank: i32,
+    pub sys_scope: i32,
+    pub zero_copy: i32,
+    pub pad1: i32,
+    pub prof: u64,
+    pub nccl_mask: u32,
+    pub stage: i32,
+}
+
+/// `a * b * ...` for the size of `what`, or a typed error naming it (no silent wrap in release).
+pub(crate) fn prod(what: &str, fs: &[usize]) -> Result<usize, GpuError> {
+    fs.iter()
+        .try_fold(1usize, |a, &f| a.checked_mul(f))
+        .ok_or_else(|| {
+            GpuError::Unsupported(format!(
+                "the size of {what} ({}) does not fit in usize",
+                fs.iter()
+                    .map(|f| f.to_string())
+                    .collect::<Vec<_>>()
+                    .join(" x ")
+            ))
+        })
+}
+
+/// `v` as the i32 the kernels take for `what`, or a typed error naming it.
+pub(crate) fn to_i32(what: &str, v: usize) -> Result<i32, GpuError> {
+    i32::try_from(v).map_err(|_| {
+        GpuError::Unsupported(format!(
+            "{what} = {v} exceeds the kernels' i32 limit ({})",
+            i32::MAX
+        ))
+    })
+}
+
+/// Byte sizes of one rank's buffers, in the order of [`RankPtrs`]; every product checked.
+pub(crate) fn rank_sizes(c: &Config, nccl: bool) -> Result<[usize; 25], GpuError> {
+    let (r, e, l, t, h, k) = (
+        c.num_ranks,
+        c.num_experts,
+        c.num_local_experts(),
+        c.max_tokens_per_rank,
+        c.hidden,
+        c.top_k,
+    );
+    if prod("T x K", &[t, k])? >= 1 << SIG_COUNT_BITS {
+        return Err(GpuError::Unsupported(format!(
+            "T x K = {} x {} must stay below 2^{SIG_COUNT_BITS} (the count field of a signal)",
+            t, k
+        )));
+    }
+    let eb = entry_bytes_checked(c)?;
+    let peb = pe_entry_bytes_checked(c)?;
+    let cmb = prod("cmb_buf", &[r, t, k, h, 2])?;
+    let sig_words = 6usize
+        .checked_mul(r)
+        .and_then(|a| a.checked_add(l.checked_mul(r)?))
+        .and_then(|a| a.checked_add(e))
+        .ok_or_else(|| GpuError::Unsupported("the signal array size overflows".into()))?;
+    let hdr = prod("snd_hdr", &[r, 2usize.saturating_add(l), 4])?;
+    let sizes = [
+        prod("x", &[t, h, 2])?,
+        prod("topk", &[t, k, 8])?,
+        prod("weights", &[t, k, 4])?,
+        prod("y", &[l, r, t, h, 2])?,
+        16,
+        prod("recv_x", &[l, r, t, c.recv_x_row_bytes()])?,
+        prod("recv_scales", &[l, r, t, c.scales_per_row(), 4])?.max(4),
+        prod("recv_count", &[l, 4])?,
+        prod("layout", &[l, r, 8])?,
+        prod("src_info", &[l, r, t, 4])?,
+        prod("out", &[t, h, 2])?,
+        prod("row_tk", &[l, r, t, 4])?,
+        prod("comb_map", &[r, t, k, 4])?,
+        prod("comb_pos", &[t, k, 4])?,
+        prod("comb_cnt", &[r, 4])?,
+        prod("bat_buf", &[r, t, eb])?,
+        prod("bat_meta", &[r, 8])?,
+        prod("pe_buf", &[l, r, t, peb])?,
+        cmb,
+        prod("sig", &[sig_words, 8])?,
+        128, // state: u32 counters, then the u64 epochs at STATE_EPOCH_OFFSET
+        prod("bat_cnt", &[r, l, 4])?,
+        if nccl {
+            prod("snd_buf", &[r, t, eb])?.max(cmb)
+        } else {
+            16
+        },
+        hdr,
+        hdr,
+    ];
+    // Every buffer is 256-aligned inside the one allocation: the total must fit too.
+    total_bytes(&sizes)?;
+    Ok(sizes)
+}
+
+/// The bytes of one rank's allocation: every buffer rounded up to 256.
+pub(crate) fn total_bytes(sizes: &[usize; 25]) -> Result<usize, GpuError> {
+    sizes
+        .iter()
+        .try_fold(0usize, |a, &s| {
+            a.checked_add(s.checked_next_multiple_of(256)?)
+        })
+        .ok_or_else(|| GpuError::Unsupported("one rank's buffers exceed usize".into()))
+}
+
+pub(crate) fn align(v: usize, a: usize) -> usize {
+    v.div_ceil(a) * a
+}
+
+/// Bytes of one batched-dispatch entry: 80-byte header + payload, 16-aligned (saturated at
+/// usize::MAX for configs no group accepts).
+pub fn entry_bytes(c: &Config) -> usize {
+    entry_bytes_checked(c).unwrap_or(usize::MAX)
+}
+/// Bytes of one per-expert message: 16-byte header + payload, 16-aligned (saturated).
+pub fn pe_entry_bytes(c: &Config) -> usize {
+    pe_entry_bytes_checked(c).unwrap_or(usize::MAX)
+}
+
+pub(crate) fn entry_bytes_checked(c: &Config) -> Result<usize, GpuError> {
+    HDR_BYTES
+        .checked_add(c.payload_bytes())
+        .and_then(|v| v.checked_next_multiple_of(16))
+        .ok_or_else(|| GpuError::Unsupported("the batched entry size overflows".into()))
+}
+pub(crate) fn pe_entry_bytes_checked(c: &Config) -> Result<usize, GpuError> {
+    PE_HDR
+        .checked_add(c.payload_bytes())
+        .and_then(|v| v.checked_next_multiple_of(16))
+        .ok_or_else(|| GpuError::Unsupported("the per-expert entry size overflows".into()))
+}
+
+/// Device memory one rank needs.
+pub fn bytes_per_rank(c: &Config) -> Result<usize, GpuError> {
+    bytes_per_rank_with(c, false)
+}
+
+/// Device memory one rank needs, with the NCCL staging buffer when `nccl`.
+pub fn bytes_per_rank_with(c: &Config, nccl: bool) -> Result<usize, GpuError> {
+    total_bytes(&rank_sizes(c, nccl)?)
+}
+
+/// Dynamic shared memory of every kernel (the `Smem` carve-up in common.cuh).
+pub(crate) fn smem_bytes(c: &Config) -> usize {
+    let (r, t, k, e, l) = (
+        c.num_ranks,
+        c.max_tokens_per_rank,
+        c.top_k,
+        c.num_experts,
+        c.num_local_experts(),
+    );
+    let w = t.div_ceil(32);
+    // rowp (T*K u64), sk, sdl, tokpos, selpos, tot, scratch, m_a/b/c, bm, pw, cls, beg, rcnt
+    4 * (2 * t * k
+        + 2 * t * k
+        + 2 * t * r
+        + 2 * r
+        + 32
+        + 3 * NTHREADS as usize
+        + 2 * e * w
+        + 2 * l * r
+        + 80)
+}
+
+/// The addresses of one rank's buffers inside its one allocation at `base`.
+pub(crate) fn carve_rank(base: u64, sizes: &[usize; 25]) -> RankPtrs {
+    let mut f = [0u64; 25];
+    let mut off = 0u64;
+    for (i, &s) in sizes.iter().enumerate() {
+        f[i] = base + off;
+        off += align(s, 256) as u64;
+    }
+    RankPtrs {
+        x: f[0],
+        topk: f[1],
+        weights: f[2],
+        y: f[3],
+        meta: f[4],
+        recv_x: f[5],
+        recv_scales: f[6],
+        recv_count: f[7],
+        layout: f[8],
+        src_info: f[9],
+        out: f[10],
+        row_tk: f[11],
+        comb_map: f[12],
+        comb_pos: f[13],
+        comb_cnt: f[14],
+        bat_buf: f[15],
+        bat_meta: f[16],
+        pe_buf: f[17],
+        cmb_buf: f[18],
+        sig: f[19],
+        state: f[20],
+        bat_cnt: f[21],
+        snd_buf: f[22],
+        snd_hdr: f[23],
+        rcv_hdr: f[24],
+    }
+}
+
+/// The peer mask of a rank that reaches every rank in 0..r through NCCL.
+pub(crate) fn all_peers(r: usize) -> u32 {
+    if r >= 32 {
+        u32::MAX
+    } else {
+        (1u32 << r) - 1
+    }
+}

@@ -1,0 +1,241 @@
+//! The GPU runtime: contexts, peer access, communication buffers, the rank-address table, and
+//! the launches of both paths.
+//!
+//! Ranks are spread over `num_gpus` devices (R / G consecutive ranks per device). All ranks of one
+//! device run in ONE launch (`blocks_per_rank` blocks each, at most one block per multiprocessor,
+//! so every block is resident at once and ranks may wait for one another). Every buffer a peer
+//! writes comes from `cuMemAlloc` (not cudarc's stream-ordered pool, which peers cannot reach).
+//! Signals carry the call's epoch (kept on the device, advanced by the kernels themselves), so a
+//! call never takes an earlier call's signal and no host value changes between calls: a call is a
+//! single kernel launch per device with no host synchronisation, and can be captured in a graph.
+//! Every wait is bounded by `%globaltimer`; a wait that runs out writes (rank, peer, phase, call)
+//! to a host-visible error word and the kernel exits; the host turns it into
+//! [`ep_reference::Error::Timeout`].
+
+use crate::compile::{self, Family};
+use crate::GpuError;
+use cudarc::driver::{result, sys, CudaContext};
+use ep_reference::{
+    input::{check_combine_inputs, check_dispatch_inputs},
+    Config, DispatchOutput, Error, Mode, Op, Phase, RecvScales, RecvX, Side,
+};
+use half::bf16;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+mod device;
+mod device_api;
+mod errors;
+mod group;
+mod harness;
+mod launch;
+mod layout;
+mod profile;
+
+pub use device::probe_devices;
+pub(crate) use device::{cuda, Dev};
+pub use device_api::{
+    CombineHook, CombineIn, DeviceDispatchOut, DeviceHandle, DispatchHook, DispatchIn,
+    DispatchOutSizes, RankEp, Tokens,
+};
+pub(crate) use layout::*;
+pub use layout::{bytes_per_rank, bytes_per_rank_with, entry_bytes, pe_entry_bytes, NTHREADS};
+
+/// Which of the two transports to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Path {
+    /// One message per selection, one signal per (expert, source).
+    PerExpert,
+    /// One deduplicated batch and one signal per (source, destination).
+    Batched,
+}
+
+impl Path {
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::PerExpert => "per-expert",
+            Path::Batched => "batched",
+        }
+    }
+}
+
+/// How the batched path reaches a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Transport {
+    /// NVLink (peer access, or CUDA IPC between processes) for every peer that shares it, NCCL
+    /// for the others (one rank per GPU needed there).
+    #[default]
+    Auto,
+    /// NCCL for every peer, this rank itself included (one rank per GPU: NCCL refuses two ranks
+    /// on one device). Batched path only; the per-expert path refuses it.
+    Nccl,
+}
+
+/// Process mode's exchange: every rank's blob, in rank order (e.g. `Rendezvous::all_gather`).
+pub type AllGather<'a> = dyn FnMut(&[u8]) -> Result<Vec<Vec<u8>>, String> + 'a;
+
+/// Options of a [`GpuGroup`].
+#[derive(Debug, Clone, Copy)]
+pub struct GpuOptions {
+    /// Devices to spread the ranks over (R % num_gpus == 0).
+    pub num_gpus: usize,
+    /// Bound of every wait, in nanoseconds.
+    pub timeout_ns: u64,
+    /// Blocks per rank; None: the multiprocessors of a device divided among its ranks.
+    pub blocks_per_rank: Option<usize>,
+    /// Batched combine: a source reads the rows of owners on its own GPU in place instead of
+    /// receiving them as a put (signals unchanged). Peers on other GPUs always get the put.
+    pub zero_copy_local: bool,
+    /// Which transport the batched path uses per peer pair.
+    pub transport: Transport,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            num_gpus: 1,
+            timeout_ns: 2_000_000_000,
+            blocks_per_rank: None,
+            zero_copy_local: true,
+            transport: Transport::Auto,
+        }
+    }
+}
+
+/// R ranks on one or more GPUs: the communication buffers, and dispatch/combine on both paths.
+pub struct GpuGroup {
+    /// Unique per group in this process (device-API handles name their group).
+    pub(crate) id: u64,
+    pub(crate) cfg: Config,
+    pub(crate) devs: Vec<Dev>,
+    pub(crate) ptrs: Vec<RankPtrs>,
+    pub(crate) params: KParams,
+    pub(crate) blocks_per_rank: usize,
+    pub(crate) smem: usize,
+    pub(crate) n_tokens: Vec<usize>,
+    pub(crate) topk: Vec<Vec<i64>>,
+    pub(crate) last_dispatch: Option<Path>,
+    pub(crate) calls: [u64; 4],
+    pub(crate) broken: Option<GpuError>,
+    /// Per device: bit d set when its rank reaches peer d through NCCL.
+    pub(crate) masks: Vec<u32>,
+    /// The NCCL communicators (one per device) when any mask is nonzero.
+    pub(crate) comms: Option<crate::nccl::Comms>,
+    /// Per device, from the last dispatch's headers: selections sent to each peer (rows that
+    /// come back in combine) and received from each peer (rows that go back).
+    pub(crate) sels: Vec<(Vec<usize>, Vec<usize>)>,
+    /// Process mode: the one rank this process runs (its table holds the peers' IPC addresses).
+    pub(crate) own: Option<usize>,
+    /// Peer allocations opened through CUDA IPC (closed on drop).
+    /// Held for its Drop (closes the mappings).
+    #[allow(dead_code)]
+    pub(crate) ipc_opened: IpcMappings,
+    pub(crate) last_op: Option<Op>,
+}
+
+impl Drop for GpuGroup {
+    fn drop(&mut self) {
+        for dev in &self.devs {
+            let _ = dev.bind();
+            // SAFETY: the stream belongs to the bound context.
+            let _ = unsafe { result::stream::synchronize(dev.stream) };
+        }
+        // Then the fields: the devices free their allocations, `ipc_opened` closes the peers'
+        // mappings (its own Drop, which also runs when `new_process` fails half-way).
+    }
+}
+
+/// Peer allocations opened through CUDA IPC, closed on drop (also on an error path of
+/// `new_process`, before the group exists).
+pub(crate) struct IpcMappings {
+    pub(crate) ctx: Option<Arc<CudaContext>>,
+    pub(crate) ptrs: Vec<sys::CUdeviceptr>,
+}
+
+impl Drop for IpcMappings {
+    fn drop(&mut self) {
+        if let Some(ctx) = &self.ctx {
+            let _ = ctx.bind_to_thread();
+            for &p in &self.ptrs {
+                // SAFETY: `p` was opened with cuIpcOpenMemHandle on this context; the work that
+                // used it is finished (the group's Drop synchronised its streams first).
+                let _ = unsafe { sys::cuIpcCloseMemHandle(p) };
+            }
+        }
+    }
+}
+
+pub(crate) fn kind(op: Op, path: Path) -> usize {
+    match (op, path) {
+        (Op::Dispatch, Path::Batched) => 0,
+        (Op::Dispatch, Path::PerExpert) => 1,
+        (Op::Combine, Path::Batched) => 2,
+        (Op::Combine, Path::PerExpert) => 3,
+    }
+}
+
+impl GpuGroup {
+    /// Process mode: this process's rank.
+    pub fn own_rank(&self) -> Option<usize> {
+        self.own
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn num_gpus(&self) -> usize {
+        self.devs.len()
+    }
+
+    pub fn blocks_per_rank(&self) -> usize {
+        self.blocks_per_rank
+    }
+
+    /// "NVIDIA H200 (sm_90, 132 SMs) x 1".
+    pub fn describe_devices(&self) -> String {
+        let d = &self.devs[0];
+        let name = d.ctx.name().unwrap_or_else(|_| "?".into());
+        let (a, b) = d.ctx.compute_capability().unwrap_or((0, 0));
+        format!("{name} (sm_{a}{b}, {} SMs) x {}", d.sms, self.devs.len())
+    }
+
+    /// Test hook: `Some(r)` makes rank r never signal in dispatch (its peers' waits time out).
+    #[doc(hidden)]
+    pub fn set_fault_rank(&mut self, rank: Option<usize>) {
+        self.params.fault_rank = rank.map(|r| r as i32).unwrap_or(-1);
+    }
+
+    /// The bound of every wait.
+    pub fn set_timeout_ns(&mut self, ns: u64) {
+        self.params.timeout_ns = ns;
+    }
+
+    pub(crate) fn check_usable(&self) -> Result<(), GpuError> {
+        match &self.broken {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    pub(crate) fn dev_of(&self, rank: usize) -> usize {
+        if self.own.is_some() {
+            return 0;
+        }
+        rank / (self.cfg.num_ranks / self.devs.len())
+    }
+
+    /// Calls launched so far per (op, path): [batched dispatch, per-expert dispatch, batched
+    /// combine, per-expert combine].
+    pub fn calls(&self) -> [u64; 4] {
+        self.calls
+    }
+
+    /// The streams and contexts, for event timing (crate-internal).
+    pub(crate) fn streams(&self) -> Vec<(Arc<CudaContext>, sys::CUstream)> {
+        self.devs
+            .iter()
+            .map(|d| (d.ctx.clone(), d.stream))
+            .collect()
+    }
+}

@@ -1,0 +1,114 @@
+//! Debugging and testing aids: `%globaltimer` stamps per block and phase, and the payload
+//! encoder run alone.
+use super::*;
+
+impl GpuGroup {
+    /// One call of (op, path) with `%globaltimer` stamps: for every block of device 0, the
+    /// stamps of phases 0..8 (0 where a phase was not reached), in ns. Debugging aid.
+    pub fn profile(&mut self, op: Op, path: Path) -> Result<Vec<[u64; 8]>, GpuError> {
+        let grid = self.devs[0].ranks * self.blocks_per_rank;
+        self.devs[0].bind()?;
+        let buf = self.devs[0].scratch(0, grid * 64)?;
+        self.params.prof = buf;
+        let r = self.launch(op, path).and_then(|_| self.sync());
+        self.params.prof = 0;
+        r?;
+        let mut host = vec![0u64; grid * 8];
+        self.devs[0].bind()?;
+        // SAFETY: `buf` holds grid*8 u64 on the bound context; the device is idle.
+        cuda("read profile", unsafe {
+            result::memcpy_dtoh_sync(&mut host, buf)
+        })?;
+        Ok(host
+            .chunks_exact(8)
+            .map(|c| c.try_into().unwrap())
+            .collect())
+    }
+
+    /// Runs the payload encoder alone on `rows` (n x H bf16) on device 0: per row, the bytes the
+    /// wire carries (e4m3 + scales, or bf16). For testing the FP8 cast bit for bit.
+    pub fn encode_rows(&mut self, rows: &[bf16]) -> Result<Vec<Vec<u8>>, GpuError> {
+        let cfg = self.cfg;
+        let n = rows.len() / cfg.hidden;
+        let eb = align(cfg.payload_bytes(), 16);
+        let mut kp = self.params;
+        kp.entry_bytes = eb as i32;
+        let dev = &mut self.devs[0];
+        dev.bind()?;
+        let x = dev.scratch(0, rows.len() * 2)?;
+        let out = dev.scratch(1, n * eb)?;
+        // SAFETY: `x` was allocated for exactly rows.len() bf16 on the bound context.
+        cuda("upload rows", unsafe { result::memcpy_htod_sync(x, rows) })?;
+        cuda("synchronize after upload", dev.ctx.synchronize())?;
+        let (mut a, mut b, mut c) = (kp, x, out);
+        let mut nn = n as i32;
+        let mut args = [
+            (&mut a as *mut KParams).cast::<c_void>(),
+            (&mut b as *mut u64).cast::<c_void>(),
+            (&mut c as *mut u64).cast::<c_void>(),
+            (&mut nn as *mut i32).cast::<c_void>(),
+        ];
+        let grid = (n as u32).clamp(1, 1024);
+        // SAFETY: ep_fp8_encode_rows(KParams, const u16*, u8*, int): the argument types match;
+        // x holds n*H values, out n rows of eb bytes.
+        cuda("launch encode", unsafe {
+            result::launch_kernel(
+                dev.funcs.fp8,
+                (grid, 1, 1),
+                (NTHREADS, 1, 1),
+                0,
+                dev.stream,
+                &mut args,
+            )
+        })?;
+        // SAFETY: the stream belongs to the bound context.
+        cuda("sync encode", unsafe {
+            result::stream::synchronize(dev.stream)
+        })?;
+        let mut host = vec![0u8; n * eb];
+        // SAFETY: `out` holds n*eb bytes; the device is idle.
+        cuda("read encode", unsafe {
+            result::memcpy_dtoh_sync(&mut host, out)
+        })?;
+        Ok(host
+            .chunks_exact(eb)
+            .map(|c| c[..cfg.payload_bytes()].to_vec())
+            .collect())
+    }
+
+    /// Test hook: sets every kernel kind's completed-call count (the device epochs) of every rank
+    /// of this process to `calls`, and the acknowledgements peers wait for to match, as if the
+    /// group had already made that many calls of each kind (to test the epochs past 2^32 without
+    /// 2^32 calls). Every rank of the job must set the same value between calls.
+    #[doc(hidden)]
+    pub fn set_epochs_for_test(&mut self, calls: u64) -> Result<(), GpuError> {
+        self.check_usable()?;
+        let r = self.cfg.num_ranks;
+        for rank in self.device_ranks() {
+            let di = self.dev_of(rank);
+            let p = self.ptrs[rank];
+            self.devs[di].bind()?;
+            cuda("synchronize", self.devs[di].ctx.synchronize())?;
+            let ep = [calls; NUM_KINDS];
+            // Acks live at sig words [R, 2R) (batched dispatch) and [3R, 6R) (batched combine,
+            // per-expert dispatch, per-expert combine); see sig_* in common.cuh.
+            let acks = vec![calls; r];
+            // SAFETY: `state` holds 128 bytes (epochs at STATE_EPOCH_OFFSET), `sig` at least 6R
+            // u64 words; both live allocations of the bound context; the device is idle.
+            unsafe {
+                cuda(
+                    "set epochs",
+                    result::memcpy_htod_sync(p.state + STATE_EPOCH_OFFSET, &ep),
+                )?;
+                for base in [r, 3 * r, 4 * r, 5 * r] {
+                    cuda(
+                        "set acks",
+                        result::memcpy_htod_sync(p.sig + 8 * base as u64, &acks),
+                    )?;
+                }
+            }
+        }
+        self.calls = [calls; NUM_KINDS];
+        Ok(())
+    }
+}
