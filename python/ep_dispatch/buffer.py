@@ -38,21 +38,45 @@ class Handle(tuple):
     """What ``low_latency_combine`` needs from a dispatch.
 
     A 5-tuple as in DeepEP, ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
-    num_experts)`` (``src_info``: ``int32 [L, R*T]``, the token index on its source rank;
-    ``layout_range``: ``int64 [L, R]``, ``(begin << 32) | count``), plus attributes: the same
-    five by name, ``recv_count``, ``num_tokens``, ``top_k``, ``use_fp8``, ``path``.
+    num_experts)``: ``src_info`` ``int32 [L, R*T]``, the token index on its source rank;
+    ``layout_range`` ``int64 [L, R]``, DeepEP's ``(begin << 32) | count`` (computed from the
+    kernels' ``(begin, count)`` pairs when first read, so a caller that never reads it pays
+    nothing). Attributes: the same five by name, ``layout_pairs()``, ``recv_count``,
+    ``num_tokens``, ``top_k``, ``use_fp8``, ``path``.
     """
 
-    def __new__(cls, src_info, layout_range, tokens, hidden, experts, **extra):
+    def __new__(cls, src_info, layout_range, tokens, hidden, experts, layout_pairs=None,
+                **extra):
         h = super().__new__(cls, (src_info, layout_range, tokens, hidden, experts))
-        h.src_info, h.layout_range = src_info, layout_range
+        h.src_info, h._packed, h._pairs = src_info, layout_range, layout_pairs
         h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts = tokens, hidden, experts
         for k, v in extra.items():
             setattr(h, k, v)
         return h
 
+    @property
+    def layout_range(self):
+        if self._packed is None:
+            import torch
+
+            p = self._pairs.to(torch.int64)
+            self._packed = (p[..., 0] << 32) | p[..., 1]
+        return self._packed
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        if i in (1, 1 - len(self)):
+            return self.layout_range
+        return super().__getitem__(i)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
     def layout_pairs(self):
-        """``layout_range`` as two ``int32 [L, R]`` tensors ``(begin, count)``."""
+        """``(begin, count)``: two ``int32 [L, R]`` tensors."""
+        if self._pairs is not None:
+            return self._pairs[..., 0], self._pairs[..., 1]
         import torch
 
         lr = self.layout_range
@@ -106,6 +130,14 @@ class Buffer:
           the exact weighted sum of the contract.
         - One group is formed per (shape, FP8 mode); the first call with a new one is collective
           and must not be inside CUDA graph capture (warm up eagerly first).
+        - Combine takes the handle of the latest dispatch of that shape and mode (the kernels
+          keep one dispatch's routing state, not two), with the same ``topk_idx`` tensor that
+          was dispatched; an older handle raises ``InputError``.
+        - Errors the kernels find (a timed-out wait, bad routing in ``topk_idx``, bad peer
+          data) stop the kernels without trapping and are raised by ``Buffer.check()``, which
+          synchronises; until then the outputs of the failed call are undefined.
+        - ``transport='nccl'`` is refused (``UnsupportedError``) at the first dispatch: the
+          NCCL exchange is host-driven and cannot be enqueued on the caller's stream.
     """
 
     num_sms = 20
@@ -146,13 +178,10 @@ class Buffer:
         # Then the GPU: a clear NoDeviceError where there is none, NotBuiltError where this
         # build cannot run on it. torch is imported only now.
         _native.probe_devices(1)
-        if _native.DEVICE_API is None:
+        if _native.DEVICE_API is None:  # a build without GPU execution
             from .errors import NotBuiltError
 
-            raise NotBuiltError(
-                "not built: this build of ep_dispatch has no GPU device API (ep-kernels cannot "
-                "yet enqueue on a caller's CUDA stream with caller-owned device pointers); "
-                "Buffer cannot run. The oracle, the checks and the size hint work.")
+            raise NotBuiltError("not built: this build of ep_dispatch has no GPU device API")
         import torch
 
         self._torch = torch
@@ -209,6 +238,15 @@ class Buffer:
         _checks.integer("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
         _checks.integer("hidden", hidden)
         _checks.integer("num_experts", num_experts)
+
+    def check(self):
+        """Raises what the kernels recorded on the device since the last check: a timed-out
+        wait (``TimeoutError`` naming rank, peer, phase, call), bad routing (``InputError``
+        naming rank, token, slot) or bad peer data (``PeerError``). Afterwards the group refuses
+        further calls. Synchronises with the GPU; not inside CUDA graph capture. (DeepEP has no
+        counterpart: its kernels trap instead.)"""
+        for g in self._ranks.values():
+            g.check()
 
     def destroy(self):
         """Releases the GPU buffers (the next call forms the groups again)."""
@@ -297,9 +335,12 @@ class Buffer:
         recv_count = torch.empty((L,), dtype=dt.i32, device=dev)
         src_info = torch.empty((L, RT), dtype=dt.i32, device=dev)
         layout_range = torch.empty((L, R), dtype=dt.i64, device=dev)
-        ptrs = (x.data_ptr(), topk_idx.data_ptr(), n, recv_x.data_ptr(),
-                0 if scales is None else scales.data_ptr(), recv_count.data_ptr(),
-                src_info.data_ptr(), layout_range.data_ptr())
+        def ref(t, nbytes=False):
+            return (t.data_ptr(), t.numel() * (t.element_size() if nbytes else 1))
+
+        ptrs = (ref(x), ref(topk_idx), n, ref(recv_x, True),
+                None if scales is None else ref(scales, True), ref(recv_count), ref(src_info),
+                ref(layout_range))
         stats = cumulative_local_expert_recv_stats
 
         def receive():
@@ -308,16 +349,18 @@ class Buffer:
                 stats.add_(recv_count)
 
         if return_recv_hook:
-            g.dispatch(self._stream(), "send", *ptrs)
+            hid = g.dispatch(self._stream(), "send", *ptrs)
             hook = receive
         else:
-            g.dispatch(self._stream(), "both", *ptrs)
+            hid = g.dispatch(self._stream(), "both", *ptrs)
             if stats is not None:
                 stats.add_(recv_count)
             hook = None
-        handle = Handle(src_info, layout_range, T, H, E, recv_count=recv_count, num_tokens=n,
-                        top_k=K, use_fp8=use_fp8, path=self.path, _key=key, _buffer=id(self),
-                        _topk_idx=topk_idx)
+        # The kernels write (begin, count) int32 pairs; the handle packs DeepEP's view on demand.
+        pairs = layout_range.view(dt.i32).view(L, R, 2)
+        handle = Handle(src_info, None, T, H, E, layout_pairs=pairs, recv_count=recv_count,
+                        num_tokens=n, top_k=K, use_fp8=use_fp8, path=self.path, _key=key,
+                        _buffer=id(self), _id=hid, _topk_idx=topk_idx)
         tensors = (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range, stats)
         out = (recv_x, scales) if use_fp8 else recv_x
         return out, recv_count, handle, self._event(async_finish, tensors), hook
@@ -354,7 +397,8 @@ class Buffer:
                       (R, R), self._device)
         if out is None:
             out = torch.empty((n, H), dtype=dt.bf16, device=torch.device("cuda", self._device))
-        ptrs = (y.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), n, out.data_ptr())
+        ptrs = (handle._id, (y.data_ptr(), y.numel()), (topk_idx.data_ptr(), topk_idx.numel()),
+                (topk_weights.data_ptr(), topk_weights.numel()), (out.data_ptr(), out.numel()))
         if return_recv_hook:
             g.combine(self._stream(), "send", *ptrs)
 
@@ -363,7 +407,7 @@ class Buffer:
         else:
             g.combine(self._stream(), "both", *ptrs)
             hook = None
-        tensors = (y, topk_idx, topk_weights, handle.src_info, handle.layout_range, out)
+        tensors = (y, topk_idx, topk_weights, handle.src_info, out)
         return out, self._event(async_finish, tensors), hook
 
     def get_next_low_latency_combine_buffer(self, handle):

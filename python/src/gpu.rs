@@ -2,30 +2,29 @@
 //! is host code; the Python `Buffer` reaches the GPU only through [`probe`], [`size_hint`] and
 //! [`RankGroup`].
 //!
-//! State of the wiring: process mode (one rank per process, the CUDA IPC handles or NCCL unique
-//! id exchanged through a caller-supplied all-gather) exists in `ep_kernels` and is used by
-//! [`RankGroup::new`]. Enqueueing dispatch/combine on the caller's raw `CUstream` with the
-//! caller's device pointers (torch tensors) needs ep-kernels' device API, which this build does
-//! not have yet: [`RankGroup::dispatch`] and [`RankGroup::combine`] return
-//! [`BindError::NotBuilt`], and [`DEVICE_API`] is `None`.
+//! [`RankGroup`] is one rank of a process-mode group (`GpuGroup::new_process`: the CUDA IPC
+//! handles exchanged through the caller's all-gather, i.e. `torch.distributed` over the Buffer's
+//! group), driven through ep-kernels' device API (`RankEp`): dispatch and combine are enqueued on
+//! the caller's raw `CUstream` (torch's current stream, borrowed: never synchronised) with the
+//! caller's device pointers (torch tensors' `data_ptr()`), wrapped as borrowed cudarc views that
+//! are never freed here.
 
 use crate::error::{BindError, Result};
-use ep_kernels::runtime::{bytes_per_rank_with, probe_devices, AllGather};
-use ep_kernels::{GpuError, GpuGroup, GpuOptions, Path, Transport};
-use ep_reference::{Config, Mode};
+use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};
+use ep_kernels::runtime::{
+    bytes_per_rank_with, probe_devices, AllGather, CombineHook, DispatchHook,
+};
+use ep_kernels::{
+    DeviceDispatchOut, DeviceHandle, GpuError, GpuGroup, GpuOptions, Path, Tokens, Transport,
+};
+use ep_reference::{bf16, Config, Mode};
+use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Duration;
 
-/// The device API this build enqueues through, or `None` where it has none (then every GPU
-/// call fails with [`BindError::NotBuilt`]).
-pub const DEVICE_API: Option<&str> = None;
-
-fn not_built(what: &str) -> BindError {
-    BindError::NotBuilt(format!(
-        "{what}: this build of ep_dispatch has no GPU device API (ep-kernels cannot yet enqueue \
-         on a caller's CUDA stream with caller-owned device pointers); the oracle, the argument \
-         checks and the size hint work, GPU execution does not"
-    ))
-}
+/// The device API this build enqueues through (None would mean: no GPU execution).
+pub const DEVICE_API: Option<&str> =
+    Some("ep_kernels::RankEp (process mode; caller's CUDA stream and tensors)");
 
 /// At least `need` usable devices (driver present, NVRTC present), or `NoDevice` saying why.
 pub fn probe(need: usize) -> Result<usize> {
@@ -95,7 +94,7 @@ pub fn size_hint(
         Mode::Bf16,
     )?;
     check_dims(&cfg)?;
-    Ok(bytes_per_rank_with(&cfg, nccl) as u64)
+    Ok(bytes_per_rank_with(&cfg, nccl)? as u64)
 }
 
 /// Parses our `transport=` keyword.
@@ -145,45 +144,92 @@ impl Phases {
     }
 }
 
-/// Device addresses of one dispatch (each a torch tensor's `data_ptr()`, checked by the caller
-/// for dtype, shape, device and contiguity).
+/// A device buffer the caller owns: its address and its length in elements (the Python side
+/// passes `(t.data_ptr(), t.numel())` after checking dtype, shape, device and contiguity; the
+/// device API checks each length against what the config needs).
+pub type Ptr = (u64, usize);
+
+/// Addresses of one dispatch.
 #[derive(Debug, Clone, Copy)]
 pub struct DispatchPtrs {
     /// `bf16 [n, H]`.
-    pub x: u64,
+    pub x: Ptr,
     /// `int64 [n, K]`.
-    pub topk_idx: u64,
+    pub topk_idx: Ptr,
     pub num_tokens: usize,
-    /// `[L, R*T, H]` e4m3 or bf16.
-    pub recv_x: u64,
-    /// `float32 [L, R*T, H/128]` / packed `int32 [L, R*T, H/512]`; 0 in BF16.
-    pub recv_x_scales: u64,
+    /// `[L, R*T, H]` e4m3 or bf16, length in bytes.
+    pub recv_x: Ptr,
+    /// `float32 [L, R*T, H/128]` / packed `int32 [L, R*T, H/512]`, length in bytes; None in BF16.
+    pub recv_x_scales: Option<Ptr>,
     /// `int32 [L]`.
-    pub recv_count: u64,
+    pub recv_count: Ptr,
     /// `int32 [L, R*T]`.
-    pub src_info: u64,
-    /// `int64 [L, R]` packed `(begin << 32) | count`.
-    pub layout_range: u64,
+    pub src_info: Ptr,
+    /// `int64 [L, R]`: two int32 per entry, begin then count.
+    pub layout_range: Ptr,
 }
 
-/// Device addresses of one combine.
+/// Addresses of one combine.
 #[derive(Debug, Clone, Copy)]
 pub struct CombinePtrs {
     /// `bf16 [L, R*T, H]`: the expert outputs in the dispatch layout.
-    pub y: u64,
-    /// `int64 [n, K]`, the dispatched routing.
-    pub topk_idx: u64,
+    pub y: Ptr,
+    /// `int64 [n, K]`: the dispatched tensor itself (the device API checks the address).
+    pub topk_idx: Ptr,
     /// `float32 [n, K]`.
-    pub topk_weights: u64,
-    pub num_tokens: usize,
+    pub topk_weights: Ptr,
     /// `bf16 [n, H]`.
-    pub out: u64,
+    pub out: Ptr,
 }
+
+/// A caller-owned device buffer seen as a cudarc slice for the length of one call; dropping it
+/// gives the address back without freeing it.
+struct Borrowed<T>(Option<CudaSlice<T>>);
+
+impl<T> Borrowed<T> {
+    /// # Safety
+    /// `ptr` must address `len` live elements of `T` on the stream's context (or `len` is 0),
+    /// valid until the work enqueued with it has run (the caller keeps the tensor alive).
+    unsafe fn new(stream: &Arc<CudaStream>, (ptr, len): Ptr) -> Borrowed<T> {
+        // SAFETY: as the caller guarantees; the slice is leaked (never freed) in Drop.
+        Borrowed(Some(unsafe { stream.upgrade_device_ptr::<T>(ptr, len) }))
+    }
+
+    fn view(&self) -> CudaView<'_, T> {
+        self.0.as_ref().expect("present until drop").slice(..)
+    }
+
+    fn view_mut(&mut self) -> CudaViewMut<'_, T> {
+        self.0.as_mut().expect("present until drop").slice_mut(..)
+    }
+}
+
+impl<T> Drop for Borrowed<T> {
+    fn drop(&mut self) {
+        if let Some(s) = self.0.take() {
+            // The memory is torch's: hand the address back without freeing it.
+            let _ = s.leak();
+        }
+    }
+}
+
+/// How many dispatch handles a rank keeps; the device API only combines the latest one per path
+/// and names an older one as stale.
+const KEPT_HANDLES: usize = 4;
 
 /// One rank of a process-mode group: this process's rank, its GPU, the peers' buffers.
 pub struct RankGroup {
     group: GpuGroup,
     path: Path,
+    /// Our own reference to the device's primary context (the one torch and the group use), with
+    /// cudarc's per-slice event tracking off: borrowed tensors get no events, so a call records
+    /// nothing but the kernels and can be captured in a CUDA graph.
+    ctx: Arc<CudaContext>,
+    next_handle: u64,
+    handles: VecDeque<(u64, DeviceHandle)>,
+    /// The send half of a dispatch whose receive half (the hook) is still due, and its id.
+    pending_dispatch: Option<(u64, DispatchHook)>,
+    pending_combine: Option<CombineHook>,
 }
 
 impl RankGroup {
@@ -201,11 +247,13 @@ impl RankGroup {
     ) -> Result<RankGroup> {
         cfg.validate()?;
         check_dims(cfg)?;
-        if path == Path::PerExpert && transport == Transport::Nccl {
-            return Err(BindError::argument(
-                "transport",
-                "'nccl' needs path='batched' (the per-expert path runs over NVLink only)",
-            ));
+        if transport == Transport::Nccl {
+            return Err(GpuError::Unsupported(
+                "transport='nccl' through the device API (the NCCL exchange is host-driven); \
+                 use transport='auto' (NVLink over CUDA IPC)"
+                    .into(),
+            )
+            .into());
         }
         let opts = GpuOptions {
             num_gpus: 1,
@@ -214,7 +262,24 @@ impl RankGroup {
             ..GpuOptions::default()
         };
         let group = GpuGroup::new_process(cfg, opts, rank, ordinal, all_gather)?;
-        Ok(RankGroup { group, path })
+        let ctx = CudaContext::new(ordinal).map_err(|e| {
+            GpuError::Cuda(format!(
+                "retain the primary context of GPU {ordinal}: {e:?}"
+            ))
+        })?;
+        // SAFETY: every slice made on this context borrows a torch tensor for one call; torch
+        // orders its own streams, and the kernels run on the caller's stream in program order,
+        // so cudarc's events have nothing to add.
+        unsafe { ctx.disable_event_tracking() };
+        Ok(RankGroup {
+            group,
+            path,
+            ctx,
+            next_handle: 1,
+            handles: VecDeque::new(),
+            pending_dispatch: None,
+            pending_combine: None,
+        })
     }
 
     pub fn config(&self) -> &Config {
@@ -229,14 +294,145 @@ impl RankGroup {
         self.group.describe_devices()
     }
 
-    /// Enqueues a dispatch on `stream` (a raw `CUstream`, borrowed: not synchronised).
-    pub fn dispatch(&mut self, _stream: u64, _phases: Phases, _p: &DispatchPtrs) -> Result<()> {
-        Err(not_built("dispatch"))
+    /// Errors the kernels recorded (a timed-out wait, bad routing, bad peer data), as the
+    /// contract's errors; after one, the group refuses further calls. Synchronous: reads a
+    /// device word (not for use inside CUDA graph capture).
+    pub fn check(&mut self) -> Result<()> {
+        Ok(self.group.check()?)
     }
 
-    /// Enqueues a combine on `stream`.
-    pub fn combine(&mut self, _stream: u64, _phases: Phases, _p: &CombinePtrs) -> Result<()> {
-        Err(not_built("combine"))
+    fn stream(&self, raw: u64) -> Arc<CudaStream> {
+        // SAFETY: `raw` is the caller's live CUstream on this device's primary context (torch's
+        // current stream); the wrapper does not own it and lives only for this call.
+        unsafe { self.ctx.wrap_borrowed_stream(raw as sys::CUstream) }
+    }
+
+    fn keep(&mut self, id: u64, h: DeviceHandle) {
+        if self.handles.len() == KEPT_HANDLES {
+            self.handles.pop_front();
+        }
+        self.handles.push_back((id, h));
+    }
+
+    /// Enqueues a dispatch (or its send or receive half) on `stream`. Returns the handle id
+    /// combine takes (with `Phases::Send`, the id the receive half will complete).
+    pub fn dispatch(&mut self, stream: u64, phases: Phases, p: &DispatchPtrs) -> Result<u64> {
+        let s = self.stream(stream);
+        if phases == Phases::Recv {
+            let (id, hook) = self.pending_dispatch.take().ok_or_else(|| {
+                BindError::argument("hook", "no dispatch send half is waiting for its receive")
+            })?;
+            let handle = self.group.dispatch_recv(hook, &[&s])?;
+            self.keep(id, handle);
+            return Ok(id);
+        }
+        if self.pending_dispatch.is_some() {
+            return Err(BindError::argument(
+                "return_recv_hook",
+                "the previous dispatch's receive hook was not called; call it first",
+            ));
+        }
+        // SAFETY (all borrows): the Python side checked each tensor's dtype, shape, device and
+        // contiguity and passes its address and element count; the tensors stay referenced
+        // (by the returned outputs, the handle and the event) while the kernels run.
+        let x = unsafe { Borrowed::<bf16>::new(&s, p.x) };
+        let topk = unsafe { Borrowed::<i64>::new(&s, p.topk_idx) };
+        let mut recv_x = unsafe { Borrowed::<u8>::new(&s, p.recv_x) };
+        let mut scales = p
+            .recv_x_scales
+            .map(|q| unsafe { Borrowed::<u8>::new(&s, q) });
+        let mut count = unsafe { Borrowed::<i32>::new(&s, p.recv_count) };
+        let mut layout = unsafe { Borrowed::<i64>::new(&s, p.layout_range) };
+        let mut src = unsafe { Borrowed::<i32>::new(&s, p.src_info) };
+        let mut out = DeviceDispatchOut {
+            recv_x: recv_x.view_mut(),
+            recv_scales: scales.as_mut().map(|b| b.view_mut()),
+            recv_count: count.view_mut(),
+            layout_range: layout.view_mut(),
+            src_info: src.view_mut(),
+        };
+        let (xv, tv) = (x.view(), topk.view());
+        let id = self.next_handle;
+        let ins = [ep_kernels::DispatchIn {
+            x: &xv,
+            topk_idx: &tv,
+            n_tokens: Tokens::Host(p.num_tokens),
+        }];
+        let outs = std::slice::from_mut(&mut out);
+        if phases == Phases::Send {
+            let hook = self
+                .group
+                .dispatch_send(self.path, &[&s], &ins, Some(outs))?;
+            self.pending_dispatch = Some((id, hook));
+        } else {
+            let handle = self
+                .group
+                .dispatch_device(self.path, &[&s], &ins, Some(outs))?;
+            self.keep(id, handle);
+        }
+        self.next_handle += 1;
+        Ok(id)
+    }
+
+    /// Enqueues a combine (or one half) on `stream`, after the dispatch of handle `handle`.
+    pub fn combine(
+        &mut self,
+        stream: u64,
+        phases: Phases,
+        handle: u64,
+        p: &CombinePtrs,
+    ) -> Result<()> {
+        let s = self.stream(stream);
+        if phases == Phases::Recv {
+            let hook = self.pending_combine.take().ok_or_else(|| {
+                BindError::argument("hook", "no combine send half is waiting for its receive")
+            })?;
+            return Ok(self.group.combine_recv(hook, &[&s])?);
+        }
+        if self.pending_combine.is_some() {
+            return Err(BindError::argument(
+                "return_recv_hook",
+                "the previous combine's receive hook was not called; call it first",
+            ));
+        }
+        let h = match self.handles.iter().find(|(id, _)| *id == handle) {
+            Some((_, h)) => h.clone(),
+            None if self
+                .pending_dispatch
+                .as_ref()
+                .is_some_and(|(id, _)| *id == handle) =>
+            {
+                return Err(BindError::argument(
+                    "handle",
+                    "its dispatch's receive hook was not called yet",
+                ))
+            }
+            None => {
+                return Err(GpuError::Handle(format!(
+                    "dispatch handle {handle} is no longer held (this rank keeps the last \
+                     {KEPT_HANDLES}, and combines only the latest dispatch per path)"
+                ))
+                .into())
+            }
+        };
+        // SAFETY: as in `dispatch`.
+        let y = unsafe { Borrowed::<bf16>::new(&s, p.y) };
+        let topk = unsafe { Borrowed::<i64>::new(&s, p.topk_idx) };
+        let w = unsafe { Borrowed::<f32>::new(&s, p.topk_weights) };
+        let mut out = unsafe { Borrowed::<bf16>::new(&s, p.out) };
+        let (yv, tv, wv) = (y.view(), topk.view(), w.view());
+        let ins = [ep_kernels::CombineIn {
+            y: &yv,
+            topk_idx: &tv,
+            topk_weights: &wv,
+        }];
+        let mut outs = [out.view_mut()];
+        if phases == Phases::Send {
+            self.pending_combine = Some(self.group.combine_send(&[&s], &h, &ins, &mut outs)?);
+        } else {
+            self.group.combine_device(&[&s], &h, &ins, &mut outs)?;
+        }
+        Ok(())
     }
 }
 
@@ -249,7 +445,7 @@ mod tests {
         // DeepEP's standard setting with K = 8.
         let got = size_hint(128, 7168, 8, 256, Some(8), false).unwrap();
         let cfg = Config::new(8, 256, 128, 7168, 8, Mode::Bf16).unwrap();
-        assert_eq!(got, bytes_per_rank_with(&cfg, false) as u64);
+        assert_eq!(got, bytes_per_rank_with(&cfg, false).unwrap() as u64);
         // No top_k: the bound over every top_k, so at least the K = 8 figure.
         let bound = size_hint(128, 7168, 8, 256, None, false).unwrap();
         assert!(bound > got, "{bound} vs {got}");
@@ -280,7 +476,10 @@ mod tests {
         assert_eq!(path("per_expert").unwrap(), Path::PerExpert);
         assert_eq!(transport("nccl").unwrap(), Transport::Nccl);
         assert_eq!(Phases::parse("recv").unwrap(), Phases::Recv);
-        assert!(path("fast").unwrap_err().to_string().starts_with("argument `path`"));
+        assert!(path("fast")
+            .unwrap_err()
+            .to_string()
+            .starts_with("argument `path`"));
         assert!(transport("ib")
             .unwrap_err()
             .to_string()

@@ -29,7 +29,7 @@ fn values<const N: usize, T>(
     bytes: &[u8],
     f: fn([u8; N]) -> T,
 ) -> Result<Vec<T>> {
-    if bytes.len() % N != 0 {
+    if !bytes.len().is_multiple_of(N) {
         return Err(BindError::argument(
             argument,
             format!(
@@ -65,7 +65,9 @@ fn le_bytes<T: Copy, const N: usize>(v: &[T], f: fn(T) -> [u8; N]) -> Vec<u8> {
 
 /// f32 -> bf16 bits, rounded as the contract rounds (nearest even, canonical NaN).
 pub fn bf16_bits_from_f32(v: &[f32]) -> Vec<u8> {
-    le_bytes(v, |x| ep_reference::bf16_from_f32(x).to_bits().to_le_bytes())
+    le_bytes(v, |x| {
+        ep_reference::bf16_from_f32(x).to_bits().to_le_bytes()
+    })
 }
 
 /// bf16 bits -> f32 (exact).
@@ -115,15 +117,19 @@ pub fn output_bytes(out: &DispatchOutput) -> OutputBytes {
     }
 }
 
+/// Every rank's rows and routing (or expert outputs and weights), typed.
+pub type RankInputs<A, B> = (Vec<Vec<A>>, Vec<Vec<B>>);
+
 /// Every rank's typed dispatch inputs from their bytes (`x[r]`: bf16 bits, `topk_idx[r]`: int64).
-pub fn dispatch_inputs(
-    xs: &[&[u8]],
-    topks: &[&[u8]],
-) -> Result<(Vec<Vec<bf16>>, Vec<Vec<i64>>)> {
+pub fn dispatch_inputs(xs: &[&[u8]], topks: &[&[u8]]) -> Result<RankInputs<bf16, i64>> {
     if xs.len() != topks.len() {
         return Err(BindError::argument(
             "topk_idx",
-            format!("{} ranks of topk_idx for {} ranks of x", topks.len(), xs.len()),
+            format!(
+                "{} ranks of topk_idx for {} ranks of x",
+                topks.len(),
+                xs.len()
+            ),
         ));
     }
     let x = xs
@@ -140,11 +146,15 @@ pub fn dispatch_inputs(
 }
 
 /// Every rank's typed combine inputs (`y[r]`: bf16 bits, `topk_weights[r]`: float32).
-pub fn combine_inputs(ys: &[&[u8]], ws: &[&[u8]]) -> Result<(Vec<Vec<bf16>>, Vec<Vec<f32>>)> {
+pub fn combine_inputs(ys: &[&[u8]], ws: &[&[u8]]) -> Result<RankInputs<bf16, f32>> {
     if ys.len() != ws.len() {
         return Err(BindError::argument(
             "topk_weights",
-            format!("{} ranks of topk_weights for {} ranks of y", ws.len(), ys.len()),
+            format!(
+                "{} ranks of topk_weights for {} ranks of y",
+                ws.len(),
+                ys.len()
+            ),
         ));
     }
     let y = ys
@@ -184,7 +194,11 @@ pub fn oracle_combine(
     if topks.len() != ys.len() {
         return Err(BindError::argument(
             "topk_idx",
-            format!("{} ranks of topk_idx for {} ranks of y", topks.len(), ys.len()),
+            format!(
+                "{} ranks of topk_idx for {} ranks of y",
+                topks.len(),
+                ys.len()
+            ),
         ));
     }
     let inputs: Vec<CombineInput<'_>> = ys
@@ -305,7 +319,10 @@ mod tests {
         let b = bf16_bits_from_f32(&[1.0 + 2f32.powi(-8), -2.0]);
         assert_eq!(b, vec![0x80, 0x3F, 0x00, 0xC0]);
         let back = f32_from_bf16_bits("x", &b).unwrap();
-        assert_eq!(back, [1.0f32.to_le_bytes(), (-2.0f32).to_le_bytes()].concat());
+        assert_eq!(
+            back,
+            [1.0f32.to_le_bytes(), (-2.0f32).to_le_bytes()].concat()
+        );
     }
 
     /// A case small enough to check by hand: R=2, E=4 (L=2), T=2, H=128 bf16, K=2.
@@ -323,7 +340,10 @@ mod tests {
         // layout_range[l][s] packed (begin << 32) | count: (l=1, s=0) = (0, 2), (l=1, s=1) = (2, 0).
         assert_eq!(b0.layout_range, le_i64(&[0, 0, 2, 2 << 32]));
         // src_info of expert 1 (rows 4.. of L x R*T = 2 x 4): tokens 0 and 1.
-        assert_eq!(&b0.src_info[16..24], &le_bytes(&[0i32, 1], i32::to_le_bytes)[..]);
+        assert_eq!(
+            &b0.src_info[16..24],
+            &le_bytes(&[0i32, 1], i32::to_le_bytes)[..]
+        );
         // Rank 1 holds experts 2 and 3: one row each, from rank 0 token 0 and rank 1 token 0.
         let b1 = output_bytes(&outs[1]);
         assert_eq!(b1.recv_count, le_bytes(&[1i32, 1], i32::to_le_bytes));
@@ -350,13 +370,15 @@ mod tests {
         let topks = vec![vec![0, 3, 2, -1, 1, 2], vec![3, 0, -1, -1]];
         let rows = cfg.num_local_experts() * cfg.rows_per_expert() * 128;
         let ys = vec![mk(3, rows), mk(4, rows)];
-        let ws = vec![vec![0.5, 0.25, 1.0, 0.0, -2.0, 0.125], vec![0.75, 1.5, 9.0, 9.0]];
+        let ws = vec![
+            vec![0.5, 0.25, 1.0, 0.0, -2.0, 0.125],
+            vec![0.75, 1.5, 9.0, 9.0],
+        ];
         let want = oracle_dispatch(&cfg, &xs, &topks).unwrap();
         let want_c = oracle_combine(&cfg, &ys, &topks, &ws).unwrap();
         for path in [CpuPath::PerExpert, CpuPath::Batched] {
             let (got, got_c) =
-                cpu_roundtrip(path, &cfg, &xs, &topks, &ys, &ws, Duration::from_secs(10))
-                    .unwrap();
+                cpu_roundtrip(path, &cfg, &xs, &topks, &ys, &ws, Duration::from_secs(10)).unwrap();
             for r in 0..2 {
                 assert_eq!(got[r].diff(&want[r]), None, "{path:?} rank {r}");
                 assert_eq!(got_c[r], want_c[r], "{path:?} rank {r}");

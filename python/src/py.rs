@@ -7,7 +7,7 @@ use crate::error::BindError;
 use crate::gpu::{self, CombinePtrs, DispatchPtrs, Phases, RankGroup};
 use crate::host::{self, OutputBytes, ScalesKind};
 use ep_kernels::GpuError;
-use ep_reference::{Config, Error, DispatchOutput};
+use ep_reference::{Config, DispatchOutput, Error};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -77,7 +77,11 @@ fn classify(e: &BindError) -> (&'static str, &'static str, Vec<(&'static str, Fi
             E::TooManyTokens { rank, tokens, max } => (
                 "InputError",
                 "TooManyTokens",
-                vec![("rank", us(*rank)), ("tokens", us(*tokens)), ("max", us(*max))],
+                vec![
+                    ("rank", us(*rank)),
+                    ("tokens", us(*tokens)),
+                    ("max", us(*max)),
+                ],
             ),
             E::ExpertOutOfRange {
                 rank,
@@ -200,6 +204,37 @@ fn classify(e: &BindError) -> (&'static str, &'static str, Vec<(&'static str, Fi
             GpuError::Process(_) => ("PeerError", "Process", vec![]),
             GpuError::Unsupported(_) => ("UnsupportedError", "Unsupported", vec![]),
             GpuError::PathMismatch { .. } => ("InputError", "PathMismatch", vec![]),
+            GpuError::Handle(_) => ("InputError", "Handle", vec![]),
+            GpuError::WrongDevice {
+                what,
+                expected,
+                got,
+            } => (
+                "InputError",
+                "WrongDevice",
+                vec![
+                    ("what", Field::Str(what.to_string())),
+                    ("expected", us(*expected)),
+                    ("got", us(*got)),
+                ],
+            ),
+            GpuError::PeerData {
+                rank,
+                peer,
+                field,
+                value,
+                limit,
+            } => (
+                "PeerError",
+                "PeerData",
+                vec![
+                    ("rank", us(*rank)),
+                    ("peer", us(*peer)),
+                    ("field", Field::Str(field.to_string())),
+                    ("value", int(*value)),
+                    ("limit", int(*limit)),
+                ],
+            ),
             // Contract errors are unwrapped into BindError::Contract by `From<GpuError>`.
             GpuError::Contract(_) => ("EpError", "Contract", vec![]),
         },
@@ -246,6 +281,7 @@ impl<T, E: Into<BindError>> IntoPy<T> for Result<T, E> {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn config(
     num_ranks: usize,
     num_experts: usize,
@@ -589,8 +625,7 @@ impl GpuRank {
             got.extract::<Vec<Vec<u8>>>()
                 .map_err(|e| format!("all_gather did not return a list of bytes: {e}"))
         };
-        let inner =
-            RankGroup::new(&cfg, p, t, timeout, rank, ordinal, &mut gather).py_err()?;
+        let inner = RankGroup::new(&cfg, p, t, timeout, rank, ordinal, &mut gather).py_err()?;
         Ok(GpuRank { inner })
     }
 
@@ -599,22 +634,30 @@ impl GpuRank {
         self.inner.describe_devices()
     }
 
+    /// Errors the kernels recorded (timeout, bad routing, bad peer data), raised as the
+    /// contract's exceptions. Synchronous; not inside CUDA graph capture.
+    fn check(&mut self) -> PyResult<()> {
+        self.inner.check().py_err()
+    }
+
     /// Enqueues a dispatch on the raw CUDA stream `stream`; `phases`: 'both', 'send', 'recv'.
+    /// Each tensor is `(data_ptr, numel)`; `recv_x` and `recv_x_scales` count bytes. Returns the
+    /// handle id combine takes.
     #[pyo3(signature = (stream, phases, x, topk_idx, num_tokens, recv_x, recv_x_scales, recv_count, src_info, layout_range))]
     #[allow(clippy::too_many_arguments)]
     fn dispatch(
         &mut self,
         stream: u64,
         phases: &str,
-        x: u64,
-        topk_idx: u64,
+        x: gpu::Ptr,
+        topk_idx: gpu::Ptr,
         num_tokens: usize,
-        recv_x: u64,
-        recv_x_scales: u64,
-        recv_count: u64,
-        src_info: u64,
-        layout_range: u64,
-    ) -> PyResult<()> {
+        recv_x: gpu::Ptr,
+        recv_x_scales: Option<gpu::Ptr>,
+        recv_count: gpu::Ptr,
+        src_info: gpu::Ptr,
+        layout_range: gpu::Ptr,
+    ) -> PyResult<u64> {
         let ph = Phases::parse(phases).py_err()?;
         let p = DispatchPtrs {
             x,
@@ -629,28 +672,27 @@ impl GpuRank {
         self.inner.dispatch(stream, ph, &p).py_err()
     }
 
-    /// Enqueues a combine on the raw CUDA stream `stream`.
-    #[pyo3(signature = (stream, phases, y, topk_idx, topk_weights, num_tokens, out))]
+    /// Enqueues a combine on the raw CUDA stream `stream` after the dispatch `handle`.
+    #[pyo3(signature = (stream, phases, handle, y, topk_idx, topk_weights, out))]
     #[allow(clippy::too_many_arguments)]
     fn combine(
         &mut self,
         stream: u64,
         phases: &str,
-        y: u64,
-        topk_idx: u64,
-        topk_weights: u64,
-        num_tokens: usize,
-        out: u64,
+        handle: u64,
+        y: gpu::Ptr,
+        topk_idx: gpu::Ptr,
+        topk_weights: gpu::Ptr,
+        out: gpu::Ptr,
     ) -> PyResult<()> {
         let ph = Phases::parse(phases).py_err()?;
         let p = CombinePtrs {
             y,
             topk_idx,
             topk_weights,
-            num_tokens,
             out,
         };
-        self.inner.combine(stream, ph, &p).py_err()
+        self.inner.combine(stream, ph, handle, &p).py_err()
     }
 }
 

@@ -249,6 +249,7 @@ def test_combine_checks_name_the_argument():
 
 def test_handle_unpacks_as_deepeps_five_tuple():
     h = Handle("src", "layout", 128, 7168, 256, recv_count="rc", num_tokens=5)
+    assert h[1] == "layout" and h[-4] == "layout" and h[1:3] == ("layout", 128)
     src_info, layout_range, tokens, hidden, experts = h
     assert (src_info, layout_range, tokens, hidden, experts) == ("src", "layout", 128, 7168, 256)
     assert h.num_max_dispatch_tokens_per_rank == 128 and h.recv_count == "rc" and len(h) == 5
