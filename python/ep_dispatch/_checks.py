@@ -27,8 +27,8 @@ def flag(name, v):
 
 
 def tensor(name, t, dtype, shape, device):
-    """`t` is a tensor of `dtype`, `shape` (None entries match any size), on CUDA device index
-    `device`, contiguous. Returns its shape as a tuple."""
+    """`t` is a tensor of `dtype`, `shape` (None entries match any size), on `device` (the
+    Buffer's ``torch.device``), contiguous. Returns its shape as a tuple."""
     for attr in ("shape", "dtype", "device", "is_contiguous", "data_ptr"):
         if not hasattr(t, attr):
             raise argument_error(name, f"expected a torch.Tensor, got {type(t).__name__}")
@@ -38,9 +38,8 @@ def tensor(name, t, dtype, shape, device):
     if len(got) != len(shape) or any(w is not None and g != w for g, w in zip(got, shape)):
         want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
         raise argument_error(name, f"shape {list(got)}, expected {want}")
-    dev = t.device
-    if getattr(dev, "type", None) != "cuda" or dev.index != device:
-        raise argument_error(name, f"on {dev}, expected cuda:{device} (the Buffer's device)")
+    if t.device != device:
+        raise argument_error(name, f"on {t.device}, expected {device} (the Buffer's device)")
     if not t.is_contiguous():
         raise argument_error(name, "is not contiguous (call .contiguous() first)")
     return got

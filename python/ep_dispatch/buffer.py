@@ -194,6 +194,8 @@ class Buffer:
             self.rank, self.group_size = comm.Get_rank(), comm.Get_size()
         self._comm = comm if group is None else None
         self._device = torch.cuda.current_device()
+        # Where every tensor of a call must be, and where outputs are allocated.
+        self._dev = torch.device("cuda", self._device)
         if self._shape.experts is not None and self._shape.experts % self.group_size:
             raise argument_error("num_experts", f"{self._shape.experts} is not a multiple of "
                                                 f"the group's {self.group_size} ranks")
@@ -309,20 +311,20 @@ class Buffer:
             _checks.flag(name, v)
         R = self.group_size
         n, H, K = _checks.dispatch_args(x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                        num_experts, self._shape, R, self._device, dt)
+                                        num_experts, self._shape, R, self._dev, dt)
         T, E = num_max_dispatch_tokens_per_rank, num_experts
         L, RT = E // R, R * T
         _checks.stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                      dt.i32, (L,), self._device)
+                      dt.i32, (L,), self._dev)
         _checks.stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, dt.i64,
-                      (R, R), self._device)
+                      (R, R), self._dev)
         _native.validate_config(R, E, T, H, K, use_fp8, round_scale, use_ue8m0)
         if self.check_routing:
             host = topk_idx.detach().to("cpu").contiguous().numpy().tobytes()
             _native.check_routing(self.rank, R, E, T, H, K, host)
         key, g = self._rank_group(T, H, E, K, use_fp8, round_scale, use_ue8m0)
 
-        dev = torch.device("cuda", self._device)
+        dev = self._dev
         if use_fp8:
             recv_x = torch.empty((L, RT, H), dtype=dt.fp8, device=dev)
             if use_ue8m0:
@@ -392,11 +394,11 @@ class Buffer:
         if y is None:
             raise argument_error("zero_copy", "no get_next_low_latency_combine_buffer(handle) "
                                               "was filled for this shape")
-        _checks.combine_args(y, topk_idx, topk_weights, out, L, RT, H, n, K, self._device, dt)
+        _checks.combine_args(y, topk_idx, topk_weights, out, L, RT, H, n, K, self._dev, dt)
         _checks.stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, dt.i64,
-                      (R, R), self._device)
+                      (R, R), self._dev)
         if out is None:
-            out = torch.empty((n, H), dtype=dt.bf16, device=torch.device("cuda", self._device))
+            out = torch.empty((n, H), dtype=dt.bf16, device=self._dev)
         ptrs = (handle._id, (y.data_ptr(), y.numel()), (topk_idx.data_ptr(), topk_idx.numel()),
                 (topk_weights.data_ptr(), topk_weights.numel()), (out.data_ptr(), out.numel()))
         if return_recv_hook:
@@ -420,6 +422,6 @@ class Buffer:
         if buf is None:
             R, T, H, E = self.group_size, handle[2], handle[3], handle[4]
             buf = self._torch.empty((E // R, R * T, H), dtype=self._dt.bf16,
-                                    device=self._torch.device("cuda", self._device))
+                                    device=self._dev)
             self._combine_buffers[handle._key] = buf
         return buf

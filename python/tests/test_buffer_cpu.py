@@ -176,8 +176,11 @@ class Dev:
     def __init__(self, type_, index):
         self.type, self.index = type_, index
 
+    def __eq__(self, other):
+        return (self.type, self.index) == (other.type, other.index)
+
     def __str__(self):
-        return f"{self.type}:{self.index}"
+        return f"{self.type}:{self.index}" if self.index is not None else self.type
 
 
 class T:
@@ -198,7 +201,7 @@ class DT:
 
 
 def dispatch(x, t, T_=8, E=4, R=2, shape=None):
-    return _checks.dispatch_args(x, t, T_, E, shape or _checks.Shape(), R, 0, DT)
+    return _checks.dispatch_args(x, t, T_, E, shape or _checks.Shape(), R, Dev("cuda", 0), DT)
 
 
 def test_dispatch_checks_accept_good_arguments():
@@ -232,7 +235,7 @@ def test_dispatch_checks_name_the_argument(x, t, kw, argument, words):
 def test_combine_checks_name_the_argument():
     def combine(x=None, t=None, w=None, out=None):
         _checks.combine_args(x or T((2, 16, 128), "bfloat16"), t or T((5, 2), "int64"),
-                             w or T((5, 2), "float32"), out, 2, 16, 128, 5, 2, 0, DT)
+                             w or T((5, 2), "float32"), out, 2, 16, 128, 5, 2, Dev("cuda", 0), DT)
 
     combine()
     combine(out=T((5, 128), "bfloat16"))
