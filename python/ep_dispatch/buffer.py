@@ -251,7 +251,10 @@ class Buffer:
             g.check()
 
     def destroy(self):
-        """Releases the GPU buffers (the next call forms the groups again)."""
+        """Releases the GPU buffers (the next call forms the groups again). Waits for the
+        device first: kernels still queued may use them."""
+        if self._ranks and getattr(self, "_dev", None) is not None and self._dev.type == "cuda":
+            self._torch.cuda.synchronize(self._dev)
         self._ranks.clear()
         self._combine_buffers.clear()
 

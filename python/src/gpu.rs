@@ -232,6 +232,15 @@ pub struct RankGroup {
     pending_combine: Option<CombineHook>,
 }
 
+impl Drop for RankGroup {
+    fn drop(&mut self) {
+        // Kernels enqueued on the caller's streams may still use the group's buffers (and the
+        // peers' mappings); the group's own Drop only waits for its own stream. Wait for every
+        // stream of the context before the buffers go.
+        let _ = self.ctx.synchronize();
+    }
+}
+
 impl RankGroup {
     /// Forms the group (collective: every rank calls it with the same config and options).
     /// `all_gather` exchanges one blob per rank in rank order (the Python side passes
