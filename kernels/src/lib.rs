@@ -2,7 +2,8 @@
 //!
 //! The CUDA backend of ep-dispatch: both paths of DESIGN.md (per-expert and per-destination
 //! batched dispatch/combine) as CUDA kernels, compiled at run time with NVRTC (`compile`), run
-//! by a small runtime over one or more GPUs with peer access (`runtime`), and timed by the
+//! by a small runtime over one or more GPUs with peer access (`runtime`; its library face is
+//! `runtime::device_api`, device tensors on the caller's stream), and timed by the
 //! benchmark entry point (`bench`). Every output is bit-identical to `ep_reference::oracle`.
 //!
 //! Where there is no CUDA driver (or no NVRTC), nothing touches the GPU: [`runtime::probe_devices`]
@@ -15,17 +16,32 @@
 //!   so they are resident together and can wait on each other. Two groups must not launch on the
 //!   same GPU at once: their blocks could interleave their residency (a wait would then end in
 //!   `Error::Timeout`, not a hang).
-//! - **Epochs on the device.** Each rank keeps, per kernel kind, the number of completed calls.
-//!   A kernel reads it at start (epoch = calls + 1), and the last block to leave publishes it. A
-//!   signal is `(epoch << 32) | count`, stored with release and read with acquire (gpu scope on
-//!   one GPU, system scope across GPUs). No host value changes between calls, so a call can be
-//!   replayed from a CUDA graph. The receiver acknowledges each call (`epoch` in the sender's ack
+//! - **Epochs on the device.** Each rank keeps, per kernel kind, the number of completed calls as
+//!   a u64 (it never wraps). A kernel reads it at start (epoch = calls + 1), and the last block to
+//!   leave publishes it. A signal is `(tag << 24) | count` with `tag = epoch mod (2^40 - 1) + 1`
+//!   (never 0, the zeroed initial words; consecutive calls differ, and every call rewrites every
+//!   signal it waits on), stored with release and read with acquire (gpu scope on one GPU, system
+//!   scope across GPUs); counts stay below 2^24 (T*K is checked). Per-expert message headers
+//!   carry the whole u64 epoch. No host value changes between calls, so a call can be replayed
+//!   from a CUDA graph. The receiver acknowledges each call (the u64 epoch in the sender's ack
 //!   word) after it has consumed the buffers, and a sender waits for the previous call's ack
 //!   before it overwrites them.
 //! - **Bounded waits.** Every wait polls `%globaltimer`. Past `timeout_ns` it writes
 //!   (rank, peer, phase, call) to the device's error word and the kernel exits; waits elsewhere
-//!   see the flag and exit too. Nothing traps. [`GpuGroup::sync`] turns the word into
-//!   `ep_reference::Error::Timeout`, and the group refuses later calls.
+//!   see the flag and exit too. Nothing traps. [`GpuGroup::sync`] (or [`GpuGroup::check`] after
+//!   the caller synchronised its stream) turns the word into `ep_reference::Error::Timeout`, and
+//!   the group refuses later calls.
+//! - **Checks on the device.** Dispatch checks the routing it reads (an expert outside [-1, E),
+//!   or twice in a token) and the token count (at most T) before it writes or sends anything;
+//!   receivers bound every count and header field a peer wrote before using it as a size or an
+//!   index. The error word carries (rank, token, slot, value) or (rank, peer, field, value,
+//!   limit); the host reports `ExpertOutOfRange`, `DuplicateExpert`, `TooManyTokens` or
+//!   [`GpuError::PeerData`], and the group refuses later calls (build a new one).
+//! - **The device API** ([`runtime::device_api`]): dispatch and combine on cudarc device tensors,
+//!   enqueued on the caller's stream with no host synchronisation, outputs into the caller's
+//!   buffers or the group's; send and receive halves (the receive hook); capturable in a CUDA
+//!   graph (token counts may be read from device memory). The host-slice calls (`dispatch`,
+//!   `combine`, `upload_*`, `read_*`) are the test and benchmark harness.
 //! - **Finish counting.** DESIGN.md's `FINISHED_SUM_TAG` counter is replaced by a block-completion
 //!   counter. In the batched path every block adds 1 after a release fence, and the block that
 //!   completes the count stores the (source, destination) signals. In the per-expert path one

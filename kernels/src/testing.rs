@@ -1,5 +1,7 @@
-//! Deterministic random inputs for the tests, the check binary and the benchmark.
+//! Inputs for the GPU tests, the check binary and the benchmark (the project's one generator,
+//! `ep_reference::workload`, behind the signatures they use) and the oracle comparison.
 
+use ep_reference::workload::{self, Workload};
 use ep_reference::Config;
 use half::bf16;
 
@@ -32,7 +34,7 @@ impl Rng {
 pub enum Routing {
     /// K distinct random experts, each slot -1 with probability `masked`.
     Random { masked: f32 },
-    /// Every token selects expert 0 in slot 0, the other slots -1.
+    /// Every token selects expert 0 (in one slot), the other slots -1.
     AllToOne,
 }
 
@@ -44,65 +46,41 @@ pub struct RankData {
     pub topk_weights: Vec<f32>,
 }
 
-/// Random inputs for every rank: `tokens[r]` tokens on rank r, values with a spread of
-/// magnitudes (so FP8 groups get different scales), a few exact zeros and large values.
+/// Random inputs for every rank, from the project's one generator
+/// (`ep_reference::workload::Workload`, seeded from `rng`): `tokens[r]` tokens on rank r.
 pub fn random_inputs(
     cfg: &Config,
     tokens: &[usize],
     routing: Routing,
     rng: &mut Rng,
 ) -> Vec<RankData> {
-    let (h, k, e) = (cfg.hidden, cfg.top_k, cfg.num_experts);
-    tokens
-        .iter()
-        .map(|&n| {
-            let mut x = Vec::with_capacity(n * h);
-            for t in 0..n {
-                for c in 0..h {
-                    let group_scale = [1e-3f32, 0.05, 1.0, 30.0, 900.0][(t + c / 128) % 5];
-                    let v = match rng.below(97) {
-                        0 => 0.0,
-                        1 => 3.0e4,
-                        _ => rng.unit() * group_scale,
-                    };
-                    x.push(bf16::from_f32(v));
-                }
-            }
-            let mut topk_idx = vec![-1i64; n * k];
-            for t in 0..n {
-                match routing {
-                    Routing::AllToOne => topk_idx[t * k] = 0,
-                    Routing::Random { masked } => {
-                        let mut chosen: Vec<i64> = Vec::with_capacity(k);
-                        while chosen.len() < k.min(e) {
-                            let c = rng.below(e) as i64;
-                            if !chosen.contains(&c) {
-                                chosen.push(c);
-                            }
-                        }
-                        for (slot, &c) in chosen.iter().enumerate() {
-                            let drop = (rng.below(1 << 20) as f32) < masked * (1 << 20) as f32;
-                            topk_idx[t * k + slot] = if drop { -1 } else { c };
-                        }
-                    }
-                }
-            }
-            let topk_weights = (0..n * k).map(|_| rng.unit()).collect();
-            RankData {
-                x,
-                topk_idx,
-                topk_weights,
-            }
+    let routing = match routing {
+        Routing::Random { masked } => workload::Routing::Random {
+            masked: masked as f64,
+        },
+        Routing::AllToOne => workload::Routing::OneExpert,
+    };
+    let w = Workload::generate(cfg, tokens, routing, rng.next_u64());
+    w.x.into_iter()
+        .zip(w.topk_idx)
+        .zip(w.topk_weights)
+        .map(|((x, topk_idx), topk_weights)| RankData {
+            x,
+            topk_idx,
+            topk_weights,
         })
         .collect()
 }
 
-/// Random expert outputs y (L x R*T x H) for every rank.
+/// Random expert outputs y (L x R*T x H) for every rank (`Workload::expert_outputs`).
 pub fn random_y(cfg: &Config, rng: &mut Rng) -> Vec<Vec<bf16>> {
-    let len = cfg.num_local_experts() * cfg.rows_per_expert() * cfg.hidden;
-    (0..cfg.num_ranks)
-        .map(|_| (0..len).map(|_| bf16::from_f32(rng.unit() * 4.0)).collect())
-        .collect()
+    let w = Workload {
+        config: *cfg,
+        x: Vec::new(),
+        topk_idx: Vec::new(),
+        topk_weights: Vec::new(),
+    };
+    w.expert_outputs(rng.next_u64())
 }
 
 use crate::runtime::{GpuGroup, Path};
@@ -162,17 +140,11 @@ pub fn verify_paths(
             .combine(path, y, &w)
             .map_err(|e| format!("{} combine: {e}", path.name()))?;
         for r in 0..cfg.num_ranks {
-            if let Some(i) =
-                (0..want_c[r].len()).find(|&i| got_c[r][i].to_bits() != want_c[r][i].to_bits())
-            {
+            if let Some(d) = ep_reference::output::combine_diff(&got_c[r], &want_c[r], cfg.hidden) {
                 return Err(format!(
-                    "{} combine, {}, rank {r}: element {i} (token {}, channel {}): got {:#06x}, want {:#06x}",
+                    "{} combine, {}, rank {r}: {d}",
                     path.name(),
-                    cfg.describe(),
-                    i / cfg.hidden,
-                    i % cfg.hidden,
-                    got_c[r][i].to_bits(),
-                    want_c[r][i].to_bits()
+                    cfg.describe()
                 ));
             }
         }

@@ -102,6 +102,11 @@ const TESTS: &[(&str, usize, fn())] = &[
         1,
         gpu_epochs_past_2_32_and_the_signal_tag_wrap,
     ),
+    (
+        "gpu_rank_ep_process_mode_equals_oracle",
+        1,
+        gpu_rank_ep_process_mode_equals_oracle,
+    ),
 ];
 
 fn main() {
@@ -1268,5 +1273,71 @@ fn gpu_epochs_past_2_32_and_the_signal_tag_wrap() {
         }
         assert_eq!(g.calls(), [start + 6; 4]);
         println!("ok: 6 calls of each kind from epoch {start}");
+    }
+}
+
+/// Process mode's one-rank face (RankEp) on a one-rank process-mode group: the caller's
+/// stream, caller outputs, both paths, every mode, bit for bit against the oracle.
+fn gpu_rank_ep_process_mode_equals_oracle() {
+    let mut rng = Rng::new(91);
+    let (_c, s) = context(0);
+    for mode in MODES {
+        let h = if mode == Mode::FP8 { 640 } else { 512 };
+        let cfg = Config::new(1, 4, 16, h, 3, mode).unwrap();
+        let mut g = GpuGroup::new_process(&cfg, GpuOptions::default(), 0, 0, &mut |b| {
+            Ok(vec![b.to_vec()])
+        })
+        .unwrap();
+        for path in [Path::PerExpert, Path::Batched] {
+            let n = rng.below(17);
+            let data = random_inputs(&cfg, &[n], Routing::Random { masked: 0.1 }, &mut rng);
+            let y = random_y(&cfg, &mut rng);
+            let mut inp = RankIn::new(&cfg, &s);
+            inp.set(&s, &data[0], Some(&y[0]));
+            let mut out = RankOut::new(&g, &s);
+            s.synchronize().unwrap();
+            let (x, t, w, yv) = (
+                as_bf16(&inp.x),
+                inp.topk.slice(..),
+                inp.w.slice(..),
+                as_bf16(&inp.y),
+            );
+            let mut ep = g.rank_ep().unwrap();
+            let handle = {
+                let mut o = out.dispatch_out();
+                ep.dispatch(path, &s, &x, &t, Tokens::Host(n), Some(&mut o))
+                    .unwrap()
+            };
+            {
+                let mut fulls = out_views(std::slice::from_mut(&mut out));
+                let mut couts = inner(&mut fulls);
+                ep.combine(&s, &yv, &t, &w, &handle, &mut couts[0]).unwrap();
+            }
+            s.synchronize().unwrap();
+            ep.check().unwrap();
+            let (want, want_c) = oracle_of(&cfg, &data, &y);
+            if let Some(d) = out.read_dispatch(&cfg, &s).diff(&want[0]) {
+                panic!("RankEp {} {}: {d}", path.name(), cfg.describe());
+            }
+            let got: Vec<bf16> = out.out.read(&s, "out")[..n * h]
+                .iter()
+                .map(|&b| bf16::from_bits(b))
+                .collect();
+            if let Some(d) = ep_reference::output::combine_diff(&got, &want_c[0], h) {
+                panic!("RankEp {} combine {}: {d}", path.name(), cfg.describe());
+            }
+            // A combine with another topk_idx tensor than the dispatched one is refused.
+            let other = s.clone_htod(&vec![-1i64; 16 * 3]).unwrap();
+            let ov = other.slice(..);
+            let mut fulls = out_views(std::slice::from_mut(&mut out));
+            let mut couts = inner(&mut fulls);
+            assert!(matches!(
+                g.rank_ep()
+                    .unwrap()
+                    .combine(&s, &yv, &ov, &w, &handle, &mut couts[0]),
+                Err(GpuError::Handle(_))
+            ));
+        }
+        println!("ok: RankEp (process mode) {} both paths", cfg.describe());
     }
 }

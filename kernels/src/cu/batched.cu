@@ -272,17 +272,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                     sq[q] = s;
                     cq[q] = c;
                     if (lane < K) {
-                        // Peer-written header: a local expert below L and an index below the
-                        // rows of (l, s), or the slot is skipped and the error reported.
-                        u32 lx = ((const u16*)(h + 16))[lane];
-                        const u32 ix = ((const u16*)(h + 48))[lane];
-                        if (lx != NO_LOCAL && (lx >= (u32)L || ix >= (u32)sm.cls[lx * R + s])) {
-                            if (lx >= (u32)L) report_error(p, ERR_PEER_DATA, rank, s, PF_HDR_LOCAL, lx, 0u, L - 1);
-                            else report_error(p, ERR_PEER_DATA, rank, s, PF_HDR_INDEX, ix, 0u, sm.cls[lx * R + s] - 1);
-                            lx = NO_LOCAL;
-                        }
-                        lxq[q] = lx;
-                        ixq[q] = ix;
+                        lxq[q] = ((const u16*)(h + 16))[lane];
+                        ixq[q] = ((const u16*)(h + 48))[lane];
                     }
                     const int off = c * 512 + lane * 16;
                     if (c < Cx && off < p.xrow) vq[q] = *(const uint4*)(h + HDR_BYTES + off);
@@ -293,7 +284,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                 if (u0 + q * nw >= units) break;
                 const u8* h = hq[q];
                 const int s = sq[q], c = cq[q];
-                const u32 lx = lxq[q], ix = ixq[q];
+                u32 lx = lxq[q];
+                const u32 ix = ixq[q];
+                // Peer-written header: a local expert below L and an index below the rows of
+                // (l, s), or the slot is skipped and the error reported. Checked here, where the
+                // header is used, so that the loads of all four units stay in flight above.
+                if (lx != NO_LOCAL && (lx >= (u32)L || ix >= (u32)sm.cls[lx * R + s])) {
+                    if (lx >= (u32)L) report_error(p.err, ERR_PEER_DATA, rank, s, PF_HDR_LOCAL, lx, 0u, L - 1);
+                    else report_error(p.err, ERR_PEER_DATA, rank, s, PF_HDR_INDEX, ix, 0u, sm.cls[lx * R + s] - 1);
+                    lx = NO_LOCAL;
+                }
                 const int off = c * 512 + lane * 16;
                 const u32 slots = __ballot_sync(0xffffffffu, lx != NO_LOCAL);
                 if (c < Cx) {
@@ -309,7 +309,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                     const int sel = ((const int*)h)[1];
                     // The selection offset indexes comb_map: bounded (t is only stored).
                     if (slots != 0u && (sel < 0 || sel > (int)TK - __popc(slots))) {
-                        if (lane == 0) report_error(p, ERR_PEER_DATA, rank, s, PF_HDR_SEL, (u32)sel, 0u, (u32)TK - __popc(slots));
+                        if (lane == 0) report_error(p.err, ERR_PEER_DATA, rank, s, PF_HDR_SEL, (u32)sel, 0u, (u32)TK - __popc(slots));
                         continue;
                     }
                     for (u32 m = slots; m != 0u; m &= m - 1u) {

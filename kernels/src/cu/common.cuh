@@ -198,8 +198,9 @@ __device__ __forceinline__ u64 globaltimer() {
 __device__ __forceinline__ bool failed(const KParams& p) {
     return ld_volatile_u32((const u32*)p.err) != 0;
 }
-__device__ void report_error(const KParams& p, u32 code, u32 a, u32 b, u32 c, u32 d, u32 e, u32 f) {
-    u32* w = (u32*)p.err;
+// Out of line: it sits in the cold branches of hot loops.
+__device__ __noinline__ void report_error(u64 err, u32 code, u32 a, u32 b, u32 c, u32 d, u32 e, u32 f) {
+    u32* w = (u32*)err;
     if (atomicCAS(w + 7, 0u, 1u) == 0u) {
         w[1] = a;
         w[2] = b;
@@ -212,12 +213,12 @@ __device__ void report_error(const KParams& p, u32 code, u32 a, u32 b, u32 c, u3
     }
 }
 __device__ void report_timeout(const KParams& p, int rank, int peer, int phase, u64 call, u64 waited) {
-    report_error(p, ERR_TIMEOUT, (u32)rank, (u32)peer, (u32)phase, (u32)call, (u32)(waited / 1000ull), (u32)(call >> 32));
+    report_error(p.err, ERR_TIMEOUT, (u32)rank, (u32)peer, (u32)phase, (u32)call, (u32)(waited / 1000ull), (u32)(call >> 32));
 }
 // A peer-supplied `value` of `field` outside [0, limit]: reported, and the caller skips its use.
 __device__ __forceinline__ bool peer_bad(const KParams& p, int rank, int peer, int field, long long value, long long limit) {
     if (value >= 0 && value <= limit) return false;
-    report_error(p, ERR_PEER_DATA, (u32)rank, (u32)peer, (u32)field, (u32)value, 0u, (u32)limit);
+    report_error(p.err, ERR_PEER_DATA, (u32)rank, (u32)peer, (u32)field, (u32)value, 0u, (u32)limit);
     return true;
 }
 
@@ -347,25 +348,28 @@ __device__ __forceinline__ int load_topk(const KParams& p, const i64* topk, int 
     for (int i = threadIdx.x; i < n * p.K; i += NTHREADS) {
         const i64 v = topk[i];
         int e = (int)v;
-        if (check) {
-            const int t = i / p.K, k = i % p.K;
-            if (v < -1 || v >= (i64)p.E) {
-                report_error(p, ERR_EXPERT_RANGE, (u32)rank, (u32)t, (u32)k, (u32)(unsigned long long)v,
-                             (u32)((unsigned long long)v >> 32), (u32)p.E);
-                bad = 1;
-                e = -1;
-            } else if (v >= 0) {
-                for (int j = 0; j < k; j++)
-                    if (topk[t * p.K + j] == v) {
-                        report_error(p, ERR_DUP_EXPERT, (u32)rank, (u32)t, (u32)k, (u32)e, 0u, (u32)j);
-                        bad = 1;
-                        e = -1;
-                        break;
-                    }
-            }
+        if (check && (v < -1 || v >= (i64)p.E)) {
+            report_error(p.err, ERR_EXPERT_RANGE, (u32)rank, (u32)(i / p.K), (u32)(i % p.K), (u32)(unsigned long long)v,
+                         (u32)((unsigned long long)v >> 32), (u32)p.E);
+            bad = 1;
+            e = -1;
         }
         sk[i] = e;
         sdl[i] = e >= 0 ? ((e / p.L) << 16) | (e % p.L) : -1;
+    }
+    if (!check) return __syncthreads_or(bad);
+    __syncthreads();
+    // Repeats within a token, from shared memory (the caller stops before any write).
+    for (int i = threadIdx.x; i < n * p.K; i += NTHREADS) {
+        const int e = sk[i];
+        if (e < 0) continue;
+        const int t = i / p.K, k = i % p.K;
+        for (int j = 0; j < k; j++)
+            if (sk[t * p.K + j] == e) {
+                report_error(p.err, ERR_DUP_EXPERT, (u32)rank, (u32)t, (u32)k, (u32)e, 0u, (u32)j);
+                bad = 1;
+                break;
+            }
     }
     return __syncthreads_or(bad);
 }
@@ -374,7 +378,7 @@ __device__ __forceinline__ int load_topk(const KParams& p, const i64* topk, int 
 __device__ __forceinline__ int read_ntok(const KParams& p, const IoPtrs& io, int rank, int* bad) {
     const int n = *(const int*)io.ntok;
     if (n < 0 || n > p.T) {
-        report_error(p, ERR_TOKENS, (u32)rank, (u32)n, 0u, 0u, 0u, (u32)p.T);
+        report_error(p.err, ERR_TOKENS, (u32)rank, (u32)n, 0u, 0u, 0u, (u32)p.T);
         *bad = 1;
         return 0;
     }

@@ -113,8 +113,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
                 const u8* region = (const u8*)me.pe_buf + ((u64)l * R + s) * T * p.pe_entry_bytes;
                 for (int c = 0; c < T && base - begin < cnt; c += NTHREADS) {
                     const int j = c + tid;
-                    const u32* hj = (const u32*)(region + (u64)j * p.pe_entry_bytes);
-                    const int has = (j < T) && hj[0] == (u32)epoch && hj[3] == (u32)(epoch >> 32);
+                    // One 16-byte load of the header (epoch low word at [0], high word at [3]):
+                    // no second, dependent load in the scan.
+                    int has = 0;
+                    if (j < T) {
+                        const uint4 hv = *(const uint4*)(region + (u64)j * p.pe_entry_bytes);
+                        has = hv.x == (u32)epoch && hv.w == (u32)(epoch >> 32);
+                    }
                     int total;
                     const int idx = block_excl_scan(has, sm.scratch, &total);
                     if (has) sm.m_a[idx] = j;

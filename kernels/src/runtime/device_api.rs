@@ -31,7 +31,10 @@
 //!
 //! Ordering: the group's internal buffers are reused by every call, so calls on one group must
 //! be issued in program order on streams that are ordered with each other (the usual case: one
-//! stream per GPU). Two groups must not run on one GPU at the same time (see the crate docs).
+//! stream per GPU). The host-slice harness runs on the group's own stream: synchronise before
+//! switching between it and the device API (a harness combine after a device dispatch is
+//! refused: the harness does not hold that routing). Two groups must not run on one GPU at the
+//! same time (see the crate docs).
 
 use super::*;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
@@ -284,7 +287,7 @@ impl GpuGroup {
         path: Path,
         streams: &[&CudaStream],
         ranks: &[DispatchIn<'_>],
-        mut outs: Option<&mut [DeviceDispatchOut<'_>]>,
+        outs: Option<&mut [DeviceDispatchOut<'_>]>,
         stage: i32,
     ) -> Result<DispatchHook, GpuError> {
         let raw = self.device_call_check(streams, ranks.len())?;
@@ -395,7 +398,7 @@ impl GpuGroup {
                 }
             }
         }
-        if let Some(o) = outs.as_deref_mut() {
+        if let Some(o) = outs {
             for (i, o) in o.iter_mut().enumerate() {
                 let r = self.device_ranks().start + i;
                 let di = self.dev_of(r);

@@ -119,3 +119,104 @@ impl GpuGroup {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn word(code: u32, rest: [u32; 6]) -> [u32; ERR_WORDS] {
+        let mut w = [0u32; ERR_WORDS];
+        w[0] = code;
+        w[1..7].copy_from_slice(&rest);
+        w[7] = 1;
+        w
+    }
+
+    #[test]
+    fn every_code_decodes_to_its_typed_error() {
+        let cfg = Config::new(4, 16, 8, 256, 4, Mode::Bf16).unwrap();
+        assert_eq!(decode(&[0; ERR_WORDS], &cfg), None);
+        let neg = (-2i64) as u64;
+        assert_eq!(
+            decode(
+                &word(
+                    ERR_EXPERT_RANGE,
+                    [3, 5, 2, neg as u32, (neg >> 32) as u32, 16]
+                ),
+                &cfg
+            ),
+            Some(GpuError::Contract(Error::ExpertOutOfRange {
+                rank: 3,
+                token: 5,
+                slot: 2,
+                expert: -2,
+                num_experts: 16
+            }))
+        );
+        assert_eq!(
+            decode(&word(ERR_DUP_EXPERT, [1, 7, 3, 9, 0, 0]), &cfg),
+            Some(GpuError::Contract(Error::DuplicateExpert {
+                rank: 1,
+                token: 7,
+                expert: 9,
+                first_slot: 0,
+                second_slot: 3
+            }))
+        );
+        assert_eq!(
+            decode(&word(ERR_TOKENS, [2, 9, 0, 0, 0, 8]), &cfg),
+            Some(GpuError::Contract(Error::TooManyTokens {
+                rank: 2,
+                tokens: 9,
+                max: 8
+            }))
+        );
+        // A call number past 2^32 survives the round trip (u64 epochs).
+        match decode(&word(ERR_TIMEOUT, [0, 1, 1, 5, 2000, 1]), &cfg) {
+            Some(GpuError::Contract(Error::Timeout {
+                rank: 0,
+                peer: 1,
+                call,
+                waited_ms: 2,
+                ..
+            })) => assert_eq!(call, (1 << 32) + 5),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            decode(&word(ERR_PEER_DATA, [0, 3, 1, 99, 0, 8]), &cfg),
+            Some(GpuError::PeerData {
+                rank: 0,
+                peer: 3,
+                field: "rows per local expert",
+                value: 99,
+                limit: 8
+            })
+        ));
+    }
+
+    #[test]
+    fn input_errors_rank_before_the_timeouts_they_cause() {
+        let mut v = [
+            GpuError::from(Error::Timeout {
+                rank: 0,
+                peer: 1,
+                phase: Phase {
+                    op: Op::Dispatch,
+                    side: Side::Recv,
+                },
+                call: 1,
+                waited_ms: 1,
+            }),
+            GpuError::from(Error::TooManyTokens {
+                rank: 1,
+                tokens: 9,
+                max: 8,
+            }),
+        ];
+        v.sort_by_key(cause_first);
+        assert!(matches!(
+            v[0],
+            GpuError::Contract(Error::TooManyTokens { .. })
+        ));
+    }
+}

@@ -140,6 +140,7 @@ impl GpuGroup {
     /// themselves into each peer's receive region for me, exactly where NVLink would put them.
     pub(crate) fn nccl_dispatch_exchange(&mut self) -> Result<(), GpuError> {
         let (l, t) = (self.cfg.num_local_experts(), self.cfg.max_tokens_per_rank);
+        let k = self.cfg.top_k;
         let hb = (2 + l) * 4;
         let eb = self.params.entry_bytes as usize;
         let mut ops = Vec::new();
@@ -184,14 +185,25 @@ impl GpuGroup {
             }
             let mut v = Vec::new();
             for &d in &peers {
-                let (to_tok, to_sel) = (sh[d * (2 + l)] as usize, sh[d * (2 + l) + 1] as usize);
-                let (from_tok, from_sel) = (rh[d * (2 + l)] as usize, rh[d * (2 + l) + 1] as usize);
-                if to_tok > t || from_tok > t {
-                    return Err(GpuError::Nccl(format!(
-                        "rank {r}: batch header with {} tokens (T = {t})",
-                        to_tok.max(from_tok)
-                    )));
-                }
+                // Peer-supplied (rh) and own (sh) header words: bounded before they size a
+                // transfer (a negative i32 must not turn into a huge usize).
+                let word = |h: &[i32], i: usize, limit: usize, field: &'static str| {
+                    let v = h[d * (2 + l) + i];
+                    if v < 0 || v as usize > limit {
+                        return Err(GpuError::PeerData {
+                            rank: r,
+                            peer: d,
+                            field,
+                            value: v as i64,
+                            limit: limit as u64,
+                        });
+                    }
+                    Ok(v as usize)
+                };
+                let to_tok = word(&sh, 0, t, "batch token count (sent)")?;
+                let to_sel = word(&sh, 1, t * k, "selections (sent)")?;
+                let from_tok = word(&rh, 0, t, "batch token count")?;
+                let from_sel = word(&rh, 1, t * k, "selections")?;
                 self.sels[di].0[d] = to_sel;
                 self.sels[di].1[d] = from_sel;
                 v.push(crate::nccl::P2p::Send {

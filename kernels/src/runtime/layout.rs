@@ -312,3 +312,72 @@ pub(crate) fn all_peers(r: usize) -> u32 {
         (1u32 << r) - 1
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(r: usize, e: usize, t: usize, h: usize, k: usize) -> Config {
+        // Built directly: the sizes must be checked here whatever Config::validate accepts.
+        Config {
+            num_ranks: r,
+            num_experts: e,
+            max_tokens_per_rank: t,
+            hidden: h,
+            top_k: k,
+            mode: Mode::Bf16,
+        }
+    }
+
+    #[test]
+    fn sizes_that_wrap_are_typed_errors_not_small_buffers() {
+        // Issue 10's reproducer: T = 2^60 + 1 made the products wrap to a few bytes.
+        let c = cfg(1, 1, (1 << 60) + 1, 16, 1);
+        assert!(matches!(
+            rank_sizes(&c, false),
+            Err(GpuError::Unsupported(_))
+        ));
+        assert!(bytes_per_rank(&c).is_err());
+        // T*K small, H huge: the buffer products overflow.
+        let c = cfg(2, 2, 4, usize::MAX / 4, 1);
+        assert!(matches!(
+            rank_sizes(&c, true),
+            Err(GpuError::Unsupported(m)) if m.contains("does not fit")
+        ));
+        assert!(bytes_per_rank_with(&c, true).is_err());
+    }
+
+    #[test]
+    fn signal_counts_must_fit_their_bits() {
+        let c = cfg(1, 16, 1 << 21, 128, 8); // T*K = 2^24
+        assert!(matches!(
+            rank_sizes(&c, false),
+            Err(GpuError::Unsupported(m)) if m.contains("2^24")
+        ));
+    }
+
+    #[test]
+    fn the_standard_setting_has_every_buffer_and_a_256_aligned_total() {
+        let c = cfg(8, 256, 128, 7168, 8);
+        let s = rank_sizes(&c, false).unwrap();
+        assert_eq!(s[0], 128 * 7168 * 2); // x
+        assert_eq!(s[20], 128); // state: counters + u64 epochs
+        let total = total_bytes(&s).unwrap();
+        assert_eq!(total % 256, 0);
+        assert!(total >= s.iter().sum::<usize>());
+        assert!(to_i32("h", 1 << 31)
+            .unwrap_err()
+            .to_string()
+            .contains("i32"));
+    }
+
+    #[test]
+    fn kernel_parameters_fit_the_launch_limit() {
+        // The kernels take (KParams, IoTable) by value: under CUDA's 4 KiB parameter limit.
+        let kp = std::mem::size_of::<KParams>();
+        let io = std::mem::size_of::<IoTable>();
+        assert_eq!(kp, 120); // the same fields as common.cuh's KParams
+        assert_eq!(io, MAX_LOCAL * 11 * 8);
+        assert!(kp + io <= 4096, "{kp} + {io}");
+    }
+}

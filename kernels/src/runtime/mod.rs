@@ -24,7 +24,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 mod device;
-mod device_api;
+pub mod device_api;
 mod errors;
 mod group;
 mod harness;
