@@ -182,7 +182,11 @@ class Buffer:
             from .errors import NotBuiltError
 
             raise NotBuiltError("not built: this build of ep_dispatch has no GPU device API")
-        import torch
+        try:
+            import torch
+        except ImportError as e:
+            raise ImportError(f"ep_dispatch.Buffer needs torch, which cannot be imported: {e}") \
+                from e
 
         self._torch = torch
         self._dt = _Dtypes(torch)
