@@ -123,7 +123,11 @@ def test_dispatch_and_combine_match_the_oracle(buf, group, R, E, mode, seed):
     x, topk, w, y = (on_gpu(t) for t in ins[rank])
     recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(
         x, topk, T, E, **MODES[mode])
-    assert event.event is None and hook is None
+    combined, cevent, chook = buf.low_latency_combine(y, topk, w, handle)
+    torch.cuda.synchronize()
+    buf.check()
+    # Every check after both collective calls, so a failure on one rank cannot strand the other.
+    assert event.event is None and hook is None and cevent.event is None and chook is None
     if MODES[mode]["use_fp8"]:
         assert recv_x[0].dtype == torch.float8_e4m3fn and recv_x[0].shape == (E // R, R * T, H)
         scales_shape = (E // R, R * T, H // (512 if mode == "fp8-ue8m0" else 128))
@@ -131,9 +135,6 @@ def test_dispatch_and_combine_match_the_oracle(buf, group, R, E, mode, seed):
     else:
         assert recv_x.dtype == torch.bfloat16 and recv_x.shape == (E // R, R * T, H)
     assert recv_count.dtype == torch.int32 and recv_count.shape == (E // R,)
-    combined, event, hook = buf.low_latency_combine(y, topk, w, handle)
-    torch.cuda.synchronize()
-    buf.check()
     assert oracle.diff(got_of(recv_x, recv_count, handle), want[rank]) is None
     assert combined.shape == (x.shape[0], H) and combined.dtype == torch.bfloat16
     assert oracle.combine_diff(combined, want_c[rank]) is None
