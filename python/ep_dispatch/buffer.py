@@ -1,0 +1,434 @@
+"""``Buffer``: DeepEP's low-latency ``Buffer`` over ep-dispatch's GPU kernels.
+
+Code written for ``deep_ep.Buffer``'s low-latency mode runs unchanged: the same constructor,
+method names, positional order, defaults, shapes and dtypes. What differs is listed in the class
+docstring.
+"""
+
+from . import _checks
+from . import _ep_dispatch as _native
+from .errors import InputError, argument_error
+
+
+class EventOverlap:
+    """DeepEP's ``EventOverlap``: a CUDA event (or None) and the tensors to keep alive until it.
+
+    ``current_stream_wait()`` makes the current stream wait for the event; as a context manager
+    it does so on exit.
+    """
+
+    def __init__(self, event=None, extra_tensors=None):
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self):
+        if self.event is not None:
+            import torch
+
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.current_stream_wait()
+
+
+class Handle(tuple):
+    """What ``low_latency_combine`` needs from a dispatch.
+
+    A 5-tuple as in DeepEP, ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
+    num_experts)``: ``src_info`` ``int32 [L, R*T]``, the token index on its source rank;
+    ``layout_range`` ``int64 [L, R]``, DeepEP's ``(begin << 32) | count`` (computed from the
+    kernels' ``(begin, count)`` pairs when first read, so a caller that never reads it pays
+    nothing). Attributes: the same five by name, ``layout_pairs()``, ``recv_count``,
+    ``num_tokens``, ``top_k``, ``use_fp8``, ``path``.
+    """
+
+    def __new__(cls, src_info, layout_range, tokens, hidden, experts, layout_pairs=None,
+                **extra):
+        h = super().__new__(cls, (src_info, layout_range, tokens, hidden, experts))
+        h.src_info, h._packed, h._pairs = src_info, layout_range, layout_pairs
+        h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts = tokens, hidden, experts
+        for k, v in extra.items():
+            setattr(h, k, v)
+        return h
+
+    @property
+    def layout_range(self):
+        if self._packed is None:
+            import torch
+
+            p = self._pairs.to(torch.int64)
+            self._packed = (p[..., 0] << 32) | p[..., 1]
+        return self._packed
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        if i in (1, 1 - len(self)):
+            return self.layout_range
+        return super().__getitem__(i)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def layout_pairs(self):
+        """``(begin, count)``: two ``int32 [L, R]`` tensors."""
+        if self._pairs is not None:
+            return self._pairs[..., 0], self._pairs[..., 1]
+        import torch
+
+        lr = self.layout_range
+        return (lr >> 32).to(torch.int32), (lr & 0xFFFFFFFF).to(torch.int32)
+
+
+class _Dtypes:
+    def __init__(self, torch):
+        self.bf16 = torch.bfloat16
+        self.fp8 = torch.float8_e4m3fn
+        self.f32 = torch.float32
+        self.i32 = torch.int32
+        self.i64 = torch.int64
+
+
+class Buffer:
+    """Low-latency expert-parallel dispatch and combine, with DeepEP's API.
+
+    Arguments (DeepEP's, same order and defaults):
+        group: the ``torch.distributed`` process group of the EP ranks (one rank per process).
+            The rendezvous (CUDA IPC handles, or the NCCL unique id) goes through it with
+            ``all_gather_object``. ``comm`` (an ``mpi4py`` communicator) may stand in for it.
+        num_nvl_bytes, num_rdma_bytes: accepted and ignored: our buffers are sized from the
+            shape ``(T, H, E, K)`` when the first dispatch fixes it (see
+            ``get_low_latency_rdma_size_hint`` for how much memory that is).
+        low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl,
+        use_fabric, enable_shrink: accepted and ignored (this Buffer only has the low-latency
+            mode; there are no RDMA queue pairs, no fabric memory, no rank masking).
+        explicitly_destroy: accepted; ``destroy()`` works either way, and buffers are freed
+            when the Buffer is garbage-collected.
+
+    Our own keywords (all optional):
+        path: 'batched' (default; one message per destination rank) or 'per_expert' (one per
+            selection, as DeepEP sends). Outputs are bit-identical either way.
+        transport: 'auto' (NVLink over CUDA IPC between the processes) or 'nccl'.
+        timeout_s: the bound of every wait in the kernels (default 10 s); a wait that runs out
+            raises ``ep_dispatch.TimeoutError`` naming rank, peer, phase and call.
+        num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk: the shape up front;
+            later calls must agree. Otherwise the first dispatch fixes each.
+        check_routing: copy ``topk_idx`` to the host on each dispatch and check it (expert range,
+            duplicates) before launching. Synchronises the stream: for debugging, not for graphs.
+
+    Differences from DeepEP, on purpose:
+        - Row order is canonical (by source rank, then token), so outputs are reproducible and
+          equal the oracle bit for bit.
+        - The FP8 scales are returned row-major ``[L, R*T, H/128]`` (DeepEP's are column-major
+          in the last two dimensions).
+        - Kernels run on ``torch.cuda.current_stream()``; ``async_finish=True`` returns an event
+          recorded there after them (no separate communication stream).
+        - ``use_logfmt`` is accepted and ignored: combine always sends bf16, so the result is
+          the exact weighted sum of the contract.
+        - One group is formed per (shape, FP8 mode); the first call with a new one is collective
+          and must not be inside CUDA graph capture (warm up eagerly first).
+        - Combine takes the handle of the latest dispatch of that shape and mode (the kernels
+          keep one dispatch's routing state, not two), with the same ``topk_idx`` tensor that
+          was dispatched; an older handle raises ``InputError``.
+        - Errors the kernels find (a timed-out wait, bad routing in ``topk_idx``, bad peer
+          data) stop the kernels without trapping and are raised by ``Buffer.check()``, which
+          synchronises; until then the outputs of the failed call are undefined.
+        - ``transport='nccl'`` is refused (``UnsupportedError``) at the first dispatch: the
+          NCCL exchange is host-driven and cannot be enqueued on the caller's stream.
+    """
+
+    num_sms = 20
+
+    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
+                 num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
+                 use_fabric=False, explicitly_destroy=False, enable_shrink=False, comm=None, *,
+                 path="batched", transport="auto", timeout_s=10.0,
+                 num_max_dispatch_tokens_per_rank=None, hidden=None, num_experts=None,
+                 num_topk=None, check_routing=False):
+        # Everything that needs no GPU is checked first, so a bad argument is reported as such
+        # on any machine.
+        _checks.integer("num_nvl_bytes", num_nvl_bytes, lo=0)
+        _checks.integer("num_rdma_bytes", num_rdma_bytes, lo=0)
+        _checks.integer("num_qps_per_rank", num_qps_per_rank, lo=0)
+        for name, v in (("low_latency_mode", low_latency_mode),
+                        ("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
+                        ("allow_mnnvl", allow_mnnvl), ("use_fabric", use_fabric),
+                        ("explicitly_destroy", explicitly_destroy),
+                        ("enable_shrink", enable_shrink), ("check_routing", check_routing)):
+            _checks.flag(name, v)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+            raise argument_error("timeout_s", f"{timeout_s!r} is not a number of seconds")
+        _native.check_keywords(path, transport, float(timeout_s))
+        self._shape = _checks.Shape(num_max_dispatch_tokens_per_rank, hidden, num_experts,
+                                    num_topk)
+        if group is None and comm is None:
+            raise argument_error("group", "a torch.distributed process group is required "
+                                          "(or an mpi4py communicator as comm=)")
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.path, self.transport, self.timeout_s = path, transport, float(timeout_s)
+        self.check_routing = check_routing
+        self._ranks = {}
+        self._combine_buffers = {}
+
+        # Then the GPU: a clear NoDeviceError where there is none, NotBuiltError where this
+        # build cannot run on it. torch is imported only now.
+        _native.probe_devices(1)
+        if _native.DEVICE_API is None:  # a build without GPU execution
+            from .errors import NotBuiltError
+
+            raise NotBuiltError("not built: this build of ep_dispatch has no GPU device API")
+        try:
+            import torch
+        except ImportError as e:
+            raise ImportError(f"ep_dispatch.Buffer needs torch, which cannot be imported: {e}") \
+                from e
+
+        self._torch = torch
+        self._dt = _Dtypes(torch)
+        if group is not None:
+            self.group = group
+            self.rank, self.group_size = group.rank(), group.size()
+        else:
+            self.group = comm
+            self.rank, self.group_size = comm.Get_rank(), comm.Get_size()
+        self._comm = comm if group is None else None
+        self._device = torch.cuda.current_device()
+        # Where every tensor of a call must be, and where outputs are allocated.
+        self._dev = torch.device("cuda", self._device)
+        if self._shape.experts is not None and self._shape.experts % self.group_size:
+            raise argument_error("num_experts", f"{self._shape.experts} is not a multiple of "
+                                                f"the group's {self.group_size} ranks")
+
+    # ---- DeepEP's static helpers -------------------------------------------------------------
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                       num_experts, *, num_topk=None, transport="auto"):
+        """Bytes of GPU memory one rank's buffers take for this shape (our layout, computed by
+        ep-kernels: BF16, the largest payload; ``num_topk`` None means the bound over every
+        top-k up to 16; ``transport='nccl'`` adds the staging buffer). Needs no GPU."""
+        _checks.integer("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+        _checks.integer("hidden", hidden)
+        _checks.integer("num_ranks", num_ranks)
+        _checks.integer("num_experts", num_experts)
+        if num_topk is not None:
+            _checks.integer("num_topk", num_topk, 1, _checks.MAX_TOP_K)
+        if transport not in ("auto", "nccl"):
+            raise argument_error("transport", f"{transport!r} is not 'auto' or 'nccl'")
+        return _native.size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                 num_experts, num_topk, transport == "nccl")
+
+    @staticmethod
+    def set_num_sms(new_num_sms):
+        """Accepted for DeepEP code; our low-latency kernels size their grids themselves."""
+        _checks.integer("new_num_sms", new_num_sms)
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture():
+        """An ``EventOverlap`` holding an event recorded on the current stream."""
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream())
+        return EventOverlap(ev)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        """A no-op: our signals carry the call's epoch, so no buffer ever needs cleaning. The
+        arguments are checked all the same."""
+        _checks.integer("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+        _checks.integer("hidden", hidden)
+        _checks.integer("num_experts", num_experts)
+
+    def check(self):
+        """Raises what the kernels recorded on the device since the last check: a timed-out
+        wait (``TimeoutError`` naming rank, peer, phase, call), bad routing (``InputError``
+        naming rank, token, slot) or bad peer data (``PeerError``). Afterwards the group refuses
+        further calls. Synchronises with the GPU; not inside CUDA graph capture. (DeepEP has no
+        counterpart: its kernels trap instead.)"""
+        for g in self._ranks.values():
+            g.check()
+
+    def destroy(self):
+        """Releases the GPU buffers (the next call forms the groups again). Waits for the
+        device first: kernels still queued may use them."""
+        if self._ranks and getattr(self, "_dev", None) is not None and self._dev.type == "cuda":
+            self._torch.cuda.synchronize(self._dev)
+        self._ranks.clear()
+        self._combine_buffers.clear()
+
+    # ---- the group ------------------------------------------------------------------------
+
+    def _all_gather(self, blob):
+        if self._comm is not None:
+            return [bytes(b) for b in self._comm.allgather(blob)]
+        objs = [None] * self.group_size
+        self._torch.distributed.all_gather_object(objs, blob, group=self.group)
+        return [bytes(b) for b in objs]
+
+    def _rank_group(self, T, H, E, K, use_fp8, round_scale, use_ue8m0):
+        key = (T, H, E, K, use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0)
+        g = self._ranks.get(key)
+        if g is None:
+            _native.validate_config(self.group_size, E, T, H, K, use_fp8, round_scale, use_ue8m0)
+            g = _native.GpuRank(self.rank, self.group_size, E, T, H, K, use_fp8, round_scale,
+                                use_ue8m0, self._device, self.path, self.transport,
+                                self.timeout_s, self._all_gather)
+            self._ranks[key] = g
+            s = self._shape
+            s.tokens, s.hidden, s.experts, s.top_k = T, H, E, K
+        return key, g
+
+    def _stream(self):
+        return self._torch.cuda.current_stream(self._device).cuda_stream
+
+    def _event(self, async_finish, tensors):
+        if not async_finish:
+            return EventOverlap(None)
+        ev = self._torch.cuda.Event()
+        ev.record(self._torch.cuda.current_stream(self._device))
+        return EventOverlap(ev, tensors)
+
+    # ---- dispatch and combine -------------------------------------------------------------
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                             cumulative_local_expert_recv_stats=None,
+                             dispatch_wait_recv_cost_stats=None, use_fp8=True, round_scale=False,
+                             use_ue8m0=False, async_finish=False, return_recv_hook=False):
+        """Sends each token to the ranks of its experts; returns
+        ``(recv_x, recv_count, handle, event, hook)`` as DeepEP does.
+
+        ``recv_x``: ``(float8_e4m3fn [L, R*T, H], float32 [L, R*T, H/128])`` with FP8 (UE8M0:
+        ``int32 [L, R*T, H/512]`` scales), else ``bfloat16 [L, R*T, H]``. ``recv_count``:
+        ``int32 [L]``. Rows at or past ``recv_count[l]`` carry no meaning. With
+        ``return_recv_hook=True`` only the send half is enqueued, and calling ``hook()``
+        enqueues the receive half (on the then-current stream). ``cumulative_local_expert_recv_stats``
+        (``int32 [L]``) is incremented by ``recv_count``; ``dispatch_wait_recv_cost_stats`` is
+        accepted and left untouched (we do not measure per-peer waits).
+        """
+        torch, dt = self._torch, self._dt
+        for name, v in (("use_fp8", use_fp8), ("round_scale", round_scale),
+                        ("use_ue8m0", use_ue8m0), ("async_finish", async_finish),
+                        ("return_recv_hook", return_recv_hook)):
+            _checks.flag(name, v)
+        R = self.group_size
+        n, H, K = _checks.dispatch_args(x, topk_idx, num_max_dispatch_tokens_per_rank,
+                                        num_experts, self._shape, R, self._dev, dt)
+        T, E = num_max_dispatch_tokens_per_rank, num_experts
+        L, RT = E // R, R * T
+        _checks.stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                      dt.i32, (L,), self._dev)
+        _checks.stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, dt.i64,
+                      (R, R), self._dev)
+        _native.validate_config(R, E, T, H, K, use_fp8, round_scale, use_ue8m0)
+        if self.check_routing:
+            host = topk_idx.detach().to("cpu").contiguous().numpy().tobytes()
+            _native.check_routing(self.rank, R, E, T, H, K, host)
+        key, g = self._rank_group(T, H, E, K, use_fp8, round_scale, use_ue8m0)
+
+        dev = self._dev
+        if use_fp8:
+            recv_x = torch.empty((L, RT, H), dtype=dt.fp8, device=dev)
+            if use_ue8m0:
+                scales = torch.empty((L, RT, H // 512), dtype=dt.i32, device=dev)
+            else:
+                scales = torch.empty((L, RT, H // 128), dtype=dt.f32, device=dev)
+        else:
+            recv_x = torch.empty((L, RT, H), dtype=dt.bf16, device=dev)
+            scales = None
+        recv_count = torch.empty((L,), dtype=dt.i32, device=dev)
+        src_info = torch.empty((L, RT), dtype=dt.i32, device=dev)
+        layout_range = torch.empty((L, R), dtype=dt.i64, device=dev)
+        def ref(t, nbytes=False):
+            return (t.data_ptr(), t.numel() * (t.element_size() if nbytes else 1))
+
+        ptrs = (ref(x), ref(topk_idx), n, ref(recv_x, True),
+                None if scales is None else ref(scales, True), ref(recv_count), ref(src_info),
+                ref(layout_range))
+        stats = cumulative_local_expert_recv_stats
+
+        def receive():
+            g.dispatch(self._stream(), "recv", *ptrs)
+            if stats is not None:
+                stats.add_(recv_count)
+
+        if return_recv_hook:
+            hid = g.dispatch(self._stream(), "send", *ptrs)
+            hook = receive
+        else:
+            hid = g.dispatch(self._stream(), "both", *ptrs)
+            if stats is not None:
+                stats.add_(recv_count)
+            hook = None
+        # The kernels write (begin, count) int32 pairs; the handle packs DeepEP's view on demand.
+        pairs = layout_range.view(dt.i32).view(L, R, 2)
+        handle = Handle(src_info, None, T, H, E, layout_pairs=pairs, recv_count=recv_count,
+                        num_tokens=n, top_k=K, use_fp8=use_fp8, path=self.path, _key=key,
+                        _buffer=id(self), _id=hid, _topk_idx=topk_idx)
+        tensors = (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range, stats)
+        out = (recv_x, scales) if use_fp8 else recv_x
+        return out, recv_count, handle, self._event(async_finish, tensors), hook
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
+                            zero_copy=False, async_finish=False, return_recv_hook=False,
+                            out=None, combine_wait_recv_cost_stats=None):
+        """Sends the expert outputs ``x`` (``bfloat16 [L, R*T, H]``, in the dispatch layout)
+        back and reduces them with ``topk_weights``; returns ``(combined_x, event, hook)``,
+        ``combined_x``: ``bfloat16 [n, H]`` (written into ``out`` when given).
+
+        ``zero_copy=True`` combines the tensor ``get_next_low_latency_combine_buffer`` returned
+        instead of ``x``. ``use_logfmt`` and ``combine_wait_recv_cost_stats`` are accepted and
+        ignored (see the class docstring).
+        """
+        torch, dt = self._torch, self._dt
+        for name, v in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy),
+                        ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
+            _checks.flag(name, v)
+        if not isinstance(handle, Handle) or getattr(handle, "_buffer", None) != id(self):
+            raise InputError("argument `handle`: not a handle returned by this Buffer's "
+                             "low_latency_dispatch")
+        g = self._ranks.get(handle._key)
+        if g is None:
+            raise InputError("argument `handle`: its group was destroyed")
+        R, T, H, E = self.group_size, handle[2], handle[3], handle[4]
+        L, RT, n, K = E // R, R * T, handle.num_tokens, handle.top_k
+        y = self._combine_buffers.get(handle._key) if zero_copy else x
+        if y is None:
+            raise argument_error("zero_copy", "no get_next_low_latency_combine_buffer(handle) "
+                                              "was filled for this shape")
+        _checks.combine_args(y, topk_idx, topk_weights, out, L, RT, H, n, K, self._dev, dt)
+        _checks.stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, dt.i64,
+                      (R, R), self._dev)
+        if out is None:
+            out = torch.empty((n, H), dtype=dt.bf16, device=self._dev)
+        ptrs = (handle._id, (y.data_ptr(), y.numel()), (topk_idx.data_ptr(), topk_idx.numel()),
+                (topk_weights.data_ptr(), topk_weights.numel()), (out.data_ptr(), out.numel()))
+        if return_recv_hook:
+            g.combine(self._stream(), "send", *ptrs)
+
+            def hook():
+                g.combine(self._stream(), "recv", *ptrs)
+        else:
+            g.combine(self._stream(), "both", *ptrs)
+            hook = None
+        tensors = (y, topk_idx, topk_weights, handle.src_info, out)
+        return out, self._event(async_finish, tensors), hook
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """A ``bfloat16 [L, R*T, H]`` tensor to write the expert outputs into; a following
+        ``low_latency_combine(..., zero_copy=True)`` combines it."""
+        if not isinstance(handle, Handle) or getattr(handle, "_buffer", None) != id(self):
+            raise InputError("argument `handle`: not a handle returned by this Buffer's "
+                             "low_latency_dispatch")
+        buf = self._combine_buffers.get(handle._key)
+        if buf is None:
+            R, T, H, E = self.group_size, handle[2], handle[3], handle[4]
+            buf = self._torch.empty((E // R, R * T, H), dtype=self._dt.bf16,
+                                    device=self._dev)
+            self._combine_buffers[handle._key] = buf
+        return buf

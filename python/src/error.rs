@@ -1,0 +1,42 @@
+//! The one error type of the bindings: the contract's errors, the GPU backend's, and bad
+//! arguments found while turning Python values into Rust ones. The PyO3 glue (`py.rs`) maps each
+//! to its Python exception class.
+
+use ep_kernels::GpuError;
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BindError {
+    /// A contract error (bad config, bad input, peer mismatch, timeout, out of memory).
+    #[error(transparent)]
+    Contract(#[from] ep_reference::Error),
+    /// The GPU backend's own errors (CUDA, NCCL, no device, unsupported, ...).
+    #[error(transparent)]
+    Gpu(GpuError),
+    /// An argument that cannot be used as given (wrong byte length, unknown name, ...).
+    #[error("argument `{argument}`: {reason}")]
+    Argument { argument: String, reason: String },
+    /// The GPU execution this build does not have.
+    #[error("not built: {0}")]
+    NotBuilt(String),
+}
+
+impl From<GpuError> for BindError {
+    fn from(e: GpuError) -> Self {
+        match e {
+            // Keep the contract's errors as such, so a timeout raises the timeout exception.
+            GpuError::Contract(c) => BindError::Contract(c),
+            other => BindError::Gpu(other),
+        }
+    }
+}
+
+impl BindError {
+    pub fn argument(argument: &str, reason: impl Into<String>) -> BindError {
+        BindError::Argument {
+            argument: argument.to_string(),
+            reason: reason.into(),
+        }
+    }
+}
+
+pub type Result<T, E = BindError> = std::result::Result<T, E>;

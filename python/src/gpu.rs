@@ -1,0 +1,506 @@
+//! The one place the bindings call the GPU backend (`ep_kernels`). Everything else in this crate
+//! is host code; the Python `Buffer` reaches the GPU only through [`probe`], [`size_hint`] and
+//! [`RankGroup`].
+//!
+//! [`RankGroup`] is one rank of a process-mode group (`GpuGroup::new_process`: the CUDA IPC
+//! handles exchanged through the caller's all-gather, i.e. `torch.distributed` over the Buffer's
+//! group), driven through ep-kernels' device API (`RankEp`): dispatch and combine are enqueued on
+//! the caller's raw `CUstream` (torch's current stream, borrowed: never synchronised) with the
+//! caller's device pointers (torch tensors' `data_ptr()`), wrapped as borrowed cudarc views that
+//! are never freed here.
+
+use crate::error::{BindError, Result};
+use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};
+use ep_kernels::runtime::{
+    bytes_per_rank_with, probe_devices, AllGather, CombineHook, DispatchHook,
+};
+use ep_kernels::{
+    DeviceDispatchOut, DeviceHandle, GpuError, GpuGroup, GpuOptions, Path, Tokens, Transport,
+};
+use ep_reference::{bf16, Config, Mode};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The device API this build enqueues through (None would mean: no GPU execution).
+pub const DEVICE_API: Option<&str> =
+    Some("ep_kernels::RankEp (process mode; caller's CUDA stream and tensors)");
+
+/// At least `need` usable devices (driver present, NVRTC present), or `NoDevice` saying why.
+pub fn probe(need: usize) -> Result<usize> {
+    probe_devices(need).map_err(|why| GpuError::NoDevice(why).into())
+}
+
+/// The largest value the kernels take for one dimension (they receive them as `int`).
+const MAX_DIM: usize = i32::MAX as usize;
+
+/// Refuses shapes whose buffer arithmetic could overflow, before `ep_kernels` computes sizes
+/// with plain arithmetic: every dimension fits an `int`, and an upper bound of one rank's bytes
+/// (every buffer of the layout is at most one of these terms, times 8, plus alignment) fits u64.
+fn check_dims(cfg: &Config) -> Result<()> {
+    for (argument, v) in [
+        ("num_ranks", cfg.num_ranks),
+        ("num_experts", cfg.num_experts),
+        ("num_max_dispatch_tokens_per_rank", cfg.max_tokens_per_rank),
+        ("hidden", cfg.hidden),
+    ] {
+        if v > MAX_DIM {
+            return Err(BindError::argument(
+                argument,
+                format!("{v} exceeds the largest supported {MAX_DIM}"),
+            ));
+        }
+    }
+    let (r, e, l, t, h, k) = (
+        cfg.num_ranks as u128,
+        cfg.num_experts as u128,
+        cfg.num_local_experts() as u128,
+        cfg.max_tokens_per_rank as u128,
+        cfg.hidden as u128,
+        cfg.top_k as u128,
+    );
+    let rows = l * r * t + r * t * k + t * k + e + r * l + r + 1;
+    let bound = 8 * rows * (2 * h + 512) + 26 * 256 + (1 << 20);
+    if bound > u64::MAX as u128 / 2 {
+        return Err(BindError::argument(
+            "num_max_dispatch_tokens_per_rank",
+            format!(
+                "the buffers of {} do not fit in 64-bit sizes",
+                cfg.describe()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Bytes of GPU memory one rank's buffers take for this shape: ep-kernels' own layout
+/// (`bytes_per_rank_with`), in BF16 (the largest payload, as DeepEP's hint also assumes) with
+/// `top_k` (None: 16, the largest the contract allows, so the hint bounds every top-k), plus the
+/// NCCL staging buffer when `nccl`.
+pub fn size_hint(
+    num_max_dispatch_tokens_per_rank: usize,
+    hidden: usize,
+    num_ranks: usize,
+    num_experts: usize,
+    top_k: Option<usize>,
+    nccl: bool,
+) -> Result<u64> {
+    let cfg = Config::new(
+        num_ranks,
+        num_experts,
+        num_max_dispatch_tokens_per_rank,
+        hidden,
+        top_k.unwrap_or(16),
+        Mode::Bf16,
+    )?;
+    check_dims(&cfg)?;
+    Ok(bytes_per_rank_with(&cfg, nccl)? as u64)
+}
+
+/// Parses our `transport=` keyword.
+pub fn transport(name: &str) -> Result<Transport> {
+    match name {
+        "auto" => Ok(Transport::Auto),
+        "nccl" => Ok(Transport::Nccl),
+        other => Err(BindError::argument(
+            "transport",
+            format!("{other:?} is not a transport (expected 'auto' or 'nccl')"),
+        )),
+    }
+}
+
+/// Parses our `path=` keyword.
+pub fn path(name: &str) -> Result<Path> {
+    match name {
+        "batched" => Ok(Path::Batched),
+        "per_expert" => Ok(Path::PerExpert),
+        other => Err(BindError::argument(
+            "path",
+            format!("{other:?} is not a path (expected 'batched' or 'per_expert')"),
+        )),
+    }
+}
+
+/// Which half of a call to enqueue: both (DeepEP's default), or the send half now and the
+/// receive half later (`return_recv_hook=True`: the hook enqueues [`Phases::Recv`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phases {
+    Both,
+    Send,
+    Recv,
+}
+
+impl Phases {
+    pub fn parse(name: &str) -> Result<Phases> {
+        match name {
+            "both" => Ok(Phases::Both),
+            "send" => Ok(Phases::Send),
+            "recv" => Ok(Phases::Recv),
+            other => Err(BindError::argument(
+                "phases",
+                format!("{other:?} is not one of 'both', 'send', 'recv'"),
+            )),
+        }
+    }
+}
+
+/// A device buffer the caller owns: its address and its length in elements (the Python side
+/// passes `(t.data_ptr(), t.numel())` after checking dtype, shape, device and contiguity; the
+/// device API checks each length against what the config needs).
+pub type Ptr = (u64, usize);
+
+/// Addresses of one dispatch.
+#[derive(Debug, Clone, Copy)]
+pub struct DispatchPtrs {
+    /// `bf16 [n, H]`.
+    pub x: Ptr,
+    /// `int64 [n, K]`.
+    pub topk_idx: Ptr,
+    pub num_tokens: usize,
+    /// `[L, R*T, H]` e4m3 or bf16, length in bytes.
+    pub recv_x: Ptr,
+    /// `float32 [L, R*T, H/128]` / packed `int32 [L, R*T, H/512]`, length in bytes; None in BF16.
+    pub recv_x_scales: Option<Ptr>,
+    /// `int32 [L]`.
+    pub recv_count: Ptr,
+    /// `int32 [L, R*T]`.
+    pub src_info: Ptr,
+    /// `int64 [L, R]`: two int32 per entry, begin then count.
+    pub layout_range: Ptr,
+}
+
+/// Addresses of one combine.
+#[derive(Debug, Clone, Copy)]
+pub struct CombinePtrs {
+    /// `bf16 [L, R*T, H]`: the expert outputs in the dispatch layout.
+    pub y: Ptr,
+    /// `int64 [n, K]`: the dispatched tensor itself (the device API checks the address).
+    pub topk_idx: Ptr,
+    /// `float32 [n, K]`.
+    pub topk_weights: Ptr,
+    /// `bf16 [n, H]`.
+    pub out: Ptr,
+}
+
+/// A caller-owned device buffer seen as a cudarc slice for the length of one call; dropping it
+/// gives the address back without freeing it.
+struct Borrowed<T>(Option<CudaSlice<T>>);
+
+impl<T> Borrowed<T> {
+    /// # Safety
+    /// `ptr` must address `len` live elements of `T` on the stream's context (or `len` is 0),
+    /// valid until the work enqueued with it has run (the caller keeps the tensor alive).
+    unsafe fn new(stream: &Arc<CudaStream>, (ptr, len): Ptr) -> Borrowed<T> {
+        // SAFETY: as the caller guarantees; the slice is leaked (never freed) in Drop.
+        Borrowed(Some(unsafe { stream.upgrade_device_ptr::<T>(ptr, len) }))
+    }
+
+    fn view(&self) -> CudaView<'_, T> {
+        self.0.as_ref().expect("present until drop").slice(..)
+    }
+
+    fn view_mut(&mut self) -> CudaViewMut<'_, T> {
+        self.0.as_mut().expect("present until drop").slice_mut(..)
+    }
+}
+
+impl<T> Drop for Borrowed<T> {
+    fn drop(&mut self) {
+        if let Some(s) = self.0.take() {
+            // The memory is torch's: hand the address back without freeing it.
+            let _ = s.leak();
+        }
+    }
+}
+
+/// How many dispatch handles a rank keeps; the device API only combines the latest one per path
+/// and names an older one as stale.
+const KEPT_HANDLES: usize = 4;
+
+/// One rank of a process-mode group: this process's rank, its GPU, the peers' buffers.
+pub struct RankGroup {
+    group: GpuGroup,
+    path: Path,
+    /// Our own reference to the device's primary context (the one torch and the group use), with
+    /// cudarc's per-slice event tracking off: borrowed tensors get no events, so a call records
+    /// nothing but the kernels and can be captured in a CUDA graph.
+    ctx: Arc<CudaContext>,
+    next_handle: u64,
+    handles: VecDeque<(u64, DeviceHandle)>,
+    /// The send half of a dispatch whose receive half (the hook) is still due, and its id.
+    pending_dispatch: Option<(u64, DispatchHook)>,
+    pending_combine: Option<CombineHook>,
+}
+
+impl Drop for RankGroup {
+    fn drop(&mut self) {
+        // Kernels enqueued on the caller's streams may still use the group's buffers (and the
+        // peers' mappings); the group's own Drop only waits for its own stream. Wait for every
+        // stream of the context before the buffers go.
+        let _ = self.ctx.synchronize();
+    }
+}
+
+impl RankGroup {
+    /// Forms the group (collective: every rank calls it with the same config and options).
+    /// `all_gather` exchanges one blob per rank in rank order (the Python side passes
+    /// `torch.distributed.all_gather_object` over the Buffer's group).
+    pub fn new(
+        cfg: &Config,
+        path: Path,
+        transport: Transport,
+        timeout: Duration,
+        rank: usize,
+        ordinal: usize,
+        all_gather: &mut AllGather<'_>,
+    ) -> Result<RankGroup> {
+        cfg.validate()?;
+        check_dims(cfg)?;
+        if transport == Transport::Nccl {
+            return Err(GpuError::Unsupported(
+                "transport='nccl' through the device API (the NCCL exchange is host-driven); \
+                 use transport='auto' (NVLink over CUDA IPC)"
+                    .into(),
+            )
+            .into());
+        }
+        let opts = GpuOptions {
+            num_gpus: 1,
+            timeout_ns: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
+            transport,
+            ..GpuOptions::default()
+        };
+        let group = GpuGroup::new_process(cfg, opts, rank, ordinal, all_gather)?;
+        let ctx = CudaContext::new(ordinal).map_err(|e| {
+            GpuError::Cuda(format!(
+                "retain the primary context of GPU {ordinal}: {e:?}"
+            ))
+        })?;
+        // SAFETY: every slice made on this context borrows a torch tensor for one call; torch
+        // orders its own streams, and the kernels run on the caller's stream in program order,
+        // so cudarc's events have nothing to add.
+        unsafe { ctx.disable_event_tracking() };
+        Ok(RankGroup {
+            group,
+            path,
+            ctx,
+            next_handle: 1,
+            handles: VecDeque::new(),
+            pending_dispatch: None,
+            pending_combine: None,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        self.group.config()
+    }
+
+    pub fn path(&self) -> Path {
+        self.path
+    }
+
+    pub fn describe_devices(&self) -> String {
+        self.group.describe_devices()
+    }
+
+    /// Errors the kernels recorded (a timed-out wait, bad routing, bad peer data), as the
+    /// contract's errors; after one, the group refuses further calls. Synchronous: reads a
+    /// device word (not for use inside CUDA graph capture).
+    pub fn check(&mut self) -> Result<()> {
+        Ok(self.group.check()?)
+    }
+
+    fn stream(&self, raw: u64) -> Arc<CudaStream> {
+        // SAFETY: `raw` is the caller's live CUstream on this device's primary context (torch's
+        // current stream); the wrapper does not own it and lives only for this call.
+        unsafe { self.ctx.wrap_borrowed_stream(raw as sys::CUstream) }
+    }
+
+    fn keep(&mut self, id: u64, h: DeviceHandle) {
+        if self.handles.len() == KEPT_HANDLES {
+            self.handles.pop_front();
+        }
+        self.handles.push_back((id, h));
+    }
+
+    /// Enqueues a dispatch (or its send or receive half) on `stream`. Returns the handle id
+    /// combine takes (with `Phases::Send`, the id the receive half will complete).
+    pub fn dispatch(&mut self, stream: u64, phases: Phases, p: &DispatchPtrs) -> Result<u64> {
+        let s = self.stream(stream);
+        if phases == Phases::Recv {
+            let (id, hook) = self.pending_dispatch.take().ok_or_else(|| {
+                BindError::argument("hook", "no dispatch send half is waiting for its receive")
+            })?;
+            let handle = self.group.dispatch_recv(hook, &[&s])?;
+            self.keep(id, handle);
+            return Ok(id);
+        }
+        if self.pending_dispatch.is_some() {
+            return Err(BindError::argument(
+                "return_recv_hook",
+                "the previous dispatch's receive hook was not called; call it first",
+            ));
+        }
+        // SAFETY (all borrows): the Python side checked each tensor's dtype, shape, device and
+        // contiguity and passes its address and element count; the tensors stay referenced
+        // (by the returned outputs, the handle and the event) while the kernels run.
+        let x = unsafe { Borrowed::<bf16>::new(&s, p.x) };
+        let topk = unsafe { Borrowed::<i64>::new(&s, p.topk_idx) };
+        let mut recv_x = unsafe { Borrowed::<u8>::new(&s, p.recv_x) };
+        let mut scales = p
+            .recv_x_scales
+            .map(|q| unsafe { Borrowed::<u8>::new(&s, q) });
+        let mut count = unsafe { Borrowed::<i32>::new(&s, p.recv_count) };
+        let mut layout = unsafe { Borrowed::<i64>::new(&s, p.layout_range) };
+        let mut src = unsafe { Borrowed::<i32>::new(&s, p.src_info) };
+        let mut out = DeviceDispatchOut {
+            recv_x: recv_x.view_mut(),
+            recv_scales: scales.as_mut().map(|b| b.view_mut()),
+            recv_count: count.view_mut(),
+            layout_range: layout.view_mut(),
+            src_info: src.view_mut(),
+        };
+        let (xv, tv) = (x.view(), topk.view());
+        let id = self.next_handle;
+        let ins = [ep_kernels::DispatchIn {
+            x: &xv,
+            topk_idx: &tv,
+            n_tokens: Tokens::Host(p.num_tokens),
+        }];
+        let outs = std::slice::from_mut(&mut out);
+        if phases == Phases::Send {
+            let hook = self
+                .group
+                .dispatch_send(self.path, &[&s], &ins, Some(outs))?;
+            self.pending_dispatch = Some((id, hook));
+        } else {
+            let handle = self
+                .group
+                .dispatch_device(self.path, &[&s], &ins, Some(outs))?;
+            self.keep(id, handle);
+        }
+        self.next_handle += 1;
+        Ok(id)
+    }
+
+    /// Enqueues a combine (or one half) on `stream`, after the dispatch of handle `handle`.
+    pub fn combine(
+        &mut self,
+        stream: u64,
+        phases: Phases,
+        handle: u64,
+        p: &CombinePtrs,
+    ) -> Result<()> {
+        let s = self.stream(stream);
+        if phases == Phases::Recv {
+            let hook = self.pending_combine.take().ok_or_else(|| {
+                BindError::argument("hook", "no combine send half is waiting for its receive")
+            })?;
+            return Ok(self.group.combine_recv(hook, &[&s])?);
+        }
+        if self.pending_combine.is_some() {
+            return Err(BindError::argument(
+                "return_recv_hook",
+                "the previous combine's receive hook was not called; call it first",
+            ));
+        }
+        let h = match self.handles.iter().find(|(id, _)| *id == handle) {
+            Some((_, h)) => h.clone(),
+            None if self
+                .pending_dispatch
+                .as_ref()
+                .is_some_and(|(id, _)| *id == handle) =>
+            {
+                return Err(BindError::argument(
+                    "handle",
+                    "its dispatch's receive hook was not called yet",
+                ))
+            }
+            None => {
+                return Err(GpuError::Handle(format!(
+                    "dispatch handle {handle} is no longer held (this rank keeps the last \
+                     {KEPT_HANDLES}, and combines only the latest dispatch per path)"
+                ))
+                .into())
+            }
+        };
+        // SAFETY: as in `dispatch`.
+        let y = unsafe { Borrowed::<bf16>::new(&s, p.y) };
+        let topk = unsafe { Borrowed::<i64>::new(&s, p.topk_idx) };
+        let w = unsafe { Borrowed::<f32>::new(&s, p.topk_weights) };
+        let mut out = unsafe { Borrowed::<bf16>::new(&s, p.out) };
+        let (yv, tv, wv) = (y.view(), topk.view(), w.view());
+        let ins = [ep_kernels::CombineIn {
+            y: &yv,
+            topk_idx: &tv,
+            topk_weights: &wv,
+        }];
+        let mut outs = [out.view_mut()];
+        if phases == Phases::Send {
+            self.pending_combine = Some(self.group.combine_send(&[&s], &h, &ins, &mut outs)?);
+        } else {
+            self.group.combine_device(&[&s], &h, &ins, &mut outs)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn size_hint_is_the_kernels_layout() {
+        // DeepEP's standard setting with K = 8.
+        let got = size_hint(128, 7168, 8, 256, Some(8), false).unwrap();
+        let cfg = Config::new(8, 256, 128, 7168, 8, Mode::Bf16).unwrap();
+        assert_eq!(got, bytes_per_rank_with(&cfg, false).unwrap() as u64);
+        // No top_k: the bound over every top_k, so at least the K = 8 figure.
+        let bound = size_hint(128, 7168, 8, 256, None, false).unwrap();
+        assert!(bound > got, "{bound} vs {got}");
+        // The NCCL staging buffer adds to it.
+        assert!(size_hint(128, 7168, 8, 256, Some(8), true).unwrap() > got);
+    }
+
+    #[test]
+    fn size_hint_refuses_bad_and_huge_shapes() {
+        let e = size_hint(128, 7168, 3, 256, None, false).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "config: num_experts = 256 is not a multiple of num_ranks = 3"
+        );
+        let e = size_hint(1 << 40, 7168, 8, 256, None, false).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("argument `num_max_dispatch_tokens_per_rank`: 1099511627776 exceeds"),
+            "{e}"
+        );
+        let e = size_hint(1 << 30, 1 << 30, 1, 1 << 10, None, false).unwrap_err();
+        assert!(e.to_string().contains("do not fit in 64-bit sizes"), "{e}");
+    }
+
+    #[test]
+    fn keywords_parse_or_name_the_argument() {
+        assert_eq!(path("batched").unwrap(), Path::Batched);
+        assert_eq!(path("per_expert").unwrap(), Path::PerExpert);
+        assert_eq!(transport("nccl").unwrap(), Transport::Nccl);
+        assert_eq!(Phases::parse("recv").unwrap(), Phases::Recv);
+        assert!(path("fast")
+            .unwrap_err()
+            .to_string()
+            .starts_with("argument `path`"));
+        assert!(transport("ib")
+            .unwrap_err()
+            .to_string()
+            .starts_with("argument `transport`"));
+    }
+
+    #[test]
+    fn without_a_gpu_probe_says_why() {
+        // On a machine with a GPU this passes trivially; on CI (no driver) it must say why.
+        match probe(1) {
+            Ok(n) => assert!(n >= 1),
+            Err(e) => assert!(e.to_string().starts_with("no usable GPU: "), "{e}"),
+        }
+    }
+}

@@ -1,0 +1,243 @@
+"""The Buffer's Python plumbing on the CPU: the native GPU rank is replaced by a stand-in that
+computes the oracle's outputs on the host and writes them through the very pointers and lengths
+the Buffer passes (so tensor allocation, shapes, dtypes, byte counts, the handle, DeepEP's packed
+layout_range, hooks, out=, zero_copy and the stats are exercised end to end, two ranks in one
+process). It says nothing about the GPU kernels: test_gpu.py does. Needs torch (CPU is enough).
+"""
+
+import ctypes
+
+import pytest
+
+import ep_dispatch as ep
+from ep_dispatch import _ep_dispatch as native
+from ep_dispatch import oracle
+
+torch = pytest.importorskip("torch", reason="torch is not installed (the plumbing tests need it)")
+np = pytest.importorskip("numpy", reason="numpy is not installed")
+
+
+def read(ptr_len, dtype, np_dtype):
+    ptr, n = ptr_len
+    size = torch.empty(0, dtype=dtype).element_size()
+    return np.frombuffer(ctypes.string_at(ptr, n * size), dtype=np_dtype) if n else \
+        np.zeros(0, np_dtype)
+
+
+def write(ptr_len, data, elem):
+    ptr, n = ptr_len
+    b = data.tobytes()
+    assert len(b) <= n * elem, f"{len(b)} bytes into a buffer of {n * elem}"
+    ctypes.memmove(ptr, b, len(b))
+
+
+class World:
+    """What the peers would do: collects every rank's call, and when the last rank arrives
+    writes each rank's outputs (the oracle's, in the kernels' formats) through its pointers."""
+
+    def __init__(self, R):
+        self.R = R
+        self.dispatch_calls, self.combine_calls = {}, {}
+        self.created = []
+
+    def rank(self, rank, num_ranks, num_experts, T, H, K, use_fp8, round_scale, use_ue8m0,
+             ordinal, path, transport, timeout_s, all_gather):
+        assert num_ranks == self.R and callable(all_gather)
+        self.created.append((rank, path, transport, timeout_s))
+        return FakeRank(self, rank, num_experts, T, H, K,
+                        dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
+
+
+class FakeRank:
+    def __init__(self, world, rank, E, T, H, K, mode):
+        self.w, self.rank, self.E, self.T, self.H, self.K, self.mode = world, rank, E, T, H, K, mode
+        self.next_id, self.pending, self.pending_c = 1, None, None
+
+    def check(self):
+        pass
+
+    def dispatch(self, stream, phases, x, topk, n, recv_x, scales, count, src, layout):
+        L, R, T, H, K = self.E // self.w.R, self.w.R, self.T, self.H, self.K
+        if phases == "recv":
+            assert self.pending is not None, "recv half without a send half"
+            hid, self.pending = self.pending, None
+            return hid
+        # The lengths the device API checks.
+        assert x[1] == n * H and topk[1] == n * K
+        assert recv_x[1] == L * R * T * H * (1 if self.mode["use_fp8"] else 2)
+        if self.mode["use_fp8"]:
+            assert scales[1] == L * R * T * H // (512 if self.mode["use_ue8m0"] else 128) * 4
+        else:
+            assert scales is None
+        assert count[1] == L and src[1] == L * R * T and layout[1] == L * R
+        self.w.dispatch_calls[self.rank] = (
+            read(x, torch.bfloat16, np.uint16).reshape(n, H).copy(),
+            read(topk, torch.int64, np.int64).reshape(n, K).copy(),
+            (recv_x, scales, count, src, layout))
+        if len(self.w.dispatch_calls) == R:
+            calls = [self.w.dispatch_calls[r] for r in range(R)]
+            self.w.dispatch_calls = {}
+            outs = oracle.dispatch([c[0] for c in calls], [c[1] for c in calls], T, self.E,
+                                   **self.mode)
+            for (_, _, (rx, sc, ct, si, lr)), o in zip(calls, outs):
+                write(rx, o.recv_x, 1)
+                if sc is not None:
+                    write(sc, o.recv_x_scales, 1)
+                write(ct, o.recv_count, 4)
+                write(si, o.src_info, 4)
+                begin, cnt = o.layout_pairs()
+                write(lr, np.stack([begin, cnt], axis=-1).astype(np.int32), 8)  # (begin, count)
+        hid, self.next_id = self.next_id, self.next_id + 1
+        if phases == "send":
+            self.pending = hid
+        return hid
+
+    def combine(self, stream, phases, handle, y, topk, w, out):
+        if phases == "recv":
+            assert self.pending_c, "recv half without a send half"
+            self.pending_c = False
+            return
+        L, R, T, H, K = self.E // self.w.R, self.w.R, self.T, self.H, self.K
+        assert y[1] == L * R * T * H and topk[1] % K == 0 and w[1] == topk[1]
+        n = topk[1] // K
+        assert out[1] == n * H
+        self.w.combine_calls[self.rank] = (
+            read(y, torch.bfloat16, np.uint16).reshape(L, R * T, H).copy(),
+            read(topk, torch.int64, np.int64).reshape(n, K).copy(),
+            read(w, torch.float32, np.float32).reshape(n, K).copy(), out)
+        if len(self.w.combine_calls) == R:
+            calls = [self.w.combine_calls[r] for r in range(R)]
+            self.w.combine_calls = {}
+            outs = oracle.combine([c[0] for c in calls], [c[1] for c in calls],
+                                  [c[2] for c in calls], T, self.E)
+            for c, o in zip(calls, outs):
+                write(c[3], o, 2)
+        if phases == "send":
+            self.pending_c = True
+
+
+class Group:
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+T, H, K = 6, 512, 3
+R, E = 2, 8
+
+
+@pytest.fixture
+def buffers(monkeypatch):
+    world = World(R)
+    monkeypatch.setattr(native, "probe_devices", lambda n: 1)
+    monkeypatch.setattr(native, "GpuRank", world.rank)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    bufs = []
+    for r in range(R):
+        b = ep.Buffer(Group(r, R), 0, 1 << 20, True, E // R, path="per_expert", timeout_s=3)
+        b._dev = torch.device("cpu")  # the stand-in "device" is the host
+        b._stream = lambda: 0
+        bufs.append(b)
+    return world, bufs
+
+
+def make_inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for r in range(R):
+        n = [T, 2][r]
+        x = (torch.randn(n, H, generator=g) * 3).to(torch.bfloat16)
+        topk = torch.rand(n, E, generator=g).argsort(dim=1)[:, :K].to(torch.int64).contiguous()
+        topk[0, 1] = -1
+        w = torch.randn(n, K, generator=g)
+        y = torch.randn(E // R, R * T, H, generator=g).to(torch.bfloat16)
+        out.append((x, topk, w, y))
+    return out
+
+
+def got_of(recv_x, recv_count, handle):
+    x, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+    return type("Got", (), dict(recv_x=x, recv_x_scales=scales, recv_count=recv_count,
+                                layout_range=handle.layout_range, src_info=handle.src_info))
+
+
+@pytest.mark.parametrize("mode", [dict(use_fp8=False), dict(use_fp8=True),
+                                  dict(use_fp8=True, round_scale=True, use_ue8m0=True)],
+                         ids=["bf16", "fp8", "ue8m0"])
+def test_dispatch_and_combine_through_the_buffer(buffers, mode):
+    world, bufs = buffers
+    ins = make_inputs(1)
+    want = oracle.dispatch([i[0] for i in ins], [i[1] for i in ins], T, E, **mode)
+    want_c = oracle.combine([i[3] for i in ins], [i[1] for i in ins], [i[2] for i in ins], T, E)
+    res = [b.low_latency_dispatch(i[0], i[1], T, E, **mode) for b, i in zip(bufs, ins)]
+    assert [c[1:] for c in world.created] == [("per_expert", "auto", 3.0)] * R
+    for r, (recv_x, recv_count, handle, event, hook) in enumerate(res):
+        assert event.event is None and hook is None
+        if mode["use_fp8"]:
+            assert recv_x[0].dtype == torch.float8_e4m3fn
+            assert recv_x[1].dtype == (torch.int32 if mode.get("use_ue8m0") else torch.float32)
+        else:
+            assert recv_x.dtype == torch.bfloat16 and recv_x.shape == (E // R, R * T, H)
+        # DeepEP's handle: a 5-tuple whose layout_range packs (begin << 32) | count.
+        src_info, layout_range, t, h, e = handle
+        assert (t, h, e) == (T, H, E) and layout_range.dtype == torch.int64
+        assert layout_range.tolist() == want[r].layout_range.tolist()
+        begin, count = handle.layout_pairs()
+        assert count.tolist() == (want[r].layout_range & 0xFFFFFFFF).tolist()
+        assert oracle.diff(got_of(recv_x, recv_count, handle), want[r]) is None
+    outs = [b.low_latency_combine(i[3], i[1], i[2], rr[2]) for b, i, rr in zip(bufs, ins, res)]
+    for r, (combined, event, hook) in enumerate(outs):
+        assert combined.shape == (ins[r][0].shape[0], H) and hook is None
+        assert oracle.combine_diff(combined, want_c[r]) is None
+
+
+def test_hooks_out_stats_and_zero_copy(buffers):
+    world, bufs = buffers
+    ins = make_inputs(2)
+    want = oracle.dispatch([i[0] for i in ins], [i[1] for i in ins], T, E)
+    want_c = oracle.combine([i[3] for i in ins], [i[1] for i in ins], [i[2] for i in ins], T, E)
+    stats = [torch.full((E // R,), 7, dtype=torch.int32) for _ in range(R)]
+    res = [b.low_latency_dispatch(i[0], i[1], T, E, st, return_recv_hook=True)
+           for b, i, st in zip(bufs, ins, stats)]
+    assert all(callable(rr[4]) for rr in res)
+    for r, (recv_x, recv_count, handle, _, hook) in enumerate(res):
+        hook()
+        assert (stats[r] - 7).tolist() == want[r].recv_count.tolist()
+        assert oracle.diff(got_of(recv_x, recv_count, handle), want[r]) is None
+    outs = []
+    for b, i, rr in zip(bufs, ins, res):
+        z = b.get_next_low_latency_combine_buffer(rr[2])
+        z.copy_(i[3])
+        out = torch.empty(i[0].shape[0], H, dtype=torch.bfloat16)
+        got, _, hook = b.low_latency_combine(torch.zeros_like(i[3]), i[1], i[2], rr[2],
+                                             zero_copy=True, out=out, return_recv_hook=True)
+        assert got is out and callable(hook)
+        outs.append((got, hook))
+    for r, (got, hook) in enumerate(outs):
+        hook()
+        assert oracle.combine_diff(got, want_c[r]) is None
+
+
+def test_handles_are_checked(buffers):
+    _, bufs = buffers
+    ins = make_inputs(3)
+    res = [b.low_latency_dispatch(i[0], i[1], T, E) for b, i in zip(bufs, ins)]
+    x, topk, w, y = ins[0]
+    with pytest.raises(ep.InputError, match="not a handle returned by this Buffer"):
+        bufs[0].low_latency_combine(y, topk, w, res[1][2])  # rank 1's handle
+    with pytest.raises(ep.InputError, match="not a handle returned by this Buffer"):
+        bufs[0].low_latency_combine(y, topk, w, tuple(res[0][2]))
+    with pytest.raises(ep.ArgumentError) as e:
+        bufs[0].low_latency_combine(y, topk, w.double(), res[0][2])
+    assert e.value.argument == "topk_weights"
+    with pytest.raises(ep.ArgumentError) as e:  # the shape is fixed by the first dispatch
+        bufs[0].low_latency_dispatch(x, topk, T + 1, E)
+    assert e.value.argument == "num_max_dispatch_tokens_per_rank"
+    bufs[0].destroy()
+    with pytest.raises(ep.InputError, match="destroyed"):
+        bufs[0].low_latency_combine(y, topk, w, res[0][2])

@@ -1,0 +1,281 @@
+"""The GPU Buffer, as a user runs it: one rank per process under
+``torchrun --nproc-per-node N -m pytest python/tests/test_gpu.py`` (or plain ``pytest``: one
+rank). Every rank builds every rank's inputs from the same seed, so each checks its own outputs
+against the oracle bit for bit without extra communication.
+
+Skipped, with the reason, where torch, a GPU or this build's GPU execution is missing.
+"""
+
+import datetime
+import os
+import socket
+import types
+
+import pytest
+
+import ep_dispatch as ep
+from ep_dispatch import oracle
+
+torch = pytest.importorskip("torch", reason="torch is not installed (the GPU tests need it)")
+np = pytest.importorskip("numpy", reason="numpy is not installed")
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device visible to torch", allow_module_level=True)
+if ep.DEVICE_API is None:
+    pytest.skip("this build of ep_dispatch has no GPU device API", allow_module_level=True)
+
+T, H, K = 16, 512, 4  # H % 512 == 0: every FP8 mode, UE8M0 included
+MODES = {
+    "bf16": dict(use_fp8=False),
+    "fp8": dict(use_fp8=True),
+    "fp8-round": dict(use_fp8=True, round_scale=True),
+    "fp8-ue8m0": dict(use_fp8=True, round_scale=True, use_ue8m0=True),
+}
+PATHS = ["batched", "per_expert"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def group():
+    """The process group: torchrun's (RANK, WORLD_SIZE, MASTER_ADDR...) or a group of one."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=120)
+        if "WORLD_SIZE" in os.environ:
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local % torch.cuda.device_count())
+            dist.init_process_group("gloo", timeout=timeout)
+        else:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                    rank=0, world_size=1, timeout=timeout)
+    return dist.group.WORLD
+
+
+@pytest.fixture(scope="session")
+def R(group):
+    return group.size()
+
+
+@pytest.fixture(scope="session")
+def E(R):
+    return 4 * R
+
+
+def make_buffer(group, R, E, **kw):
+    # As DeepEP's tests make theirs; the DeepEP keywords are accepted and ignored.
+    hint = ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E)
+    return ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True,
+                     num_qps_per_rank=E // R, **kw)
+
+
+@pytest.fixture(scope="module", params=PATHS)
+def buf(request, group, R, E):
+    b = make_buffer(group, R, E, path=request.param)
+    yield b
+    b.destroy()
+
+
+def inputs(seed, R, E, n=None, masked=0.1):
+    """Every rank's (x bf16 [n_r, H], topk_idx int64 [n_r, K], topk_weights f32, y bf16
+    [L, R*T, H]) on the host, the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    L = E // R
+    out = []
+    for _ in range(R):
+        nr = int(torch.randint(0, T + 1, (1,), generator=g)) if n is None else n
+        x = (torch.randn(nr, H, generator=g) * 4).to(torch.bfloat16)
+        topk = torch.rand(nr, E, generator=g).argsort(dim=1)[:, :K].to(torch.int64)
+        topk[torch.rand(nr, K, generator=g) < masked] = -1
+        w = torch.randn(nr, K, generator=g)
+        y = torch.randn(L, R * T, H, generator=g).to(torch.bfloat16)
+        out.append((x, topk, w, y))
+    return out
+
+
+def on_gpu(t):
+    return t.to(f"cuda:{torch.cuda.current_device()}").contiguous()
+
+
+def got_of(recv_x, recv_count, handle):
+    x, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+    return types.SimpleNamespace(recv_x=x, recv_x_scales=scales, recv_count=recv_count,
+                                 layout_range=handle.layout_range, src_info=handle.src_info)
+
+
+def expect(ins, E, mode):
+    want = oracle.dispatch([i[0] for i in ins], [i[1] for i in ins], T, E, **mode)
+    want_c = oracle.combine([i[3] for i in ins], [i[1] for i in ins], [i[2] for i in ins], T, E)
+    return want, want_c
+
+
+@pytest.mark.parametrize("mode", list(MODES), ids=list(MODES))
+@pytest.mark.parametrize("seed", [1, 2])
+def test_dispatch_and_combine_match_the_oracle(buf, group, R, E, mode, seed):
+    rank = group.rank()
+    ins = inputs(seed, R, E)
+    want, want_c = expect(ins, E, MODES[mode])
+    x, topk, w, y = (on_gpu(t) for t in ins[rank])
+    recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(
+        x, topk, T, E, **MODES[mode])
+    combined, cevent, chook = buf.low_latency_combine(y, topk, w, handle)
+    torch.cuda.synchronize()
+    buf.check()
+    # Every check after both collective calls, so a failure on one rank cannot strand the other.
+    assert event.event is None and hook is None and cevent.event is None and chook is None
+    if MODES[mode]["use_fp8"]:
+        assert recv_x[0].dtype == torch.float8_e4m3fn and recv_x[0].shape == (E // R, R * T, H)
+        scales_shape = (E // R, R * T, H // (512 if mode == "fp8-ue8m0" else 128))
+        assert recv_x[1].shape == scales_shape
+    else:
+        assert recv_x.dtype == torch.bfloat16 and recv_x.shape == (E // R, R * T, H)
+    assert recv_count.dtype == torch.int32 and recv_count.shape == (E // R,)
+    assert oracle.diff(got_of(recv_x, recv_count, handle), want[rank]) is None
+    assert combined.shape == (x.shape[0], H) and combined.dtype == torch.bfloat16
+    assert oracle.combine_diff(combined, want_c[rank]) is None
+
+
+def test_recv_hook_split(buf, group, R, E):
+    rank = group.rank()
+    ins = inputs(3, R, E)
+    want, want_c = expect(ins, E, MODES["fp8"])
+    x, topk, w, y = (on_gpu(t) for t in ins[rank])
+    recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(
+        x, topk, T, E, return_recv_hook=True)
+    assert callable(hook)
+    torch.ones(1024, device=x.device).sum()  # other work on the stream between the halves
+    hook()
+    combined, _, chook = buf.low_latency_combine(y, topk, w, handle, return_recv_hook=True)
+    assert callable(chook)
+    chook()
+    torch.cuda.synchronize()
+    buf.check()
+    assert oracle.diff(got_of(recv_x, recv_count, handle), want[rank]) is None
+    assert oracle.combine_diff(combined, want_c[rank]) is None
+
+
+def test_async_finish_out_and_stats(buf, group, R, E):
+    rank = group.rank()
+    ins = inputs(4, R, E)
+    want, want_c = expect(ins, E, MODES["bf16"])
+    x, topk, w, y = (on_gpu(t) for t in ins[rank])
+    stats = torch.full((E // R,), 5, dtype=torch.int32, device=x.device)
+    recv_x, recv_count, handle, event, _ = buf.low_latency_dispatch(
+        x, topk, T, E, stats, use_fp8=False, async_finish=True)
+    assert isinstance(event, ep.EventOverlap) and event.event is not None
+    event.current_stream_wait()
+    out = torch.empty(x.shape[0], H, dtype=torch.bfloat16, device=x.device)
+    combined, event, _ = buf.low_latency_combine(y, topk, w, handle, async_finish=True, out=out)
+    with event:
+        pass
+    torch.cuda.synchronize()
+    buf.check()
+    assert combined.data_ptr() == out.data_ptr()
+    assert oracle.diff(got_of(recv_x, recv_count, handle), want[rank]) is None
+    assert oracle.combine_diff(out, want_c[rank]) is None
+    assert (stats.cpu() - 5).tolist() == want[rank].recv_count.tolist()
+
+
+def test_zero_copy_combine_buffer(buf, group, R, E):
+    rank = group.rank()
+    ins = inputs(5, R, E)
+    _, want_c = expect(ins, E, MODES["fp8"])
+    x, topk, w, y = (on_gpu(t) for t in ins[rank])
+    _, _, handle, _, _ = buf.low_latency_dispatch(x, topk, T, E)
+    zbuf = buf.get_next_low_latency_combine_buffer(handle)
+    zbuf.copy_(y)
+    garbage = torch.zeros_like(y)
+    combined, _, _ = buf.low_latency_combine(garbage, topk, w, handle, zero_copy=True)
+    torch.cuda.synchronize()
+    buf.check()
+    assert oracle.combine_diff(combined, want_c[rank]) is None
+
+
+def test_cuda_graph_capture_and_replay(buf, group, R, E):
+    rank = group.rank()
+    n = T // 2
+    first = inputs(6, R, E, n=n)
+    sx, stopk, sw, sy = (on_gpu(t) for t in first[rank])
+    # Warm up eagerly (forms the group: collective, not capturable), then capture both calls.
+    _, _, h0, _, _ = buf.low_latency_dispatch(sx, stopk, T, E)
+    buf.low_latency_combine(sy, stopk, sw, h0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(sx, stopk, T, E)
+        combined, _, _ = buf.low_latency_combine(sy, stopk, sw, handle)
+    for seed in (7, 8):
+        ins = inputs(seed, R, E, n=n)
+        want, want_c = expect(ins, E, MODES["fp8"])
+        x, topk, w, y = ins[rank]
+        sx.copy_(x)
+        stopk.copy_(topk)
+        sw.copy_(w)
+        sy.copy_(y)
+        graph.replay()
+        torch.cuda.synchronize()
+        buf.check()
+        assert oracle.diff(got_of(recv_x, recv_count, handle), want[rank]) is None, seed
+        assert oracle.combine_diff(combined, want_c[rank]) is None, seed
+
+
+def test_bad_arguments_raise_before_any_launch(buf, group, R, E):
+    ins = inputs(9, R, E, n=4)
+    x, topk, w, y = (on_gpu(t) for t in ins[group.rank()])
+    cases = [
+        (dict(x=x.float()), "x"),
+        (dict(x=x.cpu()), "x"),
+        (dict(x=torch.empty(H, 4, dtype=torch.bfloat16, device=x.device).t()), "x"),
+        (dict(topk_idx=topk.int()), "topk_idx"),
+        (dict(topk_idx=topk[:3]), "topk_idx"),
+        (dict(num_max_dispatch_tokens_per_rank=2), "x"),
+        (dict(num_experts=E + 1), "num_experts"),
+    ]
+    for change, argument in cases:
+        args = dict(x=x, topk_idx=topk, num_max_dispatch_tokens_per_rank=T, num_experts=E)
+        args.update(change)
+        with pytest.raises(ep.ArgumentError) as e:
+            buf.low_latency_dispatch(**args)
+        assert e.value.argument == argument, str(e.value)
+    with pytest.raises(ep.ConfigError):
+        buf.low_latency_dispatch(x, topk, T, E, use_ue8m0=True)  # without round_scale
+    # The buffer is still usable; a combine with a foreign or stale handle is refused.
+    _, _, h1, _, _ = buf.low_latency_dispatch(x, topk, T, E)
+    with pytest.raises(ep.InputError):
+        buf.low_latency_combine(y, topk, w, tuple(h1))
+    with pytest.raises(ep.ArgumentError) as e:
+        buf.low_latency_combine(y[..., : H // 2], topk, w, h1)
+    assert e.value.argument == "x"
+    with pytest.raises(ep.InputError):  # not the dispatched topk_idx tensor
+        buf.low_latency_combine(y, topk.clone(), w, h1)
+    _, _, h2, _, _ = buf.low_latency_dispatch(x, topk, T, E)
+    with pytest.raises(ep.InputError):  # h1 is stale now
+        buf.low_latency_combine(y, topk, w, h1)
+    buf.low_latency_combine(y, topk, w, h2)
+    torch.cuda.synchronize()
+    buf.check()
+
+
+def test_bad_routing_is_refused(group, R, E):
+    ins = inputs(10, R, E, n=2, masked=0.0)
+    x, topk, _, _ = (on_gpu(t) for t in ins[group.rank()])
+    topk[1, 1] = topk[1, 0]  # the same expert twice, on every rank
+    # Checked on the host (check_routing=True): raised before anything is launched.
+    b = make_buffer(group, R, E, check_routing=True)
+    with pytest.raises(ep.InputError) as e:
+        b.low_latency_dispatch(x, topk, T, E)
+    assert e.value.kind == "DuplicateExpert" and (e.value.token, e.value.second_slot) == (1, 1)
+    b.destroy()
+    # Checked on the device: the kernels stop, Buffer.check() names it.
+    b = make_buffer(group, R, E, timeout_s=2.0)
+    b.low_latency_dispatch(x, topk, T, E)
+    torch.cuda.synchronize()
+    with pytest.raises((ep.InputError, ep.TimeoutError)) as e:
+        b.check()
+    assert e.value.kind in ("DuplicateExpert", "Timeout"), str(e.value)
+    b.destroy()
