@@ -173,6 +173,26 @@ fn classify(e: &BindError) -> (&'static str, &'static str, Vec<(&'static str, Fi
                     ("got", us(*got)),
                 ],
             ),
+            E::LimitExceeded { what, value, limit } => (
+                "ConfigError",
+                "LimitExceeded",
+                vec![
+                    ("what", Field::Str(what.to_string())),
+                    ("value", int(*value as i128)),
+                    ("limit", int(*limit as i128)),
+                ],
+            ),
+            E::WorkerPanicked {
+                rank, op, call, ..
+            } => (
+                "DeviceError",
+                "WorkerPanicked",
+                vec![
+                    ("rank", us(*rank)),
+                    ("op", Field::Str(op.to_string())),
+                    ("call", int(*call)),
+                ],
+            ),
             E::OutOfMemory { needed, available } => (
                 "OutOfMemoryError",
                 "OutOfMemory",
@@ -233,6 +253,57 @@ fn classify(e: &BindError) -> (&'static str, &'static str, Vec<(&'static str, Fi
                     ("field", Field::Str(field.to_string())),
                     ("value", int(*value)),
                     ("limit", int(*limit)),
+                ],
+            ),
+            GpuError::PeerBlob { rank, peer, .. } => (
+                "PeerError",
+                "PeerBlob",
+                vec![("rank", us(*rank)), ("peer", us(*peer))],
+            ),
+            GpuError::PeerMismatch {
+                field,
+                ours,
+                theirs,
+                rank,
+                peer,
+            } => (
+                "PeerError",
+                "PeerMismatch",
+                vec![
+                    ("rank", us(*rank)),
+                    ("peer", us(*peer)),
+                    ("field", Field::Str(field.to_string())),
+                    ("ours", Field::Str(ours.clone())),
+                    ("theirs", Field::Str(theirs.clone())),
+                ],
+            ),
+            GpuError::PeerCount {
+                rank,
+                peer,
+                field,
+                value,
+                ..
+            } => (
+                "PeerError",
+                "PeerCount",
+                vec![
+                    ("rank", us(*rank)),
+                    ("peer", us(*peer)),
+                    ("field", Field::Str(field.to_string())),
+                    ("value", int(*value)),
+                ],
+            ),
+            GpuError::NcclTimeout {
+                rank,
+                what,
+                waited_ms,
+            } => (
+                "TimeoutError",
+                "NcclTimeout",
+                vec![
+                    ("rank", us(*rank)),
+                    ("what", Field::Str(what.to_string())),
+                    ("waited_ms", int(*waited_ms)),
                 ],
             ),
             // Contract errors are unwrapped into BindError::Contract by `From<GpuError>`.
