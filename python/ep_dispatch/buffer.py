@@ -40,8 +40,9 @@ class Handle(tuple):
     A 5-tuple as in DeepEP, ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
     num_experts)``: ``src_info`` ``int32 [L, R*T]``, the token index on its source rank;
     ``layout_range`` ``int64 [L, R]``, DeepEP's ``(begin << 32) | count`` (computed from the
-    kernels' ``(begin, count)`` pairs when first read, so a caller that never reads it pays
-    nothing). Attributes: the same five by name, ``layout_pairs()``, ``recv_count``,
+    kernels' ``(begin, count)`` pairs at each read, so a caller that never reads it pays
+    nothing; never cached, since a replayed CUDA graph rewrites the pairs under the same
+    handle). Attributes: the same five by name, ``layout_pairs()``, ``recv_count``,
     ``num_tokens``, ``top_k``, ``use_fp8``, ``path``.
     """
 
@@ -56,12 +57,13 @@ class Handle(tuple):
 
     @property
     def layout_range(self):
-        if self._packed is None:
-            import torch
+        if self._pairs is None:
+            return self._packed
+        import torch
 
-            p = self._pairs.to(torch.int64)
-            self._packed = (p[..., 0] << 32) | p[..., 1]
-        return self._packed
+        # Not cached: graph replays write new pairs into the same tensor.
+        p = self._pairs.to(torch.int64)
+        return (p[..., 0] << 32) | p[..., 1]
 
     def __getitem__(self, i):
         if isinstance(i, slice):
