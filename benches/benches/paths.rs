@@ -5,7 +5,7 @@
 //! Names pair up: group `dispatch/T=128` holds functions `per-expert` and `batched`, and so on.
 //! Each iteration is one collective call of all 8 ranks (one thread each, released together by a
 //! barrier); its time is the mean over ranks of each rank's own latency, the figure ep-bench
-//! prints as `avg_t` (criterion's throughput is one rank's logical bytes, DESIGN.md's accounting,
+//! prints as `avg_t` (criterion's throughput is one rank's logical bytes, docs/contract.md's accounting,
 //! in decimal units, so its MB/s is ep-bench's GB/s x 1000). Before timing a T, both paths are checked bitwise
 //! against the oracle and each other. Dispatch writes into one output per rank allocated once
 //! (`dispatch_into`); combine reuses one dispatch's handle for every call.

@@ -1,4 +1,4 @@
-//! DESIGN.md's bandwidth accounting, as DeepEP and UCCL count it: bytes = selections x bytes
+//! docs/contract.md's bandwidth accounting, as DeepEP and UCCL count it: bytes = selections x bytes
 //! per message (dispatch: `H + H/128*4 + 16` in FP8, `2H` in BF16; combine: `2H`), divided by
 //! the mean time of the call. The bytes actually written ("wire bytes") come from the paths'
 //! own counters ([`ep_reference::CallStats`]) and are reported beside it.

@@ -11,7 +11,7 @@
 //! - [`report`]: the figures derived from raw samples and how they print;
 //! - [`flags`], [`memory`]: ep-bench's checks before anything runs: config errors in the
 //!   command line's words, and the memory a point needs against what the machine has;
-//! - [`accounting`], [`stats`]: DESIGN.md's bandwidth accounting and the percentile math.
+//! - [`accounting`], [`stats`]: docs/contract.md's bandwidth accounting and the percentile math.
 
 pub mod accounting;
 pub mod backend;

@@ -22,7 +22,7 @@ pub struct Traffic {
     pub signals: Option<u64>,
     /// Bytes actually written into peers' buffers.
     pub wire_bytes: u64,
-    /// Bytes as DESIGN.md's bandwidth accounting counts them (selections x message bytes).
+    /// Bytes as docs/contract.md's bandwidth accounting counts them (selections x message bytes).
     pub logical_bytes: u64,
 }
 

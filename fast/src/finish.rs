@@ -1,4 +1,4 @@
-//! The finish counter of DESIGN.md's signaling protocol: how the sender of a batch knows that
+//! The finish counter of docs/contract.md's signaling protocol: how the sender of a batch knows that
 //! every staging worker is done with it.
 //!
 //! One counter per destination. The call's owner opens it with `FINISHED_SUM_TAG`; each staged

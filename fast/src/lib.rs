@@ -1,6 +1,6 @@
 //! # ep-fast
 //!
-//! The per-destination batched path (DESIGN.md "Two ways to move the same data"): every token
+//! The per-destination batched path (docs/contract.md "Two ways to move the same data"): every token
 //! bound for a destination rank travels in one batch, once, with its list of local experts there;
 //! one put and one signal per (source, destination) pair; the receiver expands the batch into the
 //! canonical per-expert layout. Combine batches every row bound for a rank the same way.

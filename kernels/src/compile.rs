@@ -1,7 +1,7 @@
 //! Run-time compilation of the CUDA sources with NVRTC (one module per family), in the style of
 //! candle-kernels: the `.cu` files are embedded with `include_str!`, prefixed with the shared
 //! headers, and compiled for the device's architecture with FMA contraction off (`--fmad=false`;
-//! the kernels write `fmaf` where DESIGN.md asks for a fused multiply-add).
+//! the kernels write `fmaf` where docs/contract.md asks for a fused multiply-add).
 
 use crate::GpuError;
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};

@@ -1,6 +1,6 @@
 //! # ep-kernels
 //!
-//! The CUDA backend of ep-dispatch: both paths of DESIGN.md (per-expert and per-destination
+//! The CUDA backend of ep-dispatch: both paths of docs/contract.md (per-expert and per-destination
 //! batched dispatch/combine) as CUDA kernels, compiled at run time with NVRTC (`compile`), run
 //! by a small runtime over one or more GPUs with peer access (`runtime`; its library face is
 //! `runtime::device_api`, device tensors on the caller's stream), and timed by the
@@ -9,7 +9,7 @@
 //! Where there is no CUDA driver (or no NVRTC), nothing touches the GPU: [`runtime::probe_devices`]
 //! and [`bench::probe`] say why, and the tests print `SKIPPED: <reason>`.
 //!
-//! ## How the GPU paths realise DESIGN.md (and where they choose)
+//! ## How the GPU paths realise docs/contract.md (and where they choose)
 //!
 //! - **One launch per call and device.** All ranks of a device run in one kernel launch
 //!   (`blocks_per_rank` blocks each, one block per SM, checked against the occupancy calculator),
@@ -42,7 +42,7 @@
 //!   buffers or the group's; send and receive halves (the receive hook); capturable in a CUDA
 //!   graph (token counts may be read from device memory). The host-slice calls (`dispatch`,
 //!   `combine`, `upload_*`, `read_*`) are the test and benchmark harness.
-//! - **Finish counting.** DESIGN.md's `FINISHED_SUM_TAG` counter is replaced by a block-completion
+//! - **Finish counting.** docs/contract.md's `FINISHED_SUM_TAG` counter is replaced by a block-completion
 //!   counter. In the batched path every block adds 1 after a release fence, and the block that
 //!   completes the count stores the (source, destination) signals. In the per-expert path one
 //!   block owns each expert and signals it itself.

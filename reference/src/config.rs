@@ -1,4 +1,4 @@
-//! The validated configuration every path shares (DESIGN.md "Words").
+//! The validated configuration every path shares (docs/contract.md "Words").
 
 use crate::error::{Error, Result};
 
@@ -49,7 +49,7 @@ impl Mode {
 /// The largest number of local experts a rank may hold (local ids travel as u16).
 pub const MAX_LOCAL_EXPERTS: usize = u16::MAX as usize;
 
-// Upper bounds (DESIGN.md "Errors"). Each is far above any decode setting (DeepEP's largest is
+// Upper bounds (docs/contract.md "Errors"). Each is far above any decode setting (DeepEP's largest is
 // R = 256, E = 288, T = 512, H = 7168, K = 8), and together they keep every count and byte size
 // the paths compute representable: see [`Config::validate`].
 
@@ -105,7 +105,7 @@ impl Config {
         Ok(c)
     }
 
-    /// Checks every rule of DESIGN.md that concerns the config alone, including the upper
+    /// Checks every rule of docs/contract.md that concerns the config alone, including the upper
     /// bounds ([`MAX_RANKS`], [`MAX_EXPERTS`], [`MAX_TOKENS_PER_RANK`], [`MAX_HIDDEN`],
     /// [`MAX_TOP_K`]).
     ///
@@ -260,7 +260,7 @@ impl Config {
         self.recv_x_row_bytes() + 4 * self.scales_per_row()
     }
 
-    /// DESIGN.md's bandwidth accounting: bytes per dispatch message as DeepEP counts them.
+    /// docs/contract.md's bandwidth accounting: bytes per dispatch message as DeepEP counts them.
     pub fn logical_dispatch_message_bytes(&self) -> usize {
         match self.mode {
             Mode::Bf16 => 2 * self.hidden,
@@ -268,7 +268,7 @@ impl Config {
         }
     }
 
-    /// DESIGN.md's bandwidth accounting: bytes per combine message.
+    /// docs/contract.md's bandwidth accounting: bytes per combine message.
     pub fn logical_combine_message_bytes(&self) -> usize {
         2 * self.hidden
     }

@@ -1,4 +1,4 @@
-//! Every error a path can return. Each bad input of DESIGN.md has its own variant carrying the
+//! Every error a path can return. Each bad input of docs/contract.md has its own variant carrying the
 //! offending values, so a caller can tell exactly what was wrong without parsing a message.
 
 use std::fmt;

@@ -1,4 +1,4 @@
-//! Validation of one rank's inputs (DESIGN.md "Inputs on rank r" and "Errors"). Every path calls
+//! Validation of one rank's inputs (docs/contract.md "Inputs on rank r" and "Errors"). Every path calls
 //! these before anything moves.
 
 use crate::config::Config;

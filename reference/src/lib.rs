@@ -1,6 +1,6 @@
 //! # ep-reference
 //!
-//! The executable specification of ep-dispatch (see `DESIGN.md`):
+//! The executable specification of ep-dispatch (see `docs/contract.md`):
 //! - the types every path shares: [`Config`], the inputs' checks, [`DispatchOutput`], [`Handle`],
 //!   [`Error`];
 //! - the contract's numerics, bit for bit: [`bf16`] rounding and the FP8 cast ([`numerics::fp8`]);

@@ -1,4 +1,4 @@
-//! Every bad input of DESIGN.md gets its own typed error, on both paths, before anything moves;
+//! Every bad input of docs/contract.md gets its own typed error, on both paths, before anything moves;
 //! a rank that never shows up makes the others fail with a timeout that names it, not hang.
 
 use std::time::{Duration, Instant};

@@ -50,7 +50,7 @@ enum DispatchArg {
 const MAX_TIMEOUT_SECS: f64 = 1e6;
 
 /// Per-expert vs per-destination batched MoE dispatch/combine (DeepEP low-latency mode), side
-/// by side on the same inputs. The defaults are DESIGN.md's standard decode setting: 8 ranks,
+/// by side on the same inputs. The defaults are docs/contract.md's standard decode setting: 8 ranks,
 /// E=256, T=128 tokens per rank, H=7168, K=8, FP8 dispatch, BF16 combine, random routing with 5%
 /// masked slots.
 ///

@@ -1,4 +1,4 @@
-// batched.cu: per-destination batched dispatch and combine (DESIGN.md, "Per-destination batched").
+// batched.cu: per-destination batched dispatch and combine (docs/contract.md, "Per-destination batched").
 //
 // Dispatch, on source rank s, for every destination d:
 //   every token bound for d is written once (deduplicated) into d's receive region for s, as

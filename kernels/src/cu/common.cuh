@@ -281,7 +281,7 @@ __device__ __forceinline__ u64 signal_word(u64 epoch, u32 count) { return (sig_t
 
 // ---------------------------------------------------------------- bf16
 __device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
-// Round to nearest even; NaN -> 0x7FFF (DESIGN.md, numerics/bf16.rs).
+// Round to nearest even; NaN -> 0x7FFF (docs/contract.md, numerics/bf16.rs).
 __device__ __forceinline__ u16 f32_to_bf16_rne(float f) {
     if (f != f) return (u16)0x7FFF;
     u32 b = __float_as_uint(f);
@@ -411,7 +411,7 @@ __device__ __forceinline__ bool last_block_out(const KParams& p, u32* state, int
     return s_last != 0;
 }
 
-// The combine reduction of DESIGN.md for the tokens of one rank: for each token t and channel h,
+// The combine reduction of docs/contract.md for the tokens of one rank: for each token t and channel h,
 // acc = 0; for k ascending over valid slots: acc = fmaf(w[t][k], float(y_row(t,k)[h]), acc);
 // out = bf16_rne(acc). `rowbase[k]` is computed by the caller's functor ROW(t, k) -> row pointer.
 // Units are (token, 256-channel chunk), spread over every warp of the rank's blocks.

@@ -1,4 +1,4 @@
-// fp8.cuh: the FP8 cast of DESIGN.md, bit-identical to ep_reference::numerics::fp8.
+// fp8.cuh: the FP8 cast of docs/contract.md, bit-identical to ep_reference::numerics::fp8.
 // A warp quantizes 256 channels per step: lanes 0-15 one group of 128, lanes 16-31 the next;
 // each lane holds 8 channels (one 16-byte load of bf16).
 

@@ -1,4 +1,4 @@
-// per_expert.cu: the per-expert path (DESIGN.md, "Per-expert (the reference)").
+// per_expert.cu: the per-expert path (docs/contract.md, "Per-expert (the reference)").
 //
 // Dispatch, on source rank s: block b owns experts e = b, b + B, ...; for each it lists the
 //   tokens that selected e and writes every selection as its own message (a 16-byte header

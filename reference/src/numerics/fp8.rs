@@ -1,4 +1,4 @@
-//! FP8 e4m3 quantization exactly as DESIGN.md fixes it.
+//! FP8 e4m3 quantization exactly as docs/contract.md fixes it.
 //!
 //! e4m3: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities; 0x7F/0xFF are NaN; the
 //! largest finite magnitude is 448 (0x7E); the smallest subnormal is 2^-9.
