@@ -258,6 +258,12 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
             });
         }
     }
+    // No rank frees its buffers while a peer may still touch them through its IPC mapping: all
+    // of this rank's work is done, then every rank meets once more before `g` drops (with
+    // `--iters 0` a fast rank used to free memory a slower peer was still writing).
+    g.sync().map_err(|e| gpu_err(rank, "final sync", e))?;
+    rdzv.barrier("done")
+        .map_err(|e| fail(format!("rank {rank}: final barrier: {e}"), true))?;
     Ok(MpReport {
         rank,
         world,
