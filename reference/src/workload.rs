@@ -208,7 +208,7 @@ impl Workload {
             .collect()
     }
 
-    /// Expert outputs that differ per expert and per row: y[l][row] = x-like values scaled by an
+    /// Expert outputs that differ per expert and per row: `y[l][row]` = x-like values scaled by an
     /// expert-specific factor, for every rank, in the dispatch layout.
     pub fn expert_outputs(&self, seed: u64) -> Vec<Vec<bf16>> {
         self.expert_outputs_with(seed, Values::Normal)
