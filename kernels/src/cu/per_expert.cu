@@ -2,10 +2,10 @@
 //
 // Dispatch, on source rank s: block b owns experts e = b, b + B, ...; for each it lists the
 //   tokens that selected e and writes every selection as its own message (a 16-byte header
-//   {epoch, token, slot} + payload, quantized per message) into the owner's region (l, s) at slot
-//   t; then one signal per (expert, source) with the count. On owner d, block per local expert:
-//   for every source in order, wait for the (l, s) signal, find the slots stamped with this
-//   call's epoch (token order), copy them into the canonical rows.
+//   {epoch low, token, slot, epoch high} + payload, quantized per message) into the owner's
+//   region (l, s) at slot t; then one signal per (expert, source) with the count. On owner d:
+//   block per local expert, for every source in order, wait for the (l, s) signal, find the
+//   slots stamped with this call's epoch (token order), copy them into the canonical rows.
 // Combine, on owner d: block per local expert copies every row back to its source's slot
 //   t*K + k, then one signal per (expert, source). On s: wait for all E experts' signals and
 //   reduce in k order.
