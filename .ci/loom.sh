@@ -35,6 +35,9 @@ mutants=(
   "gpu_ack_load_relaxed:loom_gpu_protocol:per_expert_consecutive_calls"
   "gpu_no_ack_wait:loom_gpu_protocol:batched_consecutive_calls"
   "gpu_no_ack_wait:loom_gpu_protocol:per_expert_consecutive_calls"
+  # a `>=` tag match survives every model but the ones across the tag's wrap
+  "gpu_tag_ge:loom_gpu_protocol:batched_tag_wrap"
+  "gpu_tag_ge:loom_gpu_protocol:per_expert_tag_wrap"
   # and the model of everything at once must reject each of its orderings too
   "gpu_counter_release:loom_gpu_protocol:batched_two_senders_one_receiver_two_calls"
   "gpu_counter_acquire:loom_gpu_protocol:batched_two_senders_one_receiver_two_calls"
