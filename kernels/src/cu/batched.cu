@@ -41,8 +41,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     const u64 epoch = s_epoch;
     const int n = s_n;
     PROF(0);
-    // Bad routing (or token count) is caught here, before anything is written: the rank goes to
-    // the end without sending or signalling (its peers' waits end on the error flag).
+    // Bad routing (or token count) is caught here, before anything is written: the rank goes to the
+    // end unsent, unsignalled; peers stop on this GPU's error flag, time out on others (loom: bad_input_*).
     const int in_bad = load_topk(p, (const i64*)io.topk, n, sm.sk, sm.sdl, rank, true) | s_bad;
     for (int i = tid; i < E * W; i += NTHREADS) sm.bm[i] = 0;
     for (int i = tid; i < n * R; i += NTHREADS) sm.tokpos[i] = 0;
@@ -192,7 +192,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         if (tid < R) {
             long long c;
             if (via_nccl(p, tid)) c = ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L)];
-            // loom: gpu_protocol::batched_receive, models batched_two_senders_one_receiver, batched_consecutive_calls.
+            // loom: gpu_protocol::batched_receive, models batched_two_senders_one_receiver, batched_consecutive_calls, batched_tag_wrap.
             else c = wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
             bad = c < 0 || peer_bad(p, rank, tid, PF_BATCH_TOKENS, c, T);
             sm.rcnt[tid] = bad ? 0 : (int)c;

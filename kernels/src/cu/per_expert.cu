@@ -102,7 +102,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
         for (int l = bid; l < L && p.stage != 1; l += p.blocks_per_rank) {  // stage 1: send half only
             int base = 0;
             for (int s = 0; s < R; s++) {
-                // loom: gpu_protocol::per_expert_receive, models per_expert_two_senders_one_receiver, per_expert_consecutive_calls.
+                // loom: gpu_protocol::per_expert_receive, models per_expert_two_senders_one_receiver, per_expert_consecutive_calls, per_expert_tag_wrap.
                 if (tid == 0) {
                     long long c = wait_signal(p, sig_pe(me, R) + (u64)l * R + s, epoch, rank, s, PH_DISPATCH_RECV);
                     if (c >= 0 && peer_bad(p, rank, s, PF_PE_COUNT, c, T)) c = -1;
