@@ -20,11 +20,12 @@
 //!   `atomicExch` relaxed read-modify-writes (CUDA's atomics are relaxed); `ld.volatile` and the
 //!   plain stores of the `state` counters relaxed atomics; `__threadfence_system`
 //!   `fence(SeqCst)`. The u64 epoch word (`ST_EPOCH64`, common.cuh:238 `ld_epoch`) and the
-//!   payload entries are plain memory (loom cells). Scopes
-//!   (.gpu / .sys) are not modelled: the kernels use the narrowest one that covers every rank.
+//!   payload entries are plain memory (loom cells). Scopes (.gpu / .sys) are not modelled: the
+//!   kernels use the narrowest one that covers every rank.
 //! - **Launches.** A launch is one thread per block, of stage 0 (the whole call over NVLink;
-//!   the NCCL stages 1/2 only split it around a host exchange and are not modelled). The next launch on a device's stream starts
-//!   after every block of the previous one ended (the tests join them). Nothing else orders two
+//!   the NCCL stages 1/2 only split it around a host exchange and are not modelled). The next
+//!   launch on a device's stream starts after every block of the previous one ended (the tests
+//!   join them). Nothing else orders two
 //!   calls: no host synchronisation between calls is assumed (`GpuGroup::launch` back to back,
 //!   process mode, CUDA graph replay), so only the acks order a call's reads on one device before
 //!   the next call's writes from another.
@@ -88,11 +89,11 @@
 //!   0): a rank with bad input also skips, in its pack stage (`p.stage` 1), the writes of
 //!   `snd_hdr` and the staged batches (batched.cu:99 jumps over :131-:171), and
 //!   launch.rs:141 `nccl_dispatch_exchange` reads `snd_hdr` back after `wait_streams` (:167)
-//!   without reading the error word: the previous call's headers (valid once, so `check_pair` passes)
-//!   and batches go to the peers, whose unpack stage takes them as this call's. `sync` reports
-//!   the input error afterwards, so `dispatch` (launch + sync) is right; a caller of `launch`
-//!   alone gets the previous call's rows until its sync. Reading the error word there (the
-//!   streams are idle) would stop it before the exchange.
+//!   without reading the error word: the previous call's headers (valid once, so `check_pair`,
+//!   :193, passes) and batches go to the peers, whose unpack stage (NCCL sources: no signal to
+//!   wait for, batched.cu:194) takes them as this call's. The next `sync` reports the input
+//!   error, so a caller that syncs gets the error; until then the peers hold the previous
+//!   call's rows. Reading the error word there (the streams are idle) would stop the exchange.
 
 use std::time::Duration;
 
