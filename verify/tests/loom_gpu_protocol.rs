@@ -274,10 +274,11 @@ fn batched_one_sender_two_receivers() {
     });
 }
 
-/// Preemption bound of [`batched_two_senders_one_receiver_two_calls`]. At CI's
-/// LOOM_MAX_PREEMPTIONS=4 that one model took 132 s of a 258 s loom step (warm, 2 cores; about
-/// 7 minutes cold); at 3 it takes 20 s, and `.ci/loom.sh` checks that each of its 7 mutants is
-/// still rejected at 3. Every ordering it checks is also isolated by a smaller model above that
+/// Preemption bound of [`batched_two_senders_one_receiver_two_calls`], below CI's
+/// LOOM_MAX_PREEMPTIONS=4 to keep the loom step under 6 minutes: at 4 that one model takes
+/// 132 s and `.ci/loom.sh` 445 s cold (258 s warm) on the 2-core dev machine; at 3 the model
+/// takes 20 s and the step 287 s cold. `.ci/loom.sh` checks that each of its 7 mutants is still
+/// rejected at 3, and every ordering it checks is also isolated by a smaller model above that
 /// runs at the full bound. Run it at 4 by hand with `EP_LOOM_FULL_BOUND=1`.
 const TWO_CALLS_PREEMPTIONS: usize = 3;
 
