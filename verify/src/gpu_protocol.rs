@@ -541,7 +541,14 @@ fn peer_bad(e: &ErrorWord, rank: usize, peer: usize, field: u32, value: i64, lim
     if (0..=limit).contains(&value) {
         return false;
     }
-    let words = [rank as u32, peer as u32, field, value as u32, 0, limit as u32];
+    let words = [
+        rank as u32,
+        peer as u32,
+        field,
+        value as u32,
+        0,
+        limit as u32,
+    ];
     report_error(e, ERR_PEER_DATA, words);
     true
 }
@@ -635,7 +642,11 @@ fn input_check(g: &Group, kp: &Launch, rank: usize) -> bool {
     }
     // common.cuh:357 report_error(p.err, ERR_EXPERT_RANGE, rank, token, slot, value, value >> 32, E);
     let e_n = (g.ranks.len() * g.setup.local_experts) as u32;
-    report_error(g.err(rank), ERR_EXPERT_RANGE, [rank as u32, 0, 0, e_n, 0, e_n]);
+    report_error(
+        g.err(rank),
+        ERR_EXPERT_RANGE,
+        [rank as u32, 0, 0, e_n, 0, e_n],
+    );
     true
 }
 
@@ -1148,7 +1159,11 @@ mod tests {
             assert_ne!(sig_tag(e), sig_tag(e - 1), "consecutive calls differ");
         }
         let w = signal_word(m - 1, 5);
-        assert_eq!((w >> SIG_COUNT_BITS, w & SIG_COUNT_MASK), (m, 5), "tag fills the top 40 bits");
+        assert_eq!(
+            (w >> SIG_COUNT_BITS, w & SIG_COUNT_MASK),
+            (m, 5),
+            "tag fills the top 40 bits"
+        );
     }
 
     #[test]
@@ -1179,7 +1194,11 @@ mod tests {
             .collect();
         let reps: Vec<BlockReport> = blocks.into_iter().map(|b| b.join().unwrap()).collect();
         assert!(reps[1].bad_input && reps[1].read.is_empty() && reps[1].last_out);
-        assert_eq!(g.ranks[0].ack[1].load(RELAXED), 1, "the bad rank acks call 1");
+        assert_eq!(
+            g.ranks[0].ack[1].load(RELAXED),
+            1,
+            "the bad rank acks call 1"
+        );
         let mut host = Host::default();
         assert_eq!(host.sync(&g), Err(DeviceError::BadInput { rank: 1 }));
         assert_eq!(host.check_usable(), Err(DeviceError::BadInput { rank: 1 }));
