@@ -16,17 +16,25 @@
 //!
 //! Which model covers which wait of the kernels:
 //! - `batched_two_senders_one_receiver`: the block-completion counter and the signal
-//!   (batched.cu:161-172) and the receiver's `wait_signal` (batched.cu:182), one call.
-//! - `batched_consecutive_calls` (and `per_expert_consecutive_calls`): the epoch in the signal
-//!   (no signal of call 1 taken for call 2), the ack (batched.cu:311) and the sender's
-//!   `wait_ack` (batched.cu:46) before it overwrites the buffers.
+//!   (batched.cu:173-185) and the receiver's `wait_signal` (batched.cu:196), one call.
+//! - `batched_consecutive_calls` (and `per_expert_consecutive_calls`): the tag in the signal
+//!   (no signal of call 1 taken for call 2), the ack (batched.cu:350, per_expert.cu:179) and the
+//!   sender's `wait_ack` (batched.cu:53, per_expert.cu:44) before it overwrites the buffers.
+//! - `batched_tag_wrap`, `per_expert_tag_wrap`: the same two calls across the tag's wrap
+//!   (epochs 2^40 - 2 -> 2^40 - 1, tags 2^40 - 1 -> 1; common.cuh:237 `sig_tag`, :251 the
+//!   match): the previous call's signal, whose tag is now the larger, is never taken.
 //! - `batched_one_sender_two_receivers`: `last_block_out`'s exit counter, which must carry every
-//!   receiving block's reads into the last block's ack (common.cuh `last_block_out`).
+//!   receiving block's reads into the last block's ack (common.cuh:398 `last_block_out`).
 //! - `per_expert_two_senders_one_receiver`: the per-expert signal of each (expert, source) and
-//!   the epoch-stamped messages (per_expert.cu:82-83, :92, :101).
+//!   the epoch-stamped messages (per_expert.cu:92-96, :107, :123-124).
 //! - `fault_timeout_stops_every_waiter`, `slow_sender_timeout_refused_or_correct`: the bounded
-//!   waits, the error word (common.cuh `report_timeout`, `failed`) and the host's refusal after
-//!   a timeout (runtime.rs `GpuGroup::sync`, `check_usable`).
+//!   waits, the error word (common.cuh:205 `report_error`, :200 `failed`) and the host's refusal
+//!   after a timeout (runtime/launch.rs:307 `sync`, errors.rs:99 `check`, runtime/mod.rs:220
+//!   `check_usable`).
+//! - `bad_input_sender_peer_*`, `bad_input_receiver_then_good_call`: the device-side input
+//!   check (`in_bad`, batched.cu:46 / :99): the bad rank skips its waits and sends but still
+//!   counts out, publishes its epoch and acks; what its peers see on the same device (the flag)
+//!   and on another (a timeout, ranked after the input error by errors.rs:86 `cause_first`).
 //! - `batched_two_senders_one_receiver_two_calls` (the slow one): all of the batched orderings
 //!   at once, two sender blocks and one receiver block over two calls.
 #![cfg(ep_loom)]
@@ -35,8 +43,8 @@ use std::sync::atomic::{AtomicBool, Ordering as StdOrdering};
 use std::time::Duration;
 
 use ep_verify::gpu_protocol::{
-    dispatch_block, merged, BlockReport, Group, Host, Input, Kind, Launch, Setup, Timeout, WaitEnd,
-    PH_DISPATCH_RECV,
+    dispatch_block, merged, BlockReport, DeviceError, Group, Host, Input, Kind, Launch, Setup,
+    WaitEnd, PH_DISPATCH_RECV,
 };
 use loom::thread;
 
@@ -45,19 +53,33 @@ fn bounded(polls: u64) -> Launch {
     Launch {
         timeout: Duration::from_millis(polls),
         fault_rank: None,
+        bad_input: None,
     }
 }
 
 /// The shape of most models: ranks 0 (device 0) and 1 (device 1), rank 0 sends to rank 1.
 /// Leaked: loom threads need 'static borrows (a new group per interleaving).
 fn group(kind: Kind, ranks: Vec<(usize, usize)>, local_experts: usize) -> &'static Group {
-    Box::leak(Box::new(Group::new(Setup {
-        kind,
-        ranks,
-        links: vec![(0, 1)],
-        max_tokens: 2,
-        local_experts,
-    })))
+    group_after(kind, ranks, local_experts, 0)
+}
+
+/// [`group`] whose ranks have completed `base` calls already.
+fn group_after(
+    kind: Kind,
+    ranks: Vec<(usize, usize)>,
+    local_experts: usize,
+    base: u64,
+) -> &'static Group {
+    Box::leak(Box::new(Group::after_calls(
+        Setup {
+            kind,
+            ranks,
+            links: vec![(0, 1)],
+            max_tokens: 2,
+            local_experts,
+        },
+        base,
+    )))
 }
 
 /// Rank 0's two tokens, both bound for rank 1 (local experts `l0`, `l1`); rank 1 has none.
@@ -96,8 +118,14 @@ struct Done {
 fn host_check(g: &Group, done: &[Done]) -> bool {
     let mut host = Host::default();
     if let Err(t) = host.sync(g) {
+        let DeviceError::Timeout {
+            rank, peer, call, ..
+        } = t
+        else {
+            panic!("only timeouts in these models: {t:?}");
+        };
         assert!(
-            t.rank < 2 && t.peer < 2 && t.call >= 1 && t.call <= 2,
+            rank < 2 && peer < 2 && call > g.base && call <= g.base + 2,
             "{t:?}"
         );
         assert!(done
@@ -114,7 +142,7 @@ fn host_check(g: &Group, done: &[Done]) -> bool {
             "exactly one block of rank {rank} is the last out"
         );
         for r in &d.reps {
-            assert_eq!(r.epoch as u64, d.input.call, "rank {rank}'s epoch");
+            assert_eq!(r.epoch, g.base + d.input.call, "rank {rank}'s epoch");
             assert_eq!(r.failed_wait, None, "a failed wait raises the error word");
         }
         assert_eq!(
@@ -129,9 +157,19 @@ fn host_check(g: &Group, done: &[Done]) -> bool {
 
 /// Runs `body` under loom and requires some interleaving to have completed (no timeout).
 fn model(body: impl Fn() -> bool + Sync + Send + 'static) {
+    model_bounded(None, body)
+}
+
+/// [`model`] with at most `bound` preemptions (`None`: `LOOM_MAX_PREEMPTIONS`, as `model`);
+/// a bound above `LOOM_MAX_PREEMPTIONS` is lowered to it.
+fn model_bounded(bound: Option<usize>, body: impl Fn() -> bool + Sync + Send + 'static) {
     let completed = std::sync::Arc::new(AtomicBool::new(false));
     let seen = completed.clone();
-    loom::model(move || {
+    let mut builder = loom::model::Builder::new();
+    if let Some(b) = bound {
+        builder.preemption_bound = Some(builder.preemption_bound.map_or(b, |env| env.min(b)));
+    }
+    builder.check(move || {
         if body() {
             seen.store(true, StdOrdering::Relaxed);
         }
@@ -188,9 +226,9 @@ fn per_expert_two_senders_one_receiver() {
 /// local expert 0 (slot 0 is rewritten, slot 1 is new) and none to local expert 1, whose region
 /// keeps call 1's message, stale. (Slot 0 of expert 0 must be rewritten: the sender's first
 /// expert is the one written before any fence of the call.)
-fn consecutive(kind: Kind) {
+fn consecutive(kind: Kind, base: u64) {
     model(move || {
-        let g = group(kind, vec![(0, 1), (1, 1)], 2);
+        let g = group_after(kind, vec![(0, 1), (1, 1)], 2, base);
         let c = vec![input(1, 0, 1), input(2, 0, 0)];
         calls(g, bounded(1), c.clone(), c)
     });
@@ -198,12 +236,30 @@ fn consecutive(kind: Kind) {
 
 #[test]
 fn batched_consecutive_calls() {
-    consecutive(Kind::Batched);
+    consecutive(Kind::Batched, 0);
 }
 
 #[test]
 fn per_expert_consecutive_calls() {
-    consecutive(Kind::PerExpert);
+    consecutive(Kind::PerExpert, 0);
+}
+
+/// Calls completed before [`batched_tag_wrap`]'s first call: its calls have epochs 2^40 - 2
+/// (tag 2^40 - 1, the largest) and 2^40 - 1 (tag 1). The group starts as if call 2^40 - 3 had
+/// just ended, with that call's signals in every word.
+const BEFORE_WRAP: u64 = (1 << 40) - 3;
+
+/// The two consecutive calls across the tag's wrap: call 2's receiver finds call 1's signal
+/// (tag 2^40 - 1) in the word while it waits for tag 1, and must not take it (mutant
+/// `gpu_tag_ge`: a `>=` match, right everywhere but here).
+#[test]
+fn batched_tag_wrap() {
+    consecutive(Kind::Batched, BEFORE_WRAP);
+}
+
+#[test]
+fn per_expert_tag_wrap() {
+    consecutive(Kind::PerExpert, BEFORE_WRAP);
 }
 
 /// One sender block, two receiver blocks (one entry each). Only the last block out acks, so
@@ -218,12 +274,23 @@ fn batched_one_sender_two_receivers() {
     });
 }
 
+/// Preemption bound of [`batched_two_senders_one_receiver_two_calls`], below CI's
+/// LOOM_MAX_PREEMPTIONS=4 to keep the loom step under 6 minutes: at 4 that one model takes
+/// 132 s and `.ci/loom.sh` 445 s cold (258 s warm) on the 2-core dev machine; at 3 the model
+/// takes 20 s and the step 287 s cold. `.ci/loom.sh` checks that each of its 7 mutants is still
+/// rejected at 3, and every ordering it checks is also isolated by a smaller model above that
+/// runs at the full bound. Run it at 4 by hand with `EP_LOOM_FULL_BOUND=1`.
+const TWO_CALLS_PREEMPTIONS: usize = 3;
+
 /// Two sender blocks and one receiver block over two calls, no host sync between them: every
-/// ordering of the batched dispatch at once (about 2.5 minutes on 2 cores at
-/// LOOM_MAX_PREEMPTIONS=4; the smaller models above each isolate one ordering, for the mutants).
+/// ordering of the batched dispatch at once (the smaller models above each isolate one
+/// ordering, for the mutants).
 #[test]
 fn batched_two_senders_one_receiver_two_calls() {
-    model(|| {
+    let bound = std::env::var_os("EP_LOOM_FULL_BOUND")
+        .is_none()
+        .then_some(TWO_CALLS_PREEMPTIONS);
+    model_bounded(bound, || {
         let g = group(Kind::Batched, vec![(0, 2), (1, 1)], 1);
         let c = vec![input(1, 0, 0), input(2, 0, 0)];
         calls(g, bounded(1), c.clone(), c)
@@ -243,6 +310,7 @@ fn fault_timeout_stops_every_waiter() {
         let kp = Launch {
             timeout: Duration::from_millis(2),
             fault_rank: Some(0),
+            bad_input: None,
         };
         let c1 = input(1, 0, 0);
         let blocks: Vec<_> = [(0, 0), (1, 1)]
@@ -264,14 +332,14 @@ fn fault_timeout_stops_every_waiter() {
         }
         assert_eq!(rx.iter().filter(|r| r.last_out).count(), 1);
         let mut host = Host::default();
-        let want = Timeout {
+        let want = DeviceError::Timeout {
             rank: 1,
             peer: 0,
             phase: PH_DISPATCH_RECV,
             call: 1,
         };
         assert_eq!(host.sync(g), Err(want));
-        // Call 2: runtime.rs `dispatch` starts with check_usable.
+        // Call 2: runtime/launch.rs:17 `launch_inner` starts with check_usable.
         assert_eq!(host.check_usable(), Err(want), "call 2 must be refused");
     });
     assert!(
@@ -280,8 +348,8 @@ fn fault_timeout_stops_every_waiter() {
     );
 }
 
-/// Two sender blocks and one receiver block, and the host's sync after each call (runtime.rs
-/// `dispatch` = launch + sync). Call 1 has a bound of one poll: depending on the interleaving
+/// Two sender blocks and one receiver block, and the host's sync after each call (`dispatch` =
+/// launch + sync, runtime/launch.rs). Call 1 has a bound of one poll: depending on the interleaving
 /// the receiver gets the signal or times out. After a timeout the host reports it and refuses
 /// call 2; otherwise call 2 runs and is correct. Both outcomes must occur.
 #[test]
@@ -296,7 +364,7 @@ fn slow_sender_timeout_refused_or_correct() {
             let t = host.sync(g).unwrap_err();
             assert_eq!(
                 t,
-                Timeout {
+                DeviceError::Timeout {
                     rank: 1,
                     peer: 0,
                     phase: PH_DISPATCH_RECV,
@@ -314,4 +382,102 @@ fn slow_sender_timeout_refused_or_correct() {
         timed_out.load(StdOrdering::Relaxed),
         "no interleaving timed out in call 1"
     );
+}
+
+/// Rank 0's routing is bad (`in_bad`): it reports `ERR_EXPERT_RANGE`, skips its ack waits and
+/// its sends, and still counts out, publishes epoch 1 and acks its sources. Rank 1 waits for a
+/// signal that never comes. `same_device`: its wait must stop on the error flag (a bound that
+/// never expires); otherwise it runs out of time and reports on its own device, and the host
+/// names the input error first. Either way call 2 is refused.
+fn bad_input_sender(same_device: bool) {
+    loom::model(move || {
+        let (dev1, timeout) = if same_device {
+            (0, Duration::from_secs(7200))
+        } else {
+            (1, Duration::from_millis(1))
+        };
+        let g = group(Kind::Batched, vec![(0, 1), (dev1, 1)], 1);
+        let kp = Launch {
+            timeout,
+            fault_rank: None,
+            bad_input: Some(0),
+        };
+        let c1 = input(1, 0, 0);
+        let tx = {
+            let c1 = c1.clone();
+            thread::spawn(move || dispatch_block(g, &kp, &c1, 0, 0))
+        };
+        let rx = dispatch_block(g, &kp, &c1, 1, 0);
+        let tx = tx.join().unwrap();
+        assert!(tx.bad_input && tx.last_out && tx.epoch == 1 && tx.failed_wait.is_none());
+        assert!(rx.read.is_empty() && rx.last_out && !rx.bad_input);
+        let want_wait = if same_device {
+            WaitEnd::SawError
+        } else {
+            WaitEnd::TimedOut
+        };
+        assert_eq!(rx.failed_wait, Some(want_wait));
+        let mut host = Host::default();
+        let want = DeviceError::BadInput { rank: 0 };
+        assert_eq!(host.sync(g), Err(want), "the input error is named first");
+        assert_eq!(host.check_usable(), Err(want), "call 2 must be refused");
+    });
+}
+
+#[test]
+fn bad_input_sender_peer_on_the_same_device() {
+    bad_input_sender(true);
+}
+
+#[test]
+fn bad_input_sender_peer_on_another_device() {
+    bad_input_sender(false);
+}
+
+/// Rank 1 (the receiver) has bad routing in call 1 and good routing in call 2, launched back to
+/// back with no sync. Its call 1 reads nothing but acks call 1 (batched.cu:345-350); rank 0's
+/// call 2 then overwrites the buffers, and rank 1's call 2 must consume exactly call 2's
+/// entries: the bad call leaves the epochs in step and its early ack is safe.
+#[test]
+fn bad_input_receiver_then_good_call() {
+    model(|| {
+        let g = group(Kind::Batched, vec![(0, 1), (1, 1)], 1);
+        let c = [input(1, 0, 0), input(2, 0, 0)];
+        // Bounds that never expire: rank 0 only waits for rank 1's ack of call 1, which comes
+        // unconditionally; rank 1's call 2 ends on the signal or on its device's error flag
+        // (raised by its own call 1, and never cleared: it stops within 64 polls on the device).
+        let kp = Launch {
+            timeout: Duration::from_secs(7200),
+            ..bounded(0)
+        };
+        let bad = Launch {
+            bad_input: Some(1),
+            ..kp
+        };
+        let tx = {
+            let c = c.clone();
+            thread::spawn(move || {
+                let r1 = dispatch_block(g, &kp, &c[0], 0, 0);
+                let r2 = dispatch_block(g, &kp, &c[1], 0, 0);
+                (r1, r2)
+            })
+        };
+        let rx1 = dispatch_block(g, &bad, &c[0], 1, 0);
+        let rx2 = dispatch_block(g, &kp, &c[1], 1, 0);
+        let (tx1, tx2) = tx.join().unwrap();
+        assert!(rx1.bad_input && rx1.read.is_empty() && rx1.last_out);
+        for r in [&tx1, &tx2] {
+            assert_eq!(r.failed_wait, None, "rank 0 only waits for rank 1's acks");
+        }
+        assert_eq!((tx2.epoch, rx2.epoch), (2, 2), "the epochs stay in step");
+        let completed = rx2.failed_wait.is_none();
+        if !completed {
+            assert_eq!(rx2.failed_wait, Some(WaitEnd::SawError));
+        } else {
+            assert_eq!(rx2.read, g.expected(&c[1], 1), "call 2 consumed exactly");
+        }
+        let mut host = Host::default();
+        assert_eq!(host.sync(g), Err(DeviceError::BadInput { rank: 1 }));
+        completed
+    });
 }

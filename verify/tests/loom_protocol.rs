@@ -4,8 +4,10 @@
 //! release/acquire pairs do not order after its write.
 //!
 //! Run: `RUSTFLAGS="--cfg ep_loom" LOOM_MAX_PREEMPTIONS=4 cargo test --release -p ep-verify
-//! --test loom_protocol` (`.ci/loom.sh` does, with a target dir of its own, and also builds the
-//! mutants `--cfg ep_mutant="signal_relaxed"` / `"finish_relaxed"`, which must fail).
+//! --test loom_protocol`. `.ci/loom.sh` does, in `target/loom`, then the mutants
+//! `--cfg ep_mutant="signal_relaxed"` / `"finish_relaxed"` / `"credit_relaxed"`, each of which
+//! one of these models must reject with a causality violation (a mutant's cfg reaches the
+//! workspace crates only, through a `RUSTC_WORKSPACE_WRAPPER` under `target/loom/mutants/`).
 //!
 //! Under loom a timeout of N ms allows N polls, and one of an hour or more never expires
 //! (`ep_reference::sync::Deadline`).

@@ -5,7 +5,7 @@
 //   entry tokpos(t, d): a 64-byte header {src token, selection offset, -, -, local expert of each
 //   slot or 0xFFFF} and the payload (bf16 row, or e4m3 row + scales). The region is contiguous
 //   (entries 0..count), i.e. one put; when every block of s has finished its stores (block finish
-//   counter), the last one stores the pair's one signal (epoch << 32 | count) with release.
+//   counter), the last one stores the pair's one signal (tag << 24 | count, common.cuh) with release.
 // On destination d, block per local expert l: for every source s in order, wait for the signal,
 //   scan the batch's headers for l (block prefix sum: batch order = source token order), and copy
 //   the matching payloads into rows begin(l, s) + i: the canonical layout.
@@ -41,13 +41,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     const u64 epoch = s_epoch;
     const int n = s_n;
     PROF(0);
-    // Bad routing (or token count) is caught here, before anything is written: the rank goes to
-    // the end without sending or signalling (its peers' waits end on the error flag).
+    // Bad routing (or token count) is caught here, before anything is written: the rank goes to the
+    // end unsent, unsignalled; peers stop on this GPU's error flag, time out on others (loom: bad_input_*).
     const int in_bad = load_topk(p, (const i64*)io.topk, n, sm.sk, sm.sdl, rank, true) | s_bad;
     for (int i = tid; i < E * W; i += NTHREADS) sm.bm[i] = 0;
     for (int i = tid; i < n * R; i += NTHREADS) sm.tokpos[i] = 0;
     // The previous call's batches must have been consumed before this call overwrites them.
-        // loom: gpu_protocol::sender_wait_acks, model batched_consecutive_calls.
+    // loom: gpu_protocol::sender_wait_acks, model batched_consecutive_calls.
     int bad = in_bad;
     if (!in_bad && tid < R && p.stage != 2 && !via_nccl(p, tid))
         bad = !wait_ack(p, sig_bat_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_DISPATCH_SEND);
@@ -192,7 +192,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         if (tid < R) {
             long long c;
             if (via_nccl(p, tid)) c = ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L)];
-            // loom: gpu_protocol::batched_receive, models batched_two_senders_one_receiver, batched_consecutive_calls.
+            // loom: gpu_protocol::batched_receive, models batched_two_senders_one_receiver, batched_consecutive_calls, batched_tag_wrap.
             else c = wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
             bad = c < 0 || peer_bad(p, rank, tid, PF_BATCH_TOKENS, c, T);
             sm.rcnt[tid] = bad ? 0 : (int)c;

@@ -14,7 +14,7 @@ typedef long long i64;
 #define MAX_K 16
 #define NO_LOCAL 0xFFFFu
 
-// Phases reported in the error word (match kernels/src/runtime.rs).
+// Phases reported in the error word (match `decode` in kernels/src/runtime/errors.rs).
 #define PH_DISPATCH_SEND 0
 #define PH_DISPATCH_RECV 1
 #define PH_COMBINE_SEND 2
@@ -200,7 +200,7 @@ __device__ __forceinline__ u64 globaltimer() {
 __device__ __forceinline__ bool failed(const KParams& p) {
     return ld_volatile_u32((const u32*)p.err) != 0;
 }
-// loom model: gpu_protocol::report_timeout and failed; covered by loom_gpu_protocol.rs
+// loom model: gpu_protocol::report_error and failed; covered by loom_gpu_protocol.rs (fault_*, bad_input_*)
 // Out of line: it sits in the cold branches of hot loops.
 __device__ __noinline__ void report_error(u64 err, u32 code, u32 a, u32 b, u32 c, u32 d, u32 e, u32 f) {
     u32* w = (u32*)err;
@@ -215,7 +215,7 @@ __device__ __noinline__ void report_error(u64 err, u32 code, u32 a, u32 b, u32 c
         atomicExch(w, code);
     }
 }
-// loom model: gpu_protocol::wait_signal; covered by loom_gpu_protocol.rs
+// loom model: gpu_protocol::report_timeout; covered by loom_gpu_protocol.rs
 __device__ void report_timeout(const KParams& p, int rank, int peer, int phase, u64 call, u64 waited) {
     report_error(p.err, ERR_TIMEOUT, (u32)rank, (u32)peer, (u32)phase, (u32)call, (u32)(waited / 1000ull), (u32)(call >> 32));
 }
@@ -241,7 +241,7 @@ __device__ __forceinline__ u64 ld_epoch(const u32* state, int kind) {
     return v;
 }
 // Waits until the signal word carries this call's tag. Returns its count, or -1 on timeout
-// (reported) or when another wait already failed.
+// (reported) or when another wait already failed. loom model: gpu_protocol::wait_signal (tag wrap: *_tag_wrap).
 __device__ long long wait_signal(const KParams& p, const u64* addr, u64 epoch, int rank, int peer, int phase) {
     u64 t0 = globaltimer();
     u32 spins = 0;

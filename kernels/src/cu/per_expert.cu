@@ -2,10 +2,10 @@
 //
 // Dispatch, on source rank s: block b owns experts e = b, b + B, ...; for each it lists the
 //   tokens that selected e and writes every selection as its own message (a 16-byte header
-//   {epoch, token, slot} + payload, quantized per message) into the owner's region (l, s) at slot
-//   t; then one signal per (expert, source) with the count. On owner d, block per local expert:
-//   for every source in order, wait for the (l, s) signal, find the slots stamped with this
-//   call's epoch (token order), copy them into the canonical rows.
+//   {epoch low, token, slot, epoch high} + payload, quantized per message) into the owner's
+//   region (l, s) at slot t; then one signal per (expert, source) with the count. On owner d:
+//   block per local expert, for every source in order, wait for the (l, s) signal, find the
+//   slots stamped with this call's epoch (token order), copy them into the canonical rows.
 // Combine, on owner d: block per local expert copies every row back to its source's slot
 //   t*K + k, then one signal per (expert, source). On s: wait for all E experts' signals and
 //   reduce in k order.
@@ -102,7 +102,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
         for (int l = bid; l < L && p.stage != 1; l += p.blocks_per_rank) {  // stage 1: send half only
             int base = 0;
             for (int s = 0; s < R; s++) {
-                // loom: gpu_protocol::per_expert_receive, models per_expert_two_senders_one_receiver, per_expert_consecutive_calls.
+                // loom: gpu_protocol::per_expert_receive, models per_expert_two_senders_one_receiver, per_expert_consecutive_calls, per_expert_tag_wrap.
                 if (tid == 0) {
                     long long c = wait_signal(p, sig_pe(me, R) + (u64)l * R + s, epoch, rank, s, PH_DISPATCH_RECV);
                     if (c >= 0 && peer_bad(p, rank, s, PF_PE_COUNT, c, T)) c = -1;
