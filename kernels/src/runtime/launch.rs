@@ -165,6 +165,11 @@ impl GpuGroup {
         self.nccl_group(&ops)?;
         let call = self.calls[kind(Op::Dispatch, Path::Batched)] + 1;
         self.wait_streams(Op::Dispatch, call)?;
+        // A rank whose pack stage found bad input skipped writing its headers and batches: what
+        // sits in them is an earlier call's, valid-looking. Read the error word before anything
+        // of this call is sent, so no peer takes that data for this call's (the loom model
+        // `verify/src/gpu_protocol.rs` found this); the peers' own waits then end bounded.
+        self.check()?;
         let mut ops = Vec::new();
         for di in 0..self.devs.len() {
             let (r, peers) = self.nccl_peers(di);
