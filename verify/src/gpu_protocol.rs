@@ -93,7 +93,9 @@
 //!   :193, passes) and batches go to the peers, whose unpack stage (NCCL sources: no signal to
 //!   wait for, batched.cu:194) takes them as this call's. The next `sync` reports the input
 //!   error, so a caller that syncs gets the error; until then the peers hold the previous
-//!   call's rows. Reading the error word there (the streams are idle) would stop the exchange.
+//!   call's rows. Fixed: `nccl_dispatch_exchange` now reads the error word (`check()`) right
+//!   after `wait_streams`, before any batch is sent; the peers' NCCL waits then end at their
+//!   bound instead of taking stale rows (not yet run on a GPU).
 
 use std::time::Duration;
 
