@@ -5,6 +5,8 @@
 //! (a launch occupies every multiprocessor). Arguments: an optional name filter; cargo's flags
 //! (`--nocapture`, `--test-threads=N`, ...) are accepted and ignored.
 
+mod runner;
+
 use ep_kernels::runtime::probe_devices;
 use ep_kernels::testing::{random_inputs, random_y, verify_case, verify_paths, Rng, Routing};
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, Path, Transport};
@@ -110,41 +112,15 @@ const TESTS: &[(&str, usize, fn())] = &[
 ];
 
 fn main() {
-    let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    let (mut passed, mut failed, mut skipped) = (0, 0, 0);
+    let mut runner = runner::Runner::new("gpu tests");
     for &(name, gpus, test) in TESTS {
-        if filter.as_deref().is_some_and(|f| !name.contains(f)) {
-            continue;
-        }
-        let probe = probe_devices(gpus).and_then(|n| {
-            if name.contains("nccl") && !ep_kernels::nccl::nccl_present() {
-                Err("no NCCL (libnccl.so.2 not found)".to_string())
-            } else {
-                Ok(n)
-            }
+        let probe = runner::probe(gpus, name.contains("nccl"));
+        runner.run(name, probe, || {
+            test();
+            runner::Verdict::Ok(String::new())
         });
-        if let Err(why) = probe {
-            println!("SKIPPED: {name}: {why}");
-            skipped += 1;
-            continue;
-        }
-        println!("test {name} ...");
-        let t0 = std::time::Instant::now();
-        match std::panic::catch_unwind(test) {
-            Ok(()) => {
-                println!("test {name} ... ok ({:.1} s)", t0.elapsed().as_secs_f64());
-                passed += 1;
-            }
-            Err(_) => {
-                println!("test {name} ... FAILED");
-                failed += 1;
-            }
-        }
     }
-    println!("gpu tests: {passed} passed; {failed} failed; {skipped} skipped");
-    if failed > 0 {
-        std::process::exit(1);
-    }
+    runner.finish()
 }
 
 const MODES: [Mode; 4] = [Mode::Bf16, Mode::FP8, Mode::FP8_ROUND, Mode::FP8_UE8M0];

@@ -27,6 +27,8 @@
 //!   raise it under compute-sanitizer;
 //! - `EP_GPU_BLOCKS_PER_RANK` forces blocks per rank on every group (sanitizer: fewer blocks).
 
+mod runner;
+
 use ep_kernels::runtime::probe_devices;
 use ep_kernels::testing::Rng;
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, Path};
@@ -51,68 +53,26 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    let wanted = |name: &str| filter.as_deref().is_none_or(|f| name.contains(f));
-    let (mut passed, mut failed, mut skipped, mut incomplete) = (0, 0, 0, 0);
-
-    let name = "fuzz_cases_are_valid_and_cover_every_mode_routing_and_shape";
-    if wanted(name) {
-        println!("test {name} ...");
-        match std::panic::catch_unwind(|| generator_self_test(&settings)) {
-            Ok(Ok(())) => {
-                println!("test {name} ... ok");
-                passed += 1;
-            }
-            Ok(Err(e)) => {
-                println!("test {name} ... FAILED: {e}");
-                failed += 1;
-            }
-            Err(_) => {
-                println!("test {name} ... FAILED (panicked)");
-                failed += 1;
-            }
-        }
-    }
-
-    let name = "gpu_fuzz_random_configs_both_paths_bitwise_equal_oracle";
-    if wanted(name) {
-        match probe_devices(1) {
-            Err(why) => {
-                println!("SKIPPED: {name}: {why}");
-                skipped += 1;
-            }
-            Ok(n) => {
-                println!("test {name} ...");
-                let t0 = Instant::now();
-                match std::panic::catch_unwind(|| run_fuzz(&settings, n >= 2)) {
-                    Ok(Outcome::Complete) => {
-                        println!("test {name} ... ok ({:.1} s)", t0.elapsed().as_secs_f64());
-                        passed += 1;
-                    }
-                    Ok(Outcome::Cut) => {
-                        println!(
-                            "test {name} ... INCOMPLETE (time budget; {:.1} s)",
-                            t0.elapsed().as_secs_f64()
-                        );
-                        incomplete += 1;
-                    }
-                    Ok(Outcome::Failed) | Err(_) => {
-                        println!("test {name} ... FAILED");
-                        failed += 1;
-                    }
-                }
-            }
-        }
-    }
-    println!(
-        "gpu_fuzz tests: {passed} passed; {failed} failed; {skipped} skipped; {incomplete} incomplete"
+    let mut runner = runner::Runner::new("gpu_fuzz tests");
+    runner.run(
+        "fuzz_cases_are_valid_and_cover_every_mode_routing_and_shape",
+        Ok(()),
+        || match generator_self_test(&settings) {
+            Ok(()) => runner::Verdict::Ok(String::new()),
+            Err(e) => runner::Verdict::Failed(e.to_string()),
+        },
     );
-    if failed > 0 {
-        std::process::exit(1);
-    }
-    if incomplete > 0 {
-        std::process::exit(2);
-    }
+    let gpus = probe_devices(1);
+    runner.run(
+        "gpu_fuzz_random_configs_both_paths_bitwise_equal_oracle",
+        gpus.clone().map(drop),
+        || match run_fuzz(&settings, gpus.unwrap_or(0) >= 2) {
+            Outcome::Complete => runner::Verdict::Ok(String::new()),
+            Outcome::Cut => runner::Verdict::Incomplete,
+            Outcome::Failed => runner::Verdict::Failed("see the failing configs above".into()),
+        },
+    );
+    runner.finish()
 }
 
 // ---------------------------------------------------------------- settings

@@ -8,9 +8,11 @@
 //! the all-gather between the two ranks runs over the child's stdin and stdout (one line
 //! `BLOB <hex>` each way).
 
+mod runner;
+
 use ep_kernels::handshake::Hello;
-use ep_kernels::nccl::{nccl_present, SETUP_FLOOR};
-use ep_kernels::runtime::{bytes_per_rank_with, probe_devices};
+use ep_kernels::nccl::SETUP_FLOOR;
+use ep_kernels::runtime::bytes_per_rank_with;
 use ep_kernels::testing::{random_inputs, Rng, Routing};
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, Path, Transport};
 use ep_reference::{Config, Mode};
@@ -53,41 +55,15 @@ fn main() {
     if let Ok(role) = std::env::var(CHILD_ENV) {
         std::process::exit(child(&role));
     }
-    let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    let (mut passed, mut failed, mut skipped) = (0, 0, 0);
+    let mut runner = runner::Runner::new("gpu process tests");
     for &(name, gpus, needs_nccl, test) in TESTS {
-        if filter.as_deref().is_some_and(|f| !name.contains(f)) {
-            continue;
-        }
-        let probe = probe_devices(gpus).and_then(|n| {
-            if needs_nccl && !nccl_present() {
-                Err("no NCCL (libnccl.so.2 not found)".to_string())
-            } else {
-                Ok(n)
-            }
+        let probe = runner::probe(gpus, needs_nccl);
+        runner.run(name, probe, || {
+            test();
+            runner::Verdict::Ok(String::new())
         });
-        if let Err(why) = probe {
-            println!("SKIPPED: {name}: {why}");
-            skipped += 1;
-            continue;
-        }
-        println!("test {name} ...");
-        let t0 = Instant::now();
-        match std::panic::catch_unwind(test) {
-            Ok(()) => {
-                println!("test {name} ... ok ({:.1} s)", t0.elapsed().as_secs_f64());
-                passed += 1;
-            }
-            Err(_) => {
-                println!("test {name} ... FAILED");
-                failed += 1;
-            }
-        }
     }
-    println!("gpu process tests: {passed} passed; {failed} failed; {skipped} skipped");
-    if failed > 0 {
-        std::process::exit(1);
-    }
+    runner.finish()
 }
 
 fn cfg(hidden: usize) -> Config {

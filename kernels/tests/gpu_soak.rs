@@ -24,6 +24,8 @@
 //! calls ran and exits 2, incomplete, never passed), `EP_SOAK_REPLAY=<config>:<call seed>:<path>` (one call that a
 //! failure printed, on a fresh group), `EP_GPU_TIMEOUT_MS` (the kernels' wait bound).
 
+mod runner;
+
 use ep_kernels::runtime::probe_devices;
 use ep_kernels::testing::Rng;
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, Path};
@@ -46,74 +48,32 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let filter: Option<String> = std::env::args()
-        .skip(1)
-        .find(|a| !a.starts_with('-'));
-    let wanted = |name: &str| filter.as_deref().is_none_or(|f| name.contains(f));
-    let (mut passed, mut failed, mut skipped, mut incomplete) = (0, 0, 0, 0);
-
-    let name = "soak_conservation_check_catches_every_mutant";
-    if wanted(name) {
-        println!("test {name} ...");
-        match std::panic::catch_unwind(conservation_self_test) {
-            Ok(Ok(n)) => {
-                println!("test {name} ... ok ({n} mutants caught)");
-                passed += 1;
-            }
-            Ok(Err(e)) => {
-                println!("test {name} ... FAILED: {e}");
-                failed += 1;
-            }
-            Err(_) => {
-                println!("test {name} ... FAILED (panicked)");
-                failed += 1;
-            }
-        }
-    }
-
-    let name = "gpu_soak_calls_conserve_every_selection_and_match_the_oracle";
-    if wanted(name) {
-        match probe_devices(1) {
-            Err(why) => {
-                println!("SKIPPED: {name}: {why}");
-                skipped += 1;
-            }
-            Ok(n) => {
-                println!("test {name} ...");
-                let t0 = Instant::now();
-                let run = || match settings.replay {
-                    Some(r) => replay(&settings, r),
-                    None => soak(&settings, n >= 2),
-                };
-                match std::panic::catch_unwind(run) {
-                    Ok(Outcome::Complete) => {
-                        println!("test {name} ... ok ({:.1} s)", t0.elapsed().as_secs_f64());
-                        passed += 1;
-                    }
-                    Ok(Outcome::Cut) => {
-                        println!(
-                            "test {name} ... INCOMPLETE (time budget; {:.1} s)",
-                            t0.elapsed().as_secs_f64()
-                        );
-                        incomplete += 1;
-                    }
-                    Ok(Outcome::Failed) | Err(_) => {
-                        println!("test {name} ... FAILED");
-                        failed += 1;
-                    }
-                }
-            }
-        }
-    }
-    println!(
-        "gpu_soak tests: {passed} passed; {failed} failed; {skipped} skipped; {incomplete} incomplete"
+    let mut runner = runner::Runner::new("gpu_soak tests");
+    runner.run(
+        "soak_conservation_check_catches_every_mutant",
+        Ok(()),
+        || match conservation_self_test() {
+            Ok(n) => runner::Verdict::Ok(format!("{n} mutants caught")),
+            Err(e) => runner::Verdict::Failed(e.to_string()),
+        },
     );
-    if failed > 0 {
-        std::process::exit(1);
-    }
-    if incomplete > 0 {
-        std::process::exit(2);
-    }
+    let gpus = probe_devices(1);
+    runner.run(
+        "gpu_soak_calls_conserve_every_selection_and_match_the_oracle",
+        gpus.clone().map(drop),
+        || {
+            let outcome = match settings.replay {
+                Some(r) => replay(&settings, r),
+                None => soak(&settings, gpus.unwrap_or(0) >= 2),
+            };
+            match outcome {
+                Outcome::Complete => runner::Verdict::Ok(String::new()),
+                Outcome::Cut => runner::Verdict::Incomplete,
+                Outcome::Failed => runner::Verdict::Failed("see the failing calls above".into()),
+            }
+        },
+    );
+    runner.finish()
 }
 
 // ---------------------------------------------------------------- settings
