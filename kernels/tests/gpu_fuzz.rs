@@ -33,7 +33,7 @@ use ep_kernels::runtime::probe_devices;
 use ep_kernels::testing::Rng;
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, Path};
 use ep_reference::output::combine_diff;
-use ep_reference::workload::{Routing, Workload};
+use ep_reference::workload::{Routing, Values, Workload};
 use ep_reference::{oracle, Config, Mode};
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -395,6 +395,8 @@ struct Stats {
     tally: Tally,
     routings: BTreeMap<&'static str, usize>,
     ranks: BTreeMap<(usize, usize), usize>,
+    /// Configs that passed with special values in x and y.
+    special: usize,
     refused: usize,
     failures: usize,
     group_secs: f64,
@@ -431,6 +433,7 @@ fn run_fuzz(s: &Settings, two_gpus: bool) -> Outcome {
         tally: BTreeMap::new(),
         routings: BTreeMap::new(),
         ranks: BTreeMap::new(),
+        special: 0,
         refused: 0,
         failures: 0,
         group_secs: 0.0,
@@ -569,16 +572,29 @@ fn replay_env() -> String {
         .collect()
 }
 
+/// Special values (±inf, NaN of both signs, ±0, subnormals, values beyond e4m3's 448) in x and
+/// in the expert outputs of every odd-seeded case, as the CPU differential run draws them (a
+/// function of the case seed, so a replay draws the same).
+fn case_values(seed: u64) -> Values {
+    if seed % 2 == 1 {
+        Values::Special { share: 0.05 }
+    } else {
+        Values::Normal
+    }
+}
+
 /// Every round of a case on `g`; `Err((round, what))` on the first difference or error.
 fn run_case(g: &mut GpuGroup, case: &Case, st: &mut Stats) -> Result<(), (usize, String)> {
     let cfg = case.cfg;
     let mode = cfg.mode.name();
     // Expert outputs y, one set per config (the costliest input to draw): each round's routing
     // reads other rows of it.
-    let ys = Workload::uniform(&cfg, 0, Routing::EveryRank, case.seed).expert_outputs(case.seed);
+    let values = case_values(case.seed);
+    let ys = Workload::uniform(&cfg, 0, Routing::EveryRank, case.seed)
+        .expert_outputs_with(case.seed, values);
     for (ri, round) in case.rounds.iter().enumerate() {
         let err = |m: String| (ri, m);
-        let w = Workload::generate(&cfg, &round.tokens, round.plan.routing, round.seed);
+        let w = Workload::generate_with(&cfg, &round.tokens, round.plan.routing, values, round.seed);
         let want = oracle::dispatch(&cfg, &w.dispatch_inputs())
             .map_err(|e| err(format!("oracle dispatch: {e}")))?;
         let want_c = oracle::combine(&cfg, &w.combine_inputs(&ys))
@@ -618,6 +634,9 @@ fn run_case(g: &mut GpuGroup, case: &Case, st: &mut Stats) -> Result<(), (usize,
         *st.routings.entry(round.plan.name).or_default() += 1;
     }
     *st.ranks.entry((case.gpus, cfg.num_ranks)).or_default() += 1;
+    if values != Values::Normal {
+        st.special += 1;
+    }
     Ok(())
 }
 
@@ -637,4 +656,8 @@ fn report(st: &Stats, secs: f64, drawn: usize) {
         .collect();
     println!("  configs passed per R and GPUs: {}", ranks.join(" "));
     println!("  inputs passed per routing: {:?}", st.routings);
+    println!(
+        "  configs passed with special values (inf, NaN, -0, subnormals, > 448) in x and y: {}",
+        st.special
+    );
 }
