@@ -9,13 +9,19 @@ pub const GROUP: usize = 128;
 pub const E4M3_MAX: f32 = 448.0;
 
 /// f32 -> e4m3, round to nearest even, saturate finite overflow (and infinities) to +-448,
-/// NaN -> 0x7F with the input's sign, as `cvt.rn.satfinite.e4m3x2.f32`.
+/// as `cvt.rn.satfinite.e4m3x2.f32`; every NaN -> the canonical 0x7F.
+///
+/// Why the sign of a NaN is dropped: the value converted is `x * scale`, and the sign of a NaN
+/// that an f32 multiply returns is not portable. x86 returns a negative "default NaN" for
+/// `inf * 0` and keeps an input NaN's sign, Arm and the GPU return the positive canonical NaN.
+/// A reference that kept the sign would differ between CPUs, and from the kernels, whose
+/// multiply gives the canonical NaN. bf16 rounding canonicalises NaN the same way (0x7FFF).
 #[inline(always)]
 pub fn e4m3_rn_satfinite(x: f32) -> u8 {
-    let sign: u8 = if x.is_sign_negative() { 0x80 } else { 0 };
     if x.is_nan() {
-        return sign | 0x7F;
+        return 0x7F;
     }
+    let sign: u8 = if x.is_sign_negative() { 0x80 } else { 0 };
     let a = x.abs();
     // Smallest normal is 2^-6; below it the step is 2^-9 (subnormals). Scaling by a power of
     // two is exact in f32, and round_ties_even is the IEEE rounding.
@@ -204,7 +210,8 @@ mod tests {
         assert_eq!(e4m3_rn_satfinite(f32::INFINITY), 0x7E);
         assert_eq!(e4m3_rn_satfinite(f32::NEG_INFINITY), 0xFE);
         assert_eq!(e4m3_rn_satfinite(f32::NAN), 0x7F);
-        assert_eq!(e4m3_rn_satfinite(-f32::NAN), 0xFF);
+        assert_eq!(e4m3_rn_satfinite(-f32::NAN), 0x7F); // canonical: the sign is dropped
+        assert_eq!(e4m3_rn_satfinite(f32::INFINITY * 0.0), 0x7F); // x86's negative default NaN
         assert_eq!(e4m3_rn_satfinite(f32::from_bits(1)), 0x00); // f32 subnormal
     }
 
