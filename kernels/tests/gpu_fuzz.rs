@@ -266,9 +266,7 @@ fn draw_case(seed: u64, two_gpus: bool, small: bool, rounds: usize) -> Case {
                 },
                 5 | 6 => RoutingPlan {
                     name: "skew-one-rank",
-                    routing: Routing::OneRank {
-                        rank: rng.below(r),
-                    },
+                    routing: Routing::OneRank { rank: rng.below(r) },
                 },
                 _ => RoutingPlan {
                     name: "every-rank",
@@ -326,7 +324,9 @@ fn generator_self_test(s: &Settings) -> Result<(), String> {
     let mut ranks = [0usize; 9];
     let (mut empty, mut full, mut zc, mut two) = (0, 0, 0, 0);
     for c in &cases {
-        c.cfg.validate().map_err(|e| format!("case {}: {e}", c.seed))?;
+        c.cfg
+            .validate()
+            .map_err(|e| format!("case {}: {e}", c.seed))?;
         let cfg = &c.cfg;
         if cfg.top_k > 16.min(cfg.num_experts) || cfg.max_tokens_per_rank > 48 {
             return Err(format!("case {}: out of range: {}", c.seed, c.describe()));
@@ -368,7 +368,9 @@ fn generator_self_test(s: &Settings) -> Result<(), String> {
         return Err("a mode, rank count or routing is never drawn".into());
     }
     if empty == 0 || full == 0 || zc == 0 || zc == n || two == 0 {
-        return Err("empty/full ranks, both zero_copy_local settings or 2-GPU cases missing".into());
+        return Err(
+            "empty/full ranks, both zero_copy_local settings or 2-GPU cases missing".into(),
+        );
     }
     // Replay: the same seed gives the same case.
     let a = draw_case(cases[7].seed, true, false, s.rounds);
@@ -442,7 +444,10 @@ fn run_fuzz(s: &Settings, two_gpus: bool) -> Outcome {
     let mut cut = false;
     for (i, case) in cases.iter().enumerate() {
         if st.failures >= MAX_FAILURES {
-            println!("STOPPED after {MAX_FAILURES} failures ({i} of {} configs tried)", cases.len());
+            println!(
+                "STOPPED after {MAX_FAILURES} failures ({i} of {} configs tried)",
+                cases.len()
+            );
             break;
         }
         if t0.elapsed().as_secs_f64() > s.max_secs {
@@ -482,9 +487,8 @@ fn run_fuzz(s: &Settings, two_gpus: bool) -> Outcome {
             }
         }
         let (g, _) = group.as_mut().expect("a group for this case");
-        let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            run_case(g, case, &mut st)
-        }));
+        let ok =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_case(g, case, &mut st)));
         match ok {
             Ok(Ok(())) => {}
             Ok(Err((round, msg))) => {
@@ -538,7 +542,13 @@ fn keep_contexts(two_gpus: bool, timeout_ns: u64) -> Vec<GpuGroup> {
     }
     if two_gpus {
         let cfg = Config::new(2, 2, 1, 128, 1, Mode::Bf16).expect("a valid holder config");
-        if let Ok(g) = GpuGroup::new(&cfg, GpuOptions { num_gpus: 2, ..opts }) {
+        if let Ok(g) = GpuGroup::new(
+            &cfg,
+            GpuOptions {
+                num_gpus: 2,
+                ..opts
+            },
+        ) {
             keep.push(g);
         }
     }
@@ -566,10 +576,14 @@ fn fail(st: &mut Stats, case: &Case, round: Option<usize>, msg: &str) {
 
 /// The settings besides the seed that a replay needs (those that change the case or its group).
 fn replay_env() -> String {
-    ["EP_GPU_FUZZ_SMALL", "EP_GPU_BLOCKS_PER_RANK", "EP_GPU_TIMEOUT_MS"]
-        .iter()
-        .filter_map(|v| std::env::var(v).ok().map(|x| format!(" {v}={x}")))
-        .collect()
+    [
+        "EP_GPU_FUZZ_SMALL",
+        "EP_GPU_BLOCKS_PER_RANK",
+        "EP_GPU_TIMEOUT_MS",
+    ]
+    .iter()
+    .filter_map(|v| std::env::var(v).ok().map(|x| format!(" {v}={x}")))
+    .collect()
 }
 
 /// Special values (±inf, NaN of both signs, ±0, subnormals, values beyond e4m3's 448) in x and
@@ -594,7 +608,8 @@ fn run_case(g: &mut GpuGroup, case: &Case, st: &mut Stats) -> Result<(), (usize,
         .expert_outputs_with(case.seed, values);
     for (ri, round) in case.rounds.iter().enumerate() {
         let err = |m: String| (ri, m);
-        let w = Workload::generate_with(&cfg, &round.tokens, round.plan.routing, values, round.seed);
+        let w =
+            Workload::generate_with(&cfg, &round.tokens, round.plan.routing, values, round.seed);
         let want = oracle::dispatch(&cfg, &w.dispatch_inputs())
             .map_err(|e| err(format!("oracle dispatch: {e}")))?;
         let want_c = oracle::combine(&cfg, &w.combine_inputs(&ys))
@@ -645,7 +660,9 @@ fn report(st: &Stats, secs: f64, drawn: usize) {
         "gpu_fuzz: {} of {drawn} configs ran ({} inputs), {} refused with Unsupported, {} failed; {secs:.1} s ({:.1} s creating groups)",
         st.configs, st.rounds, st.refused, st.failures, st.group_secs
     );
-    println!("  bitwise-equal comparisons per mode and path (dispatch / combine, all ranks of a call):");
+    println!(
+        "  bitwise-equal comparisons per mode and path (dispatch / combine, all ranks of a call):"
+    );
     for ((mode, path), [d, c]) in &st.tally {
         println!("    {mode:<16} {path:<11} {d:>6} / {c:>6}");
     }

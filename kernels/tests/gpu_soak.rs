@@ -107,7 +107,8 @@ fn env_num<T: std::str::FromStr>(var: &str) -> Result<Option<T>, String> {
 }
 
 fn parse_replay(v: &str) -> Result<Replay, String> {
-    let bad = || format!("EP_SOAK_REPLAY={v:?}: expected <config>:<call seed>:<per-expert|batched>");
+    let bad =
+        || format!("EP_SOAK_REPLAY={v:?}: expected <config>:<call seed>:<per-expert|batched>");
     let parts: Vec<&str> = v.trim().split(':').collect();
     let [c, s, p] = parts[..] else {
         return Err(bad());
@@ -235,7 +236,10 @@ fn call_inputs(cfg: &Config, seed: u64) -> (Workload, &'static str) {
         ),
         _ => ("every-rank", Routing::EveryRank),
     };
-    (Workload::generate(cfg, &tokens, routing, rng.next_u64()), name)
+    (
+        Workload::generate(cfg, &tokens, routing, rng.next_u64()),
+        name,
+    )
 }
 
 fn call_seed(master: u64, config: usize, call: u64) -> u64 {
@@ -317,7 +321,9 @@ fn check_conservation(
     }
     for (d, out) in outs.iter().enumerate() {
         if out.recv_count.len() != l_n || out.layout_range.len() != l_n * r_n {
-            return Err(format!("rank {d}: recv_count/layout_range have the wrong length"));
+            return Err(format!(
+                "rank {d}: recv_count/layout_range have the wrong length"
+            ));
         }
         for l in 0..l_n {
             let e = d * l_n + l;
@@ -370,7 +376,12 @@ struct Expected {
     dispatch: Option<Vec<DispatchOutput>>,
 }
 
-fn expected(cfg: &Config, w: &Workload, ys: &[Vec<half::bf16>], full: bool) -> Result<Expected, String> {
+fn expected(
+    cfg: &Config,
+    w: &Workload,
+    ys: &[Vec<half::bf16>],
+    full: bool,
+) -> Result<Expected, String> {
     Ok(Expected {
         payloads: encode_all(cfg, w),
         combine: oracle::combine(cfg, &w.combine_inputs(ys)).map_err(|e| format!("oracle: {e}"))?,
@@ -572,7 +583,13 @@ fn replay(s: &Settings, r: Replay) -> Outcome {
         println!("EP_SOAK_REPLAY: no config {}", r.config);
         return Outcome::Failed;
     };
-    println!("replaying config {} ({}), call seed {}, {}", r.config, describe(sc), r.seed, r.path.name());
+    println!(
+        "replaying config {} ({}), call seed {}, {}",
+        r.config,
+        describe(sc),
+        r.seed,
+        r.path.name()
+    );
     let mut g = match group(sc, s.timeout_ns) {
         Ok(g) => g,
         Err(e) => {
@@ -696,7 +713,8 @@ fn conservation_self_test() -> Result<usize, String> {
         let want = oracle::combine(&cfg, &w.combine_inputs(&ys)).map_err(|e| e.to_string())?;
         let mut bad = want[1].clone();
         bad[0] = half::bf16::from_bits(bad[0].to_bits() ^ 0x8000);
-        if combine_diff(&bad, &want[1], h).is_none() || combine_diff(&want[1], &want[1], h).is_some()
+        if combine_diff(&bad, &want[1], h).is_none()
+            || combine_diff(&want[1], &want[1], h).is_some()
         {
             return Err("combine_diff misses a flipped sign bit or flags equal outputs".into());
         }

@@ -472,7 +472,8 @@ mod tests {
         let e = size_hint(1 << 40, 7168, 8, 256, None, false).unwrap_err();
         // The config's bounds (ep_reference::config) refuse it first, naming value and limit.
         assert!(
-            e.to_string().contains("1099511627776 exceeds the limit 65536"),
+            e.to_string()
+                .contains("1099511627776 exceeds the limit 65536"),
             "{e}"
         );
         let e = size_hint(1 << 30, 1 << 30, 1, 1 << 10, None, false).unwrap_err();

@@ -182,9 +182,7 @@ fn classify(e: &BindError) -> (&'static str, &'static str, Vec<(&'static str, Fi
                     ("limit", int(*limit as i128)),
                 ],
             ),
-            E::WorkerPanicked {
-                rank, op, call, ..
-            } => (
+            E::WorkerPanicked { rank, op, call, .. } => (
                 "DeviceError",
                 "WorkerPanicked",
                 vec![

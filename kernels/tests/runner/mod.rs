@@ -99,7 +99,9 @@ impl Runner {
             incomplete,
             ..
         } = self;
-        println!("{label}: {passed} passed; {failed} failed; {skipped} skipped; {incomplete} incomplete");
+        println!(
+            "{label}: {passed} passed; {failed} failed; {skipped} skipped; {incomplete} incomplete"
+        );
         std::process::exit(if failed > 0 {
             1
         } else if incomplete > 0 {
