@@ -130,6 +130,8 @@ impl GpuGroup {
             Mode::Bf16 => (0, 0, 0),
             Mode::Fp8 { round_scale, ue8m0 } => (1, round_scale as i32, ue8m0 as i32),
         };
+        // Every `as i32` below is in range: the config bounds E, T and H by 65536 and a row's
+        // bytes by i32::MAX (Config::validate), and the kernels take R <= MAX_RANKS.
         let params = KParams {
             table: 0,
             err: 0,
@@ -298,6 +300,8 @@ impl GpuGroup {
             Mode::Bf16 => (0, 0, 0),
             Mode::Fp8 { round_scale, ue8m0 } => (1, round_scale as i32, ue8m0 as i32),
         };
+        // Every `as i32` below is in range: the config bounds E, T and H by 65536 and a row's
+        // bytes by i32::MAX (Config::validate), and the kernels take R <= MAX_RANKS.
         let params = KParams {
             timeout_ns: opts.timeout_ns,
             r: r as i32,

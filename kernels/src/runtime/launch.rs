@@ -247,10 +247,11 @@ impl GpuGroup {
 
     pub(crate) fn nccl_group(&mut self, ops: &[Vec<crate::nccl::P2p>]) -> Result<(), GpuError> {
         let streams = self.streams_raw();
-        let comms = self
-            .comms
-            .as_ref()
-            .expect("NCCL transport without communicators");
+        let comms = self.comms.as_ref().ok_or_else(|| {
+            GpuError::Nccl(
+                "NCCL peers but no communicators (the group was not built for NCCL)".into(),
+            )
+        })?;
         for d in &self.devs {
             d.bind()?;
         }
