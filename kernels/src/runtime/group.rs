@@ -118,48 +118,9 @@ impl GpuGroup {
         }
         for dev in devs.iter_mut() {
             dev.bind()?;
-            let table = dev.alloc(std::mem::size_of::<RankPtrs>() * r)?;
-            // SAFETY: `table` holds R RankPtrs; RankPtrs is plain old data.
-            cuda("upload table", unsafe {
-                result::memcpy_htod_sync(table, &ptrs)
-            })?;
-            dev.table = table;
-            dev.err = dev.alloc(4 * ERR_WORDS)?;
+            upload_table(dev, &ptrs)?;
         }
-        let (fp8, round_scale, ue8m0) = match cfg.mode {
-            Mode::Bf16 => (0, 0, 0),
-            Mode::Fp8 { round_scale, ue8m0 } => (1, round_scale as i32, ue8m0 as i32),
-        };
-        // Every `as i32` below is in range: the config bounds E, T and H by 65536 and a row's
-        // bytes by i32::MAX (Config::validate), and the kernels take R <= MAX_RANKS.
-        let params = KParams {
-            table: 0,
-            err: 0,
-            timeout_ns: opts.timeout_ns,
-            r: r as i32,
-            e: cfg.num_experts as i32,
-            l: cfg.num_local_experts() as i32,
-            t: cfg.max_tokens_per_rank as i32,
-            h: cfg.hidden as i32,
-            k: cfg.top_k as i32,
-            fp8,
-            round_scale,
-            ue8m0,
-            rank_base: 0,
-            ranks_here: per as i32,
-            blocks_per_rank: bpr as i32,
-            xrow: cfg.recv_x_row_bytes() as i32,
-            spr: cfg.scales_per_row() as i32,
-            entry_bytes: to_i32("entry bytes", entry_bytes_checked(cfg)?)?,
-            pe_entry_bytes: to_i32("per-expert entry bytes", pe_entry_bytes_checked(cfg)?)?,
-            fault_rank: -1,
-            sys_scope: (g > 1) as i32,
-            zero_copy: opts.zero_copy_local as i32,
-            pad1: 0,
-            prof: 0,
-            nccl_mask: 0,
-            stage: 0,
-        };
+        let params = kparams(cfg, &opts, bpr, 0, per, g > 1)?;
         Ok(GpuGroup {
             id: device_api::next_group_id(),
             cfg: *cfg,
@@ -289,42 +250,8 @@ impl GpuGroup {
             }
             None
         };
-        let table = dev.alloc(std::mem::size_of::<RankPtrs>() * r)?;
-        // SAFETY: `table` holds R RankPtrs; RankPtrs is plain old data.
-        cuda("upload table", unsafe {
-            result::memcpy_htod_sync(table, &ptrs)
-        })?;
-        dev.table = table;
-        dev.err = dev.alloc(4 * ERR_WORDS)?;
-        let (fp8, round_scale, ue8m0) = match cfg.mode {
-            Mode::Bf16 => (0, 0, 0),
-            Mode::Fp8 { round_scale, ue8m0 } => (1, round_scale as i32, ue8m0 as i32),
-        };
-        // Every `as i32` below is in range: the config bounds E, T and H by 65536 and a row's
-        // bytes by i32::MAX (Config::validate), and the kernels take R <= MAX_RANKS.
-        let params = KParams {
-            timeout_ns: opts.timeout_ns,
-            r: r as i32,
-            e: cfg.num_experts as i32,
-            l: cfg.num_local_experts() as i32,
-            t: cfg.max_tokens_per_rank as i32,
-            h: cfg.hidden as i32,
-            k: cfg.top_k as i32,
-            fp8,
-            round_scale,
-            ue8m0,
-            rank_base: rank as i32,
-            ranks_here: 1,
-            blocks_per_rank: bpr as i32,
-            xrow: cfg.recv_x_row_bytes() as i32,
-            spr: cfg.scales_per_row() as i32,
-            entry_bytes: to_i32("entry bytes", entry_bytes_checked(cfg)?)?,
-            pe_entry_bytes: to_i32("per-expert entry bytes", pe_entry_bytes_checked(cfg)?)?,
-            fault_rank: -1,
-            sys_scope: 1,
-            zero_copy: opts.zero_copy_local as i32,
-            ..Default::default()
-        };
+        upload_table(&mut dev, &ptrs)?;
+        let params = kparams(cfg, &opts, bpr, rank, 1, true)?;
         Ok(GpuGroup {
             id: device_api::next_group_id(),
             cfg: *cfg,
@@ -346,4 +273,58 @@ impl GpuGroup {
             last_op: None,
         })
     }
+}
+
+/// Uploads the rank address table to `dev` (the bound context) and allocates its error word.
+fn upload_table(dev: &mut Dev, ptrs: &[RankPtrs]) -> Result<(), GpuError> {
+    let table = dev.alloc(std::mem::size_of_val(ptrs))?;
+    // SAFETY: `table` holds ptrs.len() RankPtrs; RankPtrs is plain old data.
+    cuda("upload table", unsafe {
+        result::memcpy_htod_sync(table, ptrs)
+    })?;
+    dev.table = table;
+    dev.err = dev.alloc(4 * ERR_WORDS)?;
+    Ok(())
+}
+
+/// The kernel parameters of a group: `ranks_here` ranks from `rank_base` on each device,
+/// system-scope fences where ranks span GPUs or processes (`sys_scope`).
+fn kparams(
+    cfg: &Config,
+    opts: &GpuOptions,
+    bpr: usize,
+    rank_base: usize,
+    ranks_here: usize,
+    sys_scope: bool,
+) -> Result<KParams, GpuError> {
+    let (fp8, round_scale, ue8m0) = match cfg.mode {
+        Mode::Bf16 => (0, 0, 0),
+        Mode::Fp8 { round_scale, ue8m0 } => (1, round_scale as i32, ue8m0 as i32),
+    };
+    // Every `as i32` below is in range: the config bounds E, T and H by 65536 and a row's bytes
+    // by i32::MAX (Config::validate), the kernels take R <= MAX_RANKS, and blocks per rank are
+    // at most the device's SMs (checked against the occupancy calculator).
+    Ok(KParams {
+        timeout_ns: opts.timeout_ns,
+        r: cfg.num_ranks as i32,
+        e: cfg.num_experts as i32,
+        l: cfg.num_local_experts() as i32,
+        t: cfg.max_tokens_per_rank as i32,
+        h: cfg.hidden as i32,
+        k: cfg.top_k as i32,
+        fp8,
+        round_scale,
+        ue8m0,
+        rank_base: rank_base as i32,
+        ranks_here: ranks_here as i32,
+        blocks_per_rank: bpr as i32,
+        xrow: cfg.recv_x_row_bytes() as i32,
+        spr: cfg.scales_per_row() as i32,
+        entry_bytes: to_i32("entry bytes", entry_bytes_checked(cfg)?)?,
+        pe_entry_bytes: to_i32("per-expert entry bytes", pe_entry_bytes_checked(cfg)?)?,
+        fault_rank: -1,
+        sys_scope: sys_scope as i32,
+        zero_copy: opts.zero_copy_local as i32,
+        ..Default::default()
+    })
 }
