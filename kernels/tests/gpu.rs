@@ -130,11 +130,10 @@ const MODES: [Mode; 4] = [Mode::Bf16, Mode::FP8, Mode::FP8_ROUND, Mode::FP8_UE8M
 /// timeout tests set their own bound and are not affected).
 fn test_opts() -> GpuOptions {
     let mut o = GpuOptions::default();
-    if let Ok(v) = std::env::var("EP_GPU_TEST_TIMEOUT_MS") {
-        let ms: u64 = v
-            .parse()
-            .unwrap_or_else(|_| panic!("EP_GPU_TEST_TIMEOUT_MS={v:?}: want milliseconds"));
-        o.timeout_ns = ms.saturating_mul(1_000_000);
+    match runner::env_num::<u64>("EP_GPU_TEST_TIMEOUT_MS") {
+        Ok(Some(ms)) => o.timeout_ns = ms.saturating_mul(1_000_000),
+        Ok(None) => {}
+        Err(e) => panic!("{e} (milliseconds)"),
     }
     o
 }

@@ -29,6 +29,8 @@
 
 mod runner;
 
+use runner::env_num;
+
 use ep_kernels::runtime::probe_devices;
 use ep_kernels::testing::Rng;
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, Path};
@@ -86,18 +88,6 @@ struct Settings {
     small: bool,
     timeout_ns: u64,
     blocks_per_rank: Option<usize>,
-}
-
-fn env_num<T: std::str::FromStr>(var: &str) -> Result<Option<T>, String> {
-    match std::env::var(var) {
-        Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(e) => Err(format!("{var}: {e}")),
-        Ok(v) => v
-            .trim()
-            .parse()
-            .map(Some)
-            .map_err(|_| format!("{var}={v:?}: not a valid number")),
-    }
 }
 
 impl Settings {

@@ -26,6 +26,8 @@
 
 mod runner;
 
+use runner::env_num;
+
 use ep_kernels::runtime::probe_devices;
 use ep_kernels::testing::Rng;
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, Path};
@@ -92,18 +94,6 @@ struct Settings {
     max_secs: f64,
     timeout_ns: u64,
     replay: Option<Replay>,
-}
-
-fn env_num<T: std::str::FromStr>(var: &str) -> Result<Option<T>, String> {
-    match std::env::var(var) {
-        Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(e) => Err(format!("{var}: {e}")),
-        Ok(v) => v
-            .trim()
-            .parse()
-            .map(Some)
-            .map_err(|_| format!("{var}={v:?}: not a valid number")),
-    }
 }
 
 fn parse_replay(v: &str) -> Result<Replay, String> {

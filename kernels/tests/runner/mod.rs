@@ -120,3 +120,17 @@ pub fn probe(gpus: usize, nccl: bool) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// A number from the environment variable `var`: `None` where it is unset, an error naming the
+/// variable and its value where it does not parse.
+pub fn env_num<T: std::str::FromStr>(var: &str) -> Result<Option<T>, String> {
+    match std::env::var(var) {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(e) => Err(format!("{var}: {e}")),
+        Ok(v) => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| format!("{var}={v:?}: not a valid number")),
+    }
+}
