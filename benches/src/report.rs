@@ -585,8 +585,8 @@ mod tests {
         ), "{lines}");
     }
 
-    #[test]
-    fn kernel_time_prints_beside_the_event_time() {
+    /// A GPU point of two paths (per-expert 30/60 us, batched 10/30 us by events), R = 2.
+    fn gpu_point() -> PointResult {
         let cfg = Config::new(2, 4, 8, 128, 2, Mode::FP8).unwrap();
         let sel = [3u64, 5];
         let info = PointInfo {
@@ -602,13 +602,18 @@ mod tests {
             verified: "yes",
             load_average: None,
         };
-        let mut p = assemble(
+        assemble(
             &info,
             vec![
                 samples("per-expert", 30.0, 60.0),
                 samples("batched", 10.0, 30.0),
             ],
-        );
+        )
+    }
+
+    #[test]
+    fn kernel_time_prints_beside_the_event_time() {
+        let mut p = gpu_point();
         p.paths[0].kernel_time = Some(KernelTime::Unavailable {
             reason: "libcupti not found".into(),
         });
@@ -632,28 +637,7 @@ mod tests {
 
     #[test]
     fn hook_split_prints_in_deepep_format_with_its_source() {
-        let cfg = Config::new(2, 4, 8, 128, 2, Mode::FP8).unwrap();
-        let sel = [3u64, 5];
-        let info = PointInfo {
-            backend: "gpu",
-            device: "test",
-            cfg: &cfg,
-            tokens_per_rank: 4,
-            masked: 0.0,
-            seed: 1,
-            iters: 3,
-            warmup: 0,
-            selections: &sel,
-            verified: "yes",
-            load_average: None,
-        };
-        let mut p = assemble(
-            &info,
-            vec![
-                samples("per-expert", 30.0, 60.0),
-                samples("batched", 10.0, 30.0),
-            ],
-        );
+        let mut p = gpu_point();
         let sm = |v: f64| Summary::of(&[v, v + 2.0]).unwrap();
         p.paths[0].hook_split = Some(HookSplit::Unavailable {
             reason: "no device".into(),
