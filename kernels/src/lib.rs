@@ -91,6 +91,7 @@ pub mod mp;
 pub mod nccl;
 pub mod runtime;
 pub mod testing;
+pub mod topology;
 
 /// The cudarc this crate is built on (its `CudaStream`, `CudaView`, ... are the device API's types).
 pub use cudarc;
@@ -150,6 +151,10 @@ pub enum GpuError {
         combine: &'static str,
         dispatch: &'static str,
     },
+    /// Process mode: this process's node id (`EP_NODE_ID`, `GROUP_RANK`, the hostname) is
+    /// invalid or missing (`crate::topology`).
+    #[error("node id: {0}")]
+    Node(#[from] crate::topology::NodeIdError),
     /// Process mode: a peer's handshake record could not be read (nothing of it was used).
     #[error("rank {rank}: the handshake record of rank {peer} is malformed: {error}")]
     PeerBlob {
