@@ -76,7 +76,7 @@ pub fn transport_name(t: Transport) -> &'static str {
     match t {
         Transport::Auto => "nvlink-ipc",
         Transport::Nccl => "nccl",
-        Transport::TwoTier => "two-tier (ipc inside a node, nccl across)",
+        Transport::TwoTier => "two-tier",
     }
 }
 
