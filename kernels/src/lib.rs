@@ -61,7 +61,10 @@
 //! - **NCCL transport (batched path).** `GpuOptions::transport` chooses per peer pair:
 //!   `Transport::Auto` is NVLink where the peers share it (peer access, or CUDA IPC between
 //!   processes) and NCCL for pairs without peer access. `Transport::Nccl` forces NCCL for every
-//!   peer, self included. NCCL peers are a bit mask (`KParams::nccl_mask`) and the call is split
+//!   peer, self included. `Transport::TwoTier` (process mode across nodes) reaches the ranks of
+//!   this rank's node through CUDA IPC and the others through NCCL; every rank's node id
+//!   (`EP_NODE_ID`, else torchrun's `GROUP_RANK`, else the hostname) travels in the handshake
+//!   ([`topology`]). NCCL peers are a bit mask (`KParams::nccl_mask`) and the call is split
 //!   in two. The pack stage (`stage` 1) writes each NCCL destination's batch, in the same entry
 //!   layout, into this rank's staging buffer (`snd_buf`) with a header of (tokens, selections,
 //!   rows per local expert) in `snd_hdr`. The host then exchanges the headers (one grouped
