@@ -256,7 +256,7 @@ pub fn plan(transport: Transport, nodes: &[NodeId], rank: usize) -> Result<Plan,
 /// Emulated nodes on one machine: rank `rank` of `nprocs` is on node `rank / (nprocs / nodes)`.
 /// Fails unless `nodes` is in 1..=nprocs and divides `nprocs`.
 pub fn emulated_node(rank: usize, nprocs: usize, nodes: usize) -> Result<usize, String> {
-    if nodes == 0 || nodes > nprocs || nprocs % nodes != 0 {
+    if nodes == 0 || nodes > nprocs || !nprocs.is_multiple_of(nodes) {
         return Err(format!(
             "{nodes} nodes for {nprocs} processes: the nodes must divide the processes evenly (1..={nprocs})"
         ));
