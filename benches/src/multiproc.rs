@@ -6,16 +6,69 @@
 //! launcher), ep-bench runs as that one rank (`ep_kernels::mp::run_rank`): it forms the group
 //! through CUDA IPC handles (or NCCL), checks every path bit for bit against the oracle, times
 //! both, and prints its DeepEP-format lines.
+//!
+//! `--nodes N` (with `--nprocs`) emulates N nodes on this machine: rank i is on node
+//! `i / (nprocs / N)` (`EP_NODE_ID`, and `NCCL_HOSTID` per node so that NCCL takes the nodes for
+//! separate hosts and talks between them over its network transport), GPU `i % --gpus`, and the
+//! ranks run the two-tier transport (CUDA IPC inside a node, NCCL across) unless `--transport
+//! nccl` is given. A path the transport refuses is reported as unsupported, not failed.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use ep_kernels::mp::{run_rank, MpOptions};
+use ep_kernels::mp::{run_rank, transport_name, MpOptions};
 use ep_launch::EXIT_PEER_FAILURE;
+
+/// `--nodes` of a launch, checked before any process starts: it must divide `--nprocs`, and more
+/// than one node needs a transport that crosses nodes (`transport_auto_given`: the user asked for
+/// `--transport auto` explicitly).
+pub fn check_nodes(nprocs: usize, nodes: usize, transport_auto_given: bool) -> Result<(), String> {
+    ep_kernels::topology::emulated_node(0, nprocs, nodes)
+        .map_err(|e| format!("--nodes {nodes} does not fit --nprocs {nprocs}: {e}"))?;
+    if nodes > 1 && transport_auto_given {
+        return Err(format!(
+            "--nodes {nodes} emulates {nodes} nodes, and --transport auto reaches every peer through CUDA IPC, which needs one node: use --transport two-tier (the default with --nodes) or --transport nccl"
+        ));
+    }
+    Ok(())
+}
 
 /// The launcher side: starts `nprocs` copies of this program with `args` (this process's
 /// arguments less `--nprocs`), waits for them up to `timeout`.
 pub fn launch(nprocs: usize, args: Vec<String>, timeout: Duration) -> ExitCode {
+    launch_nodes(nprocs, 1, args, timeout)
+}
+
+/// [`launch`] on `nodes` emulated nodes (see the module docs; `args` without `--nodes`, as
+/// [`child_args`] leaves them). `nodes` must have passed [`check_nodes`].
+pub fn launch_nodes(
+    nprocs: usize,
+    nodes: usize,
+    mut args: Vec<String>,
+    timeout: Duration,
+) -> ExitCode {
+    let mut rank_env = Vec::new();
+    if nodes > 1 {
+        for rank in 0..nprocs {
+            match ep_kernels::topology::emulation_env(rank, nprocs, nodes) {
+                Ok(v) => rank_env.push(v),
+                Err(e) => {
+                    eprintln!("ep-bench: --nodes {nodes}: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+        if !args
+            .iter()
+            .any(|a| a == "--transport" || a.starts_with("--transport="))
+        {
+            args.extend(["--transport".to_string(), "two-tier".to_string()]);
+        }
+    }
+    let opts = ep_launch::LaunchOptions {
+        rank_env,
+        ..Default::default()
+    };
     let exe = match std::env::current_exe() {
         Ok(e) => e,
         Err(e) => {
@@ -24,7 +77,7 @@ pub fn launch(nprocs: usize, args: Vec<String>, timeout: Duration) -> ExitCode {
         }
     };
     let t0 = Instant::now();
-    let launch = match ep_launch::spawn_local(nprocs, exe, &args, &[]) {
+    let launch = match ep_launch::spawn_local_with(&opts, nprocs, exe, &args, &[]) {
         Ok(l) => l,
         Err(e) => {
             eprintln!("ep-bench: launching {nprocs} processes failed: {e}");
@@ -49,16 +102,17 @@ pub fn launch(nprocs: usize, args: Vec<String>, timeout: Duration) -> ExitCode {
     }
 }
 
-/// `args` less `--nprocs N` / `--nprocs=N`.
+/// `args` less `--nprocs N` / `--nprocs=N` and `--nodes N` / `--nodes=N` (the launcher's: a
+/// rank takes its node from its environment).
 pub fn child_args(args: &[String]) -> Vec<String> {
     let mut out = Vec::new();
     let mut skip = false;
     for a in args {
         if skip {
             skip = false;
-        } else if a == "--nprocs" {
+        } else if a == "--nprocs" || a == "--nodes" {
             skip = true;
-        } else if !a.starts_with("--nprocs=") {
+        } else if !a.starts_with("--nprocs=") && !a.starts_with("--nodes=") {
             out.push(a.clone());
         }
     }
@@ -93,6 +147,18 @@ pub fn rank(o: &MpOptions) -> ExitCode {
             rep.checks,
             o.iters
         );
+        for (path, why) in &rep.unsupported {
+            println!(
+                "{path}: unsupported on transport {}, not checked or timed: {why}",
+                transport_name(o.transport)
+            );
+        }
+    }
+    if !rep.nccl_peers.is_empty() && !rep.ipc_peers.is_empty() {
+        println!(
+            "[rank {}] node {}: CUDA IPC to ranks {:?}, NCCL to ranks {:?}",
+            rep.rank, rep.node, rep.ipc_peers, rep.nccl_peers
+        );
     }
     let d_bytes = (rep.selections * cfg.logical_dispatch_message_bytes()) as f64;
     let c_bytes = (rep.selections * cfg.logical_combine_message_bytes()) as f64;
@@ -114,6 +180,30 @@ pub fn rank(o: &MpOptions) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::child_args;
+
+    #[test]
+    fn nodes_is_removed_and_checked() {
+        let v = |s: &[&str]| s.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            child_args(&v(&[
+                "--nodes",
+                "2",
+                "--nprocs=4",
+                "--gpus",
+                "2",
+                "--nodes=2"
+            ])),
+            v(&["--gpus", "2"])
+        );
+        assert!(super::check_nodes(4, 2, false).is_ok());
+        assert!(super::check_nodes(4, 1, true).is_ok());
+        let e = super::check_nodes(4, 3, false).unwrap_err();
+        assert!(e.contains("--nodes 3 does not fit --nprocs 4"), "{e}");
+        let e = super::check_nodes(2, 4, false).unwrap_err();
+        assert!(e.contains("--nodes 4"), "{e}");
+        let e = super::check_nodes(4, 2, true).unwrap_err();
+        assert!(e.contains("--transport auto"), "{e}");
+    }
 
     #[test]
     fn nprocs_is_removed_in_both_spellings() {

@@ -235,6 +235,45 @@ fn flags_that_do_not_apply_are_refused() {
 }
 
 #[test]
+fn nodes_is_refused_where_it_does_not_apply() {
+    // One process: nothing to spread over nodes.
+    let mut a = TINY.to_vec();
+    a.extend(["--nodes", "2"]);
+    refused(&a, 2, &["--nodes applies with --nprocs"]);
+    // Nodes that do not divide the processes, more nodes than processes, or auto (IPC only)
+    // across nodes: refused before any process starts (exit 2, also without a GPU).
+    refused(
+        &["--nprocs", "4", "--nodes", "3"],
+        2,
+        &["--nodes 3 does not fit --nprocs 4"],
+    );
+    refused(
+        &["--nprocs", "2", "--nodes", "4"],
+        2,
+        &["--nodes 4 does not fit --nprocs 2"],
+    );
+    refused(
+        &["--nprocs", "4", "--nodes", "2", "--transport", "auto"],
+        2,
+        &["--transport auto", "--transport two-tier"],
+    );
+    refused(&["--nprocs", "4", "--nodes", "0"], 2, &["--nodes"]);
+    // Under an external launcher the node comes from the environment.
+    let out = Command::new(env!("CARGO_BIN_EXE_ep-bench"))
+        .args(["--nodes", "2", "--timeout-secs", "1"])
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .output()
+        .expect("ep-bench starts");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--nodes does not apply under an external launcher"),
+        "{err}"
+    );
+}
+
+#[test]
 fn nprocs_without_a_gpu_says_so_before_spawning() {
     if let Ok(d) = ep_kernels::bench::probe() {
         println!("SKIPPED: a GPU is usable here ({d}); this test needs a machine without one");

@@ -19,18 +19,24 @@
 //!
 //! Wire format (little-endian): `b"EPhs"`, protocol `u8`, library version (`u8` length, 1..=64
 //! printable ASCII bytes), kernel fingerprint `u64`, R, E, T, H, K (`u64` each), mode `u8` (0 bf16, 1 fp8), mode flags `u8`
-//! (bit 0 round_scale, bit 1 ue8m0; 0 for bf16), transport `u8` (0 auto, 1 nccl), zero_copy_local
-//! `u8` (0/1), timeout_ns `u64`, rank `u64`, allocation bytes `u64`, payload length `u16`
-//! (<= [`MAX_PAYLOAD`]), payload.
+//! (bit 0 round_scale, bit 1 ue8m0; 0 for bf16), transport `u8` (0 auto, 1 nccl, 2 two-tier),
+//! zero_copy_local `u8` (0/1), timeout_ns `u64`, rank `u64`, allocation bytes `u64`, node id source
+//! `u8` (0 `EP_NODE_ID`, 1 `GROUP_RANK`, 2 hostname), node id (`u8` length, 1..=64 printable ASCII
+//! bytes without spaces), payload length `u16` (<= [`MAX_PAYLOAD`]), payload.
+//!
+//! The node id (`crate::topology`) is the one field peers may differ in: it says which peers
+//! share this rank's node (CUDA IPC) and which do not (NCCL, `Transport::TwoTier`). Its source
+//! must be the same on every rank (ids of different kinds are never compared).
 
 use crate::runtime::AllGather;
+use crate::topology::{NodeId, NodeSource, MAX_NODE_ID_LEN};
 use crate::{GpuError, GpuOptions, Transport};
 use ep_reference::{Config, Mode};
 
 /// First bytes of every record.
 pub const MAGIC: [u8; 4] = *b"EPhs";
-/// Version of this record's layout and of the memory protocol it describes.
-pub const PROTOCOL: u8 = 1;
+/// Version of this record's layout and of the memory protocol it describes (2: the node id).
+pub const PROTOCOL: u8 = 2;
 /// This library's version (every rank must run the same build of the layout).
 pub const LIBRARY: &str = env!("CARGO_PKG_VERSION");
 /// Longest library version string a record may carry.
@@ -38,9 +44,9 @@ pub const MAX_VERSION_LEN: usize = 64;
 /// Largest payload (IPC handle, NCCL unique id) a record may carry.
 pub const MAX_PAYLOAD: usize = 1024;
 /// Bytes of a record without its version string and payload.
-const FIXED: usize = 4 + 1 + 1 + 8 + 5 * 8 + 4 + 3 * 8 + 2;
+const FIXED: usize = 4 + 1 + 1 + 8 + 5 * 8 + 4 + 3 * 8 + 2 + 2;
 /// Largest blob [`Hello::decode`] reads.
-pub const MAX_BLOB: usize = FIXED + MAX_VERSION_LEN + MAX_PAYLOAD;
+pub const MAX_BLOB: usize = FIXED + MAX_VERSION_LEN + MAX_NODE_ID_LEN + MAX_PAYLOAD;
 /// Bound of each of R, E, T, H, K on the wire (the config's own limits are checked by
 /// `Config::validate`; this only keeps a hostile value from being taken as a size anywhere).
 pub const MAX_COUNT: u64 = 1 << 40;
@@ -70,6 +76,8 @@ pub enum BlobError {
     OtherProtocol { found: u8 },
     #[error("the library version is not printable ASCII")]
     BadVersion,
+    #[error("the node id is not printable ASCII without spaces")]
+    BadNode,
     #[error("{extra} trailing bytes after the payload")]
     Trailing { extra: usize },
 }
@@ -88,11 +96,19 @@ pub struct Hello {
     pub rank: usize,
     /// Bytes of this rank's one allocation (the buffer its peers map).
     pub alloc_bytes: u64,
+    /// The node this rank runs on (`crate::topology`).
+    pub node: NodeId,
 }
 
 impl Hello {
-    /// This rank's record: this build's versions, `cfg` and `opts` as given.
-    pub fn new(cfg: &Config, opts: &GpuOptions, rank: usize, alloc_bytes: usize) -> Hello {
+    /// This rank's record: this build's versions, `cfg`, `opts` and `node` as given.
+    pub fn new(
+        cfg: &Config,
+        opts: &GpuOptions,
+        rank: usize,
+        alloc_bytes: usize,
+        node: NodeId,
+    ) -> Hello {
         Hello {
             protocol: PROTOCOL,
             library: LIBRARY.to_string(),
@@ -103,6 +119,7 @@ impl Hello {
             timeout_ns: opts.timeout_ns,
             rank,
             alloc_bytes: alloc_bytes as u64,
+            node,
         }
     }
 
@@ -110,11 +127,18 @@ impl Hello {
     /// string or the payload is longer than a record may carry.
     pub fn encode(&self, payload: &[u8]) -> Result<Vec<u8>, GpuError> {
         let v = self.library.as_bytes();
-        if v.is_empty() || v.len() > MAX_VERSION_LEN || payload.len() > MAX_PAYLOAD {
+        let node = self.node.id.as_bytes();
+        if v.is_empty()
+            || v.len() > MAX_VERSION_LEN
+            || payload.len() > MAX_PAYLOAD
+            || node.is_empty()
+            || node.len() > MAX_NODE_ID_LEN
+        {
             return Err(GpuError::Process(format!(
-                "handshake: version of {} bytes (1..={MAX_VERSION_LEN}) or payload of {} bytes \
-                 (at most {MAX_PAYLOAD})",
+                "handshake: version of {} bytes (1..={MAX_VERSION_LEN}), node id of {} bytes \
+                 (1..={MAX_NODE_ID_LEN}) or payload of {} bytes (at most {MAX_PAYLOAD})",
                 v.len(),
+                node.len(),
                 payload.len()
             )));
         }
@@ -143,11 +167,15 @@ impl Hello {
         b.push(match self.transport {
             Transport::Auto => 0,
             Transport::Nccl => 1,
+            Transport::TwoTier => 2,
         });
         b.push(self.zero_copy_local as u8);
         b.extend_from_slice(&self.timeout_ns.to_le_bytes());
         b.extend_from_slice(&(self.rank as u64).to_le_bytes());
         b.extend_from_slice(&self.alloc_bytes.to_le_bytes());
+        b.push(self.node.source.wire());
+        b.push(node.len() as u8);
+        b.extend_from_slice(node);
         b.extend_from_slice(&(payload.len() as u16).to_le_bytes());
         b.extend_from_slice(payload);
         Ok(b)
@@ -237,11 +265,12 @@ impl Hello {
         let transport = match r.u8("transport")? {
             0 => Transport::Auto,
             1 => Transport::Nccl,
+            2 => Transport::TwoTier,
             t => {
                 return Err(BlobError::BadField {
                     field: "transport",
                     value: t as u64,
-                    allowed: "0 (auto) or 1 (nccl)",
+                    allowed: "0 (auto), 1 (nccl) or 2 (two-tier)",
                 })
             }
         };
@@ -273,6 +302,28 @@ impl Hello {
                 allowed: "1..=2^50",
             });
         }
+        let src = r.u8("node id source")?;
+        let source = NodeSource::from_wire(src).ok_or(BlobError::BadField {
+            field: "node id source",
+            value: src as u64,
+            allowed: "0 (EP_NODE_ID), 1 (GROUP_RANK) or 2 (hostname)",
+        })?;
+        let nlen = r.u8("node id length")? as usize;
+        if nlen == 0 || nlen > MAX_NODE_ID_LEN {
+            return Err(BlobError::BadField {
+                field: "node id length",
+                value: nlen as u64,
+                allowed: "1..=64",
+            });
+        }
+        let n = r.take("node id", nlen)?;
+        if !n.iter().all(|c| (0x21..0x7f).contains(c)) {
+            return Err(BlobError::BadNode);
+        }
+        let node = NodeId {
+            source,
+            id: String::from_utf8(n.to_vec()).map_err(|_| BlobError::BadNode)?,
+        };
         let plen = r.u16("payload length")? as usize;
         if plen > MAX_PAYLOAD {
             return Err(BlobError::BadField {
@@ -304,6 +355,7 @@ impl Hello {
                 timeout_ns,
                 rank: rank as usize,
                 alloc_bytes,
+                node,
             },
             payload,
         ))
@@ -373,6 +425,12 @@ impl Hello {
             );
         }
         same!("allocation bytes", self.alloc_bytes, theirs.alloc_bytes);
+        // The node ids themselves may differ (that is what they are for); their kinds may not.
+        same!(
+            "node id source",
+            self.node.source.name(),
+            theirs.node.source.name()
+        );
         Ok(())
     }
 }
@@ -437,6 +495,14 @@ impl<'a> Reader<'a> {
 /// Checks every rank's blob of one all-gather round against `ours` and returns the payloads in
 /// rank order. `all` must hold exactly one blob per rank of `ours.config`.
 pub fn verify_all(ours: &Hello, all: &[Vec<u8>]) -> Result<Vec<Vec<u8>>, GpuError> {
+    Ok(verify_records(ours, all)?
+        .into_iter()
+        .map(|(_, p)| p)
+        .collect())
+}
+
+/// [`verify_all`], with every rank's checked record beside its payload.
+pub fn verify_records(ours: &Hello, all: &[Vec<u8>]) -> Result<Vec<(Hello, Vec<u8>)>, GpuError> {
     let world = ours.config.num_ranks;
     if all.len() != world {
         return Err(GpuError::Process(format!(
@@ -467,7 +533,7 @@ pub fn verify_all(ours: &Hello, all: &[Vec<u8>]) -> Result<Vec<Vec<u8>>, GpuErro
             }
         };
         ours.compare(&theirs, peer)?;
-        payloads.push(payload.to_vec());
+        payloads.push((theirs, payload.to_vec()));
     }
     Ok(payloads)
 }
@@ -479,9 +545,21 @@ pub fn exchange(
     ours: &Hello,
     payload: &[u8],
 ) -> Result<Vec<Vec<u8>>, GpuError> {
+    Ok(exchange_records(all_gather, ours, payload)?
+        .into_iter()
+        .map(|(_, p)| p)
+        .collect())
+}
+
+/// [`exchange`], with every rank's checked record (its node, above all) beside its payload.
+pub fn exchange_records(
+    all_gather: &mut AllGather<'_>,
+    ours: &Hello,
+    payload: &[u8],
+) -> Result<Vec<(Hello, Vec<u8>)>, GpuError> {
     let blob = ours.encode(payload)?;
     let all = all_gather(&blob).map_err(GpuError::Process)?;
-    verify_all(ours, &all)
+    verify_records(ours, &all)
 }
 
 /// After rank `rank` opened `peer`'s IPC handle at `p`: the mapped allocation must start at `p`
@@ -531,21 +609,35 @@ mod tests {
         Config::new(4, 16, 64, 1024, 4, mode).unwrap()
     }
 
+    fn node(id: &str) -> NodeId {
+        NodeId::named(id).unwrap()
+    }
+
     fn hello(rank: usize) -> Hello {
-        Hello::new(&cfg(Mode::FP8_ROUND), &GpuOptions::default(), rank, 1 << 20)
+        Hello::new(
+            &cfg(Mode::FP8_ROUND),
+            &GpuOptions::default(),
+            rank,
+            1 << 20,
+            node("n0"),
+        )
     }
 
     #[test]
     fn a_record_round_trips_with_its_payload() {
         for mode in [Mode::Bf16, Mode::FP8, Mode::FP8_ROUND, Mode::FP8_UE8M0] {
-            for transport in [Transport::Auto, Transport::Nccl] {
+            for transport in [Transport::Auto, Transport::Nccl, Transport::TwoTier] {
                 let opts = GpuOptions {
                     transport,
                     timeout_ns: u64::MAX,
                     zero_copy_local: false,
                     ..Default::default()
                 };
-                let h = Hello::new(&cfg(mode), &opts, 3, 123_456);
+                let n = NodeId {
+                    source: NodeSource::Hostname,
+                    id: "gpu-host-7.example".into(),
+                };
+                let h = Hello::new(&cfg(mode), &opts, 3, 123_456, n);
                 let payload: Vec<u8> = (0..192u8).collect();
                 let blob = h.encode(&payload).unwrap();
                 let (back, p) = Hello::decode(&blob).unwrap();
@@ -665,7 +757,7 @@ mod tests {
         assert_eq!(field_of(patch(mode, &[2])), "mode");
         assert_eq!(field_of(patch(mode, &[0, 1])), "mode flags");
         assert_eq!(field_of(patch(mode, &[1, 4])), "mode flags");
-        assert_eq!(field_of(patch(mode + 2, &[2])), "transport");
+        assert_eq!(field_of(patch(mode + 2, &[3])), "transport");
         assert_eq!(field_of(patch(mode + 3, &[2])), "zero_copy_local");
         // rank >= R (R = 4), allocation 0 and > 2^50.
         let rank_at = mode + 4 + 8;
@@ -677,6 +769,28 @@ mod tests {
         assert_eq!(
             field_of(patch(rank_at + 8, &(MAX_ALLOC + 1).to_le_bytes())),
             "allocation bytes"
+        );
+        // The node id: its source, its length (0, 65, past the record) and its bytes.
+        let node_at = rank_at + 16;
+        assert_eq!(field_of(patch(node_at, &[3])), "node id source");
+        assert_eq!(field_of(patch(node_at + 1, &[0])), "node id length");
+        assert_eq!(field_of(patch(node_at + 1, &[65])), "node id length");
+        assert!(matches!(
+            patch(node_at + 1, &[40]),
+            Err(BlobError::Truncated {
+                field: "node id",
+                ..
+            })
+        ));
+        assert_eq!(patch(node_at + 2, b" "), Err(BlobError::BadNode));
+        assert_eq!(patch(node_at + 2, &[0x7f]), Err(BlobError::BadNode));
+        let back = patch(node_at, &[1, 2, b'1', b'7']).unwrap();
+        assert_eq!(
+            back.node,
+            NodeId {
+                source: NodeSource::GroupRank,
+                id: "17".into()
+            }
         );
         // Any timeout is meaningful: u64::MAX decodes.
         let back = patch(mode + 4, &u64::MAX.to_le_bytes()).unwrap();
@@ -788,6 +902,23 @@ mod tests {
                 "1048576",
                 "4096",
             ),
+            (
+                with(&|h| {
+                    h.node = NodeId {
+                        source: NodeSource::Hostname,
+                        id: "n0".into(),
+                    }
+                }),
+                "node id source",
+                "\"EP_NODE_ID\"",
+                "\"hostname\"",
+            ),
+            (
+                with(&|h| h.transport = Transport::TwoTier),
+                "transport",
+                "Auto",
+                "TwoTier",
+            ),
         ];
         for (theirs, field, a, b) in cases {
             let (f, got_a, got_b) = mismatch(&ours, &theirs, peer);
@@ -810,6 +941,27 @@ mod tests {
             (f, a.as_str(), b.as_str()),
             ("num_ranks (world size)", "4", "8")
         );
+    }
+
+    #[test]
+    fn peers_on_other_nodes_are_accepted_and_their_nodes_come_back() {
+        let ours = hello(1);
+        let all: Vec<Vec<u8>> = (0..4)
+            .map(|r| {
+                let mut h = hello(r);
+                h.node = node(&format!("n{}", r / 2));
+                h.encode(&[r as u8]).unwrap()
+            })
+            .collect();
+        let recs = verify_records(&ours, &all).unwrap();
+        let nodes: Vec<&str> = recs.iter().map(|(h, _)| h.node.id.as_str()).collect();
+        assert_eq!(nodes, ["n0", "n0", "n1", "n1"]);
+        let payloads: Vec<Vec<u8>> = recs.into_iter().map(|(_, p)| p).collect();
+        assert_eq!(payloads, vec![vec![0], vec![1], vec![2], vec![3]]);
+        // A node id too long to encode is this rank's error, before anything is sent.
+        let mut h = hello(0);
+        h.node.id = "n".repeat(65);
+        assert!(matches!(h.encode(&[]), Err(GpuError::Process(_))));
     }
 
     #[test]

@@ -61,7 +61,10 @@
 //! - **NCCL transport (batched path).** `GpuOptions::transport` chooses per peer pair:
 //!   `Transport::Auto` is NVLink where the peers share it (peer access, or CUDA IPC between
 //!   processes) and NCCL for pairs without peer access. `Transport::Nccl` forces NCCL for every
-//!   peer, self included. NCCL peers are a bit mask (`KParams::nccl_mask`) and the call is split
+//!   peer, self included. `Transport::TwoTier` (process mode across nodes) reaches the ranks of
+//!   this rank's node through CUDA IPC and the others through NCCL; every rank's node id
+//!   (`EP_NODE_ID`, else torchrun's `GROUP_RANK`, else the hostname) travels in the handshake
+//!   ([`topology`]). NCCL peers are a bit mask (`KParams::nccl_mask`) and the call is split
 //!   in two. The pack stage (`stage` 1) writes each NCCL destination's batch, in the same entry
 //!   layout, into this rank's staging buffer (`snd_buf`) with a header of (tokens, selections,
 //!   rows per local expert) in `snd_hdr`. The host then exchanges the headers (one grouped
@@ -91,6 +94,7 @@ pub mod mp;
 pub mod nccl;
 pub mod runtime;
 pub mod testing;
+pub mod topology;
 
 /// The cudarc this crate is built on (its `CudaStream`, `CudaView`, ... are the device API's types).
 pub use cudarc;
@@ -150,6 +154,10 @@ pub enum GpuError {
         combine: &'static str,
         dispatch: &'static str,
     },
+    /// Process mode: this process's node id (`EP_NODE_ID`, `GROUP_RANK`, the hostname) is
+    /// invalid or missing (`crate::topology`).
+    #[error("node id: {0}")]
+    Node(#[from] crate::topology::NodeIdError),
     /// Process mode: a peer's handshake record could not be read (nothing of it was used).
     #[error("rank {rank}: the handshake record of rank {peer} is malformed: {error}")]
     PeerBlob {

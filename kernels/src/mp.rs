@@ -2,10 +2,13 @@
 //! `ep-gpu-mp` binary and `ep-bench --nprocs`.
 //!
 //! Each rank rendezvouses (`ep_launch`), opens GPU `LOCAL_RANK % gpus`, forms the group (CUDA IPC
-//! handles, or the NCCL unique id, exchanged through the rendezvous), checks every path against
-//! the oracle for `rounds` random inputs (all ranks generate the same inputs from the seed and
-//! compare their own outputs bit for bit), then times `iters` back-to-back calls per path (host
-//! wall time per call between two barriers).
+//! handles, or the NCCL unique id, exchanged through the rendezvous; under `Transport::TwoTier`
+//! IPC to the ranks of its node and NCCL to the others, the node from `EP_NODE_ID`, `GROUP_RANK`
+//! or the hostname: `crate::topology`), checks every path against the oracle for `rounds` random
+//! inputs (all ranks generate the same inputs from the seed and compare their own outputs bit for
+//! bit), then times `iters` back-to-back calls per path (host wall time per call between two
+//! barriers). A path the transport does not support (the group answers `Unsupported` before
+//! anything is launched, on every rank alike) is reported as such and left out, not failed.
 
 use crate::testing::{random_inputs, random_y, Rng, Routing};
 use crate::{GpuError, GpuGroup, GpuOptions, Path, Transport};
@@ -59,6 +62,22 @@ pub struct MpReport {
     /// This rank's selections in the timed inputs.
     pub selections: usize,
     pub timings: Vec<MpTiming>,
+    /// This rank's node (`crate::topology`), e.g. "EP_NODE_ID=1".
+    pub node: String,
+    /// Peers reached through CUDA IPC and through NCCL.
+    pub ipc_peers: Vec<usize>,
+    pub nccl_peers: Vec<usize>,
+    /// Paths the group refused (name, why): not checked, not timed.
+    pub unsupported: Vec<(&'static str, String)>,
+}
+
+/// The name of a transport in reports.
+pub fn transport_name(t: Transport) -> &'static str {
+    match t {
+        Transport::Auto => "nvlink-ipc",
+        Transport::Nccl => "nccl",
+        Transport::TwoTier => "two-tier",
+    }
 }
 
 /// Why a rank failed; `caused_by_peer` when another rank's failure is the cause (the process
@@ -123,21 +142,22 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
         timeout_ns: timeout_ns(o.timeout),
         ..Default::default()
     };
-    let transport = if o.transport == Transport::Nccl {
-        "nccl"
-    } else {
-        "nvlink-ipc"
-    };
+    let transport = transport_name(o.transport);
+    let node = crate::topology::node_id()
+        .map(|n| n.to_string())
+        .map_err(|e| fail(format!("rank {rank}: {e}"), false))?;
     let mut g = GpuGroup::new_process(&cfg, opts, rank, ordinal, &mut |b| {
         rdzv.all_gather(b).map_err(|e| e.to_string())
     })
     .map_err(|e| gpu_err(rank, "group", e))?;
     let device = format!("GPU {ordinal} ({})", g.describe_devices());
-    let paths: &[Path] = if o.transport == Transport::Nccl {
-        &[Path::Batched]
-    } else {
-        &[Path::PerExpert, Path::Batched]
-    };
+    let mask = g.nccl_mask();
+    let nccl_peers: Vec<usize> = (0..world).filter(|&d| (mask >> d) & 1 == 1).collect();
+    let ipc_peers: Vec<usize> = (0..world)
+        .filter(|&d| d != rank && (mask >> d) & 1 == 0)
+        .collect();
+    let mut paths: Vec<Path> = vec![Path::PerExpert, Path::Batched];
+    let mut unsupported = Vec::new();
     let masked = Routing::Random {
         masked: o.masked as f32,
     };
@@ -176,7 +196,7 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
         let want_c =
             oracle::combine(&cfg, &cin).map_err(|e| fail(format!("oracle: {e}"), false))?;
         let me = &data[rank];
-        for &path in paths {
+        for path in paths.clone() {
             if o.die_rank == Some(rank) && round == 1 {
                 eprintln!("rank {rank}: exiting on purpose (die_rank) before the round-1 dispatch");
                 std::process::exit(3);
@@ -190,7 +210,17 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
                 std::process::exit(3);
             }
             let t0 = Instant::now();
-            let got = g.dispatch_rank(path, &me.x, &me.topk_idx).map_err(|e| {
+            let got = match g.dispatch_rank(path, &me.x, &me.topk_idx) {
+                // Refused before anything was launched (every rank alike: the refusal depends
+                // on the transport only): report it, go on with the other path.
+                Err(GpuError::Unsupported(why)) => {
+                    unsupported.push((path.name(), why));
+                    paths.retain(|&p| p != path);
+                    continue;
+                }
+                r => r,
+            };
+            let got = got.map_err(|e| {
                 let f = gpu_err(rank, &format!("{} dispatch", path.name()), e);
                 fail(
                     format!("{} (after {} ms)", f.message, t0.elapsed().as_millis()),
@@ -228,7 +258,7 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
     let selections = me.topk_idx.iter().filter(|&&e| e >= 0).count();
     let mut timings = Vec::new();
     if o.iters > 0 {
-        for &path in paths {
+        for &path in &paths {
             g.dispatch_rank(path, &me.x, &me.topk_idx)
                 .map_err(|e| gpu_err(rank, "warm-up dispatch", e))?;
             g.upload_rank_combine(&y[rank], &me.topk_weights)
@@ -273,6 +303,10 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
         checks,
         selections,
         timings,
+        node,
+        ipc_peers,
+        nccl_peers,
+        unsupported,
     })
 }
 

@@ -1,19 +1,24 @@
 //! GPU tests of process mode's trust boundary (issue 10 items 4 and 5): the handshake refuses a
 //! peer with another config before anything is mapped, and NCCL set-up against a peer that never
-//! joins or dies ends within its bound. A custom runner (`harness = false`), as in `gpu.rs`:
+//! joins or dies ends within its bound. And the two-tier group (issue 12 item 4): 4 processes on
+//! 2 GPUs as 2 emulated nodes, CUDA IPC inside a node and NCCL across, bitwise against the
+//! oracle. A custom runner (`harness = false`), as in `gpu.rs`:
 //! a test whose GPUs, NVRTC or NCCL are missing prints `SKIPPED: <test>: <reason>` and is counted
 //! as skipped, never as passed.
 //!
 //! Real peer processes are this same binary started again with `EP_GPU_PROCESS_CHILD=<role>`;
 //! the all-gather between the two ranks runs over the child's stdin and stdout (one line
-//! `BLOB <hex>` each way).
+//! `BLOB <hex>` each way). The two-tier test starts its 4 ranks with `ep_launch::spawn_local_with`
+//! (the rendezvous, as under torchrun) and each runs `ep_kernels::mp::run_rank`.
 
 mod runner;
 
 use ep_kernels::handshake::Hello;
+use ep_kernels::mp::{run_rank, MpOptions};
 use ep_kernels::nccl::SETUP_FLOOR;
 use ep_kernels::runtime::bytes_per_rank_with;
 use ep_kernels::testing::{random_inputs, Rng, Routing};
+use ep_kernels::topology::{emulation_env, node_id, NodeId};
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, Path, Transport};
 use ep_reference::{Config, Mode};
 use std::io::{BufRead, BufReader, Write};
@@ -48,6 +53,12 @@ const TESTS: &[Test] = &[
         2,
         true,
         gpu_nccl_peer_dead_after_init_call_and_drop_are_bounded,
+    ),
+    (
+        "gpu_two_tier_four_processes_on_two_emulated_nodes_match_the_oracle",
+        2,
+        true,
+        gpu_two_tier_four_processes_on_two_emulated_nodes_match_the_oracle,
     ),
 ];
 
@@ -110,6 +121,9 @@ fn read_blob(r: &mut impl BufRead) -> Result<Vec<u8>, String> {
 /// is refused with a PeerMismatch naming `hidden`; `nccl-die` joins an NCCL group on GPU 1 and
 /// exits (code 3) right after the group is formed, before any transfer.
 fn child(role: &str) -> i32 {
+    if role == "two-tier" {
+        return two_tier_rank();
+    }
     let (cfg, opts, ordinal) = match role {
         "mismatch" => (cfg(2048), opts(Transport::Auto), 0),
         "nccl-die" => (cfg(1024), opts(Transport::Nccl), 1),
@@ -196,6 +210,12 @@ impl Peer {
     }
 }
 
+/// This process's node (the fabricated peers claim the same one, so only the field under test
+/// differs).
+fn here() -> NodeId {
+    node_id().expect("this process's node id")
+}
+
 fn mismatch_field(r: Result<GpuGroup, GpuError>) -> (&'static str, String, String, usize) {
     match r {
         Err(GpuError::PeerMismatch {
@@ -222,7 +242,7 @@ fn gpu_process_fabricated_peers_are_refused_before_mapping() {
         GpuGroup::new_process(&ours, o, 0, 0, &mut ag)
     };
     // Another hidden size.
-    let theirs = Hello::new(&cfg(2048), &o, 1, alloc)
+    let theirs = Hello::new(&cfg(2048), &o, 1, alloc, here())
         .encode(&[0; 64])
         .unwrap();
     let (field, a, b, peer) = mismatch_field(run(theirs));
@@ -232,10 +252,12 @@ fn gpu_process_fabricated_peers_are_refused_before_mapping() {
     );
     // Another mode (fp8 with round_scale).
     let fp8 = Config::new(2, 8, 32, 1024, 4, Mode::FP8_ROUND).unwrap();
-    let theirs = Hello::new(&fp8, &o, 1, alloc).encode(&[0; 64]).unwrap();
+    let theirs = Hello::new(&fp8, &o, 1, alloc, here())
+        .encode(&[0; 64])
+        .unwrap();
     assert_eq!(mismatch_field(run(theirs)).0, "mode");
     // Same config, a smaller allocation than this rank's layout of it.
-    let theirs = Hello::new(&ours, &o, 1, alloc - 256)
+    let theirs = Hello::new(&ours, &o, 1, alloc - 256, here())
         .encode(&[0; 64])
         .unwrap();
     let (field, a, b, _) = mismatch_field(run(theirs));
@@ -287,7 +309,9 @@ fn gpu_nccl_init_with_a_peer_that_never_joins_times_out() {
     let ours = cfg(1024);
     let o = opts(Transport::Nccl);
     let alloc = bytes_per_rank_with(&ours, true).expect("layout of a valid config");
-    let theirs = Hello::new(&ours, &o, 1, alloc).encode(&[0; 64]).unwrap();
+    let theirs = Hello::new(&ours, &o, 1, alloc, here())
+        .encode(&[0; 64])
+        .unwrap();
     let mut ag =
         |b: &[u8]| -> Result<Vec<Vec<u8>>, String> { Ok(vec![b.to_vec(), theirs.clone()]) };
     let t0 = Instant::now();
@@ -348,4 +372,121 @@ fn gpu_nccl_peer_dead_after_init_call_and_drop_are_bounded() {
         Default::default(),
     );
     assert!(g.is_ok(), "{:?}", g.err());
+}
+
+/// One rank of the two-tier test (started by `spawn_local_with`, node and NCCL host id in its
+/// environment): 3 rounds bitwise against the oracle on every path the group supports, then 20
+/// timed calls per path (the buffers reused call after call), and one `TWO-TIER` line.
+fn two_tier_rank() -> i32 {
+    let o = MpOptions {
+        experts: 16,
+        tokens: 32,
+        hidden: 1024,
+        top_k: 4,
+        mode: Mode::FP8,
+        transport: Transport::TwoTier,
+        gpus: 2,
+        rounds: 3,
+        iters: 20,
+        seed: 11,
+        masked: 0.1,
+        timeout: Duration::from_secs(20),
+        die_rank: None,
+        stall_rank: None,
+    };
+    match run_rank(&o) {
+        Ok(rep) => {
+            let unsupported: Vec<&str> = rep.unsupported.iter().map(|(p, _)| *p).collect();
+            let timed: Vec<&str> = rep.timings.iter().map(|t| t.path).collect();
+            println!(
+                "TWO-TIER rank={} node={} ipc={:?} nccl={:?} checks={} unsupported={:?} timed={:?}",
+                rep.rank, rep.node, rep.ipc_peers, rep.nccl_peers, rep.checks, unsupported, timed
+            );
+            for (p, why) in &rep.unsupported {
+                println!("rank {}: {p} refused: {why}", rep.rank);
+            }
+            for t in &rep.timings {
+                println!(
+                    "rank {}: {} dispatch {:.1} us, combine {:.1} us (two processes share each GPU: time-sliced)",
+                    rep.rank, t.path, t.dispatch_us, t.combine_us
+                );
+            }
+            0
+        }
+        Err(f) => {
+            eprintln!("two-tier rank: {f}");
+            if f.caused_by_peer {
+                ep_launch::EXIT_PEER_FAILURE
+            } else {
+                1
+            }
+        }
+    }
+}
+
+/// 4 processes on 2 GPUs, node = rank / 2 (`EP_NODE_ID`, and `NCCL_HOSTID` per node so that NCCL
+/// takes the two ranks sharing a GPU for two hosts), GPU = rank % 2: inside a node the pair
+/// crosses the GPUs through CUDA IPC, across nodes NCCL (its network transport). Every rank
+/// checks its own outputs bit for bit against the oracle; this test checks that every rank
+/// did, with the expected peers on each tier, and that the batched path was checked and timed
+/// (the per-expert path either was too, or was refused as unsupported on every rank alike).
+fn gpu_two_tier_four_processes_on_two_emulated_nodes_match_the_oracle() {
+    let exe = std::env::current_exe().expect("test binary path");
+    let rank_env: Vec<Vec<(String, String)>> = (0..4)
+        .map(|r| emulation_env(r, 4, 2).expect("4 ranks on 2 nodes"))
+        .collect();
+    let opts = ep_launch::LaunchOptions {
+        rank_env,
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    let launch = ep_launch::spawn_local_with(
+        &opts,
+        4,
+        exe,
+        Vec::<String>::new(),
+        &[
+            (CHILD_ENV.to_string(), "two-tier".to_string()),
+            ("NCCL_NVLS_ENABLE".to_string(), "0".to_string()),
+        ],
+    )
+    .expect("start 4 ranks");
+    let report = launch
+        .wait(Duration::from_secs(180))
+        .unwrap_or_else(|e| panic!("the two-tier ranks failed: {e}"));
+    println!("4 ranks done in {:.1} s", t0.elapsed().as_secs_f64());
+    let mut per_expert = Vec::new();
+    for rank in 0..4 {
+        let line = report.output[rank]
+            .iter()
+            .find(|l| l.contains("TWO-TIER"))
+            .unwrap_or_else(|| panic!("rank {rank} printed no verdict: {:?}", report.output[rank]));
+        println!("{line}");
+        let node = rank / 2;
+        let (same, other) = if node == 0 {
+            (1 - rank, [2, 3])
+        } else {
+            (5 - rank, [0, 1])
+        };
+        assert!(
+            line.contains(&format!("rank={rank} node=EP_NODE_ID={node} ")),
+            "{line}"
+        );
+        assert!(
+            line.contains(&format!("ipc=[{same}] nccl={other:?}")),
+            "{line}"
+        );
+        assert!(
+            line.contains("timed=[") && line.contains("\"batched\"]"),
+            "{line}"
+        );
+        let refused = line.contains("unsupported=[\"per-expert\"]");
+        let checks = if refused { 2 * 3 } else { 2 * 2 * 3 };
+        assert!(line.contains(&format!("checks={checks} ")), "{line}");
+        per_expert.push(refused);
+    }
+    assert!(
+        per_expert.iter().all(|&r| r == per_expert[0]),
+        "the per-expert path was refused on some ranks only: {per_expert:?}"
+    );
 }

@@ -42,6 +42,10 @@ pub struct LaunchOptions {
     pub echo: bool,
     /// How many of each rank's last output lines to keep for the report.
     pub tail_lines: usize,
+    /// Variables for one rank each (entry i: rank i), set after `extra_env` (and after the
+    /// torchrun variables, so an entry may override `LOCAL_RANK` and the like). Ranks past the
+    /// end get none. E.g. `EP_NODE_ID` / `NCCL_HOSTID` to emulate several nodes on one machine.
+    pub rank_env: Vec<Vec<(String, String)>>,
 }
 
 impl Default for LaunchOptions {
@@ -52,6 +56,7 @@ impl Default for LaunchOptions {
             master_port: None,
             echo: true,
             tail_lines: 200,
+            rank_env: Vec::new(),
         }
     }
 }
@@ -273,9 +278,18 @@ where
             detail: "nprocs must be at least 1".into(),
         });
     }
+    if opts.rank_env.len() > nprocs {
+        return Err(LaunchError::InvalidRequest {
+            detail: format!(
+                "per-rank variables for {} ranks, and {nprocs} processes",
+                opts.rank_env.len()
+            ),
+        });
+    }
     if let Some((k, _)) = extra_env
         .iter()
-        .find(|(k, _)| k.is_empty() || k.contains('='))
+        .chain(opts.rank_env.iter().flatten())
+        .find(|(k, _)| k.is_empty() || k.contains('=') || k.contains('\0'))
     {
         return Err(LaunchError::InvalidRequest {
             detail: format!("bad environment variable name {k:?}"),
@@ -342,6 +356,13 @@ where
             .env_remove(env::EP_RDZV_LISTEN_FD)
             .env_remove(env::TORCHELASTIC_RUN_ID)
             .envs(extra_env.iter().map(|(k, v)| (k, v)))
+            .envs(
+                opts.rank_env
+                    .get(rank)
+                    .into_iter()
+                    .flatten()
+                    .map(|(k, v)| (k, v)),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -691,6 +712,58 @@ mod tests {
             assert_eq!(report.exits[rank].how, ExitHow::Code(0));
         }
         assert_eq!(prefix_line(2, "hi"), "[rank 2] hi\n");
+    }
+
+    #[test]
+    fn per_rank_variables_reach_their_rank_only_and_override() {
+        let script = "echo \"r=$RANK node=${EP_NODE_ID-unset} x=$EXTRA l=$LOCAL_RANK\"";
+        let opts = LaunchOptions {
+            rank_env: vec![
+                vec![("EP_NODE_ID".into(), "0".into())],
+                vec![
+                    ("EP_NODE_ID".into(), "1".into()),
+                    ("EXTRA".into(), "mine".into()),
+                    ("LOCAL_RANK".into(), "0".into()),
+                ],
+            ],
+            ..quiet()
+        };
+        let l = spawn_local_with(
+            &opts,
+            3,
+            "/bin/sh",
+            ["-c", script],
+            &[("EXTRA".into(), "all".into())],
+        )
+        .unwrap();
+        let report = l.wait(Duration::from_secs(20)).unwrap();
+        let want = [
+            "r=0 node=0 x=all l=0",
+            "r=1 node=1 x=mine l=0",
+            "r=2 node=unset x=all l=2",
+        ];
+        for (rank, w) in want.iter().enumerate() {
+            let w = w.to_string();
+            assert!(
+                report.output[rank].contains(&w),
+                "rank {rank}: {:?}",
+                report.output[rank]
+            );
+        }
+        // More entries than ranks, or a bad name in an entry: refused before anything starts.
+        for rank_env in [
+            vec![vec![]; 3],
+            vec![vec![], vec![("A=B".to_string(), "x".to_string())]],
+        ] {
+            let o = LaunchOptions {
+                rank_env,
+                ..quiet()
+            };
+            assert!(matches!(
+                spawn_local_with(&o, 2, "/bin/sh", ["-c", "exit 0"], &[]),
+                Err(LaunchError::InvalidRequest { .. })
+            ));
+        }
     }
 
     #[test]

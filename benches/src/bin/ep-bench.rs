@@ -27,6 +27,9 @@ enum BackendArg {
 enum TransportArg {
     Auto,
     Nccl,
+    /// CUDA IPC to the ranks of this node, NCCL to the others (node: EP_NODE_ID, GROUP_RANK or
+    /// the hostname).
+    TwoTier,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -125,6 +128,11 @@ struct Cli {
     /// send/recv everywhere, batched path only).
     #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
     transport: TransportArg,
+    /// Multi-process mode: emulate this many nodes on this machine (rank i on node i / (N /
+    /// nodes), GPU i % --gpus; EP_NODE_ID and NCCL_HOSTID set per rank), with the two-tier
+    /// transport (CUDA IPC inside a node, NCCL across) unless --transport nccl.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    nodes: u64,
     /// GPU backend: GPUs to spread the ranks over (1: all ranks as virtual ranks on one GPU).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     gpus: u64,
@@ -286,6 +294,7 @@ fn multiproc(cli: &Cli, mode: Mode) -> ExitCode {
         transport: match cli.transport {
             TransportArg::Auto => ep_kernels::Transport::Auto,
             TransportArg::Nccl => ep_kernels::Transport::Nccl,
+            TransportArg::TwoTier => ep_kernels::Transport::TwoTier,
         },
         gpus: cli.gpus as usize,
         rounds: 1,
@@ -367,6 +376,12 @@ fn refuse_in_multiproc(cli: &Cli, given: &Given<'_>, launched: bool) -> Result<(
                 .into(),
         );
     }
+    if launched && given.has("nodes") {
+        return Err(
+            "--nodes does not apply under an external launcher: set EP_NODE_ID (or torchrun's GROUP_RANK) per node and --transport two-tier"
+                .into(),
+        );
+    }
     if launched && given.has("nprocs") {
         return Err(
             "--nprocs does not apply under an external launcher (RANK and WORLD_SIZE are set): the launcher started the processes"
@@ -382,6 +397,12 @@ fn refuse_in_single(given: &Given<'_>, json: bool) -> Result<(), String> {
         return Err(format!(
             "{f} applies to multi-process mode only (--nprocs N with N > 1, or under torchrun); this run is one process: drop {f}, or add --nprocs"
         ));
+    }
+    if given.has("nodes") {
+        return Err(
+            "--nodes applies with --nprocs N (N > 1): it emulates nodes for the processes ep-bench starts, and this run is one process: drop --nodes, or add --nprocs"
+                .into(),
+        );
     }
     if let Some(f) = given.first(&["per_rank"]).filter(|_| json) {
         return Err(format!(
@@ -493,6 +514,10 @@ fn main() -> ExitCode {
         if let Err(e) = multiproc_config(&cli, mode, n, "--nprocs") {
             return fail(e, 2);
         }
+        let auto_given = given.has("transport") && cli.transport == TransportArg::Auto;
+        if let Err(e) = ep_benches::multiproc::check_nodes(n, cli.nodes as usize, auto_given) {
+            return fail(e, 2);
+        }
         // Say it before starting N processes that would each find no GPU.
         if let Err(why) = ep_benches::gpu::probe() {
             return fail(
@@ -504,8 +529,9 @@ fn main() -> ExitCode {
         }
         let args: Vec<String> = std::env::args().skip(1).collect();
         let launch_secs = cli.timeout_secs.min(MAX_TIMEOUT_SECS) * 4.0 + 120.0;
-        return ep_benches::multiproc::launch(
+        return ep_benches::multiproc::launch_nodes(
             n,
+            cli.nodes as usize,
             ep_benches::multiproc::child_args(&args),
             Duration::from_secs_f64(launch_secs),
         );

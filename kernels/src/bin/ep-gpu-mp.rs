@@ -12,8 +12,11 @@
 //! generate the same inputs from the seed and compare their own rank's outputs bit for bit), then
 //! times `--iters` back-to-back calls per path (host wall time per call, between two barriers).
 //!
-//! Options: --transport auto|nccl (auto: NVLink through CUDA IPC; nccl: NCCL everywhere),
-//! --gpus G, --t 128 --h 7168 --k 8 --e 256 --mode fp8|bf16, --rounds 2, --iters 200,
+//! Options: --transport auto|nccl|two-tier (auto: NVLink through CUDA IPC, one node; nccl: NCCL
+//! everywhere; two-tier: CUDA IPC to the ranks of this node, NCCL to the others, the node from
+//! `EP_NODE_ID`, else torchrun's `GROUP_RANK`, else the hostname), --gpus G, --nodes N (with
+//! --nprocs: emulate N nodes on this machine, rank i on node i / (nprocs / N) through `EP_NODE_ID`
+//! and `NCCL_HOSTID`; implies --transport two-tier unless --transport nccl is given), --t 128 --h 7168 --k 8 --e 256 --mode fp8|bf16, --rounds 2, --iters 200,
 //! --timeout-ms 10000, --die-rank R (rank R exits with code 3 in the middle of round 1, to
 //! check that the others fail with a clear error within the timeout), --stall-rank R (rank R
 //! stays alive but stops taking part: the others' bounded waits must name it).
@@ -67,6 +70,8 @@ fn main() -> ExitCode {
 
 fn parent(args: &Args) -> ExitCode {
     let n = args.num("--nprocs", 2);
+    let nodes = args.num("--nodes", 1);
+    let given_transport = args.all.iter().any(|a| a == "--transport");
     let mut child = Vec::new();
     let mut skip = false;
     for a in args.all.iter().skip(1) {
@@ -74,14 +79,39 @@ fn parent(args: &Args) -> ExitCode {
             skip = false;
             continue;
         }
-        if a == "--nprocs" {
+        if a == "--nprocs" || a == "--nodes" {
             skip = true;
             continue;
         }
         child.push(a.clone());
     }
+    let mut rank_env = Vec::new();
+    if nodes != 1 {
+        if args.get("--transport", "two-tier") == "auto" {
+            eprintln!(
+                "ep-gpu-mp: --nodes {nodes} emulates {nodes} nodes, and --transport auto reaches every peer through CUDA IPC (one node): use --transport two-tier or nccl"
+            );
+            return ExitCode::from(2);
+        }
+        if !given_transport {
+            child.extend(["--transport".to_string(), "two-tier".to_string()]);
+        }
+        for rank in 0..n {
+            match ep_kernels::topology::emulation_env(rank, n, nodes) {
+                Ok(v) => rank_env.push(v),
+                Err(e) => {
+                    eprintln!("ep-gpu-mp: --nodes: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+    }
     let exe = std::env::current_exe().expect("current_exe");
-    let launch = match ep_launch::spawn_local(n, exe, &child, &[]) {
+    let opts = ep_launch::LaunchOptions {
+        rank_env,
+        ..Default::default()
+    };
+    let launch = match ep_launch::spawn_local_with(&opts, n, exe, &child, &[]) {
         Ok(l) => l,
         Err(e) => {
             eprintln!("ep-gpu-mp: launch failed: {e}");
@@ -116,8 +146,15 @@ fn rank_main(args: &Args) -> Result<(), Fail> {
     let transport = match args.get("--transport", "auto").as_str() {
         "nccl" => Transport::Nccl,
         "auto" => Transport::Auto,
-        t => return Err((format!("--transport {t}: auto or nccl"), false)),
+        "two-tier" => Transport::TwoTier,
+        t => return Err((format!("--transport {t}: auto, nccl or two-tier"), false)),
     };
+    if args.all.iter().any(|a| a == "--nodes") {
+        return Err((
+            "--nodes applies with --nprocs (it emulates nodes on this machine); under a launcher set EP_NODE_ID or GROUP_RANK per node".into(),
+            false,
+        ));
+    }
     let flag = |name: &str| {
         args.all
             .iter()
@@ -153,9 +190,18 @@ fn rank_main(args: &Args) -> Result<(), Fail> {
         rep.transport
     );
     println!(
+        "rank {rank}: node {}, CUDA IPC to ranks {:?}, NCCL to ranks {:?}",
+        rep.node, rep.ipc_peers, rep.nccl_peers
+    );
+    println!(
         "rank {rank}: {} checks bit-identical to the oracle ({} rounds)",
         rep.checks, o.rounds
     );
+    for (path, why) in &rep.unsupported {
+        println!(
+            "rank {rank}: path={path} unsupported on this transport, not checked or timed: {why}"
+        );
+    }
     for t in &rep.timings {
         println!(
             "rank {rank}: BENCH transport={} path={} R={} gpus={} {}: dispatch {:.1} us/call, combine {:.1} us/call (host wall time, {} back-to-back calls)",

@@ -148,10 +148,13 @@ impl GpuGroup {
 
     /// Process mode: this process runs rank `rank` of `cfg.num_ranks` on GPU `ordinal`. Every
     /// rank allocates its buffers in one cuMemAlloc allocation; `all_gather` (e.g.
-    /// `ep_launch::Rendezvous::all_gather`) exchanges a blob per rank: the allocation's CUDA IPC
-    /// handle (Transport::Auto: every peer is reached through CUDA IPC and the NVLink kernels run
-    /// between processes exactly as between ranks of one process) and, from rank 0, the NCCL
-    /// unique id (Transport::Nccl: every peer, self included, through NCCL; no IPC).
+    /// `ep_launch::Rendezvous::all_gather`) exchanges a blob per rank: its handshake record
+    /// (with its node id, `crate::topology`), the allocation's CUDA IPC handle and, from rank 0,
+    /// the NCCL unique id. Transport::Auto: every peer is reached through CUDA IPC and the NVLink
+    /// kernels run between processes exactly as between ranks of one process (one node only).
+    /// Transport::Nccl: every peer, self included, through NCCL; no IPC. Transport::TwoTier: the
+    /// peers of this rank's node through CUDA IPC (only their handles are opened), the others
+    /// through NCCL ([`crate::topology::plan`]).
     /// All ranks must call it with the same config and options.
     pub fn new_process(
         cfg: &Config,
@@ -169,11 +172,16 @@ impl GpuGroup {
             )));
         }
         let nccl = opts.transport == Transport::Nccl;
+        // NCCL staging memory: whenever some peer may be reached through NCCL. Under TwoTier
+        // that is known after the exchange, and the allocation (whose size the handshake
+        // checks) comes before it: a two-tier rank always has the staging.
+        let staging = opts.transport != Transport::Auto;
+        let node = crate::topology::node_id()?;
         let mut dev = Dev::new(ordinal, rank, 1)?;
         let smem = smem_bytes(cfg);
         let bpr = opts.blocks_per_rank.unwrap_or(dev.sms).max(1);
         dev.check_residency(smem, 1, bpr)?;
-        let need = bytes_per_rank_with(cfg, nccl)?.saturating_add(1 << 20);
+        let need = bytes_per_rank_with(cfg, staging)?.saturating_add(1 << 20);
         let (free, _) = cuda("cuMemGetInfo", result::mem_get_info())?;
         if need > free {
             return Err(Error::OutOfMemory {
@@ -182,7 +190,7 @@ impl GpuGroup {
             }
             .into());
         }
-        let sizes = rank_sizes(cfg, nccl)?;
+        let sizes = rank_sizes(cfg, staging)?;
         let total = total_bytes(&sizes)?;
         let base = dev.alloc(total)?; // zeroed before its handle leaves this process
         let mut blob = vec![0u8; 64];
@@ -196,13 +204,21 @@ impl GpuGroup {
             for (d, &b) in blob.iter_mut().zip(h.reserved.iter()) {
                 *d = b as u8;
             }
-        } else if rank == 0 {
+        }
+        // Rank 0's NCCL unique id: always under Nccl; under TwoTier when libnccl is here (whether
+        // any rank needs it is known after the exchange; a missing id is reported then).
+        if rank == 0 && (nccl || (staging && crate::nccl::nccl_present())) {
             blob.extend(crate::nccl::unique_id()?);
         }
         // [issue 10 item 4] Versions, config, transport and allocation size travel with the
         // handle; every peer is checked before anything is mapped.
-        let hello = crate::handshake::Hello::new(cfg, &opts, rank, total);
-        let all = crate::handshake::exchange(all_gather, &hello, &blob)?;
+        let hello = crate::handshake::Hello::new(cfg, &opts, rank, total, node);
+        let recs = crate::handshake::exchange_records(all_gather, &hello, &blob)?;
+        let nodes: Vec<crate::topology::NodeId> =
+            recs.iter().map(|(h, _)| h.node.clone()).collect();
+        let all: Vec<Vec<u8>> = recs.into_iter().map(|(_, p)| p).collect();
+        // [issue 12 item 4] Which peers share this node (IPC) and which do not (NCCL).
+        let plan = crate::topology::plan(opts.transport, &nodes, rank)?;
         if all.len() != r || all.iter().any(|b| b.len() < 64) {
             return Err(GpuError::Process(format!(
                 "handle exchange returned {} blobs, want {r} of at least 64 bytes",
@@ -215,39 +231,46 @@ impl GpuGroup {
             ctx: Some(dev.ctx.clone()),
             ptrs: Vec::new(),
         };
-        let comms = if nccl {
-            // [issue 10 item 5] Non-blocking set-up, bounded by the group's timeout.
+        for &peer in &plan.ipc_peers {
+            let b = &all[peer];
+            let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+            for (d, &x) in h.reserved.iter_mut().zip(&b[..64]) {
+                *d = x as _;
+            }
+            let mut p: sys::CUdeviceptr = 0;
+            // SAFETY: `h` is the handle rank `peer` exported for its live allocation; the
+            // opened mapping is closed in Drop.
+            let rc = unsafe {
+                sys::cuIpcOpenMemHandle_v2(
+                    &mut p,
+                    h,
+                    sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                )
+            };
+            cuda(
+                &format!("cuIpcOpenMemHandle (rank {rank}, peer {peer})"),
+                rc.result(),
+            )?;
+            // The mapping must be at least as large as our layout of the peer's buffer (on
+            // failure check_mapping closes `p` itself; the guard closes the earlier ones).
+            crate::handshake::check_mapping(rank, peer, p, total)?;
+            ipc_opened.ptrs.push(p);
+            ptrs[peer] = carve_rank(p, &sizes);
+        }
+        let comms = if plan.uses_nccl() {
+            if all[0].len() < 64 + 128 {
+                return Err(GpuError::NoDevice(format!(
+                    "rank {rank}: ranks on {} nodes need NCCL between nodes, and rank 0 sent no \
+                     NCCL unique id (no libnccl there)",
+                    plan.nodes
+                )));
+            }
+            // [issue 10 item 5] Non-blocking set-up, bounded by the group's timeout. Every rank
+            // of the group joins the one communicator (NCCL rank = group rank); only the pairs
+            // in the mask ever connect (NCCL connects a pair on its first send/receive).
             let t = std::time::Duration::from_nanos(opts.timeout_ns);
             Some(crate::nccl::Comms::init_rank(r, rank, &all[0][64..], t)?)
         } else {
-            for (peer, b) in all.iter().enumerate() {
-                if peer == rank {
-                    continue;
-                }
-                let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
-                for (d, &x) in h.reserved.iter_mut().zip(&b[..64]) {
-                    *d = x as _;
-                }
-                let mut p: sys::CUdeviceptr = 0;
-                // SAFETY: `h` is the handle rank `peer` exported for its live allocation; the
-                // opened mapping is closed in Drop.
-                let rc = unsafe {
-                    sys::cuIpcOpenMemHandle_v2(
-                        &mut p,
-                        h,
-                        sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-                    )
-                };
-                cuda(
-                    &format!("cuIpcOpenMemHandle (rank {rank}, peer {peer})"),
-                    rc.result(),
-                )?;
-                // The mapping must be at least as large as our layout of the peer's buffer (on
-                // failure check_mapping closes `p` itself; the guard closes the earlier ones).
-                crate::handshake::check_mapping(rank, peer, p, total)?;
-                ipc_opened.ptrs.push(p);
-                ptrs[peer] = carve_rank(p, &sizes);
-            }
             None
         };
         upload_table(&mut dev, &ptrs)?;
@@ -265,13 +288,21 @@ impl GpuGroup {
             last_dispatch: None,
             calls: [0; 4],
             broken: None,
-            masks: vec![if nccl { all_peers(r) } else { 0 }],
+            masks: vec![plan.nccl_mask],
             comms,
             sels: vec![(vec![0; r], vec![0; r])],
             own: Some(rank),
             ipc_opened,
             last_op: None,
         })
+    }
+}
+
+impl GpuGroup {
+    /// Process mode: bit d set when this rank reaches peer d through NCCL (the rest through
+    /// CUDA IPC); in a single-process group, the first device's mask.
+    pub fn nccl_mask(&self) -> u32 {
+        self.masks.first().copied().unwrap_or(0)
     }
 }
 

@@ -69,6 +69,10 @@ pub enum Transport {
     /// NCCL for every peer, this rank itself included (one rank per GPU: NCCL refuses two ranks
     /// on one device). Batched path only; the per-expert path refuses it.
     Nccl,
+    /// Process mode across nodes: CUDA IPC (NVLink) to the peers of this rank's node, NCCL to
+    /// the others; the node of every rank comes from the handshake (`crate::topology`). On one
+    /// node (and in a single-process group) it is `Auto`.
+    TwoTier,
 }
 
 /// Process mode's exchange: every rank's blob, in rank order (e.g. `Rendezvous::all_gather`).
