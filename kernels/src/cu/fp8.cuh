@@ -67,7 +67,9 @@ struct Seg {
     u32 packed;       // ue8m0: the 4 exponent bytes of groups c0/128 .. c0/128+3
 };
 
-__device__ __forceinline__ Seg seg_load(const KParams& p, const u16* x, int c0) {
+// The raw load of a segment (no use of the values yet: the loads stay in flight, so a caller can
+// issue them early and quantize later with seg_quant).
+__device__ __forceinline__ Seg seg_fetch(const KParams& p, const u16* x, int c0) {
     const int lane = threadIdx.x & 31;
     Seg s;
     s.packed = 0u;
@@ -77,6 +79,10 @@ __device__ __forceinline__ Seg seg_load(const KParams& p, const u16* x, int c0) 
         s.v[i] = (c < p.H && (p.H & 7) == 0) ? *(const uint4*)(x + c) : make_uint4(0u, 0u, 0u, 0u);
         s.si[i] = 0.0f;
     }
+    return s;
+}
+// FP8 mode: quantizes a fetched segment in place (all 32 lanes); BF16: nothing to do.
+__device__ __forceinline__ void seg_quant(const KParams& p, Seg& s) {
     if (p.fp8) {
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -92,6 +98,10 @@ __device__ __forceinline__ Seg seg_load(const KParams& p, const u16* x, int c0) 
             s.packed = b00 | (b01 << 8) | (b10 << 16) | (b11 << 24);
         }
     }
+}
+__device__ __forceinline__ Seg seg_load(const KParams& p, const u16* x, int c0) {
+    Seg s = seg_fetch(p, x, c0);
+    seg_quant(p, s);
     return s;
 }
 
