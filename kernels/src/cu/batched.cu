@@ -62,6 +62,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     // stay in flight through the routing set-up (reads only: nothing is written before the checks).
     const int segs = (p.H + 511) / 512;
     const int u_first = bid * NWARPS + warp;
+    // One rank, whole call, no NCCL: the rank is its only destination and source, and its rows
+    // go straight to the canonical layout (below).
+    const bool direct = R == 1 && p.stage == 0 && p.nccl_mask == 0u;
     Seg pre = {};
     if (p.stage != 2 && u_first < n * segs) pre = seg_fetch(p, (const u16*)io.x + (u64)(u_first / segs) * p.H, (u_first % segs) * 512);
     // Routing, checked (topk_idx may come from the caller's device memory): an index outside
@@ -161,7 +164,57 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         for (int i = tid; i < n * K; i += NTHREADS) ((i64*)me.topk)[i] = (i64)sm.sk[i];
         if (tid == 0) ((int*)me.meta)[0] = n;
     }
-    if (p.stage != 2) {
+    if (direct) {
+        // ---- one rank: the canonical rows, straight from x (begin(l, 0) = 0: the row of (t, k)
+        // is its index within its expert); no batch, no signal, no expansion.
+        for (int u = u_first; u < n * segs; u += p.blocks_per_rank * NWARPS) {
+            const int t = u / segs, g = u % segs;
+            // this lane's slot (lanes < K): local expert and row, or -1
+            int my_row = -1;
+            if (lane < K) {
+                const int e = sm.sk[t * K + lane];
+                if (e >= 0) {
+                    const u32 word = (u32)sm.bm[e * W + (t >> 5)];
+                    my_row = e * T + sm.pw[e * W + (t >> 5)] + __popc(word & ((1u << (t & 31)) - 1u));
+                }
+            }
+            const u32 slots = __ballot_sync(0xffffffffu, my_row >= 0);
+            if (slots == 0u) continue;
+            const u16* xr = (const u16*)io.x + (u64)t * p.H;
+            Seg sg = u == u_first ? pre : seg_fetch(p, xr, g * 512);
+            seg_quant(p, sg);
+            for (u32 m = slots; m != 0u; m &= m - 1u) {
+                const u64 row = (u64)__shfl_sync(0xffffffffu, my_row, __ffs(m) - 1);
+                seg_store_xs(p, sg, xr, g * 512, (u8*)io.recv_x + row * p.xrow, (u8*)io.recv_scales + row * p.spr * 4);
+            }
+            if (g == 0 && lane < K) {
+                // (t, k)'s place among the rank's selections (token order, then k): comb_pos on
+                // the source side, comb_map on the owner's, the same place.
+                int pos = -1;
+                if (my_row >= 0) {
+                    pos = sm.selpos[t] + __popc(slots & ((1u << lane) - 1u));
+                    ((int*)io.src_info)[my_row] = t;
+                    ((int*)me.row_tk)[my_row] = t * K + lane;
+                    ((int*)me.comb_map)[pos] = my_row;
+                }
+                ((int*)me.comb_pos)[t * K + lane] = pos;
+            }
+        }
+        if (bid == 0) {
+            // The caller's outputs, and the group's copy combine reads (the handle).
+            for (int l = tid; l < L; l += NTHREADS) {
+                const int c = sm.pw[l * W + W - 1] + __popc((u32)sm.bm[l * W + W - 1]);
+                ((int*)io.recv_count)[l] = c;
+                ((int*)me.recv_count)[l] = c;
+                ((int*)io.layout)[l * 2] = 0;
+                ((int*)io.layout)[l * 2 + 1] = c;
+                ((int*)me.layout)[l * 2] = 0;
+                ((int*)me.layout)[l * 2 + 1] = c;
+            }
+            if (tid == 0) ((int*)me.comb_cnt)[0] = sm.tot[1];
+        }
+    }
+    if (p.stage != 2 && !direct) {
         // ---- send: units (token, 512-channel segment) over all warps of this rank
         for (int u = u_first; u < n * segs; u += p.blocks_per_rank * NWARPS) {
             const int t = u / segs, g = u % segs;
@@ -243,7 +296,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             }
         }
     }
-    if (p.stage != 1) {
+    if (p.stage != 1 && !direct) {
         // ---- receive: every source's batch, expanded in parallel into the canonical rows
         // (NCCL sources: the batch and its header arrived before this launch, in stream order)
         bad = 0;
