@@ -167,8 +167,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     if (direct) {
         // ---- one rank: the canonical rows, straight from x (begin(l, 0) = 0: the row of (t, k)
         // is its index within its expert); no batch, no signal, no expansion.
-        for (int u = u_first; u < n * segs; u += p.blocks_per_rank * NWARPS) {
+        const int stride = p.blocks_per_rank * NWARPS;
+        Seg nxt = pre;
+        for (int u = u_first; u < n * segs; u += stride) {
             const int t = u / segs, g = u % segs;
+            // This unit's x segment was fetched one step ahead; the next one's loads go out now,
+            // before this unit's stores.
+            Seg sg = nxt;
+            if (u + stride < n * segs) nxt = seg_fetch(p, (const u16*)io.x + (u64)((u + stride) / segs) * p.H, ((u + stride) % segs) * 512);
             // this lane's slot (lanes < K): local expert and row, or -1
             int my_row = -1;
             if (lane < K) {
@@ -181,7 +187,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             const u32 slots = __ballot_sync(0xffffffffu, my_row >= 0);
             if (slots == 0u) continue;
             const u16* xr = (const u16*)io.x + (u64)t * p.H;
-            Seg sg = u == u_first ? pre : seg_fetch(p, xr, g * 512);
             seg_quant(p, sg);
             for (u32 m = slots; m != 0u; m &= m - 1u) {
                 const u64 row = (u64)__shfl_sync(0xffffffffu, my_row, __ffs(m) - 1);
@@ -216,8 +221,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     }
     if (p.stage != 2 && !direct) {
         // ---- send: units (token, 512-channel segment) over all warps of this rank
-        for (int u = u_first; u < n * segs; u += p.blocks_per_rank * NWARPS) {
+        const int stride = p.blocks_per_rank * NWARPS;
+        Seg nxt = pre;
+        for (int u = u_first; u < n * segs; u += stride) {
             const int t = u / segs, g = u % segs;
+            // This unit's x segment was fetched one step ahead; the next one's loads go out now,
+            // before this unit's stores.
+            Seg sg = nxt;
+            if (u + stride < n * segs) nxt = seg_fetch(p, (const u16*)io.x + (u64)((u + stride) / segs) * p.H, ((u + stride) % segs) * 512);
             u32 mask = 0u;
             for (int k = 0; k < K; k++) {
                 const int dl = sm.sdl[t * K + k];
@@ -225,7 +236,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             }
             if (mask == 0u) continue;
             const u16* xr = (const u16*)io.x + (u64)t * p.H;
-            Seg sg = u == u_first ? pre : seg_fetch(p, xr, g * 512);
             seg_quant(p, sg);
             // this lane's slot (lanes < K): owner, local expert, index within the expert
             int my_dl = -1, my_idx = 0;
