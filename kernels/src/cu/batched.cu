@@ -18,10 +18,9 @@
 #define KIND KIND_BAT_DISPATCH
 // One received unit of the expansion: a 512-byte chunk of an entry's payload (c < Cx), or its
 // scales and indices (c == Cx), with the header fields this lane needs.
-// (The entry, source and chunk are recomputed from the unit number where used: fewer registers
-// per unit in flight.)
-#define XQ 6  // units in flight per warp
 struct XUnit {
+    const u8* h;  // the entry
+    int s, c;     // source rank, chunk
     u32 lx, ix;   // lanes < K: local expert of slot `lane` (or NO_LOCAL), index within (l, s)
     uint4 v;      // c < Cx: this lane's 16 payload bytes
 };
@@ -331,22 +330,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             for (int s = 0; s < R; s++) entries += sm.rcnt[s];
             const int units = entries * C;
             const int nw = p.blocks_per_rank * NWARPS;
-            // Units u0 + q*nw (q < XQ, so that every warp gets work): their loads are all issued
+            // Units u0 + q*nw (q < 4, so that every warp gets work): their loads are all issued
             // before any store.
-            // Unit u: chunk c of entry j of source s's batch.
-            auto locate = [&](int u, int& s, int& c) -> const u8* {
+            auto load_unit = [&](int u, XUnit& x) {
                 int j = u / C;
-                c = u % C;
-                s = 0;
+                const int c = u % C;
+                int s = 0;
                 while (j >= sm.rcnt[s]) {
                     j -= sm.rcnt[s];
                     s++;
                 }
-                return (const u8*)me.bat_buf + ((u64)s * T + j) * p.entry_bytes;
-            };
-            auto load_unit = [&](int u, XUnit& x) {
-                int s, c;
-                const u8* h = locate(u, s, c);
+                const u8* h = (const u8*)me.bat_buf + ((u64)s * T + j) * p.entry_bytes;
+                x.h = h;
+                x.s = s;
+                x.c = c;
                 x.lx = NO_LOCAL;
                 x.ix = 0;
                 if (lane < K) {
@@ -356,14 +353,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                 const int off = c * 512 + lane * 16;
                 if (c < Cx && off < p.xrow) x.v = *(const uint4*)(h + HDR_BYTES + off);
             };
-            auto store_unit = [&](int u, const XUnit& x) {
-                int s, c;
-                const u8* h = locate(u, s, c);
+            auto store_unit = [&](const XUnit& x) {
+                const u8* h = x.h;
+                const int s = x.s, c = x.c;
                 u32 lx = x.lx;
                 const u32 ix = x.ix;
                 // Peer-written header: a local expert below L and an index below the rows of
                 // (l, s), or the slot is skipped and the error reported. Checked here, where the
-                // header is used, so that the loads of all units stay in flight above.
+                // header is used, so that the loads of all four units stay in flight above.
                 if (lx != NO_LOCAL && (lx >= (u32)L || ix >= (u32)sm.cls[lx * R + s])) {
                     if (lx >= (u32)L) report_error(p.err, ERR_PEER_DATA, rank, s, PF_HDR_LOCAL, lx, 0u, L - 1);
                     else report_error(p.err, ERR_PEER_DATA, rank, s, PF_HDR_INDEX, ix, 0u, sm.cls[lx * R + s] - 1);
@@ -423,11 +420,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                     }
                 }
             };
-            // The first units' loads go out now, ahead of the row counts they need.
-            XUnit xq[XQ];
+            // The first four units' loads go out now, ahead of the row counts they need.
+            XUnit xq[4];
             int u0 = bid * NWARPS + warp;
 #pragma unroll
-            for (int q = 0; q < XQ; q++)
+            for (int q = 0; q < 4; q++)
                 if (u0 + q * nw < units) load_unit(u0 + q * nw, xq[q]);
             // Rows of each local expert from each source (peer-supplied: at most T each).
             for (int i = tid; i < L * R; i += NTHREADS) {
@@ -467,11 +464,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             __syncthreads();
             while (u0 < units) {
 #pragma unroll
-                for (int q = 0; q < XQ; q++)
-                    if (u0 + q * nw < units) store_unit(u0 + q * nw, xq[q]);
-                u0 += XQ * nw;
+                for (int q = 0; q < 4; q++)
+                    if (u0 + q * nw < units) store_unit(xq[q]);
+                u0 += 4 * nw;
 #pragma unroll
-                for (int q = 0; q < XQ; q++)
+                for (int q = 0; q < 4; q++)
                     if (u0 + q * nw < units) load_unit(u0 + q * nw, xq[q]);
             }
         }
