@@ -101,6 +101,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         }
     }
     __syncthreads();
+    PROF(6);  // routing loaded and counted
     // Repeats within a token (ERR_DUP_EXPERT), from shared memory: the rank stops before any write.
     for (int i = tid; i < n * K; i += NTHREADS) {
         const int e = sm.sk[i];
@@ -150,6 +151,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         // Bad routing (or token count) is caught here, before anything is written: the rank goes to
         // the end unsent, unsignalled; peers stop on this GPU's error flag, time out on others (loom: bad_input_*).
         const int in_bad = __syncthreads_or(bad) | s_bad;
+        PROF(7);  // routing checked, positions known
         // The previous call's batches must have been consumed before this call overwrites them.
         // loom: gpu_protocol::sender_wait_acks, model batched_consecutive_calls (ack0 was its first load).
         int wbad = 0;
@@ -205,6 +207,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                 ((int*)me.comb_pos)[t * K + lane] = pos;
             }
         }
+        PROF(2);  // this block's rows written (thread 0's warp)
         if (bid == 0) {
             // The caller's outputs, and the group's copy combine reads (the handle).
             for (int l = tid; l < L; l += NTHREADS) {
@@ -522,6 +525,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
     const bool acker = ackd >= 0 && ackd < R && p.stage != 2 && !via_nccl(p, ackd);
     u64 ack0 = 0;
     if (acker) ack0 = ld_acquire(p, sig_cb_ack(me, R) + ackd);
+    // The routing and the batch positions of this thread's first two selections: the group's own
+    // buffers (the handle), T*K entries each, so they are loaded before n is known (entries past
+    // n*K are never used).
+    const i64* topk = (const i64*)me.topk;
+    const int* cpos = (const int*)me.comb_pos;
+    const int TKi = T * K;
+    const i64 pv0 = tid < TKi ? topk[tid] : -1;
+    const int pp0 = tid < TKi ? cpos[tid] : -1;
+    const i64 pv1 = tid + NTHREADS < TKi ? topk[tid + NTHREADS] : -1;
+    const int pp1 = tid + NTHREADS < TKi ? cpos[tid + NTHREADS] : -1;
     __syncthreads();
     const IoPtrs& io = s_io;
     const u64 epoch = s_epoch;
@@ -533,8 +546,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
         // The routing of the dispatch (the handle, checked then) and the address of every
         // selection's row, in one pass: handle data of the dispatch, no wait needed. Two
         // selections per thread are loaded before either is used.
-        const i64* topk = (const i64*)me.topk;
-        const int* cpos = (const int*)me.comb_pos;
         const u8* cbuf = (const u8*)me.cmb_buf;
         const u64 TK = (u64)T * K;
         // comb_map row of a selection whose owner d is read in place (-1: not local, no load).
@@ -560,10 +571,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
         for (int i0 = tid; i0 < n * K; i0 += 2 * NTHREADS) {
             const int i1 = i0 + NTHREADS;
             const bool two = i1 < n * K;
-            const i64 v0 = topk[i0];
-            const int pos0 = cpos[i0];
-            const i64 v1 = two ? topk[i1] : -1;
-            const int pos1 = two ? cpos[i1] : -1;
+            const bool first = i0 == tid;
+            const i64 v0 = first ? pv0 : topk[i0];
+            const int pos0 = first ? pp0 : cpos[i0];
+            const i64 v1 = !two ? -1 : first ? pv1 : topk[i1];
+            const int pos1 = !two ? -1 : first ? pp1 : cpos[i1];
             const int m0 = map_row(v0, pos0);
             const int m1 = map_row(v1, pos1);
             route(i0, v0, pos0, m0);
