@@ -16,6 +16,14 @@
 // resident together and may wait for one another.
 
 #define KIND KIND_BAT_DISPATCH
+// One received unit of the expansion: a 512-byte chunk of an entry's payload (c < Cx), or its
+// scales and indices (c == Cx), with the header fields this lane needs.
+struct XUnit {
+    const u8* h;  // the entry
+    int s, c;     // source rank, chunk
+    u32 lx, ix;   // lanes < K: local expert of slot `lane` (or NO_LOCAL), index within (l, s)
+    uint4 v;      // c < Cx: this lane's 16 payload bytes
+};
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KParams p, IoTable iot) {
     extern __shared__ int smem_raw[];
     const RankPtrs* tab = (const RankPtrs*)p.table;
@@ -30,39 +38,82 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     __shared__ u64 s_epoch;
     __shared__ int s_n, s_bad;
     __shared__ IoPtrs s_io;
+    // Thread 32 + d waits for destination d's acknowledgement of the previous call (below); its
+    // first load is issued here, so that its latency overlaps the prologue and the routing loads.
+    const int ackd = tid - 32;
+    const bool acker = ackd >= 0 && ackd < R && p.stage != 2 && !via_nccl(p, ackd);
+    u64 ack0 = 0;
+    if (acker) ack0 = ld_acquire(p, sig_bat_ack(me, R) + ackd);
     if (tid == 0) {
         s_io = resolve_io(iot.r[rank - p.rank_base], me);
         s_epoch = ld_epoch(state, KIND) + 1ull;
         s_bad = 0;
         s_n = read_ntok(p, s_io, rank, &s_bad);
     }
+    // The per-token and per-expert tallies start at zero (their whole extent: n is not known yet).
+    for (int i = tid; i < E * W; i += NTHREADS) sm.bm[i] = 0;
+    for (int i = tid; i < T * R; i += NTHREADS) sm.tokpos[i] = 0;
     __syncthreads();
     const IoPtrs& io = s_io;
     const u64 epoch = s_epoch;
     const int n = s_n;
     PROF(0);
-    // Bad routing (or token count) is caught here, before anything is written: the rank goes to the
-    // end unsent, unsignalled; peers stop on this GPU's error flag, time out on others (loom: bad_input_*).
-    const int in_bad = load_topk(p, (const i64*)io.topk, n, sm.sk, sm.sdl, rank, true) | s_bad;
-    for (int i = tid; i < E * W; i += NTHREADS) sm.bm[i] = 0;
-    for (int i = tid; i < n * R; i += NTHREADS) sm.tokpos[i] = 0;
-    // The previous call's batches must have been consumed before this call overwrites them.
-    // loom: gpu_protocol::sender_wait_acks, model batched_consecutive_calls.
-    int bad = in_bad;
-    if (!in_bad && tid < R && p.stage != 2 && !via_nccl(p, tid))
-        bad = !wait_ack(p, sig_bat_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_DISPATCH_SEND);
-    __syncthreads();
-    // Per token: selections bound for each destination; per expert: bitmap of its tokens.
-    // (one thread per selection)
-    for (int i = tid; i < n * K; i += NTHREADS) {
-        const int dl = sm.sdl[i];
-        if (dl >= 0) {
-            const int t = i / K;
-            atomicAdd(&sm.tokpos[t * R + (dl >> 16)], 1);
-            atomicOr((u32*)&sm.bm[sm.sk[i] * W + (t >> 5)], 1u << (t & 31));
+    // This warp's first send unit (token, 512-channel segment): its x loads are issued now and
+    // stay in flight through the routing set-up (reads only: nothing is written before the checks).
+    const int segs = (p.H + 511) / 512;
+    const int u_first = bid * NWARPS + warp;
+    // One rank, whole call, no NCCL: the rank is its only destination and source, and its rows
+    // go straight to the canonical layout (below).
+    const bool direct = R == 1 && p.stage == 0 && p.nccl_mask == 0u;
+    Seg pre = {};
+    if (p.stage != 2 && u_first < n * segs) pre = seg_fetch(p, (const u16*)io.x + (u64)(u_first / segs) * p.H, (u_first % segs) * 512);
+    // Routing, checked (topk_idx may come from the caller's device memory): an index outside
+    // [-1, E) is reported (ERR_EXPERT_RANGE) and read as -1, so nothing indexes with it. Each
+    // selection also counts itself: per token, selections bound for each destination; per
+    // expert, the bitmap of its tokens. Two selections per thread are loaded before either is used.
+    int bad = 0;
+    {
+        const i64* topk = (const i64*)io.topk;
+        auto route = [&](int i, i64 v) {
+            int e = (int)v;
+            if (v < -1 || v >= (i64)E) {
+                report_error(p.err, ERR_EXPERT_RANGE, (u32)rank, (u32)(i / K), (u32)(i % K), (u32)(unsigned long long)v,
+                             (u32)((unsigned long long)v >> 32), (u32)E);
+                bad = 1;
+                e = -1;
+            }
+            sm.sk[i] = e;
+            int dl = -1;
+            if (e >= 0) {
+                const int t = i / K, d = e / L;
+                dl = (d << 16) | (e - d * L);
+                atomicAdd(&sm.tokpos[t * R + d], 1);
+                atomicOr((u32*)&sm.bm[e * W + (t >> 5)], 1u << (t & 31));
+            }
+            sm.sdl[i] = dl;
+        };
+        for (int i0 = tid; i0 < n * K; i0 += 2 * NTHREADS) {
+            const int i1 = i0 + NTHREADS;
+            const i64 v0 = topk[i0];
+            const i64 v1 = i1 < n * K ? topk[i1] : -1;
+            route(i0, v0);
+            if (i1 < n * K) route(i1, v1);
         }
     }
     __syncthreads();
+    PROF(6);  // routing loaded and counted
+    // Repeats within a token (ERR_DUP_EXPERT), from shared memory: the rank stops before any write.
+    for (int i = tid; i < n * K; i += NTHREADS) {
+        const int e = sm.sk[i];
+        if (e < 0) continue;
+        const int t = i / K, k = i % K;
+        for (int j = 0; j < k; j++)
+            if (sm.sk[t * K + j] == e) {
+                report_error(p.err, ERR_DUP_EXPERT, (u32)rank, (u32)t, (u32)k, (u32)e, 0u, (u32)j);
+                bad = 1;
+                break;
+            }
+    }
     // Per expert: selections before each bitmap word (the index of (t, k) within its expert).
     for (int e = tid; e < E; e += NTHREADS) {
         int run = 0;
@@ -96,18 +147,91 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             sm.tot[R + d] = base_sel;
         }
     }
-    if (__syncthreads_or(bad)) goto finish;
+    {
+        // Bad routing (or token count) is caught here, before anything is written: the rank goes to
+        // the end unsent, unsignalled; peers stop on this GPU's error flag, time out on others (loom: bad_input_*).
+        const int in_bad = __syncthreads_or(bad) | s_bad;
+        PROF(7);  // routing checked, positions known
+        // The previous call's batches must have been consumed before this call overwrites them.
+        // loom: gpu_protocol::sender_wait_acks, model batched_consecutive_calls (ack0 was its first load).
+        int wbad = 0;
+        if (!in_bad && acker && ack0 < epoch - 1ull)
+            wbad = !wait_ack(p, sig_bat_ack(me, R) + ackd, epoch - 1ull, epoch, rank, ackd, PH_DISPATCH_SEND);
+        if (__syncthreads_or(wbad) || in_bad) goto finish;
+    }
     PROF(1);
-    // The device API's routing and token count, kept for this call's combine (its handle).
+    // The device API's routing and token count, kept for this call's combine (its handle): sk
+    // holds the checked indices, equal to topk_idx's values.
     if (bid == 0 && io.topk != me.topk) {
-        for (int i = tid; i < n * K; i += NTHREADS) ((i64*)me.topk)[i] = ((const i64*)io.topk)[i];
+        for (int i = tid; i < n * K; i += NTHREADS) ((i64*)me.topk)[i] = (i64)sm.sk[i];
         if (tid == 0) ((int*)me.meta)[0] = n;
     }
-    if (p.stage != 2) {
-        // ---- send: units (token, 512-channel segment) over all warps of this rank
-        const int segs = (p.H + 511) / 512;
-        for (int u = bid * NWARPS + warp; u < n * segs; u += p.blocks_per_rank * NWARPS) {
+    if (direct) {
+        // ---- one rank: the canonical rows, straight from x (begin(l, 0) = 0: the row of (t, k)
+        // is its index within its expert); no batch, no signal, no expansion.
+        const int stride = p.blocks_per_rank * NWARPS;
+        Seg nxt = pre;
+        for (int u = u_first; u < n * segs; u += stride) {
             const int t = u / segs, g = u % segs;
+            // This unit's x segment was fetched one step ahead; the next one's loads go out now,
+            // before this unit's stores.
+            Seg sg = nxt;
+            if (u + stride < n * segs) nxt = seg_fetch(p, (const u16*)io.x + (u64)((u + stride) / segs) * p.H, ((u + stride) % segs) * 512);
+            // this lane's slot (lanes < K): local expert and row, or -1
+            int my_row = -1;
+            if (lane < K) {
+                const int e = sm.sk[t * K + lane];
+                if (e >= 0) {
+                    const u32 word = (u32)sm.bm[e * W + (t >> 5)];
+                    my_row = e * T + sm.pw[e * W + (t >> 5)] + __popc(word & ((1u << (t & 31)) - 1u));
+                }
+            }
+            const u32 slots = __ballot_sync(0xffffffffu, my_row >= 0);
+            if (slots == 0u) continue;
+            const u16* xr = (const u16*)io.x + (u64)t * p.H;
+            seg_quant(p, sg);
+            for (u32 m = slots; m != 0u; m &= m - 1u) {
+                const u64 row = (u64)__shfl_sync(0xffffffffu, my_row, __ffs(m) - 1);
+                seg_store_xs(p, sg, xr, g * 512, (u8*)io.recv_x + row * p.xrow, (u8*)io.recv_scales + row * p.spr * 4);
+            }
+            if (g == 0 && lane < K) {
+                // (t, k)'s place among the rank's selections (token order, then k): comb_pos on
+                // the source side, comb_map on the owner's, the same place.
+                int pos = -1;
+                if (my_row >= 0) {
+                    pos = sm.selpos[t] + __popc(slots & ((1u << lane) - 1u));
+                    ((int*)io.src_info)[my_row] = t;
+                    ((int*)me.row_tk)[my_row] = t * K + lane;
+                    ((int*)me.comb_map)[pos] = my_row;
+                }
+                ((int*)me.comb_pos)[t * K + lane] = pos;
+            }
+        }
+        PROF(2);  // this block's rows written (thread 0's warp)
+        if (bid == 0) {
+            // The caller's outputs, and the group's copy combine reads (the handle).
+            for (int l = tid; l < L; l += NTHREADS) {
+                const int c = sm.pw[l * W + W - 1] + __popc((u32)sm.bm[l * W + W - 1]);
+                ((int*)io.recv_count)[l] = c;
+                ((int*)me.recv_count)[l] = c;
+                ((int*)io.layout)[l * 2] = 0;
+                ((int*)io.layout)[l * 2 + 1] = c;
+                ((int*)me.layout)[l * 2] = 0;
+                ((int*)me.layout)[l * 2 + 1] = c;
+            }
+            if (tid == 0) ((int*)me.comb_cnt)[0] = sm.tot[1];
+        }
+    }
+    if (p.stage != 2 && !direct) {
+        // ---- send: units (token, 512-channel segment) over all warps of this rank
+        const int stride = p.blocks_per_rank * NWARPS;
+        Seg nxt = pre;
+        for (int u = u_first; u < n * segs; u += stride) {
+            const int t = u / segs, g = u % segs;
+            // This unit's x segment was fetched one step ahead; the next one's loads go out now,
+            // before this unit's stores.
+            Seg sg = nxt;
+            if (u + stride < n * segs) nxt = seg_fetch(p, (const u16*)io.x + (u64)((u + stride) / segs) * p.H, ((u + stride) % segs) * 512);
             u32 mask = 0u;
             for (int k = 0; k < K; k++) {
                 const int dl = sm.sdl[t * K + k];
@@ -115,7 +239,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             }
             if (mask == 0u) continue;
             const u16* xr = (const u16*)io.x + (u64)t * p.H;
-            Seg sg = seg_load(p, xr, g * 512);
+            seg_quant(p, sg);
             // this lane's slot (lanes < K): owner, local expert, index within the expert
             int my_dl = -1, my_idx = 0;
             if (g == 0 && lane < K) {
@@ -158,8 +282,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             }
         }
         // ---- one signal per (source, destination) once every block of this rank has sent;
-        // the last block also ships the per-expert row counts each destination needs.
-        // Every block ships its share of the per-expert row counts (all blocks hold them).
+        // Every block ships its share of the per-expert row counts each destination needs (all
+        // blocks hold them); block 0 the batch sizes.
         for (int i = bid * NTHREADS + tid; i < E; i += p.blocks_per_rank * NTHREADS) {
             const int d = i / L, l = i % L;
             int* cnt = via_nccl(p, d) ? (int*)me.snd_hdr + d * HDR_WORDS(L) + 2 : (int*)tab[d].bat_cnt + rank * L;
@@ -185,7 +309,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             }
         }
     }
-    if (p.stage != 1) {
+    if (p.stage != 1 && !direct) {
         // ---- receive: every source's batch, expanded in parallel into the canonical rows
         // (NCCL sources: the batch and its header arrived before this launch, in stream order)
         bad = 0;
@@ -199,96 +323,44 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         }
         if (__syncthreads_or(bad)) goto finish;
         PROF(3);
-        // begin(l, s) = rows of l from sources before s (canonical order)
-        // Rows of each local expert from each source (peer-supplied: at most T each).
-        for (int i = tid; i < L * R; i += NTHREADS) {
-            const int s = i % R, l = i / R;
-            const int c = via_nccl(p, s) ? ((const int*)me.rcv_hdr)[s * HDR_WORDS(L) + 2 + l] : ((const int*)me.bat_cnt)[s * L + l];
-            const bool b = peer_bad(p, rank, s, PF_EXPERT_ROWS, c, T);
-            bad |= b;
-            sm.cls[i] = b ? 0 : c;
-        }
-        if (tid == 0) {
-            int a = 0;
-            for (int s = 0; s < R; s++) {
-                sm.rcnt[32 + s] = a;
-                a += sm.rcnt[s];
-            }
-            sm.rcnt[32 + R] = a;
-        }
-        if (__syncthreads_or(bad)) goto finish;
-        for (int l = tid; l < L; l += NTHREADS) {
-            int b0 = 0;
-            for (int s = 0; s < R; s++) {
-                sm.beg[l * R + s] = b0;
-                b0 += sm.cls[l * R + s];
-            }
-            if (bid == 0) {
-                // The caller's outputs, and the group's copy combine reads (the handle).
-                ((int*)io.recv_count)[l] = b0;
-                ((int*)me.recv_count)[l] = b0;
-                for (int s = 0; s < R; s++) {
-                    ((int*)io.layout)[(l * R + s) * 2] = sm.beg[l * R + s];
-                    ((int*)io.layout)[(l * R + s) * 2 + 1] = sm.cls[l * R + s];
-                    ((int*)me.layout)[(l * R + s) * 2] = sm.beg[l * R + s];
-                    ((int*)me.layout)[(l * R + s) * 2 + 1] = sm.cls[l * R + s];
+        {
+            const u64 RT = (u64)R * T;
+            const int TK = T * K;
+            const bool vec = (p.xrow & 15) == 0;
+            const int Cx = vec ? (p.xrow + 511) / 512 : 0;  // 512-byte chunks of the row
+            const int C = Cx + 1;                            // + one unit for scales and indices
+            int entries = 0;
+            for (int s = 0; s < R; s++) entries += sm.rcnt[s];
+            const int units = entries * C;
+            const int nw = p.blocks_per_rank * NWARPS;
+            // Units u0 + q*nw (q < 4, so that every warp gets work): their loads are all issued
+            // before any store.
+            auto load_unit = [&](int u, XUnit& x) {
+                int j = u / C;
+                const int c = u % C;
+                int s = 0;
+                while (j >= sm.rcnt[s]) {
+                    j -= sm.rcnt[s];
+                    s++;
                 }
-            }
-        }
-        if (bid == 0 && tid < R) {
-            const int c = via_nccl(p, tid) ? ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L) + 1] : ((const int*)me.bat_meta)[2 * tid + 1];
-            ((int*)me.comb_cnt)[tid] = peer_bad(p, rank, tid, PF_SELECTIONS, c, T * K) ? 0 : c;
-        }
-        __syncthreads();
-        const u64 RT = (u64)R * T;
-        const u64 TK = (u64)T * K;
-        const bool vec = (p.xrow & 15) == 0;
-        const int Cx = vec ? (p.xrow + 511) / 512 : 0;  // 512-byte chunks of the row
-        const int C = Cx + 1;                            // + one unit for scales and indices
-        const int units = sm.rcnt[32 + R] * C;
-        // Four units in flight per warp (units gw, gw + NW, gw + 2NW, gw + 3NW, so that every
-        // warp gets work): all their loads are issued before any store.
-        const int nw = p.blocks_per_rank * NWARPS;
-        for (int u0 = bid * NWARPS + warp; u0 < units; u0 += 4 * nw) {
-            const u8* hq[4];
-            int sq[4], cq[4];
-            u32 lxq[4], ixq[4];
-            uint4 vq[4];
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const int u = u0 + q * nw;
-                hq[q] = 0;
-                sq[q] = 0;
-                cq[q] = 0;
-                lxq[q] = NO_LOCAL;
-                ixq[q] = 0;
-                if (u < units) {
-                    int j = u / C;
-                    const int c = u % C;
-                    int s = 0;
-                    while (j >= sm.rcnt[s]) {
-                        j -= sm.rcnt[s];
-                        s++;
-                    }
-                    const u8* h = (const u8*)me.bat_buf + ((u64)s * T + j) * p.entry_bytes;
-                    hq[q] = h;
-                    sq[q] = s;
-                    cq[q] = c;
-                    if (lane < K) {
-                        lxq[q] = ((const u16*)(h + 16))[lane];
-                        ixq[q] = ((const u16*)(h + 48))[lane];
-                    }
-                    const int off = c * 512 + lane * 16;
-                    if (c < Cx && off < p.xrow) vq[q] = *(const uint4*)(h + HDR_BYTES + off);
+                const u8* h = (const u8*)me.bat_buf + ((u64)s * T + j) * p.entry_bytes;
+                x.h = h;
+                x.s = s;
+                x.c = c;
+                x.lx = NO_LOCAL;
+                x.ix = 0;
+                if (lane < K) {
+                    x.lx = ((const u16*)(h + 16))[lane];
+                    x.ix = ((const u16*)(h + 48))[lane];
                 }
-            }
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                if (u0 + q * nw >= units) break;
-                const u8* h = hq[q];
-                const int s = sq[q], c = cq[q];
-                u32 lx = lxq[q];
-                const u32 ix = ixq[q];
+                const int off = c * 512 + lane * 16;
+                if (c < Cx && off < p.xrow) x.v = *(const uint4*)(h + HDR_BYTES + off);
+            };
+            auto store_unit = [&](const XUnit& x) {
+                const u8* h = x.h;
+                const int s = x.s, c = x.c;
+                u32 lx = x.lx;
+                const u32 ix = x.ix;
                 // Peer-written header: a local expert below L and an index below the rows of
                 // (l, s), or the slot is skipped and the error reported. Checked here, where the
                 // header is used, so that the loads of all four units stay in flight above.
@@ -305,34 +377,102 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                         const int l = __shfl_sync(0xffffffffu, (int)lx, k);
                         const int i = __shfl_sync(0xffffffffu, (int)ix, k);
                         const u64 row = (u64)l * RT + sm.beg[l * R + s] + i;
-                        if (off < p.xrow) *(uint4*)((u8*)io.recv_x + row * p.xrow + off) = vq[q];
+                        if (off < p.xrow) *(uint4*)((u8*)io.recv_x + row * p.xrow + off) = x.v;
                     }
-                } else {
-                    const int t = ((const int*)h)[0];
-                    const int sel = ((const int*)h)[1];
-                    // The selection offset indexes comb_map: bounded (t is only stored).
-                    if (slots != 0u && (sel < 0 || sel > (int)TK - __popc(slots))) {
-                        if (lane == 0) report_error(p.err, ERR_PEER_DATA, rank, s, PF_HDR_SEL, (u32)sel, 0u, (u32)TK - __popc(slots));
-                        continue;
-                    }
-                    for (u32 m = slots; m != 0u; m &= m - 1u) {
-                        const int k = __ffs(m) - 1;
-                        const int l = __shfl_sync(0xffffffffu, (int)lx, k);
-                        const int i = __shfl_sync(0xffffffffu, (int)ix, k);
-                        const u64 row = (u64)l * RT + sm.beg[l * R + s] + i;
-                        if (!vec) warp_copy((u8*)io.recv_x + row * p.xrow, h + HDR_BYTES, p.xrow);
-                        if (p.spr) {
-                            const u32* src = (const u32*)(h + HDR_BYTES + p.xrow);
-                            u32* dst = (u32*)io.recv_scales + row * p.spr;
+                    return;
+                }
+                const int t = ((const int*)h)[0];
+                const int sel = ((const int*)h)[1];
+                // The scales are loaded once (up to 128 words: 4 per lane) and stored to every
+                // slot's row; wider rows copy them word by word.
+                const u32* src = (const u32*)(h + HDR_BYTES + p.xrow);
+                const bool sreg = p.spr <= 128;
+                u32 sv[4];
+#pragma unroll
+                for (int z = 0; z < 4; z++) {
+                    const int w = z * 32 + lane;
+                    sv[z] = sreg && w < p.spr ? src[w] : 0u;
+                }
+                // The selection offset indexes comb_map: bounded (t is only stored).
+                if (slots != 0u && (sel < 0 || sel > TK - __popc(slots))) {
+                    if (lane == 0) report_error(p.err, ERR_PEER_DATA, rank, s, PF_HDR_SEL, (u32)sel, 0u, (u32)(TK - __popc(slots)));
+                    return;
+                }
+                for (u32 m = slots; m != 0u; m &= m - 1u) {
+                    const int k = __ffs(m) - 1;
+                    const int l = __shfl_sync(0xffffffffu, (int)lx, k);
+                    const int i = __shfl_sync(0xffffffffu, (int)ix, k);
+                    const u64 row = (u64)l * RT + sm.beg[l * R + s] + i;
+                    if (!vec) warp_copy((u8*)io.recv_x + row * p.xrow, h + HDR_BYTES, p.xrow);
+                    if (p.spr) {
+                        u32* dst = (u32*)io.recv_scales + row * p.spr;
+                        if (sreg) {
+#pragma unroll
+                            for (int z = 0; z < 4; z++) {
+                                const int w = z * 32 + lane;
+                                if (w < p.spr) dst[w] = sv[z];
+                            }
+                        } else {
                             for (int z = lane; z < p.spr; z += 32) dst[z] = src[z];
                         }
-                        if (lane == 0) {
-                            ((int*)io.src_info)[row] = t;
-                            ((int*)me.row_tk)[row] = t * K + k;
-                            ((int*)me.comb_map)[(u64)s * TK + sel + __popc(slots & ((1u << k) - 1u))] = (int)row;
-                        }
+                    }
+                    if (lane == 0) {
+                        ((int*)io.src_info)[row] = t;
+                        ((int*)me.row_tk)[row] = t * K + k;
+                        ((int*)me.comb_map)[(u64)s * TK + sel + __popc(slots & ((1u << k) - 1u))] = (int)row;
                     }
                 }
+            };
+            // The first four units' loads go out now, ahead of the row counts they need.
+            XUnit xq[4];
+            int u0 = bid * NWARPS + warp;
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                if (u0 + q * nw < units) load_unit(u0 + q * nw, xq[q]);
+            // Rows of each local expert from each source (peer-supplied: at most T each).
+            for (int i = tid; i < L * R; i += NTHREADS) {
+                const int s = i % R, l = i / R;
+                const int c = via_nccl(p, s) ? ((const int*)me.rcv_hdr)[s * HDR_WORDS(L) + 2 + l] : ((const int*)me.bat_cnt)[s * L + l];
+                const bool b = peer_bad(p, rank, s, PF_EXPERT_ROWS, c, T);
+                bad |= b;
+                sm.cls[i] = b ? 0 : c;
+            }
+            // Selections each source sent (rows combine sends back), block 0 only.
+            int cc = 0;
+            if (bid == 0 && tid < R) {
+                const int c = via_nccl(p, tid) ? ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L) + 1] : ((const int*)me.bat_meta)[2 * tid + 1];
+                cc = peer_bad(p, rank, tid, PF_SELECTIONS, c, T * K) ? 0 : c;
+            }
+            if (__syncthreads_or(bad)) goto finish;
+            if (bid == 0 && tid < R) ((int*)me.comb_cnt)[tid] = cc;
+            // begin(l, s) = rows of l from sources before s (canonical order)
+            for (int l = tid; l < L; l += NTHREADS) {
+                int b0 = 0;
+                for (int s = 0; s < R; s++) {
+                    sm.beg[l * R + s] = b0;
+                    b0 += sm.cls[l * R + s];
+                }
+                if (bid == 0) {
+                    // The caller's outputs, and the group's copy combine reads (the handle).
+                    ((int*)io.recv_count)[l] = b0;
+                    ((int*)me.recv_count)[l] = b0;
+                    for (int s = 0; s < R; s++) {
+                        ((int*)io.layout)[(l * R + s) * 2] = sm.beg[l * R + s];
+                        ((int*)io.layout)[(l * R + s) * 2 + 1] = sm.cls[l * R + s];
+                        ((int*)me.layout)[(l * R + s) * 2] = sm.beg[l * R + s];
+                        ((int*)me.layout)[(l * R + s) * 2 + 1] = sm.cls[l * R + s];
+                    }
+                }
+            }
+            __syncthreads();
+            while (u0 < units) {
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    if (u0 + q * nw < units) store_unit(xq[q]);
+                u0 += 4 * nw;
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    if (u0 + q * nw < units) load_unit(u0 + q * nw, xq[q]);
             }
         }
     }
@@ -379,39 +519,77 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
         const u64 y = iot.r[tid].y;
         s_y[tid] = y ? y : tab[p.rank_base + tid].y;
     }
+    // Thread 32 + s waits for source s's acknowledgement of the previous call; its first load is
+    // issued here, to overlap the prologue.
+    const int ackd = tid - 32;
+    const bool acker = ackd >= 0 && ackd < R && p.stage != 2 && !via_nccl(p, ackd);
+    u64 ack0 = 0;
+    if (acker) ack0 = ld_acquire(p, sig_cb_ack(me, R) + ackd);
+    // The routing and the batch positions of this thread's first two selections: the group's own
+    // buffers (the handle), T*K entries each, so they are loaded before n is known (entries past
+    // n*K are never used).
+    const i64* topk = (const i64*)me.topk;
+    const int* cpos = (const int*)me.comb_pos;
+    const int TKi = T * K;
+    const i64 pv0 = tid < TKi ? topk[tid] : -1;
+    const int pp0 = tid < TKi ? cpos[tid] : -1;
+    const i64 pv1 = tid + NTHREADS < TKi ? topk[tid + NTHREADS] : -1;
+    const int pp1 = tid + NTHREADS < TKi ? cpos[tid + NTHREADS] : -1;
     __syncthreads();
     const IoPtrs& io = s_io;
     const u64 epoch = s_epoch;
     PROF(0);
     const int n = s_n;
-    load_topk(p, (const i64*)me.topk, n, sm.sk, sm.sdl, rank, false);
+    // With zero_copy, sources on this GPU read the rows in place: only other GPUs get a put.
+    auto local = [&](int s) { return p.zero_copy && !via_nccl(p, s) && s >= p.rank_base && s < p.rank_base + p.ranks_here; };
+    {
+        // The routing of the dispatch (the handle, checked then) and the address of every
+        // selection's row, in one pass: handle data of the dispatch, no wait needed. Two
+        // selections per thread are loaded before either is used.
+        const u8* cbuf = (const u8*)me.cmb_buf;
+        const u64 TK = (u64)T * K;
+        // comb_map row of a selection whose owner d is read in place (-1: not local, no load).
+        auto map_row = [&](i64 v, int pos) -> int {
+            const int e = (int)v;
+            if (e < 0) return -1;
+            const int d = e / p.L;
+            return local(d) ? ((const int*)tab[d].comb_map)[(u64)rank * TK + pos] : -1;
+        };
+        auto route = [&](int i, i64 v, int pos, int mrow) {
+            const int e = (int)v;
+            int dl = -1;
+            u64 a = 0;
+            if (e >= 0) {
+                const int d = e / p.L;
+                dl = (d << 16) | (e - d * p.L);
+                a = local(d) ? (u64)((const u8*)s_y[d - p.rank_base] + (u64)mrow * rowb) : (u64)(cbuf + ((u64)d * TK + (u64)pos) * rowb);
+            }
+            sm.sk[i] = e;
+            sm.sdl[i] = dl;
+            sm.rowp[i] = a;
+        };
+        for (int i0 = tid; i0 < n * K; i0 += 2 * NTHREADS) {
+            const int i1 = i0 + NTHREADS;
+            const bool two = i1 < n * K;
+            const bool first = i0 == tid;
+            const i64 v0 = first ? pv0 : topk[i0];
+            const int pos0 = first ? pp0 : cpos[i0];
+            const i64 v1 = !two ? -1 : first ? pv1 : topk[i1];
+            const int pos1 = !two ? -1 : first ? pp1 : cpos[i1];
+            const int m0 = map_row(v0, pos0);
+            const int m1 = map_row(v1, pos1);
+            route(i0, v0, pos0, m0);
+            if (two) route(i1, v1, pos1, m1);
+        }
+    }
     if (tid < R) sm.tot[tid] = ((const int*)me.comb_cnt)[tid];
     int bad = 0;
-    if (tid < R && p.stage != 2 && !via_nccl(p, tid))
+    if (acker && ack0 < epoch - 1ull)
         // loom: not modelled itself; the same wait_ack as batched dispatch (model batched_consecutive_calls).
-        bad = !wait_ack(p, sig_cb_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_COMBINE_SEND);
+        bad = !wait_ack(p, sig_cb_ack(me, R) + ackd, epoch - 1ull, epoch, rank, ackd, PH_COMBINE_SEND);
     if (__syncthreads_or(bad)) goto finish;
     PROF(1);
     {
-        // With zero_copy, sources on this GPU read the rows in place: only other GPUs get a put.
-        auto local = [&](int s) { return p.zero_copy && !via_nccl(p, s) && s >= p.rank_base && s < p.rank_base + p.ranks_here; };
-        // The address of every selection's row (handle data of the dispatch: no wait needed).
-        {
-            const int* cpos = (const int*)me.comb_pos;
-            const u8* cbuf = (const u8*)me.cmb_buf;
-            const u64 TK = (u64)T * K;
-            for (int i = tid; i < n * K; i += NTHREADS) {
-                const int dl = sm.sdl[i];
-                u64 a = 0;
-                if (dl >= 0) {
-                    const int d = dl >> 16;
-                    const int pos = cpos[i];
-                    a = local(d) ? (u64)((const u8*)s_y[d - p.rank_base] + (u64)((const int*)tab[d].comb_map)[(u64)rank * TK + pos] * rowb)
-                                 : (u64)(cbuf + ((u64)d * TK + (u64)pos) * rowb);
-                }
-                sm.rowp[i] = a;
-            }
-        }
         // Every rank on this GPU and zero_copy: every row is read in place, and every row and
         // handle was complete when this launch started, so no put and no signal is needed.
         const bool all_local = p.zero_copy && p.ranks_here == R && p.nccl_mask == 0u;

@@ -414,40 +414,47 @@ __device__ __forceinline__ bool last_block_out(const KParams& p, u32* state, int
 // The combine reduction of docs/contract.md for the tokens of one rank: for each token t and channel h,
 // acc = 0; for k ascending over valid slots: acc = fmaf(w[t][k], float(y_row(t,k)[h]), acc);
 // out = bf16_rne(acc). `rowbase[k]` is computed by the caller's functor ROW(t, k) -> row pointer.
-// Units are (token, 256-channel chunk), spread over every warp of the rank's blocks.
-template <typename RowFn>
-__device__ __forceinline__ void reduce_tokens(const KParams& p, const IoPtrs& io, int n, const int* sk, int bid, RowFn row_of) {
+// Units are (token, NC*256-channel span), spread over every warp of the rank's blocks; each lane
+// holds NC 8-channel chunks of up to KM slots, all loaded before the first multiply-add.
+template <int NC, int KM, typename RowFn>
+__device__ __forceinline__ void reduce_spans(const KParams& p, const IoPtrs& io, int n, const int* sk, int bid, RowFn row_of) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int H = p.H, K = p.K;
     const float* wts = (const float*)io.weights;
     u16* out = (u16*)io.out;
-    if ((H & 7) == 0) {
-        const int chunks = (H + 255) / 256;
-        for (int u = bid * NWARPS + warp; u < n * chunks; u += p.blocks_per_rank * NWARPS) {
-            const int t = u / chunks;
-            const int c = (u % chunks) * 256 + lane * 8;
-            if (c >= H) continue;
-            uint4 yv[MAX_K];
-            float w[MAX_K];
+    const int span = NC * 256;
+    const int chunks = (H + span - 1) / span;
+    for (int u = bid * NWARPS + warp; u < n * chunks; u += p.blocks_per_rank * NWARPS) {
+        const int t = u / chunks;
+        const int c0 = (u % chunks) * span + lane * 8;
+        uint4 yv[NC][KM];
+        float w[KM];
 #pragma unroll
-            for (int k = 0; k < MAX_K; k++) {
-                w[k] = 0.0f;
-                if (k < K && sk[t * K + k] >= 0) {
-                    w[k] = wts[t * K + k];
-                    yv[k] = *(const uint4*)(row_of(t, k) + 2 * c);
-                }
+        for (int k = 0; k < KM; k++) {
+            w[k] = 0.0f;
+            if (k < K && sk[t * K + k] >= 0) {
+                w[k] = wts[t * K + k];
+                const u8* r = row_of(t, k);
+#pragma unroll
+                for (int j = 0; j < NC; j++)
+                    if (c0 + j * 256 < H) yv[j][k] = *(const uint4*)(r + 2 * (c0 + j * 256));
             }
+        }
+#pragma unroll
+        for (int j = 0; j < NC; j++) {
+            const int c = c0 + j * 256;
+            if (c >= H) continue;
             float acc[8];
 #pragma unroll
-            for (int j = 0; j < 8; j++) acc[j] = 0.0f;
+            for (int i = 0; i < 8; i++) acc[i] = 0.0f;
 #pragma unroll
-            for (int k = 0; k < MAX_K; k++) {
+            for (int k = 0; k < KM; k++) {
                 if (k < K && sk[t * K + k] >= 0) {
-                    const u32 yw[4] = {yv[k].x, yv[k].y, yv[k].z, yv[k].w};
+                    const u32 yw[4] = {yv[j][k].x, yv[j][k].y, yv[j][k].z, yv[j][k].w};
 #pragma unroll
-                    for (int j = 0; j < 4; j++) {
-                        acc[2 * j] = fmaf(w[k], __uint_as_float(yw[j] << 16), acc[2 * j]);
-                        acc[2 * j + 1] = fmaf(w[k], __uint_as_float(yw[j] & 0xFFFF0000u), acc[2 * j + 1]);
+                    for (int i = 0; i < 4; i++) {
+                        acc[2 * i] = fmaf(w[k], __uint_as_float(yw[i] << 16), acc[2 * i]);
+                        acc[2 * i + 1] = fmaf(w[k], __uint_as_float(yw[i] & 0xFFFF0000u), acc[2 * i + 1]);
                     }
                 }
             }
@@ -458,6 +465,18 @@ __device__ __forceinline__ void reduce_tokens(const KParams& p, const IoPtrs& io
             o.w = (u32)f32_to_bf16_rne(acc[6]) | ((u32)f32_to_bf16_rne(acc[7]) << 16);
             *(uint4*)(out + (u64)t * H + c) = o;
         }
+    }
+}
+template <typename RowFn>
+__device__ __forceinline__ void reduce_tokens(const KParams& p, const IoPtrs& io, int n, const int* sk, int bid, RowFn row_of) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int H = p.H, K = p.K;
+    const float* wts = (const float*)io.weights;
+    u16* out = (u16*)io.out;
+    if ((H & 7) == 0) {
+        // Up to 8 slots: 512-channel spans (16 loads in flight per lane); else 256 channels.
+        if (K <= 8) reduce_spans<2, 8>(p, io, n, sk, bid, row_of);
+        else reduce_spans<1, MAX_K>(p, io, n, sk, bid, row_of);
     } else {
         const int chunks = (H + 31) / 32;
         for (int u = bid * NWARPS + warp; u < n * chunks; u += p.blocks_per_rank * NWARPS) {

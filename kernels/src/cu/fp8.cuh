@@ -67,7 +67,9 @@ struct Seg {
     u32 packed;       // ue8m0: the 4 exponent bytes of groups c0/128 .. c0/128+3
 };
 
-__device__ __forceinline__ Seg seg_load(const KParams& p, const u16* x, int c0) {
+// The raw load of a segment (no use of the values yet: the loads stay in flight, so a caller can
+// issue them early and quantize later with seg_quant).
+__device__ __forceinline__ Seg seg_fetch(const KParams& p, const u16* x, int c0) {
     const int lane = threadIdx.x & 31;
     Seg s;
     s.packed = 0u;
@@ -77,6 +79,10 @@ __device__ __forceinline__ Seg seg_load(const KParams& p, const u16* x, int c0) 
         s.v[i] = (c < p.H && (p.H & 7) == 0) ? *(const uint4*)(x + c) : make_uint4(0u, 0u, 0u, 0u);
         s.si[i] = 0.0f;
     }
+    return s;
+}
+// FP8 mode: quantizes a fetched segment in place (all 32 lanes); BF16: nothing to do.
+__device__ __forceinline__ void seg_quant(const KParams& p, Seg& s) {
     if (p.fp8) {
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -92,12 +98,17 @@ __device__ __forceinline__ Seg seg_load(const KParams& p, const u16* x, int c0) 
             s.packed = b00 | (b01 << 8) | (b10 << 16) | (b11 << 24);
         }
     }
+}
+__device__ __forceinline__ Seg seg_load(const KParams& p, const u16* x, int c0) {
+    Seg s = seg_fetch(p, x, c0);
+    seg_quant(p, s);
     return s;
 }
 
-// Stores a loaded segment into the payload at dst (row bytes, then scales at dst + xrow).
+// Stores a loaded segment: the row's bytes at dst, its scales at dsts (the payload layout puts
+// them at dst + xrow; the canonical layout in recv_scales).
 // BF16 rows whose H is not a multiple of 8 are copied from x two bytes at a time.
-__device__ __forceinline__ void seg_store(const KParams& p, const Seg& s, const u16* x, int c0, u8* dst) {
+__device__ __forceinline__ void seg_store_xs(const KParams& p, const Seg& s, const u16* x, int c0, u8* dst, u8* dsts) {
     const int lane = threadIdx.x & 31;
     const int H = p.H;
     if (!p.fp8) {
@@ -117,8 +128,12 @@ __device__ __forceinline__ void seg_store(const KParams& p, const Seg& s, const 
         int c = c0 + i * 256 + lane * 8;
         if (c < H) {
             *(uint2*)(dst + c) = make_uint2(s.v[i].x, s.v[i].y);
-            if (!p.ue8m0 && (lane & 15) == 0) *(float*)(dst + p.xrow + (c >> 7) * 4) = s.si[i];
+            if (!p.ue8m0 && (lane & 15) == 0) *(float*)(dsts + (c >> 7) * 4) = s.si[i];
         }
     }
-    if (p.ue8m0 && lane == 0) *(u32*)(dst + p.xrow + (c0 >> 9) * 4) = s.packed;
+    if (p.ue8m0 && lane == 0) *(u32*)(dsts + (c0 >> 9) * 4) = s.packed;
+}
+// Stores a loaded segment into the payload at dst (row bytes, then scales at dst + xrow).
+__device__ __forceinline__ void seg_store(const KParams& p, const Seg& s, const u16* x, int c0, u8* dst) {
+    seg_store_xs(p, s, x, c0, dst, dst + p.xrow);
 }

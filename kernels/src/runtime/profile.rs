@@ -4,11 +4,19 @@ use super::*;
 
 impl GpuGroup {
     /// One call of (op, path) with `%globaltimer` stamps: for every block of device 0, the
-    /// stamps of phases 0..8 (0 where a phase was not reached), in ns. Debugging aid.
+    /// stamps of phases 0..8 (0 where a phase was not reached in this call), in ns. Debugging
+    /// aid. Batched dispatch: p0 start, p6 routing loaded, p7 routing checked, p1 set-up done,
+    /// p2 sent (one rank: rows written), p3 signals in, p4 expanded, p5 out.
     pub fn profile(&mut self, op: Op, path: Path) -> Result<Vec<[u64; 8]>, GpuError> {
         let grid = self.devs[0].ranks * self.blocks_per_rank;
         self.devs[0].bind()?;
         let buf = self.devs[0].scratch(0, grid * 64)?;
+        // Stamps of an earlier profile must not pass for phases this call did not reach: cleared
+        // on the stream the profiled launch follows on.
+        // SAFETY: `buf` holds grid*64 bytes on the bound context; `stream` belongs to it.
+        cuda("clear profile", unsafe {
+            result::memset_d8_async(buf, 0, grid * 64, self.devs[0].stream)
+        })?;
         self.params.prof = buf;
         let r = self.launch(op, path).and_then(|_| self.sync());
         self.params.prof = 0;
