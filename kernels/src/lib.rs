@@ -95,8 +95,8 @@ pub mod testing;
 /// The cudarc this crate is built on (its `CudaStream`, `CudaView`, ... are the device API's types).
 pub use cudarc;
 pub use runtime::{
-    CombineIn, DeviceDispatchOut, DeviceHandle, DispatchIn, GpuGroup, GpuOptions, Path, RankEp,
-    Tokens, Transport,
+    CombineIn, DeviceDispatchOut, DeviceHandle, DispatchIn, GpuGroup, GpuOptions, NcclSizes, Path,
+    RankEp, Tokens, Transport,
 };
 
 /// Errors of the GPU backend.

@@ -20,20 +20,11 @@ impl GpuGroup {
             self.check_combine_path(path)?;
         }
         let nccl = self.comms.is_some();
-        if nccl && what.is_some() && path == Path::PerExpert {
-            return Err(GpuError::Unsupported(
-                "the per-expert path runs over NVLink only; NCCL peers need the batched path"
-                    .into(),
-            ));
-        }
         if nccl && what.is_some() {
             // NCCL transport: pack kernel, grouped send/recv, unpack kernel.
-            self.launch_stage(op, path, 1)?;
-            match op {
-                Op::Dispatch => self.nccl_dispatch_exchange()?,
-                Op::Combine => self.nccl_combine_exchange()?,
-            }
-            self.launch_stage(op, path, 2)?;
+            let streams = self.streams_raw();
+            let io = vec![IoTable::default(); self.devs.len()];
+            self.nccl_call(op, path, &streams, &io, 0)?;
         } else {
             self.launch_stage(op, path, if what.is_none() { -1 } else { 0 })?;
         }
@@ -135,18 +126,94 @@ impl GpuGroup {
         self.devs.iter().map(|d| d.stream).collect()
     }
 
-    /// Dispatch over NCCL, after the pack kernel: the headers (tokens, selections, rows per
-    /// local expert) of every (me, peer) pair, read back to size the payload, then the batches
-    /// themselves into each peer's receive region for me, exactly where NVLink would put them.
-    pub(crate) fn nccl_dispatch_exchange(&mut self) -> Result<(), GpuError> {
+    /// Refuses what the NCCL sizing mode cannot do on `path`.
+    pub(crate) fn check_nccl_mode(&self, path: Path) -> Result<(), GpuError> {
+        if self.nx.sizes == NcclSizes::Capacity && path == Path::PerExpert {
+            let c = &self.cfg;
+            return Err(GpuError::Unsupported(format!(
+                "the per-expert path over NCCL needs exact sizes (NcclSizes::Exact): with a fixed \
+                 capacity each of its L = {} messages per peer would carry T = {} entries, \
+                 L*T = {} entries per peer instead of at most T*K = {}",
+                c.num_local_experts(),
+                c.max_tokens_per_rank,
+                c.num_local_experts().saturating_mul(c.max_tokens_per_rank),
+                c.max_tokens_per_rank.saturating_mul(c.top_k)
+            )));
+        }
+        Ok(())
+    }
+
+    /// One call (or half of one) over NCCL on `streams` with the tensors `io`: `part` 0 the
+    /// whole call, 1 pack + exchange (the send hook), 2 unpack (the receive hook).
+    pub(crate) fn nccl_call(
+        &mut self,
+        op: Op,
+        path: Path,
+        streams: &[sys::CUstream],
+        io: &[IoTable],
+        part: i32,
+    ) -> Result<(), GpuError> {
+        self.check_nccl_mode(path)?;
+        if part != 2 {
+            if op == Op::Dispatch && self.nx.sizes == NcclSizes::Capacity {
+                self.poison_send_headers(streams)?;
+            }
+            self.launch_stage_on(op, path, 1, streams, io)?;
+            match op {
+                Op::Dispatch => self.nccl_dispatch_exchange(path, streams)?,
+                Op::Combine => self.nccl_combine_exchange(path, streams)?,
+            }
+        }
+        if part != 1 {
+            self.launch_stage_on(op, path, 2, streams, io)?;
+        }
+        Ok(())
+    }
+
+    /// Capacity mode has no host look at the headers before they travel: a rank whose pack
+    /// stage stops on bad input writes none, and an earlier call's (valid-looking) header would
+    /// go out. So every send header is first set to -1 in stream order; the pack stage
+    /// overwrites it when it succeeds, and a peer's unpack rejects -1 tokens on the device
+    /// (ERR_PEER_DATA, `PF_BATCH_TOKENS`), bounded, with no host involved.
+    fn poison_send_headers(&self, streams: &[sys::CUstream]) -> Result<(), GpuError> {
+        let words = prod(
+            "the send headers",
+            &[self.cfg.num_ranks, 2 + self.cfg.num_local_experts()],
+        )?;
+        for (di, dev) in self.devs.iter().enumerate() {
+            let r = dev.first_rank;
+            dev.bind()?;
+            // SAFETY: snd_hdr holds R*(2+L) i32 of this rank on the bound context; the stream
+            // belongs to it (checked by the caller).
+            cuda("poison the send headers", unsafe {
+                sys::cuMemsetD32Async(self.ptrs[r].snd_hdr, u32::MAX, words, streams[di]).result()
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Dispatch over NCCL, after the pack kernel. Capacity: the headers (tokens, selections,
+    /// rows per local expert) and the full T-entry batch of every (me, peer) pair in one group.
+    /// Exact: the headers, read back to size the payload, then the batches (batched: one per
+    /// peer; per-expert: one per (peer, local expert) with rows) into each peer's receive
+    /// region for me, exactly where NVLink would put them.
+    pub(crate) fn nccl_dispatch_exchange(
+        &mut self,
+        path: Path,
+        streams: &[sys::CUstream],
+    ) -> Result<(), GpuError> {
         let (l, t) = (self.cfg.num_local_experts(), self.cfg.max_tokens_per_rank);
         let k = self.cfg.top_k;
-        let hb = (2 + l) * 4;
+        let r_all = self.cfg.num_ranks;
+        let hw = 2 + l;
+        let hb = hw * 4;
         let eb = self.params.entry_bytes as usize;
+        let peb = self.params.pe_entry_bytes as usize;
+        let capacity = self.nx.sizes == NcclSizes::Capacity;
         let mut ops = Vec::new();
         for di in 0..self.devs.len() {
-            let (r, peers) = self.nccl_peers(di);
-            let p = self.ptrs[r];
+            let (_, peers) = self.nccl_peers(di);
+            let p = self.ptrs[self.devs[di].first_rank];
             let mut v = Vec::new();
             for &d in &peers {
                 v.push(crate::nccl::P2p::Send {
@@ -159,12 +226,30 @@ impl GpuGroup {
                     bytes: hb,
                     peer: d,
                 });
+                if capacity {
+                    // Batched only (check_nccl_mode): the whole region, T entries.
+                    let region = prod("a batch region", &[d, t, eb])? as u64;
+                    let bytes = prod("a capacity batch", &[t, eb])?;
+                    v.push(crate::nccl::P2p::Send {
+                        buf: p.snd_buf + region,
+                        bytes,
+                        peer: d,
+                    });
+                    v.push(crate::nccl::P2p::Recv {
+                        buf: p.bat_buf + region,
+                        bytes,
+                        peer: d,
+                    });
+                }
             }
             ops.push(v);
         }
-        self.nccl_group(&ops)?;
-        let call = self.calls[kind(Op::Dispatch, Path::Batched)] + 1;
-        self.wait_streams(Op::Dispatch, call)?;
+        self.nccl_group_on(&ops, streams)?;
+        if capacity {
+            return Ok(());
+        }
+        let call = self.calls[kind(Op::Dispatch, path)] + 1;
+        self.wait_streams_on(streams, Op::Dispatch, call)?;
         // A rank whose pack stage found bad input skipped writing its headers and batches: what
         // sits in them is an earlier call's, valid-looking. Read the error word before anything
         // of this call is sent, so no peer takes that data for this call's (the loom model
@@ -175,7 +260,7 @@ impl GpuGroup {
             let (r, peers) = self.nccl_peers(di);
             let p = self.ptrs[r];
             self.devs[di].bind()?;
-            let words = self.cfg.num_ranks * (2 + l);
+            let words = r_all * hw;
             let (mut sh, mut rh) = (vec![0i32; words], vec![0i32; words]);
             // SAFETY: both headers hold R*(2+L) i32 on the bound context; the stream is idle.
             unsafe {
@@ -193,60 +278,149 @@ impl GpuGroup {
                 // [issue 10 item 4] Every header word, ours and the peer's, is bounded (tokens
                 // <= T, selections within tokens..=tokens*K, per-expert rows summing to the
                 // selections) before it sizes a transfer; a bad one marks the group broken.
-                let hw = 2 + l;
                 let (sw, rw) = (&sh[d * hw..][..hw], &rh[d * hw..][..hw]);
                 let (mine, theirs) = crate::nccl::check_pair(r, d, sw, rw, t, k)
                     .inspect_err(|e| self.broken = Some(e.clone()))?;
-                let (to_tok, to_sel) = (mine.tokens, mine.selections);
-                let (from_tok, from_sel) = (theirs.tokens, theirs.selections);
-                self.sels[di].0[d] = to_sel;
-                self.sels[di].1[d] = from_sel;
-                v.push(crate::nccl::P2p::Send {
-                    buf: p.snd_buf + (d * t * eb) as u64,
-                    bytes: to_tok * eb,
-                    peer: d,
-                });
-                v.push(crate::nccl::P2p::Recv {
-                    buf: p.bat_buf + (d * t * eb) as u64,
-                    bytes: from_tok * eb,
-                    peer: d,
-                });
+                self.sels[di].0[d] = mine.selections;
+                self.sels[di].1[d] = theirs.selections;
+                match path {
+                    Path::Batched => {
+                        v.push(crate::nccl::P2p::Send {
+                            buf: p.snd_buf + (d * t * eb) as u64,
+                            bytes: mine.tokens * eb,
+                            peer: d,
+                        });
+                        v.push(crate::nccl::P2p::Recv {
+                            buf: p.bat_buf + (d * t * eb) as u64,
+                            bytes: theirs.tokens * eb,
+                            peer: d,
+                        });
+                    }
+                    Path::PerExpert => {
+                        // One message per local expert of d (staged packed in expert order
+                        // from d*T*K), one per local expert of mine from d, each into its
+                        // (l, d) region of pe_buf.
+                        let out = pe_messages(&sw[2..], t, k)
+                            .inspect_err(|e| self.broken = Some(e.clone()))?;
+                        for (at, n) in out {
+                            v.push(crate::nccl::P2p::Send {
+                                buf: p.snd_buf + ((d * t * k + at) * peb) as u64,
+                                bytes: n * peb,
+                                peer: d,
+                            });
+                        }
+                        let inn = pe_messages(&rw[2..], t, k)
+                            .inspect_err(|e| self.broken = Some(e.clone()))?;
+                        for (le, (_, n)) in inn.into_iter().enumerate() {
+                            v.push(crate::nccl::P2p::Recv {
+                                buf: p.pe_buf + (((le * r_all + d) * t) * peb) as u64,
+                                bytes: n * peb,
+                                peer: d,
+                            });
+                        }
+                    }
+                }
             }
+            self.nx.hdrs[di] = (sh, rh);
             ops.push(v);
         }
-        self.nccl_group(&ops)
+        self.nccl_group_on(&ops, streams)
     }
 
     /// Combine over NCCL, after the pack kernel: rows for source s go back to s's receive
-    /// region for me. The sizes are known from the dispatch headers: no host round trip.
-    pub(crate) fn nccl_combine_exchange(&mut self) -> Result<(), GpuError> {
+    /// region for me. Exact: the sizes come from the dispatch headers (no host round trip);
+    /// batched one message per peer, per-expert one per (peer, local expert). Capacity:
+    /// T * min(K, L) rows per peer (batched only).
+    pub(crate) fn nccl_combine_exchange(
+        &mut self,
+        path: Path,
+        streams: &[sys::CUstream],
+    ) -> Result<(), GpuError> {
         let (t, k) = (self.cfg.max_tokens_per_rank, self.cfg.top_k);
         let rowb = 2 * self.cfg.hidden;
+        let cap = combine_capacity_rows(&self.cfg)?;
+        let hw = 2 + self.cfg.num_local_experts();
         let mut ops = Vec::new();
         for di in 0..self.devs.len() {
             let (r, peers) = self.nccl_peers(di);
             let p = self.ptrs[r];
             let mut v = Vec::new();
+            // Per-expert: rows from NCCL owners sit in cmb_buf from row T*K on, packed in
+            // (owner, local expert) order (the dispatch pack kernel's comb_pos says where).
+            let mut nbase = t * k;
             for &d in &peers {
                 let region = (d * t * k * rowb) as u64;
-                v.push(crate::nccl::P2p::Send {
-                    buf: p.snd_buf + region,
-                    bytes: self.sels[di].1[d] * rowb,
-                    peer: d,
-                });
-                v.push(crate::nccl::P2p::Recv {
-                    buf: p.cmb_buf + region,
-                    bytes: self.sels[di].0[d] * rowb,
-                    peer: d,
-                });
+                match (self.nx.sizes, path) {
+                    (NcclSizes::Capacity, _) => {
+                        let bytes = prod("a capacity combine message", &[cap, rowb])?;
+                        v.push(crate::nccl::P2p::Send {
+                            buf: p.snd_buf + region,
+                            bytes,
+                            peer: d,
+                        });
+                        v.push(crate::nccl::P2p::Recv {
+                            buf: p.cmb_buf + region,
+                            bytes,
+                            peer: d,
+                        });
+                    }
+                    (NcclSizes::Exact, Path::Batched) => {
+                        v.push(crate::nccl::P2p::Send {
+                            buf: p.snd_buf + region,
+                            bytes: self.sels[di].1[d] * rowb,
+                            peer: d,
+                        });
+                        v.push(crate::nccl::P2p::Recv {
+                            buf: p.cmb_buf + region,
+                            bytes: self.sels[di].0[d] * rowb,
+                            peer: d,
+                        });
+                    }
+                    (NcclSizes::Exact, Path::PerExpert) => {
+                        let (sh, rh) = &self.nx.hdrs[di];
+                        if sh.len() < (d + 1) * hw || rh.len() < (d + 1) * hw {
+                            return Err(GpuError::Unsupported(
+                                "per-expert combine over NCCL before an exact-size dispatch".into(),
+                            ));
+                        }
+                        // Rows of (l, d) back to source d, staged packed from d*T*K.
+                        for (at, n) in pe_messages(&rh[d * hw + 2..][..hw - 2], t, k)? {
+                            v.push(crate::nccl::P2p::Send {
+                                buf: p.snd_buf + ((d * t * k + at) * rowb) as u64,
+                                bytes: n * rowb,
+                                peer: d,
+                            });
+                        }
+                        let inn = pe_messages(&sh[d * hw + 2..][..hw - 2], t, k)?;
+                        let mut sum = 0usize;
+                        for (at, n) in inn {
+                            v.push(crate::nccl::P2p::Recv {
+                                buf: p.cmb_buf + ((nbase + at) * rowb) as u64,
+                                bytes: n * rowb,
+                                peer: d,
+                            });
+                            sum += n;
+                        }
+                        nbase += sum;
+                        if nbase > 2 * t * k {
+                            return Err(GpuError::Unsupported(format!(
+                                "per-expert combine rows {nbase} past the region of 2*T*K"
+                            )));
+                        }
+                    }
+                }
             }
             ops.push(v);
         }
-        self.nccl_group(&ops)
+        self.nccl_group_on(&ops, streams)
     }
 
-    pub(crate) fn nccl_group(&mut self, ops: &[Vec<crate::nccl::P2p>]) -> Result<(), GpuError> {
-        let streams = self.streams_raw();
+    /// The grouped send/recv `ops` (one list per device) on `streams` (one per device).
+    pub(crate) fn nccl_group_on(
+        &mut self,
+        ops: &[Vec<crate::nccl::P2p>],
+        streams: &[sys::CUstream],
+    ) -> Result<(), GpuError> {
         let comms = self.comms.as_ref().ok_or_else(|| {
             GpuError::Nccl(
                 "NCCL peers but no communicators (the group was not built for NCCL)".into(),
@@ -255,7 +429,7 @@ impl GpuGroup {
         for d in &self.devs {
             d.bind()?;
         }
-        let r = crate::nccl::grouped(comms, &streams, ops);
+        let r = crate::nccl::grouped(comms, streams, ops);
         if let Err(e) = &r {
             self.broken = Some(e.clone());
         }
@@ -266,14 +440,25 @@ impl GpuGroup {
     /// NCCL receive from a dead peer cannot hang the process). Past the timeout the
     /// communicators are aborted and the group refuses later calls.
     pub(crate) fn wait_streams(&mut self, op: Op, call: u64) -> Result<(), GpuError> {
+        let streams = self.streams_raw();
+        self.wait_streams_on(&streams, op, call)
+    }
+
+    /// [`GpuGroup::wait_streams`] on the given streams (one per device).
+    pub(crate) fn wait_streams_on(
+        &mut self,
+        streams: &[sys::CUstream],
+        op: Op,
+        call: u64,
+    ) -> Result<(), GpuError> {
         let t0 = std::time::Instant::now();
         let limit = std::time::Duration::from_nanos(self.params.timeout_ns);
         for di in 0..self.devs.len() {
             let dev = &self.devs[di];
             dev.bind()?;
             loop {
-                // SAFETY: the stream belongs to the bound context.
-                let rc = unsafe { sys::cuStreamQuery(dev.stream) };
+                // SAFETY: the stream belongs to the bound context (checked by the caller).
+                let rc = unsafe { sys::cuStreamQuery(streams[di]) };
                 if rc == sys::CUresult::CUDA_SUCCESS {
                     break;
                 }
