@@ -273,6 +273,12 @@ impl GpuGroup {
         self.nx.sizes
     }
 
+    /// Changes the NCCL sizing mode for later calls. In process mode every rank must make the
+    /// same change before the same call (the two sides of a message must agree on its size).
+    pub fn set_nccl_sizes(&mut self, sizes: NcclSizes) {
+        self.nx.sizes = sizes;
+    }
+
     /// Whether the group reaches any peer through NCCL.
     pub fn uses_nccl(&self) -> bool {
         self.comms.is_some()
