@@ -495,7 +495,7 @@ fn gpu_nccl_two_gpus_r2_both_paths_both_sizes_equal_oracle() {
 /// Bad routing on rank 0 over NCCL. Exact sizes (the host harness): checked on the host before
 /// anything moves, the group stays usable. Capacity sizes through the device API (routing in
 /// device memory, so only the kernel sees it: the error word path): the pack stage stops, its
-/// send headers stay poisoned (-1), the peers' unpack rejects them on the device, and `check`
+/// send headers stay poisoned (i32::MAX), the peers' unpack rejects them on the device, and `check`
 /// returns rank 0's ExpertOutOfRange (the cause before its consequences); no hang, and the
 /// group refuses later calls.
 fn nccl_bad_input(r: usize) {
@@ -527,8 +527,11 @@ fn nccl_bad_input(r: usize) {
     let data = random_inputs(&cfg, &vec![4; r], Routing::Random { masked: 0.0 }, &mut rng);
     let y = random_y(&cfg, &mut rng);
     device_case(&mut g, &streams, Path::Batched, &data, &y, false);
+    // The last rank's routing is bad: over two GPUs its peer (rank 0, on GPU 0, read first by
+    // `check`) reports the poisoned header it got, and `check` still names the cause.
+    let last = r - 1;
     let mut bad = data.clone();
-    bad[0].topk_idx[1] = bad_e;
+    bad[last].topk_idx[1] = bad_e;
     let mut ins: Vec<RankIn> = (0..r).map(|q| RankIn::new(&cfg, &streams[q])).collect();
     let mut outs: Vec<RankOut> = (0..r).map(|q| RankOut::new(&g, &streams[q])).collect();
     for q in 0..r {
@@ -554,14 +557,28 @@ fn nccl_bad_input(r: usize) {
     for s in &streams {
         s.synchronize().unwrap();
     }
+    let words = g.device_errors_for_test().unwrap();
+    println!("nccl capacity R={r}, bad routing on rank {last}: error words {words:?}");
+    if r == 2 {
+        // Not silent on the peer: rank 0 rejected rank 1's poisoned token count.
+        match &words[0] {
+            Some(GpuError::PeerData {
+                rank: 0,
+                peer: 1,
+                value,
+                ..
+            }) => assert_eq!(*value, i32::MAX as i64),
+            other => panic!("rank 0 should report rank 1's poisoned header, got {other:?}"),
+        }
+    }
     match g.check() {
         Err(GpuError::Contract(Error::ExpertOutOfRange {
-            rank: 0,
+            rank,
             token: 0,
             slot: 1,
             expert,
             ..
-        })) => assert_eq!(expert, bad_e),
+        })) if rank == last => assert_eq!(expert, bad_e),
         other => panic!("capacity device API: expected ExpertOutOfRange, got {other:?}"),
     }
     assert!(t0.elapsed().as_secs() < 10, "took {:?}", t0.elapsed());

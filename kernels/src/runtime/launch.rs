@@ -2,6 +2,10 @@
 //! stages), the bounded host waits, and `sync`, which turns the device error word into a typed error.
 use super::*;
 
+/// What capacity mode writes into every send header word before the pack stage (i32::MAX: a
+/// token count no peer accepts, see `poison_send_headers`).
+pub(crate) const POISON_HDR: u32 = i32::MAX as u32;
+
 impl GpuGroup {
     /// Launches one call of `op` on `path` on every device. No host synchronisation.
     pub fn launch(&mut self, op: Op, path: Path) -> Result<(), GpuError> {
@@ -172,9 +176,11 @@ impl GpuGroup {
 
     /// Capacity mode has no host look at the headers before they travel: a rank whose pack
     /// stage stops on bad input writes none, and an earlier call's (valid-looking) header would
-    /// go out. So every send header is first set to -1 in stream order; the pack stage
-    /// overwrites it when it succeeds, and a peer's unpack rejects -1 tokens on the device
-    /// (ERR_PEER_DATA, `PF_BATCH_TOKENS`), bounded, with no host involved.
+    /// go out. So every send header word is first set to i32::MAX in stream order; the pack
+    /// stage overwrites it when it succeeds, and a peer's unpack rejects a token count past T
+    /// on the device (ERR_PEER_DATA naming `PF_BATCH_TOKENS` and the value), bounded, with no
+    /// host involved. (Not -1: the unpack takes a negative count for a wait that already
+    /// failed and leaves without a report of its own.)
     fn poison_send_headers(&self, streams: &[sys::CUstream]) -> Result<(), GpuError> {
         let words = prod(
             "the send headers",
@@ -186,7 +192,7 @@ impl GpuGroup {
             // SAFETY: snd_hdr holds R*(2+L) i32 of this rank on the bound context; the stream
             // belongs to it (checked by the caller).
             cuda("poison the send headers", unsafe {
-                sys::cuMemsetD32Async(self.ptrs[r].snd_hdr, u32::MAX, words, streams[di]).result()
+                sys::cuMemsetD32Async(self.ptrs[r].snd_hdr, POISON_HDR, words, streams[di]).result()
             })?;
         }
         Ok(())
@@ -492,6 +498,23 @@ impl GpuGroup {
             }
         }
         Ok(())
+    }
+
+    /// Test hook: every device's decoded error word (None: clear), read without changing the
+    /// group's state (so a test sees what each device reported, not only the first error).
+    #[doc(hidden)]
+    pub fn device_errors_for_test(&self) -> Result<Vec<Option<GpuError>>, GpuError> {
+        let mut v = Vec::new();
+        for dev in &self.devs {
+            dev.bind()?;
+            let mut w = [0u32; ERR_WORDS];
+            // SAFETY: `err` holds ERR_WORDS u32 on the bound context.
+            cuda("read error word", unsafe {
+                result::memcpy_dtoh_sync(&mut w, dev.err)
+            })?;
+            v.push(super::errors::decode(&w, &self.cfg));
+        }
+        Ok(v)
     }
 
     /// Waits for every device and turns a timed-out wait into [`Error::Timeout`].

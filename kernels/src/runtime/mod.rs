@@ -79,7 +79,9 @@ pub enum Transport {
 ///   rows there are; combine reuses those counts. A host round trip per dispatch: stream-ordered
 ///   but NOT graph-capturable (the host must read device data mid-call), and not offered by the
 ///   device API. Both paths.
-/// - `Capacity`: headers and payloads go in ONE NCCL group with no host synchronisation:
+/// - `Capacity`: headers and payloads go in ONE NCCL group with no host synchronisation (the
+///   send headers are poisoned first, so a rank stopped by bad input sends a count its peers
+///   reject on the device instead of an earlier call's header):
 ///   dispatch sends the header plus the full T entries per peer, combine T * min(K, L) rows per
 ///   peer (the most selections one source can have on one destination: at most T tokens, each
 ///   selects at most min(K, L) of its L experts); the unpack kernels read the real counts from
