@@ -132,7 +132,11 @@ impl GpuGroup {
 
     /// Refuses what the NCCL sizing mode cannot do on `path`.
     pub(crate) fn check_nccl_mode(&self, path: Path) -> Result<(), GpuError> {
-        if self.nx.sizes == NcclSizes::Capacity && path == Path::PerExpert {
+        self.check_nccl_sizes(path, self.nx.sizes)
+    }
+
+    fn check_nccl_sizes(&self, path: Path, sizes: NcclSizes) -> Result<(), GpuError> {
+        if sizes == NcclSizes::Capacity && path == Path::PerExpert {
             let c = &self.cfg;
             return Err(GpuError::Unsupported(format!(
                 "the per-expert path over NCCL needs exact sizes (NcclSizes::Exact): with a fixed \
@@ -157,15 +161,26 @@ impl GpuGroup {
         io: &[IoTable],
         part: i32,
     ) -> Result<(), GpuError> {
-        self.check_nccl_mode(path)?;
+        // Combine sizes its messages as its dispatch did (exact sizes need that dispatch's
+        // headers; a capacity dispatch left none), whatever the mode is now.
+        let sizes = match op {
+            Op::Dispatch => self.nx.sizes,
+            Op::Combine => self.nx.dispatch_sizes.unwrap_or(self.nx.sizes),
+        };
+        self.check_nccl_sizes(path, sizes)?;
         if part != 2 {
-            if op == Op::Dispatch && self.nx.sizes == NcclSizes::Capacity {
+            if op == Op::Dispatch && sizes == NcclSizes::Capacity {
                 self.poison_send_headers(streams)?;
             }
             self.launch_stage_on(op, path, 1, streams, io)?;
             match op {
-                Op::Dispatch => self.nccl_dispatch_exchange(path, streams)?,
-                Op::Combine => self.nccl_combine_exchange(path, streams)?,
+                Op::Dispatch => {
+                    // Unknown until the exchange is queued (a failed one leaves no sizes).
+                    self.nx.dispatch_sizes = None;
+                    self.nccl_dispatch_exchange(path, streams)?;
+                    self.nx.dispatch_sizes = Some(sizes);
+                }
+                Op::Combine => self.nccl_combine_exchange(path, sizes, streams)?,
             }
         }
         if part != 1 {
@@ -340,6 +355,7 @@ impl GpuGroup {
     pub(crate) fn nccl_combine_exchange(
         &mut self,
         path: Path,
+        sizes: NcclSizes,
         streams: &[sys::CUstream],
     ) -> Result<(), GpuError> {
         let (t, k) = (self.cfg.max_tokens_per_rank, self.cfg.top_k);
@@ -356,7 +372,7 @@ impl GpuGroup {
             let mut nbase = t * k;
             for &d in &peers {
                 let region = (d * t * k * rowb) as u64;
-                match (self.nx.sizes, path) {
+                match (sizes, path) {
                     (NcclSizes::Capacity, _) => {
                         let bytes = prod("a capacity combine message", &[cap, rowb])?;
                         v.push(crate::nccl::P2p::Send {

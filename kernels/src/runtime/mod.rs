@@ -179,6 +179,8 @@ pub struct GpuGroup {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct NcclState {
     pub(crate) sizes: NcclSizes,
+    /// The sizing of the last dispatch whose exchange was queued (combine follows it).
+    pub(crate) dispatch_sizes: Option<NcclSizes>,
     pub(crate) hdrs: Vec<(Vec<i32>, Vec<i32>)>,
 }
 
@@ -186,6 +188,7 @@ impl NcclState {
     pub(crate) fn new(sizes: NcclSizes, devices: usize) -> NcclState {
         NcclState {
             sizes,
+            dispatch_sizes: None,
             hdrs: vec![(Vec::new(), Vec::new()); devices],
         }
     }
