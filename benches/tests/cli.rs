@@ -175,7 +175,10 @@ fn flags_that_do_not_apply_are_refused() {
     refused(
         &a,
         2,
-        &["--transport applies to the GPU backend", "uses the CPU backend"],
+        &[
+            "--transport applies to the GPU backend",
+            "uses the CPU backend",
+        ],
     );
     let mut a = TINY.to_vec();
     a.extend(["--transport", "auto"]);
@@ -191,13 +194,20 @@ fn flags_that_do_not_apply_are_refused() {
         refused(
             &a,
             2,
-            &["--nccl-sizes applies to the NCCL transport only", "--transport nccl"],
+            &[
+                "--nccl-sizes applies to the NCCL transport only",
+                "--transport nccl",
+            ],
         );
     }
     // With the NCCL transport, the CPU backend still refuses both (it has no NCCL).
     let mut a = TINY.to_vec();
     a.extend(["--transport", "nccl", "--nccl-sizes", "capacity"]);
-    refused(&a, 2, &["applies to the GPU backend", "uses the CPU backend"]);
+    refused(
+        &a,
+        2,
+        &["applies to the GPU backend", "uses the CPU backend"],
+    );
     let mut a = TINY.to_vec();
     a.extend(["--nccl-sizes", "huge", "--transport", "nccl"]);
     refused(&a, 2, &["huge"]);

@@ -452,7 +452,11 @@ fn nccl_case(r: usize, seed: u64, sizes: NcclSizes) -> usize {
                 other => panic!("per-expert in capacity mode: {other:?}"),
             }
         }
-        println!("ok: nccl {} {} 3 rounds {paths:?}", sizes.name(), cfg.describe());
+        println!(
+            "ok: nccl {} {} 3 rounds {paths:?}",
+            sizes.name(),
+            cfg.describe()
+        );
     }
     let cfg = Config::new(r, 256, 128, 7168, 8, Mode::FP8).unwrap();
     let mut g = GpuGroup::new(&cfg, opts).unwrap_or_else(|e| panic!("{e}"));
@@ -467,7 +471,11 @@ fn nccl_case(r: usize, seed: u64, sizes: NcclSizes) -> usize {
         checks += verify_paths(&mut g, &data, &y, paths)
             .unwrap_or_else(|e| panic!("nccl {}: {e}", sizes.name()));
     }
-    println!("ok: nccl {} standard setting {}", sizes.name(), cfg.describe());
+    println!(
+        "ok: nccl {} standard setting {}",
+        sizes.name(),
+        cfg.describe()
+    );
     checks
 }
 
@@ -511,14 +519,22 @@ fn nccl_bad_input(r: usize) {
             g.dispatch(path, &x, &idx).unwrap();
             idx[0][1] = bad_e;
             match g.dispatch(path, &x, &idx) {
-                Err(GpuError::Contract(Error::ExpertOutOfRange { rank: 0, expert, .. })) => {
+                Err(GpuError::Contract(Error::ExpertOutOfRange {
+                    rank: 0, expert, ..
+                })) => {
                     assert_eq!(expert, bad_e)
                 }
-                other => panic!("exact {}: expected ExpertOutOfRange, got {other:?}", path.name()),
+                other => panic!(
+                    "exact {}: expected ExpertOutOfRange, got {other:?}",
+                    path.name()
+                ),
             }
             let y = random_y(&cfg, &mut rng);
             verify_paths(&mut g, &data, &y, &[path]).unwrap_or_else(|e| panic!("after: {e}"));
-            println!("ok: nccl exact {} R={r}: bad input refused on the host", path.name());
+            println!(
+                "ok: nccl exact {} R={r}: bad input refused on the host",
+                path.name()
+            );
         }
     }
     let mut g = GpuGroup::new(&cfg, nccl_opts(r, NcclSizes::Capacity)).unwrap();
@@ -611,7 +627,15 @@ fn nccl_device_case(r: usize, seed: u64) {
         let cfg = Config::new(r, 3 * r, 16, h, 3, mode).unwrap();
         let mut g = GpuGroup::new(&cfg, nccl_opts(r, NcclSizes::Capacity)).unwrap();
         for (round, owned) in [false, true, false].into_iter().enumerate() {
-            let tokens: Vec<usize> = (0..r).map(|q| if (q + round) % 3 == 2 { 0 } else { rng.below(17) }).collect();
+            let tokens: Vec<usize> = (0..r)
+                .map(|q| {
+                    if (q + round) % 3 == 2 {
+                        0
+                    } else {
+                        rng.below(17)
+                    }
+                })
+                .collect();
             let data = random_inputs(&cfg, &tokens, Routing::Random { masked: 0.1 }, &mut rng);
             let y = random_y(&cfg, &mut rng);
             device_case(&mut g, &streams, Path::Batched, &data, &y, owned);

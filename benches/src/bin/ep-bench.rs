@@ -431,7 +431,8 @@ fn refuse_in_single(given: &Given<'_>, json: bool) -> Result<(), String> {
 fn refuse_on_backend(given: &Given<'_>, backend: &Backend) -> Result<(), String> {
     match backend {
         Backend::Cpu => {
-            if let Some(f) = given.first(&["gpus", "profile", "timing", "transport", "nccl_sizes"]) {
+            if let Some(f) = given.first(&["gpus", "profile", "timing", "transport", "nccl_sizes"])
+            {
                 return Err(format!(
                     "{f} applies to the GPU backend, and this run uses the CPU backend: drop {f}"
                 ));

@@ -6,6 +6,36 @@ use super::*;
 /// token count no peer accepts, see `poison_send_headers`).
 pub(crate) const POISON_HDR: u32 = i32::MAX as u32;
 
+/// The most point-to-point calls the per-expert path puts in one NCCL group (NCCL documents a
+/// limit of 2048 calls between ncclGroupStart and ncclGroupEnd; half of it, to stay clear).
+pub(crate) const MAX_GROUP_OPS: usize = 1024;
+
+/// Local experts per NCCL group of the per-expert exchange: every rank of R sends and receives
+/// one message per (peer, local expert), `devices` communicators per group call. From the
+/// config alone, so every rank (process) splits at the same experts and every group holds
+/// both sides of each message it starts (no group waits on another's).
+pub(crate) fn experts_per_group(r: usize, devices: usize) -> usize {
+    (MAX_GROUP_OPS / (2 * r.max(1) * devices.max(1))).max(1)
+}
+
+/// Runs tagged operation lists (tag = local expert) as consecutive groups of `chunk` experts.
+fn by_expert_chunks(
+    ops: Vec<Vec<(usize, crate::nccl::P2p)>>,
+    l: usize,
+    chunk: usize,
+) -> Vec<Vec<Vec<crate::nccl::P2p>>> {
+    let rounds = l.div_ceil(chunk.max(1)).max(1);
+    let mut out: Vec<Vec<Vec<crate::nccl::P2p>>> = (0..rounds)
+        .map(|_| (0..ops.len()).map(|_| Vec::new()).collect())
+        .collect();
+    for (di, list) in ops.into_iter().enumerate() {
+        for (tag, op) in list {
+            out[(tag / chunk.max(1)).min(rounds - 1)][di].push(op);
+        }
+    }
+    out
+}
+
 impl GpuGroup {
     /// Launches one call of `op` on `path` on every device. No host synchronisation.
     pub fn launch(&mut self, op: Op, path: Path) -> Result<(), GpuError> {
@@ -276,7 +306,7 @@ impl GpuGroup {
         // of this call is sent, so no peer takes that data for this call's (the loom model
         // `verify/src/gpu_protocol.rs` found this); the peers' own waits then end bounded.
         self.check()?;
-        let mut ops = Vec::new();
+        let mut ops: Vec<Vec<(usize, crate::nccl::P2p)>> = Vec::new();
         for di in 0..self.devs.len() {
             let (r, peers) = self.nccl_peers(di);
             let p = self.ptrs[r];
@@ -306,16 +336,22 @@ impl GpuGroup {
                 self.sels[di].1[d] = theirs.selections;
                 match path {
                     Path::Batched => {
-                        v.push(crate::nccl::P2p::Send {
-                            buf: p.snd_buf + (d * t * eb) as u64,
-                            bytes: mine.tokens * eb,
-                            peer: d,
-                        });
-                        v.push(crate::nccl::P2p::Recv {
-                            buf: p.bat_buf + (d * t * eb) as u64,
-                            bytes: theirs.tokens * eb,
-                            peer: d,
-                        });
+                        v.push((
+                            0,
+                            crate::nccl::P2p::Send {
+                                buf: p.snd_buf + (d * t * eb) as u64,
+                                bytes: mine.tokens * eb,
+                                peer: d,
+                            },
+                        ));
+                        v.push((
+                            0,
+                            crate::nccl::P2p::Recv {
+                                buf: p.bat_buf + (d * t * eb) as u64,
+                                bytes: theirs.tokens * eb,
+                                peer: d,
+                            },
+                        ));
                     }
                     Path::PerExpert => {
                         // One message per local expert of d (staged packed in expert order
@@ -323,21 +359,27 @@ impl GpuGroup {
                         // (l, d) region of pe_buf.
                         let out = pe_messages(&sw[2..], t, k)
                             .inspect_err(|e| self.broken = Some(e.clone()))?;
-                        for (at, n) in out {
-                            v.push(crate::nccl::P2p::Send {
-                                buf: p.snd_buf + ((d * t * k + at) * peb) as u64,
-                                bytes: n * peb,
-                                peer: d,
-                            });
+                        for (le, (at, n)) in out.into_iter().enumerate() {
+                            v.push((
+                                le,
+                                crate::nccl::P2p::Send {
+                                    buf: p.snd_buf + ((d * t * k + at) * peb) as u64,
+                                    bytes: n * peb,
+                                    peer: d,
+                                },
+                            ));
                         }
                         let inn = pe_messages(&rw[2..], t, k)
                             .inspect_err(|e| self.broken = Some(e.clone()))?;
                         for (le, (_, n)) in inn.into_iter().enumerate() {
-                            v.push(crate::nccl::P2p::Recv {
-                                buf: p.pe_buf + (((le * r_all + d) * t) * peb) as u64,
-                                bytes: n * peb,
-                                peer: d,
-                            });
+                            v.push((
+                                le,
+                                crate::nccl::P2p::Recv {
+                                    buf: p.pe_buf + (((le * r_all + d) * t) * peb) as u64,
+                                    bytes: n * peb,
+                                    peer: d,
+                                },
+                            ));
                         }
                     }
                 }
@@ -345,7 +387,22 @@ impl GpuGroup {
             self.nx.hdrs[di] = (sh, rh);
             ops.push(v);
         }
-        self.nccl_group_on(&ops, streams)
+        self.nccl_rounds(ops, streams)
+    }
+
+    /// The tagged payload operations, in groups of [`experts_per_group`] local experts.
+    fn nccl_rounds(
+        &mut self,
+        ops: Vec<Vec<(usize, crate::nccl::P2p)>>,
+        streams: &[sys::CUstream],
+    ) -> Result<(), GpuError> {
+        let chunk = experts_per_group(self.cfg.num_ranks, self.devs.len());
+        for round in by_expert_chunks(ops, self.cfg.num_local_experts(), chunk) {
+            if round.iter().any(|v| !v.is_empty()) {
+                self.nccl_group_on(&round, streams)?;
+            }
+        }
+        Ok(())
     }
 
     /// Combine over NCCL, after the pack kernel: rows for source s go back to s's receive
@@ -362,7 +419,7 @@ impl GpuGroup {
         let rowb = 2 * self.cfg.hidden;
         let cap = combine_capacity_rows(&self.cfg)?;
         let hw = 2 + self.cfg.num_local_experts();
-        let mut ops = Vec::new();
+        let mut ops: Vec<Vec<(usize, crate::nccl::P2p)>> = Vec::new();
         for di in 0..self.devs.len() {
             let (r, peers) = self.nccl_peers(di);
             let p = self.ptrs[r];
@@ -375,28 +432,40 @@ impl GpuGroup {
                 match (sizes, path) {
                     (NcclSizes::Capacity, _) => {
                         let bytes = prod("a capacity combine message", &[cap, rowb])?;
-                        v.push(crate::nccl::P2p::Send {
-                            buf: p.snd_buf + region,
-                            bytes,
-                            peer: d,
-                        });
-                        v.push(crate::nccl::P2p::Recv {
-                            buf: p.cmb_buf + region,
-                            bytes,
-                            peer: d,
-                        });
+                        v.push((
+                            0,
+                            crate::nccl::P2p::Send {
+                                buf: p.snd_buf + region,
+                                bytes,
+                                peer: d,
+                            },
+                        ));
+                        v.push((
+                            0,
+                            crate::nccl::P2p::Recv {
+                                buf: p.cmb_buf + region,
+                                bytes,
+                                peer: d,
+                            },
+                        ));
                     }
                     (NcclSizes::Exact, Path::Batched) => {
-                        v.push(crate::nccl::P2p::Send {
-                            buf: p.snd_buf + region,
-                            bytes: self.sels[di].1[d] * rowb,
-                            peer: d,
-                        });
-                        v.push(crate::nccl::P2p::Recv {
-                            buf: p.cmb_buf + region,
-                            bytes: self.sels[di].0[d] * rowb,
-                            peer: d,
-                        });
+                        v.push((
+                            0,
+                            crate::nccl::P2p::Send {
+                                buf: p.snd_buf + region,
+                                bytes: self.sels[di].1[d] * rowb,
+                                peer: d,
+                            },
+                        ));
+                        v.push((
+                            0,
+                            crate::nccl::P2p::Recv {
+                                buf: p.cmb_buf + region,
+                                bytes: self.sels[di].0[d] * rowb,
+                                peer: d,
+                            },
+                        ));
                     }
                     (NcclSizes::Exact, Path::PerExpert) => {
                         let (sh, rh) = &self.nx.hdrs[di];
@@ -406,21 +475,28 @@ impl GpuGroup {
                             ));
                         }
                         // Rows of (l, d) back to source d, staged packed from d*T*K.
-                        for (at, n) in pe_messages(&rh[d * hw + 2..][..hw - 2], t, k)? {
-                            v.push(crate::nccl::P2p::Send {
-                                buf: p.snd_buf + ((d * t * k + at) * rowb) as u64,
-                                bytes: n * rowb,
-                                peer: d,
-                            });
+                        let out = pe_messages(&rh[d * hw + 2..][..hw - 2], t, k)?;
+                        for (le, (at, n)) in out.into_iter().enumerate() {
+                            v.push((
+                                le,
+                                crate::nccl::P2p::Send {
+                                    buf: p.snd_buf + ((d * t * k + at) * rowb) as u64,
+                                    bytes: n * rowb,
+                                    peer: d,
+                                },
+                            ));
                         }
                         let inn = pe_messages(&sh[d * hw + 2..][..hw - 2], t, k)?;
                         let mut sum = 0usize;
-                        for (at, n) in inn {
-                            v.push(crate::nccl::P2p::Recv {
-                                buf: p.cmb_buf + ((nbase + at) * rowb) as u64,
-                                bytes: n * rowb,
-                                peer: d,
-                            });
+                        for (le, (at, n)) in inn.into_iter().enumerate() {
+                            v.push((
+                                le,
+                                crate::nccl::P2p::Recv {
+                                    buf: p.cmb_buf + ((nbase + at) * rowb) as u64,
+                                    bytes: n * rowb,
+                                    peer: d,
+                                },
+                            ));
                             sum += n;
                         }
                         nbase += sum;
@@ -434,7 +510,7 @@ impl GpuGroup {
             }
             ops.push(v);
         }
-        self.nccl_group_on(&ops, streams)
+        self.nccl_rounds(ops, streams)
     }
 
     /// The grouped send/recv `ops` (one list per device) on `streams` (one per device).
@@ -552,5 +628,51 @@ impl GpuGroup {
             }
         }
         self.check()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_expert_groups_stay_under_the_nccl_limit_and_split_alike() {
+        // R = 2 on 2 GPUs in one process: 2 comms x 2 peers x 2 ops x 128 experts = 1024.
+        assert_eq!(experts_per_group(2, 2), 128);
+        assert_eq!(experts_per_group(2, 1), 256);
+        // Eight GPUs in one process: 8 comms x 8 peers x 2 = 128 ops per expert.
+        assert_eq!(experts_per_group(8, 8), 8);
+        assert!(experts_per_group(8, 8) * 2 * 8 * 8 <= MAX_GROUP_OPS);
+        // Never 0, even past the limit with one expert.
+        assert_eq!(experts_per_group(1024, 64), 1);
+        assert_eq!(experts_per_group(0, 0), MAX_GROUP_OPS / 2);
+        let op = |peer| crate::nccl::P2p::Send {
+            buf: 0,
+            bytes: 1,
+            peer,
+        };
+        // Tags 0..5 in chunks of 2: rounds {0,1}, {2,3}, {4}; device order kept.
+        let ops = vec![
+            (0..5).map(|l| (l, op(l))).collect::<Vec<_>>(),
+            vec![(4, op(9))],
+        ];
+        let r = by_expert_chunks(ops, 5, 2);
+        let peers = |v: &Vec<crate::nccl::P2p>| {
+            v.iter()
+                .map(|o| match o {
+                    crate::nccl::P2p::Send { peer, .. } | crate::nccl::P2p::Recv { peer, .. } => {
+                        *peer
+                    }
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(r.len(), 3);
+        assert_eq!(peers(&r[0][0]), vec![0, 1]);
+        assert_eq!(peers(&r[1][0]), vec![2, 3]);
+        assert_eq!(peers(&r[2][0]), vec![4]);
+        assert!(r[0][1].is_empty() && r[1][1].is_empty());
+        assert_eq!(peers(&r[2][1]), vec![9]);
+        // The batched path tags everything 0: one group.
+        assert_eq!(by_expert_chunks(vec![vec![(0, op(1))]], 128, 128).len(), 1);
     }
 }

@@ -324,18 +324,19 @@ pub(crate) fn combine_capacity_rows(c: &Config) -> Result<usize, GpuError> {
 /// expert: (first entry, entries) of each local expert's message, packed in expert order (the
 /// pack kernel stages them the same way). Every value is bounded by the header check (rows <=
 /// T each, summing to at most T*K), and the sum is checked here again.
-pub(crate) fn pe_messages(rows: &[i32], t: usize, k: usize) -> Result<Vec<(usize, usize)>, GpuError> {
+pub(crate) fn pe_messages(
+    rows: &[i32],
+    t: usize,
+    k: usize,
+) -> Result<Vec<(usize, usize)>, GpuError> {
     let mut at = 0usize;
     let mut v = Vec::with_capacity(rows.len());
     for (l, &r) in rows.iter().enumerate() {
-        let n = usize::try_from(r)
-            .ok()
-            .filter(|&n| n <= t)
-            .ok_or_else(|| {
-                GpuError::Unsupported(format!(
-                    "per-expert message of local expert {l}: {r} rows, outside 0..={t} (T)"
-                ))
-            })?;
+        let n = usize::try_from(r).ok().filter(|&n| n <= t).ok_or_else(|| {
+            GpuError::Unsupported(format!(
+                "per-expert message of local expert {l}: {r} rows, outside 0..={t} (T)"
+            ))
+        })?;
         v.push((at, n));
         at = at
             .checked_add(n)
@@ -430,12 +431,19 @@ mod tests {
         assert!(s[22] >= 2 * t * k * rowb);
         assert!(s[22] >= 2 * t * entry_bytes(&c));
         // cmb_buf (18) holds 2*T*K rows even at R = 1 with NCCL, R*T*K without.
-        let one = Config { num_ranks: 1, num_experts: 8, ..c };
+        let one = Config {
+            num_ranks: 1,
+            num_experts: 8,
+            ..c
+        };
         assert_eq!(rank_sizes(&one, true).unwrap()[18], 2 * t * k * rowb);
         assert_eq!(rank_sizes(&one, false).unwrap()[18], t * k * rowb);
         // Capacity combine: T * min(K, L) rows.
         assert_eq!(combine_capacity_rows(&c).unwrap(), 128 * 8);
-        assert_eq!(combine_capacity_rows(&cfg(4, 8, 128, 128, 8)).unwrap(), 128 * 2);
+        assert_eq!(
+            combine_capacity_rows(&cfg(4, 8, 128, 128, 8)).unwrap(),
+            128 * 2
+        );
         assert!(combine_capacity_rows(&cfg(1, 2, usize::MAX, 128, 4)).is_err());
     }
 
