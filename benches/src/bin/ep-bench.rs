@@ -76,7 +76,7 @@ const MAX_TIMEOUT_SECS: f64 = 1e6;
 /// batched path over the per-expert one. `--per-rank` adds every rank's line in DeepEP's format.
 ///
 /// Before generating anything ep-bench checks every config and the memory the run needs. A flag
-/// that does not apply to the run (e.g. `--transport` without `--nprocs`, `--gpus` on the CPU
+/// that does not apply to the run (e.g. `--nccl-sizes` without `--transport nccl`, `--gpus` on the CPU
 /// backend) is refused, never ignored.
 ///
 /// Exit codes: 0 done; 1 a path or the backend failed (e.g. no usable GPU for `--backend gpu`
