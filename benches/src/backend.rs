@@ -80,6 +80,9 @@ pub struct BenchSpec {
     /// GPU backend: replay the timed calls from a CUDA graph (one GPU only) or launch them one
     /// by one; `None`: a graph on one GPU, launches on several.
     pub graph: Option<bool>,
+    /// GPU backend: `Some(sizes)` runs every peer through NCCL (one rank per GPU) with that
+    /// sizing for the batched path (per-expert always runs exact sizes); `None`: NVLink.
+    pub nccl: Option<ep_kernels::NcclSizes>,
 }
 
 impl BenchSpec {

@@ -473,6 +473,7 @@ mod tests {
             cpu: CpuOptions::default(),
             gpus: 1,
             graph: None,
+            nccl: None,
         }
     }
 

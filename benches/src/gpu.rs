@@ -28,16 +28,26 @@ pub fn run(
     progress("generating inputs");
     let w = spec.workload();
     progress("running both paths on the GPU: verify against the oracle, then time");
-    // As run_timed decides: a graph on one GPU only.
-    let graph = spec.graph.unwrap_or(spec.gpus == 1) && spec.gpus == 1;
-    let report = ep_kernels::bench::run_timed(
+    // As run_with decides: a graph on one GPU only, never over NCCL (exact sizes sync the host).
+    let graph = spec.graph.unwrap_or(spec.gpus == 1) && spec.gpus == 1 && spec.nccl.is_none();
+    let opts = ep_kernels::GpuOptions {
+        num_gpus: spec.gpus,
+        transport: if spec.nccl.is_some() {
+            ep_kernels::Transport::Nccl
+        } else {
+            ep_kernels::Transport::Auto
+        },
+        nccl_sizes: spec.nccl.unwrap_or_default(),
+        ..Default::default()
+    };
+    let report = ep_kernels::bench::run_with(
         &cfg,
         &w.x,
         &w.topk_idx,
         &w.topk_weights,
         spec.iters,
         spec.warmup,
-        spec.gpus,
+        opts,
         graph,
     )
     .map_err(|e| {
@@ -47,6 +57,23 @@ pub fn run(
             BenchError::Backend(e)
         }
     })?;
+    let nccl_note = |path: &str| {
+        report
+            .paths
+            .iter()
+            .find(|t| t.path == path)
+            .and_then(|t| t.nccl_sizes)
+            .unwrap_or("-")
+    };
+    let device = match spec.nccl {
+        None => format!("{device} ({} GPU(s))", report.num_gpus),
+        Some(_) => format!(
+            "{device} ({} GPU(s)), NCCL transport for every peer: per-expert {} sizes, batched {} sizes; messages = NCCL sends, bytes = what they carry (headers, capacity padding included), no device signals",
+            report.num_gpus,
+            nccl_note("per-expert"),
+            nccl_note("batched")
+        ),
+    };
     let kernel_times: Vec<KernelTime> = report
         .paths
         .iter()
@@ -85,7 +112,6 @@ pub fn run(
         .iter()
         .map(|t| accounting::selections(t))
         .collect();
-    let device = format!("{device} ({} GPU(s))", report.num_gpus);
     let mut point = assemble(
         &PointInfo {
             backend: "gpu",

@@ -173,6 +173,12 @@ pub fn rank(o: &MpOptions) -> ExitCode {
             t.combine_us,
             rep.device
         );
+        if let (0, Some((sizes, (dw, cw, dm, cm)))) = (rep.rank, t.wire) {
+            println!(
+                "{} over NCCL ({sizes} sizes), one call, all ranks: dispatch {dm} NCCL sends, {dw} wire bytes | combine {cm} NCCL sends, {cw} wire bytes",
+                t.path
+            );
+        }
     }
     ExitCode::SUCCESS
 }

@@ -172,10 +172,45 @@ fn flags_that_do_not_apply_are_refused() {
     // `--nprocs 1 --transport nccl` ran the default group and dropped --transport.
     let mut a = TINY.to_vec();
     a.extend(["--nprocs", "1", "--transport", "nccl"]);
-    refused(&a, 2, &["--transport applies to multi-process mode only"]);
+    refused(
+        &a,
+        2,
+        &[
+            "--transport applies to the GPU backend",
+            "uses the CPU backend",
+        ],
+    );
     let mut a = TINY.to_vec();
     a.extend(["--transport", "auto"]);
     refused(&a, 2, &["--transport"]);
+    // --nccl-sizes without the NCCL transport was a flag nothing read.
+    for extra in [
+        &["--nccl-sizes", "capacity"][..],
+        &["--nccl-sizes", "exact", "--transport", "auto"],
+        &["--nccl-sizes", "exact", "--nprocs", "2"],
+    ] {
+        let mut a = TINY.to_vec();
+        a.extend(extra);
+        refused(
+            &a,
+            2,
+            &[
+                "--nccl-sizes applies where NCCL carries traffic only",
+                "--transport nccl",
+            ],
+        );
+    }
+    // With the NCCL transport, the CPU backend still refuses both (it has no NCCL).
+    let mut a = TINY.to_vec();
+    a.extend(["--transport", "nccl", "--nccl-sizes", "capacity"]);
+    refused(
+        &a,
+        2,
+        &["applies to the GPU backend", "uses the CPU backend"],
+    );
+    let mut a = TINY.to_vec();
+    a.extend(["--nccl-sizes", "huge", "--transport", "nccl"]);
+    refused(&a, 2, &["huge"]);
     let mut a = TINY.to_vec();
     a.extend(["--gpus", "2"]);
     refused(

@@ -1,6 +1,6 @@
 //! The benchmark entry point `ep-bench` calls (see the benches crate).
 
-use crate::runtime::{probe_devices, GpuGroup, GpuOptions, Path};
+use crate::runtime::{probe_devices, GpuGroup, GpuOptions, NcclSizes, Path, Transport};
 use ep_reference::oracle::{self, CombineInput, RankInput};
 use ep_reference::{Config, Op};
 use half::bf16;
@@ -24,6 +24,8 @@ pub fn probe() -> Result<String, String> {
 pub struct GpuTimings {
     /// "per-expert" or "batched".
     pub path: &'static str,
+    /// Over NCCL: the sizing mode this path ran ("exact" / "capacity"); None over NVLink.
+    pub nccl_sizes: Option<&'static str>,
     /// One sample per timed call, microseconds.
     pub dispatch_us: Vec<f64>,
     pub combine_us: Vec<f64>,
@@ -112,6 +114,88 @@ pub fn accounting(
     }
 }
 
+/// Wire accounting of the NCCL transport, every peer (self included) through NCCL: (dispatch
+/// bytes, combine bytes, dispatch messages, combine messages), all ranks, per call. A message
+/// is one `ncclSend` (zero-byte sends are not issued); bytes are what the sends carry: the
+/// (2 + L) x 4-byte header of every pair, and the payload as sized by `sizes` (capacity padding
+/// included). Batched: one payload message per pair (exact: tokens x entry bytes; capacity:
+/// T entries), combine one per pair (exact: selections x 2H; capacity: T x min(K, L) rows).
+/// Per-expert (exact only): one message per (pair, local expert) with rows, both ways.
+/// Checked arithmetic: an overflow is an error naming the figure.
+pub fn nccl_accounting(
+    cfg: &Config,
+    topk_idx: &[Vec<i64>],
+    path: Path,
+    sizes: NcclSizes,
+) -> Result<(u64, u64, u64, u64), String> {
+    let (r, l, k, t) = (
+        cfg.num_ranks,
+        cfg.num_local_experts(),
+        cfg.top_k,
+        cfg.max_tokens_per_rank as u64,
+    );
+    let of = |what: &str| format!("the NCCL {what} overflow u64");
+    let mul = |a: u64, b: u64, what: &str| a.checked_mul(b).ok_or_else(|| of(what));
+    let add = |a: u64, b: u64, what: &str| a.checked_add(b).ok_or_else(|| of(what));
+    let hb = ((2 + l) * 4) as u64;
+    let eb = crate::runtime::entry_bytes(cfg) as u64;
+    let peb = crate::runtime::pe_entry_bytes(cfg) as u64;
+    let rowb = 2 * cfg.hidden as u64;
+    let cap_rows = mul(t, k.min(l) as u64, "capacity rows")?;
+    let (mut dw, mut cw, mut dm, mut cm) = (0u64, 0u64, 0u64, 0u64);
+    for rows in topk_idx {
+        // rows[d * L + l]: selections of (this source, d, l); tokens[d], sels[d].
+        let mut per = vec![0u64; r * l];
+        let mut tokens = vec![0u64; r];
+        for tok in rows.chunks_exact(k) {
+            let mut mask = vec![false; r];
+            for &v in tok.iter().filter(|&&v| v >= 0) {
+                let e = v as usize;
+                if e >= r * l {
+                    return Err(format!("expert {e} outside 0..{}", r * l));
+                }
+                per[e] += 1;
+                mask[e / l] = true;
+            }
+            for (d, m) in mask.into_iter().enumerate() {
+                tokens[d] += m as u64;
+            }
+        }
+        for d in 0..r {
+            let sel: u64 = per[d * l..(d + 1) * l].iter().sum();
+            let with_rows = per[d * l..(d + 1) * l].iter().filter(|&&n| n > 0).count() as u64;
+            let (db, dmsg, cb, cmsg) = match (path, sizes) {
+                (Path::Batched, NcclSizes::Exact) => (
+                    mul(tokens[d], eb, "dispatch bytes")?,
+                    (tokens[d] > 0) as u64,
+                    mul(sel, rowb, "combine bytes")?,
+                    (sel > 0) as u64,
+                ),
+                (Path::Batched, NcclSizes::Capacity) => (
+                    mul(t, eb, "dispatch bytes")?,
+                    1,
+                    mul(cap_rows, rowb, "combine bytes")?,
+                    1,
+                ),
+                (Path::PerExpert, NcclSizes::Exact) => (
+                    mul(sel, peb, "dispatch bytes")?,
+                    with_rows,
+                    mul(sel, rowb, "combine bytes")?,
+                    with_rows,
+                ),
+                (Path::PerExpert, NcclSizes::Capacity) => {
+                    return Err("the per-expert path over NCCL runs exact sizes only".into())
+                }
+            };
+            dw = add(dw, add(hb, db, "dispatch bytes")?, "dispatch bytes")?;
+            dm = add(dm, 1 + dmsg, "dispatch messages")?;
+            cw = add(cw, cb, "combine bytes")?;
+            cm = add(cm, cmsg, "combine messages")?;
+        }
+    }
+    Ok((dw, cw, dm, cm))
+}
+
 /// Runs both paths on the same inputs (one Vec per rank), checks both bitwise against the oracle
 /// first (Err if not equal), then times each path with CUDA events: `warmup` calls, then `iters`
 /// timed calls, each sample one dispatch or one combine launch (events around the launch on
@@ -152,6 +236,31 @@ pub fn run_timed(
     num_gpus: usize,
     graph: bool,
 ) -> Result<GpuReport, String> {
+    let opts = GpuOptions {
+        num_gpus,
+        ..Default::default()
+    };
+    run_with(cfg, x, topk_idx, topk_weights, iters, warmup, opts, graph)
+}
+
+/// [`run_timed`] with the group's options (transport, NCCL sizing). Over NCCL the calls are
+/// launched one by one (exact sizes read headers on the host mid-call: nothing to capture), the
+/// per-expert path runs exact sizes whatever `opts.nccl_sizes` says (capacity would send L*T
+/// entries per peer; the group refuses it), and the wire figures come from
+/// [`nccl_accounting`] (no device signals).
+#[allow(clippy::too_many_arguments)]
+pub fn run_with(
+    cfg: &Config,
+    x: &[Vec<bf16>],
+    topk_idx: &[Vec<i64>],
+    topk_weights: &[Vec<f32>],
+    iters: usize,
+    warmup: usize,
+    opts: GpuOptions,
+    graph: bool,
+) -> Result<GpuReport, String> {
+    let num_gpus = opts.num_gpus;
+    let nccl = opts.transport == Transport::Nccl;
     let inner = || -> Result<GpuReport, String> {
         let inputs: Vec<RankInput> = (0..cfg.num_ranks)
             .map(|r| RankInput {
@@ -171,14 +280,15 @@ pub fn run_timed(
             })
             .collect();
         let want_c = oracle::combine(cfg, &cin).map_err(|e| e.to_string())?;
-        let opts = GpuOptions {
-            num_gpus,
-            ..Default::default()
-        };
         let mut g = GpuGroup::new(cfg, opts).map_err(|e| e.to_string())?;
         let device = g.describe_devices();
         let mut paths = Vec::new();
         for path in [Path::PerExpert, Path::Batched] {
+            let sizes = match path {
+                Path::PerExpert => NcclSizes::Exact,
+                Path::Batched => opts.nccl_sizes,
+            };
+            g.set_nccl_sizes(sizes);
             let got = g.dispatch(path, x, topk_idx).map_err(|e| e.to_string())?;
             for (r, (a, b)) in got.iter().zip(&want).enumerate() {
                 if let Some(d) = a.diff(b) {
@@ -203,7 +313,7 @@ pub fn run_timed(
                     ));
                 }
             }
-            let graph = graph && num_gpus == 1;
+            let graph = graph && num_gpus == 1 && !nccl;
             let (dt, ct) =
                 time_path(&mut g, path, iters, warmup, graph).map_err(|e| e.to_string())?;
             let kernel = kernel_times(&mut g, path, iters, graph);
@@ -222,9 +332,15 @@ pub fn run_timed(
                 Err(HookError::Mismatch(m)) => return Err(m),
                 Err(HookError::Gpu(e)) => Err(e.to_string()),
             };
-            let (dw, cw, dm, cm, sig) = accounting(cfg, topk_idx, path, num_gpus);
+            let (dw, cw, dm, cm, sig) = if g.uses_nccl() {
+                let (dw, cw, dm, cm) = nccl_accounting(cfg, topk_idx, path, sizes)?;
+                (dw, cw, dm, cm, 0)
+            } else {
+                accounting(cfg, topk_idx, path, num_gpus)
+            };
             paths.push(GpuTimings {
                 path: path.name(),
+                nccl_sizes: g.uses_nccl().then(|| sizes.name()),
                 dispatch_us: dt,
                 combine_us: ct,
                 dispatch_wire_bytes: dw,
@@ -897,6 +1013,31 @@ mod tests {
             stream: 1,
             correlation: 0,
         }
+    }
+
+    /// The NCCL figures by hand for a small case: R = 2, E = 4 (L = 2), T = 2, K = 2, H = 128,
+    /// bf16. Rank 0: token 0 -> experts 0, 2; token 1 -> 1, -1. Rank 1: token 0 -> 3, 2.
+    #[test]
+    fn nccl_accounting_counts_every_send_and_byte() {
+        let cfg = Config::new(2, 4, 2, 128, 2, Mode::Bf16).unwrap();
+        let topk = vec![vec![0, 2, 1, -1], vec![3, 2]];
+        let hb = 4 * 4; // (2 + L) i32
+        let eb = crate::runtime::entry_bytes(&cfg) as u64; // 80 + 256
+        let peb = crate::runtime::pe_entry_bytes(&cfg) as u64; // 16 + 256
+        let rowb = 256u64;
+        assert_eq!((eb, peb), (336, 272));
+        // Pairs (0,0): 2 tokens, sel 2 (experts 0, 1); (0,1): 1 token, sel 1 (expert 2);
+        // (1,0): nothing; (1,1): 1 token, sel 2 (experts 2, 3). Four headers.
+        let b = nccl_accounting(&cfg, &topk, Path::Batched, NcclSizes::Exact).unwrap();
+        assert_eq!(b, (4 * hb + 4 * eb, 5 * rowb, 4 + 3, 3));
+        let c = nccl_accounting(&cfg, &topk, Path::Batched, NcclSizes::Capacity).unwrap();
+        // Capacity: T = 2 entries and T * min(K, L) = 4 rows on every pair.
+        assert_eq!(c, (4 * hb + 4 * 2 * eb, 4 * 4 * rowb, 4 * 2, 4));
+        let p = nccl_accounting(&cfg, &topk, Path::PerExpert, NcclSizes::Exact).unwrap();
+        // Messages per (pair, expert with rows): (0,0) 2, (0,1) 1, (1,1) 2.
+        assert_eq!(p, (4 * hb + 5 * peb, 5 * rowb, 4 + 5, 5));
+        assert!(nccl_accounting(&cfg, &topk, Path::PerExpert, NcclSizes::Capacity).is_err());
+        assert!(nccl_accounting(&cfg, &[vec![9, -1]], Path::Batched, NcclSizes::Exact).is_err());
     }
 
     /// Two launches per call: the earlier one is the send half, the later the receive half,

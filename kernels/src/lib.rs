@@ -58,24 +58,30 @@
 //!   put is made. When every rank is on one GPU, no combine signal is needed either: every row and
 //!   handle is complete when the launch starts. Peers on other GPUs always get the put and the
 //!   signal. `zero_copy_local: false` runs the put path on one GPU too, and the tests run both.
-//! - **NCCL transport (batched path).** `GpuOptions::transport` chooses per peer pair:
+//! - **NCCL transport (both paths).** `GpuOptions::transport` chooses per peer pair:
 //!   `Transport::Auto` is NVLink where the peers share it (peer access, or CUDA IPC between
 //!   processes) and NCCL for pairs without peer access. `Transport::Nccl` forces NCCL for every
 //!   peer, self included. `Transport::TwoTier` (process mode across nodes) reaches the ranks of
 //!   this rank's node through CUDA IPC and the others through NCCL; every rank's node id
 //!   (`EP_NODE_ID`, else torchrun's `GROUP_RANK`, else the hostname) travels in the handshake
 //!   ([`topology`]). NCCL peers are a bit mask (`KParams::nccl_mask`) and the call is split
-//!   in two. The pack stage (`stage` 1) writes each NCCL destination's batch, in the same entry
-//!   layout, into this rank's staging buffer (`snd_buf`) with a header of (tokens, selections,
-//!   rows per local expert) in `snd_hdr`. The host then exchanges the headers (one grouped
-//!   send/recv per peer), reads them to size the payload, and sends each batch with one grouped
-//!   `ncclSend`/`ncclRecv` per peer. Each batch lands in the peer's receive region, exactly where
-//!   NVLink would have put it. The unpack stage (`stage` 2) expands the batches into the
-//!   canonical layout, taking counts from `rcv_hdr` instead of waiting for signals. Combine works
-//!   the same way. Its sizes come from the dispatch headers, so there is no host round trip.
-//!   NCCL pairs need no epoch acks: stream order keeps a call's unpack ahead of the next call's
-//!   transfers. Host waits on NCCL work are bounded. Past the timeout the communicators are
-//!   aborted and the call fails with `Error::Timeout`.
+//!   in two. The pack stage (`stage` 1) writes what goes to each NCCL destination into this
+//!   rank's staging buffer (`snd_buf`) with a header of (tokens, selections, rows per local
+//!   expert) in `snd_hdr`: the batched path one batch per destination in its entry layout, the
+//!   per-expert path its messages packed in expert order (one per local expert with rows). The
+//!   host then exchanges them with grouped `ncclSend`/`ncclRecv`, sized by
+//!   `GpuOptions::nccl_sizes` ([`NcclSizes`]): `Exact` exchanges the headers first, waits for
+//!   them (a bounded host round trip), checks them and sends exactly the rows there are (batched:
+//!   one payload message per peer; per-expert: one per (peer, local expert)); `Capacity` (batched
+//!   only) sends the header and the full capacity in one group with no host synchronisation
+//!   (stream-ordered, graph-capturable; the send headers are poisoned first so a rank stopped by
+//!   bad input cannot send an earlier call's). Everything lands where NVLink would have put it.
+//!   The unpack stage (`stage` 2) takes the counts from `rcv_hdr` instead of waiting for signals.
+//!   Combine sends the rows back the same way, sized from the dispatch headers (exact) or by
+//!   T x min(K, L) rows per peer (capacity). NCCL pairs need no epoch acks: stream order keeps a
+//!   call's unpack ahead of the next call's transfers. Host waits on NCCL work are bounded. Past
+//!   the timeout the communicators are aborted and the call fails with `Error::Timeout`. The
+//!   device API reaches NCCL in capacity mode (on the caller's stream).
 //! - **Process mode.** `GpuGroup::new_process` runs one rank per process. The rank's buffers are
 //!   one `cuMemAlloc` allocation. Its IPC handle (or rank 0's NCCL unique id) goes through a
 //!   caller-supplied `all_gather` (`ep_launch::Rendezvous`), and the peers' handles are opened to
@@ -99,8 +105,8 @@ pub mod topology;
 /// The cudarc this crate is built on (its `CudaStream`, `CudaView`, ... are the device API's types).
 pub use cudarc;
 pub use runtime::{
-    CombineIn, DeviceDispatchOut, DeviceHandle, DispatchIn, GpuGroup, GpuOptions, Path, RankEp,
-    Tokens, Transport,
+    CombineIn, DeviceDispatchOut, DeviceHandle, DispatchIn, GpuGroup, GpuOptions, NcclSizes, Path,
+    RankEp, Tokens, Transport,
 };
 
 /// Errors of the GPU backend.

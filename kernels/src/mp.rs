@@ -11,7 +11,7 @@
 //! anything is launched, on every rank alike) is reported as such and left out, not failed.
 
 use crate::testing::{random_inputs, random_y, Rng, Routing};
-use crate::{GpuError, GpuGroup, GpuOptions, Path, Transport};
+use crate::{GpuError, GpuGroup, GpuOptions, NcclSizes, Path, Transport};
 use ep_launch::Rendezvous;
 use ep_reference::oracle::{self, CombineInput, RankInput};
 use ep_reference::{Config, Error, Mode, Op};
@@ -26,6 +26,8 @@ pub struct MpOptions {
     pub top_k: usize,
     pub mode: Mode,
     pub transport: Transport,
+    /// NCCL transport: the batched path's sizing (per-expert always runs exact sizes).
+    pub nccl_sizes: NcclSizes,
     /// GPUs on this node; rank i uses GPU `LOCAL_RANK % gpus`.
     pub gpus: usize,
     pub rounds: usize,
@@ -47,6 +49,9 @@ pub struct MpTiming {
     pub path: &'static str,
     pub dispatch_us: f64,
     pub combine_us: f64,
+    /// NCCL transport: (sizing, (dispatch bytes, combine bytes, dispatch messages, combine
+    /// messages)) of one call, all ranks ([`crate::bench::nccl_accounting`]).
+    pub wire: Option<(&'static str, (u64, u64, u64, u64))>,
 }
 
 /// What one rank did.
@@ -139,6 +144,7 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
         .map_err(|e| fail(format!("config: {e}"), false))?;
     let opts = GpuOptions {
         transport: o.transport,
+        nccl_sizes: o.nccl_sizes,
         timeout_ns: timeout_ns(o.timeout),
         ..Default::default()
     };
@@ -158,6 +164,12 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
         .collect();
     let mut paths: Vec<Path> = vec![Path::PerExpert, Path::Batched];
     let mut unsupported = Vec::new();
+    // Every rank switches together before each path's calls (both sides size each message
+    // alike): per-expert runs exact sizes only.
+    let sizes_for = |path: Path| match path {
+        Path::PerExpert => NcclSizes::Exact,
+        Path::Batched => o.nccl_sizes,
+    };
     let masked = Routing::Random {
         masked: o.masked as f32,
     };
@@ -209,6 +221,7 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
                 std::thread::sleep(host_wait.saturating_mul(3));
                 std::process::exit(3);
             }
+            g.set_nccl_sizes(sizes_for(path));
             let t0 = Instant::now();
             let got = match g.dispatch_rank(path, &me.x, &me.topk_idx) {
                 // Refused before anything was launched (every rank alike: the refusal depends
@@ -259,6 +272,7 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
     let mut timings = Vec::new();
     if o.iters > 0 {
         for &path in &paths {
+            g.set_nccl_sizes(sizes_for(path));
             g.dispatch_rank(path, &me.x, &me.topk_idx)
                 .map_err(|e| gpu_err(rank, "warm-up dispatch", e))?;
             g.upload_rank_combine(&y[rank], &me.topk_weights)
@@ -281,10 +295,21 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
                 rdzv.barrier("bench-end")
                     .map_err(|e| fail(format!("rank {rank}: barrier: {e}"), true))?;
             }
+            // Over NCCL, the wire figures of one call, all ranks (every rank holds every
+            // rank's inputs: they come from the shared seed).
+            let wire = if o.transport == Transport::Nccl {
+                let all: Vec<Vec<i64>> = data.iter().map(|d| d.topk_idx.clone()).collect();
+                crate::bench::nccl_accounting(&cfg, &all, path, sizes_for(path))
+                    .map(|w| (sizes_for(path).name(), w))
+                    .ok()
+            } else {
+                None
+            };
             timings.push(MpTiming {
                 path: path.name(),
                 dispatch_us: us[0],
                 combine_us: us[1],
+                wire,
             });
         }
     }

@@ -33,6 +33,23 @@ enum TransportArg {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum NcclSizesArg {
+    /// Exchange the batch headers, read them on the host, send exactly the rows there are.
+    Exact,
+    /// Headers and a fixed capacity in one NCCL group: no host round trip (batched path).
+    Capacity,
+}
+
+impl NcclSizesArg {
+    fn sizes(self) -> ep_kernels::NcclSizes {
+        match self {
+            NcclSizesArg::Exact => ep_kernels::NcclSizes::Exact,
+            NcclSizesArg::Capacity => ep_kernels::NcclSizes::Capacity,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum TimingArg {
     /// A CUDA graph on one GPU, one launch per call on several.
     Auto,
@@ -62,7 +79,7 @@ const MAX_TIMEOUT_SECS: f64 = 1e6;
 /// batched path over the per-expert one. `--per-rank` adds every rank's line in DeepEP's format.
 ///
 /// Before generating anything ep-bench checks every config and the memory the run needs. A flag
-/// that does not apply to the run (e.g. `--transport` without `--nprocs`, `--gpus` on the CPU
+/// that does not apply to the run (e.g. `--nccl-sizes` without `--transport nccl`, `--gpus` on the CPU
 /// backend) is refused, never ignored.
 ///
 /// Exit codes: 0 done; 1 a path or the backend failed (e.g. no usable GPU for `--backend gpu`
@@ -124,8 +141,9 @@ struct Cli {
     /// processes, and --ranks is not used.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
     nprocs: u64,
-    /// Multi-process mode: how ranks reach each other (auto: NVLink through CUDA IPC; nccl: NCCL
-    /// send/recv everywhere, batched path only).
+    /// GPU backend: how ranks reach each other (auto: NVLink, through CUDA IPC between
+    /// processes; nccl: NCCL send/recv for every peer, both paths; one rank per GPU, so in one
+    /// process --gpus must equal --ranks).
     #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
     transport: TransportArg,
     /// Multi-process mode: emulate this many nodes on this machine (rank i on node i / (N /
@@ -133,6 +151,12 @@ struct Cli {
     /// transport (CUDA IPC inside a node, NCCL across) unless --transport nccl.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
     nodes: u64,
+    /// With --transport nccl: how the batched path sizes its NCCL messages (exact: a header
+    /// round trip through the host, then exact sizes; capacity: header + T entries / T*min(K,L)
+    /// rows in one group, no host round trip). The per-expert path always runs exact sizes.
+    /// [default: the library's, ep_kernels::NcclSizes::default()]
+    #[arg(long, value_enum)]
+    nccl_sizes: Option<NcclSizesArg>,
     /// GPU backend: GPUs to spread the ranks over (1: all ranks as virtual ranks on one GPU).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     gpus: u64,
@@ -296,6 +320,7 @@ fn multiproc(cli: &Cli, mode: Mode) -> ExitCode {
             TransportArg::Nccl => ep_kernels::Transport::Nccl,
             TransportArg::TwoTier => ep_kernels::Transport::TwoTier,
         },
+        nccl_sizes: cli.nccl_sizes.map(|s| s.sizes()).unwrap_or_default(),
         gpus: cli.gpus as usize,
         rounds: 1,
         iters: cli.iters.map_or(200, |i| i as usize),
@@ -391,13 +416,21 @@ fn refuse_in_multiproc(cli: &Cli, given: &Given<'_>, launched: bool) -> Result<(
     Ok(())
 }
 
+/// `--nccl-sizes` needs the NCCL transport.
+fn refuse_nccl_sizes(cli: &Cli, given: &Given<'_>) -> Result<(), String> {
+    if given.has("nccl_sizes")
+        && !matches!(cli.transport, TransportArg::Nccl | TransportArg::TwoTier)
+    {
+        return Err(
+            "--nccl-sizes applies where NCCL carries traffic only: add --transport nccl (or two-tier with --nodes), or drop --nccl-sizes"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
 /// Flags that a single-process run does not use.
 fn refuse_in_single(given: &Given<'_>, json: bool) -> Result<(), String> {
-    if let Some(f) = given.first(&["transport"]) {
-        return Err(format!(
-            "{f} applies to multi-process mode only (--nprocs N with N > 1, or under torchrun); this run is one process: drop {f}, or add --nprocs"
-        ));
-    }
     if given.has("nodes") {
         return Err(
             "--nodes applies with --nprocs N (N > 1): it emulates nodes for the processes ep-bench starts, and this run is one process: drop --nodes, or add --nprocs"
@@ -421,7 +454,8 @@ fn refuse_in_single(given: &Given<'_>, json: bool) -> Result<(), String> {
 fn refuse_on_backend(given: &Given<'_>, backend: &Backend) -> Result<(), String> {
     match backend {
         Backend::Cpu => {
-            if let Some(f) = given.first(&["gpus", "profile", "timing"]) {
+            if let Some(f) = given.first(&["gpus", "profile", "timing", "transport", "nccl_sizes"])
+            {
                 return Err(format!(
                     "{f} applies to the GPU backend, and this run uses the CPU backend: drop {f}"
                 ));
@@ -494,6 +528,9 @@ fn main() -> ExitCode {
         Ok(m) => m,
         Err(e) => return fail(e, 2),
     };
+    if let Err(e) = refuse_nccl_sizes(&cli, &given) {
+        return fail(e, 2);
+    }
     let launched = ep_launch::is_launched_externally();
     if launched || cli.nprocs > 1 {
         if let Err(e) = refuse_in_multiproc(&cli, &given, launched) {
@@ -538,6 +575,12 @@ fn main() -> ExitCode {
     }
     if let Err(e) = refuse_in_single(&given, cli.json) {
         return fail(e, 2);
+    }
+    if cli.timing == TimingArg::Graph && cli.transport == TransportArg::Nccl {
+        return fail(
+            "--timing graph does not apply with --transport nccl (exact sizes read the headers on the host mid-call): drop --timing graph",
+            2,
+        );
     }
     if cli.timing == TimingArg::Graph && cli.gpus > 1 {
         return fail(
@@ -589,6 +632,8 @@ fn main() -> ExitCode {
                 TimingArg::Graph => Some(true),
                 TimingArg::Stream => Some(false),
             },
+            nccl: (cli.transport == TransportArg::Nccl)
+                .then(|| cli.nccl_sizes.map(|s| s.sizes()).unwrap_or_default()),
         });
     }
     let choice = match cli.backend {

@@ -171,6 +171,7 @@ fn rank_main(args: &Args) -> Result<(), Fail> {
             _ => Mode::FP8,
         },
         transport,
+        nccl_sizes: Default::default(),
         gpus: args.num("--gpus", 1),
         rounds: args.num("--rounds", 2),
         iters: args.num("--iters", 200),

@@ -9,6 +9,16 @@
 // Combine, on owner d: block per local expert copies every row back to its source's slot
 //   t*K + k, then one signal per (expert, source). On s: wait for all E experts' signals and
 //   reduce in k order.
+// NCCL peers (bit d of p.nccl_mask; the call runs as stage 1 pack, host exchange, stage 2
+//   unpack): dispatch stages the messages for d packed in expert order, entries of expert
+//   (d, l) from d*T*K + (rows of d's experts before l), token order, and writes the header
+//   (tokens, selections, rows per local expert) to snd_hdr; the host sends one message per
+//   (d, l) into d's region (l, me) of pe_buf, entries 0..count, and the unpack reads count from
+//   rcv_hdr instead of a signal and takes entries 0..count instead of scanning for the epoch.
+//   Combine stages the rows of (l, s) for NCCL source s packed the same way from s*T*K; on s
+//   they land from cmb_buf row T*K + npos(e) on (npos: selections of NCCL experts before e, in
+//   expert order; the dispatch keeps each selection's row in comb_pos). No signals, no acks:
+//   stream order puts this call's unpack before the next call's transfers.
 
 #define PE_HDR 16
 
@@ -41,7 +51,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
     // Bad routing (or token count) is caught here, before anything is written (see batched.cu).
     const int in_bad = load_topk(p, (const i64*)io.topk, n, sm.sk, sm.sdl, rank, true) | s_bad;
     int bad = in_bad;
-    if (!in_bad && tid < R && p.stage != 2) bad = !wait_ack(p, sig_pe_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_DISPATCH_SEND);
+    if (!in_bad && tid < R && p.stage != 2 && !via_nccl(p, tid))
+        bad = !wait_ack(p, sig_pe_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_DISPATCH_SEND);
     if (__syncthreads_or(bad)) goto finish;
     PROF(1);
     // The device API's routing and token count, kept for this call's combine (its handle).
@@ -51,10 +62,54 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
     }
     {
         const int segs = (p.H + 511) / 512;
+        // ---- NCCL destinations: rows per expert (bm[e]), packed position of each expert's first
+        // row over the NCCL experts (pw[e]), tokens per destination (tot[d]); block 0 writes the
+        // headers. Routing only: no peer data.
+        if (p.nccl_mask != 0u && p.stage != 2) {
+            for (int i = tid; i < E; i += NTHREADS) sm.bm[i] = 0;
+            for (int i = tid; i < R; i += NTHREADS) sm.tot[i] = 0;
+            __syncthreads();
+            for (int i = tid; i < n * K; i += NTHREADS) {
+                const int dl = sm.sdl[i];
+                if (dl >= 0 && via_nccl(p, dl >> 16)) atomicAdd(&sm.bm[sm.sk[i]], 1);
+            }
+            for (int t = tid; t < n; t += NTHREADS) {
+                u32 mask = 0u;
+                for (int k = 0; k < K; k++) {
+                    const int dl = sm.sdl[t * K + k];
+                    if (dl >= 0) mask |= 1u << (dl >> 16);
+                }
+                for (u32 m = mask & p.nccl_mask; m != 0u; m &= m - 1u) atomicAdd(&sm.tot[__ffs(m) - 1], 1);
+            }
+            __syncthreads();
+            int run = 0;
+            for (int c = 0; c < E; c += NTHREADS) {
+                const int e = c + tid;
+                int total;
+                const int idx = block_excl_scan(e < E ? sm.bm[e] : 0, sm.scratch, &total);
+                if (e < E) sm.pw[e] = run + idx;
+                run += total;
+            }
+            __syncthreads();
+            if (bid == 0) {
+                int* hdr = (int*)me.snd_hdr;
+                for (int i = tid; i < E; i += NTHREADS)
+                    if (via_nccl(p, i / L)) hdr[(i / L) * HDR_WORDS(L) + 2 + i % L] = sm.bm[i];
+                for (int d = tid; d < R; d += NTHREADS)
+                    if (via_nccl(p, d)) {
+                        const int last = (d + 1) * L - 1;
+                        hdr[d * HDR_WORDS(L)] = sm.tot[d];
+                        hdr[d * HDR_WORDS(L) + 1] = sm.pw[last] + sm.bm[last] - sm.pw[d * L];
+                    }
+            }
+        }
         // ---- send: one message per selection, one signal per expert (stage 2: the receive half)
         for (int e = bid; e < E && p.stage != 2; e += p.blocks_per_rank) {
             const int d = e / L, l = e % L;
-            u8* region = (u8*)tab[d].pe_buf + ((u64)l * R + rank) * T * p.pe_entry_bytes;
+            const bool nc = via_nccl(p, d);
+            // NVLink: d's region (l, me), slot = token; NCCL: this rank's staging, packed.
+            u8* region = nc ? (u8*)me.snd_buf + ((u64)d * T * K + (sm.pw[e] - sm.pw[d * L])) * p.pe_entry_bytes
+                            : (u8*)tab[d].pe_buf + ((u64)l * R + rank) * T * p.pe_entry_bytes;
             int count = 0;
             for (int c = 0; c < n; c += NTHREADS) {
                 const int t = c + tid;
@@ -75,7 +130,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
                 for (int u = warp; u < total * segs; u += NWARPS) {
                     const int m = u / segs, g = u % segs;
                     const int tt = sm.m_a[m];
-                    u8* entry = region + (u64)tt * p.pe_entry_bytes;
+                    u8* entry = region + (u64)(nc ? count + m : tt) * p.pe_entry_bytes;
                     const u16* xr = (const u16*)io.x + (u64)tt * p.H;
                     Seg sg = seg_load(p, xr, g * 512);
                     seg_store(p, sg, xr, g * 512, entry + PE_HDR);
@@ -84,13 +139,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
                         ((int*)entry)[1] = tt;
                         ((int*)entry)[2] = sm.m_b[m];
                         ((u32*)entry)[3] = (u32)(epoch >> 32);
+                        // Where (tt, slot) comes back in combine (cmb_buf row T*K + this).
+                        if (nc) ((int*)me.comb_pos)[tt * K + sm.m_b[m]] = sm.pw[e] + count + m;
                     }
                 }
                 count += total;
                 __syncthreads();
             }
             __syncthreads();
-            if (tid == 0 && rank != p.fault_rank) {
+            if (tid == 0 && rank != p.fault_rank && !nc) {
                 fence_rel(p);
                 // loom: gpu_protocol::per_expert_send, model per_expert_two_senders_one_receiver (mutant gpu_signal_relaxed).
                 st_release(p, sig_pe(tab[d], R) + (u64)l * R + rank, signal_word(epoch, (u32)count));
@@ -103,9 +160,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
             int base = 0;
             for (int s = 0; s < R; s++) {
                 // loom: gpu_protocol::per_expert_receive, models per_expert_two_senders_one_receiver, per_expert_consecutive_calls, per_expert_tag_wrap.
+                // NCCL source: the count from its header (arrived before this launch, in stream
+                // order), the entries packed from slot 0.
+                const bool nc = via_nccl(p, s);
                 if (tid == 0) {
-                    long long c = wait_signal(p, sig_pe(me, R) + (u64)l * R + s, epoch, rank, s, PH_DISPATCH_RECV);
-                    if (c >= 0 && peer_bad(p, rank, s, PF_PE_COUNT, c, T)) c = -1;
+                    long long c = nc ? (long long)((const int*)me.rcv_hdr)[s * HDR_WORDS(L) + 2 + l]
+                                     : wait_signal(p, sig_pe(me, R) + (u64)l * R + s, epoch, rank, s, PH_DISPATCH_RECV);
+                    if ((nc || c >= 0) && peer_bad(p, rank, s, PF_PE_COUNT, c, T)) c = -1;
                     s_cnt = (int)c;
                 }
                 __syncthreads();
@@ -119,7 +180,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
                     // One 16-byte load of the header (epoch low word at [0], high word at [3]):
                     // no second, dependent load in the scan.
                     int has = 0;
-                    if (j < T) {
+                    if (nc) {
+                        has = j < cnt;
+                    } else if (j < T) {
                         const uint4 hv = *(const uint4*)(region + (u64)j * p.pe_entry_bytes);
                         has = hv.x == (u32)epoch && hv.w == (u32)(epoch >> 32);
                     }
@@ -176,7 +239,8 @@ finish:
         if (threadIdx.x == 0) {
             // loom: gpu_protocol::finish (the ack), model per_expert_consecutive_calls.
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
-            for (int s = 0; s < R; s++) st_release(p, sig_pe_ack(tab[s], R) + rank, (u64)epoch);
+            for (int s = 0; s < R; s++)
+                if (!via_nccl(p, s)) st_release(p, sig_pe_ack(tab[s], R) + rank, (u64)epoch);
         }
     }
 }
@@ -212,12 +276,26 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
     load_topk(p, (const i64*)me.topk, n, sm.sk, sm.sdl, rank, false);
     int bad = 0;
     // loom: not modelled itself; the same wait_ack as per-expert dispatch (model per_expert_consecutive_calls).
-    if (tid < R && p.stage != 2) bad = !wait_ack(p, sig_pc_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_COMBINE_SEND);
+    if (tid < R && p.stage != 2 && !via_nccl(p, tid))
+        bad = !wait_ack(p, sig_pc_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_COMBINE_SEND);
     if (__syncthreads_or(bad)) goto finish;
     PROF(1);
     {
         const int G = (int)((rowb + SEGB - 1) / SEGB);
         const int* layout = (const int*)me.layout;
+        const u64 TK = (u64)T * K;
+        // NCCL sources: rows of (l, s) staged packed from s*T*K in expert order; beg[l*R+s] =
+        // rows of s's earlier experts (the host sizes the messages from the same headers).
+        if (p.nccl_mask != 0u && p.stage != 2) {
+            for (int s = tid; s < R; s += NTHREADS) {
+                int run = 0;
+                for (int l = 0; l < L; l++) {
+                    sm.beg[l * R + s] = run;
+                    run += layout[(l * R + s) * 2 + 1];
+                }
+            }
+            __syncthreads();
+        }
         // ---- send: every row of local expert l back to its source's slot t*K+k
         for (int l = bid; l < L && p.stage != 2; l += p.blocks_per_rank) {
             const int cnt = ((const int*)me.recv_count)[l];
@@ -228,12 +306,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
                 const u64 row = (u64)l * RT + i;
                 const u64 tk = (u64)((const int*)me.row_tk)[row];
                 const u8* src = (const u8*)io.y + row * rowb + (u64)g * SEGB;
-                u8* dst = (u8*)tab[s].cmb_buf + tk * rowb + (u64)g * SEGB;
+                u8* dst;
+                if (via_nccl(p, s)) {
+                    const u64 at = (u64)sm.beg[l * R + s] + (u64)(i - layout[(l * R + s) * 2]);
+                    if (at >= TK) continue;  // past T*K: headers the host refused already
+                    dst = (u8*)me.snd_buf + ((u64)s * TK + at) * rowb + (u64)g * SEGB;
+                } else {
+                    dst = (u8*)tab[s].cmb_buf + tk * rowb + (u64)g * SEGB;
+                }
                 const u64 left = rowb - (u64)g * SEGB;
                 warp_copy(dst, src, (int)(left < SEGB ? left : SEGB));
             }
             __syncthreads();
             for (int s = tid; s < R; s += NTHREADS) {
+                if (via_nccl(p, s)) continue;
                 fence_rel(p);
                 // loom: not modelled itself; fence + release store after __syncthreads, as per-expert dispatch
                 // (model per_expert_two_senders_one_receiver).
@@ -246,11 +332,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
         bad = 0;
         for (int e = tid; e < E; e += NTHREADS)
             // loom: not modelled itself; the same wait_signal as per-expert dispatch (model per_expert_two_senders_one_receiver).
-            bad |= wait_signal(p, sig_pc(me, R, L) + e, epoch, rank, e / L, PH_COMBINE_RECV) < 0;
+            if (!via_nccl(p, e / L)) bad |= wait_signal(p, sig_pc(me, R, L) + e, epoch, rank, e / L, PH_COMBINE_RECV) < 0;
         if (__syncthreads_or(bad)) goto finish;
         PROF(3);
         const u8* cbuf = (const u8*)me.cmb_buf;
-        reduce_tokens(p, io, n, sm.sk, bid, [&](int t, int k) -> const u8* { return cbuf + ((u64)t * K + k) * rowb; });
+        const int* cpos = (const int*)me.comb_pos;
+        // NCCL owners' rows from row T*K on (their position from this rank's dispatch).
+        reduce_tokens(p, io, n, sm.sk, bid, [&](int t, int k) -> const u8* {
+            const u64 i = via_nccl(p, sm.sk[t * K + k] / L) ? TK + (u64)cpos[t * K + k] : (u64)t * K + k;
+            return cbuf + i * rowb;
+        });
     }
 finish:
     PROF(4);
@@ -260,7 +351,8 @@ finish:
         if (threadIdx.x == 0) {
             // loom: not modelled itself; the same ack as per-expert dispatch (model per_expert_consecutive_calls).
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
-            for (int d = 0; d < R; d++) st_release(p, sig_pc_ack(tab[d], R) + rank, (u64)epoch);
+            for (int d = 0; d < R; d++)
+                if (!via_nccl(p, d)) st_release(p, sig_pc_ack(tab[d], R) + rank, (u64)epoch);
         }
     }
 }

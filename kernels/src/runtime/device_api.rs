@@ -27,7 +27,16 @@
 //! - Receive hook: `dispatch_send` / `dispatch_recv` (and `combine_send` / `combine_recv`) are the
 //!   two halves of the fused call (the same kernel, stage 1: send and signal; stage 2: wait,
 //!   receive), so other kernels may run on the stream in between. Same bits as the fused call.
-//! - Not supported here (typed `Unsupported`): the NCCL transport (its exchange is host-driven).
+//! - The NCCL transport works here in [`NcclSizes::Capacity`] mode only (exact sizes read the
+//!   headers on the host mid-call; refused with a typed `Unsupported`), batched path only. A call
+//!   is then: a memset poisoning the send headers, the pack kernel, ONE grouped
+//!   `ncclSend`/`ncclRecv` (headers + capacity) and the unpack kernel, all enqueued on the
+//!   caller's stream: stream-ordered, no host synchronisation. NCCL receives are not bounded on
+//!   the device: the caller's own stream synchronisation is the wait (poll it with a bound, as
+//!   [`GpuGroup::sync`] does for the group's streams). Graph capture: NCCL (>= 2.9) captures
+//!   point-to-point calls; issue one uncaptured call first (NCCL connects peers on first use),
+//!   and keep one GPU per process (NCCL warns that several GPUs per process may deadlock at
+//!   graph launch). The receive hooks split the same way (send half: pack + exchange).
 //!
 //! Ordering: the group's internal buffers are reused by every call, so calls on one group must
 //! be issued in program order on streams that are ordered with each other (the usual case: one
@@ -187,9 +196,11 @@ impl GpuGroup {
         entries: usize,
     ) -> Result<Vec<sys::CUstream>, GpuError> {
         self.check_usable()?;
-        if self.comms.is_some() {
+        if self.comms.is_some() && self.nx.sizes != NcclSizes::Capacity {
             return Err(GpuError::Unsupported(
-                "the device API runs over NVLink only; the NCCL transport's exchange is host-driven"
+                "the device API over NCCL needs NcclSizes::Capacity: exact sizes read the batch \
+                 headers on the host in the middle of the call (a host round trip, not \
+                 stream-ordered)"
                     .into(),
             ));
         }
@@ -277,7 +288,7 @@ impl GpuGroup {
         if hook.handle.group != self.id {
             return Err(GpuError::Handle("a dispatch hook of another group".into()));
         }
-        self.launch_stage_on(Op::Dispatch, hook.handle.path, 2, &raw, &hook.io)?;
+        self.stage_on(Op::Dispatch, hook.handle.path, 2, &raw, &hook.io)?;
         self.finish_device_call(Op::Dispatch, hook.handle.path);
         Ok(hook.handle)
     }
@@ -358,8 +369,8 @@ impl GpuGroup {
             }
             ns.push(n);
         }
-        if path == Path::PerExpert && self.comms.is_some() {
-            return Err(GpuError::Unsupported("per-expert path over NCCL".into()));
+        if self.comms.is_some() {
+            self.check_nccl_mode(path)?;
         }
         // The addresses, per device table. The SyncOnDrop guards (cudarc's event tracking:
         // the stream waits for earlier writes of each tensor, and records this use) live until
@@ -423,7 +434,7 @@ impl GpuGroup {
                 guards.push(g);
             }
         }
-        self.launch_stage_on(Op::Dispatch, path, stage, &raw, &io)?;
+        self.stage_on(Op::Dispatch, path, stage, &raw, &io)?;
         drop(guards);
         let call = self.calls[kind(Op::Dispatch, path)] + 1;
         if stage == 0 {
@@ -439,6 +450,23 @@ impl GpuGroup {
             },
             io,
         })
+    }
+
+    /// Stage 0 (whole call), 1 (send half) or 2 (receive half) on the caller's streams: one
+    /// kernel launch, or over NCCL the pack / exchange / unpack sequence of that part.
+    fn stage_on(
+        &mut self,
+        op: Op,
+        path: Path,
+        stage: i32,
+        streams: &[sys::CUstream],
+        io: &[IoTable],
+    ) -> Result<(), GpuError> {
+        if self.comms.is_some() {
+            self.nccl_call(op, path, streams, io, stage)
+        } else {
+            self.launch_stage_on(op, path, stage, streams, io)
+        }
     }
 
     /// Bookkeeping after a whole device-API call (or its receive half) was enqueued.
@@ -487,7 +515,7 @@ impl GpuGroup {
         streams: &[&CudaStream],
     ) -> Result<(), GpuError> {
         let raw = self.device_call_check(streams, self.device_ranks().len())?;
-        self.launch_stage_on(Op::Combine, hook.path, 2, &raw, &hook.io)?;
+        self.stage_on(Op::Combine, hook.path, 2, &raw, &hook.io)?;
         self.finish_device_call(Op::Combine, hook.path);
         Ok(())
     }
@@ -559,7 +587,7 @@ impl GpuGroup {
             slot.out = p;
             guards.push(g);
         }
-        self.launch_stage_on(Op::Combine, path, stage, &raw, &io)?;
+        self.stage_on(Op::Combine, path, stage, &raw, &io)?;
         drop(guards);
         if stage == 0 {
             self.finish_device_call(Op::Combine, path);

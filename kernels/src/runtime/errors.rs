@@ -81,11 +81,13 @@ pub(crate) fn decode(w: &[u32; ERR_WORDS], cfg: &Config) -> Option<GpuError> {
     })
 }
 
-/// Ranks the errors of several devices: bad input and bad peer data are the cause, timeouts on
-/// other devices (waiting for the rank that stopped) their consequence.
+/// Ranks the errors of several devices: bad input is the cause; bad peer data next (over NCCL
+/// in capacity mode a rank stopped by bad input sends poisoned headers, which its peers report
+/// as `PeerData`); timeouts on other devices (waiting for the rank that stopped) last.
 fn cause_first(e: &GpuError) -> u8 {
     match e {
-        GpuError::Contract(Error::Timeout { .. }) => 1,
+        GpuError::Contract(Error::Timeout { .. }) => 2,
+        GpuError::PeerData { .. } => 1,
         _ => 0,
     }
 }

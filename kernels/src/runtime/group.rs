@@ -143,6 +143,7 @@ impl GpuGroup {
                 ptrs: Vec::new(),
             },
             last_op: None,
+            nx: NcclState::new(opts.nccl_sizes, g),
         })
     }
 
@@ -294,6 +295,7 @@ impl GpuGroup {
             own: Some(rank),
             ipc_opened,
             last_op: None,
+            nx: NcclState::new(opts.nccl_sizes, 1),
         })
     }
 }

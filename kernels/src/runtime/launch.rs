@@ -2,6 +2,40 @@
 //! stages), the bounded host waits, and `sync`, which turns the device error word into a typed error.
 use super::*;
 
+/// What capacity mode writes into every send header word before the pack stage (i32::MAX: a
+/// token count no peer accepts, see `poison_send_headers`).
+pub(crate) const POISON_HDR: u32 = i32::MAX as u32;
+
+/// The most point-to-point calls the per-expert path puts in one NCCL group (NCCL documents a
+/// limit of 2048 calls between ncclGroupStart and ncclGroupEnd; half of it, to stay clear).
+pub(crate) const MAX_GROUP_OPS: usize = 1024;
+
+/// Local experts per NCCL group of the per-expert exchange: every rank of R sends and receives
+/// one message per (peer, local expert), `devices` communicators per group call. From the
+/// config alone, so every rank (process) splits at the same experts and every group holds
+/// both sides of each message it starts (no group waits on another's).
+pub(crate) fn experts_per_group(r: usize, devices: usize) -> usize {
+    (MAX_GROUP_OPS / (2 * r.max(1) * devices.max(1))).max(1)
+}
+
+/// Runs tagged operation lists (tag = local expert) as consecutive groups of `chunk` experts.
+fn by_expert_chunks(
+    ops: Vec<Vec<(usize, crate::nccl::P2p)>>,
+    l: usize,
+    chunk: usize,
+) -> Vec<Vec<Vec<crate::nccl::P2p>>> {
+    let rounds = l.div_ceil(chunk.max(1)).max(1);
+    let mut out: Vec<Vec<Vec<crate::nccl::P2p>>> = (0..rounds)
+        .map(|_| (0..ops.len()).map(|_| Vec::new()).collect())
+        .collect();
+    for (di, list) in ops.into_iter().enumerate() {
+        for (tag, op) in list {
+            out[(tag / chunk.max(1)).min(rounds - 1)][di].push(op);
+        }
+    }
+    out
+}
+
 impl GpuGroup {
     /// Launches one call of `op` on `path` on every device. No host synchronisation.
     pub fn launch(&mut self, op: Op, path: Path) -> Result<(), GpuError> {
@@ -20,20 +54,11 @@ impl GpuGroup {
             self.check_combine_path(path)?;
         }
         let nccl = self.comms.is_some();
-        if nccl && what.is_some() && path == Path::PerExpert {
-            return Err(GpuError::Unsupported(
-                "the per-expert path runs over NVLink only; NCCL peers need the batched path"
-                    .into(),
-            ));
-        }
         if nccl && what.is_some() {
             // NCCL transport: pack kernel, grouped send/recv, unpack kernel.
-            self.launch_stage(op, path, 1)?;
-            match op {
-                Op::Dispatch => self.nccl_dispatch_exchange()?,
-                Op::Combine => self.nccl_combine_exchange()?,
-            }
-            self.launch_stage(op, path, 2)?;
+            let streams = self.streams_raw();
+            let io = vec![IoTable::default(); self.devs.len()];
+            self.nccl_call(op, path, &streams, &io, 0)?;
         } else {
             self.launch_stage(op, path, if what.is_none() { -1 } else { 0 })?;
         }
@@ -135,18 +160,111 @@ impl GpuGroup {
         self.devs.iter().map(|d| d.stream).collect()
     }
 
-    /// Dispatch over NCCL, after the pack kernel: the headers (tokens, selections, rows per
-    /// local expert) of every (me, peer) pair, read back to size the payload, then the batches
-    /// themselves into each peer's receive region for me, exactly where NVLink would put them.
-    pub(crate) fn nccl_dispatch_exchange(&mut self) -> Result<(), GpuError> {
+    /// Refuses what the NCCL sizing mode cannot do on `path`.
+    pub(crate) fn check_nccl_mode(&self, path: Path) -> Result<(), GpuError> {
+        self.check_nccl_sizes(path, self.nx.sizes)
+    }
+
+    fn check_nccl_sizes(&self, path: Path, sizes: NcclSizes) -> Result<(), GpuError> {
+        if sizes == NcclSizes::Capacity && path == Path::PerExpert {
+            let c = &self.cfg;
+            return Err(GpuError::Unsupported(format!(
+                "the per-expert path over NCCL needs exact sizes (NcclSizes::Exact): with a fixed \
+                 capacity each of its L = {} messages per peer would carry T = {} entries, \
+                 L*T = {} entries per peer instead of at most T*K = {}",
+                c.num_local_experts(),
+                c.max_tokens_per_rank,
+                c.num_local_experts().saturating_mul(c.max_tokens_per_rank),
+                c.max_tokens_per_rank.saturating_mul(c.top_k)
+            )));
+        }
+        Ok(())
+    }
+
+    /// One call (or half of one) over NCCL on `streams` with the tensors `io`: `part` 0 the
+    /// whole call, 1 pack + exchange (the send hook), 2 unpack (the receive hook).
+    pub(crate) fn nccl_call(
+        &mut self,
+        op: Op,
+        path: Path,
+        streams: &[sys::CUstream],
+        io: &[IoTable],
+        part: i32,
+    ) -> Result<(), GpuError> {
+        // Combine sizes its messages as its dispatch did (exact sizes need that dispatch's
+        // headers; a capacity dispatch left none), whatever the mode is now.
+        let sizes = match op {
+            Op::Dispatch => self.nx.sizes,
+            Op::Combine => self.nx.dispatch_sizes.unwrap_or(self.nx.sizes),
+        };
+        self.check_nccl_sizes(path, sizes)?;
+        if part != 2 {
+            if op == Op::Dispatch && sizes == NcclSizes::Capacity {
+                self.poison_send_headers(streams)?;
+            }
+            self.launch_stage_on(op, path, 1, streams, io)?;
+            match op {
+                Op::Dispatch => {
+                    // Unknown until the exchange is queued (a failed one leaves no sizes).
+                    self.nx.dispatch_sizes = None;
+                    self.nccl_dispatch_exchange(path, streams)?;
+                    self.nx.dispatch_sizes = Some(sizes);
+                }
+                Op::Combine => self.nccl_combine_exchange(path, sizes, streams)?,
+            }
+        }
+        if part != 1 {
+            self.launch_stage_on(op, path, 2, streams, io)?;
+        }
+        Ok(())
+    }
+
+    /// Capacity mode has no host look at the headers before they travel: a rank whose pack
+    /// stage stops on bad input writes none, and an earlier call's (valid-looking) header would
+    /// go out. So every send header word is first set to i32::MAX in stream order; the pack
+    /// stage overwrites it when it succeeds, and a peer's unpack rejects a token count past T
+    /// on the device (ERR_PEER_DATA naming `PF_BATCH_TOKENS` and the value), bounded, with no
+    /// host involved. (Not -1: the unpack takes a negative count for a wait that already
+    /// failed and leaves without a report of its own.)
+    fn poison_send_headers(&self, streams: &[sys::CUstream]) -> Result<(), GpuError> {
+        let words = prod(
+            "the send headers",
+            &[self.cfg.num_ranks, 2 + self.cfg.num_local_experts()],
+        )?;
+        for (di, dev) in self.devs.iter().enumerate() {
+            let r = dev.first_rank;
+            dev.bind()?;
+            // SAFETY: snd_hdr holds R*(2+L) i32 of this rank on the bound context; the stream
+            // belongs to it (checked by the caller).
+            cuda("poison the send headers", unsafe {
+                sys::cuMemsetD32Async(self.ptrs[r].snd_hdr, POISON_HDR, words, streams[di]).result()
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Dispatch over NCCL, after the pack kernel. Capacity: the headers (tokens, selections,
+    /// rows per local expert) and the full T-entry batch of every (me, peer) pair in one group.
+    /// Exact: the headers, read back to size the payload, then the batches (batched: one per
+    /// peer; per-expert: one per (peer, local expert) with rows) into each peer's receive
+    /// region for me, exactly where NVLink would put them.
+    pub(crate) fn nccl_dispatch_exchange(
+        &mut self,
+        path: Path,
+        streams: &[sys::CUstream],
+    ) -> Result<(), GpuError> {
         let (l, t) = (self.cfg.num_local_experts(), self.cfg.max_tokens_per_rank);
         let k = self.cfg.top_k;
-        let hb = (2 + l) * 4;
+        let r_all = self.cfg.num_ranks;
+        let hw = 2 + l;
+        let hb = hw * 4;
         let eb = self.params.entry_bytes as usize;
+        let peb = self.params.pe_entry_bytes as usize;
+        let capacity = self.nx.sizes == NcclSizes::Capacity;
         let mut ops = Vec::new();
         for di in 0..self.devs.len() {
-            let (r, peers) = self.nccl_peers(di);
-            let p = self.ptrs[r];
+            let (_, peers) = self.nccl_peers(di);
+            let p = self.ptrs[self.devs[di].first_rank];
             let mut v = Vec::new();
             for &d in &peers {
                 v.push(crate::nccl::P2p::Send {
@@ -159,23 +277,41 @@ impl GpuGroup {
                     bytes: hb,
                     peer: d,
                 });
+                if capacity {
+                    // Batched only (check_nccl_mode): the whole region, T entries.
+                    let region = prod("a batch region", &[d, t, eb])? as u64;
+                    let bytes = prod("a capacity batch", &[t, eb])?;
+                    v.push(crate::nccl::P2p::Send {
+                        buf: p.snd_buf + region,
+                        bytes,
+                        peer: d,
+                    });
+                    v.push(crate::nccl::P2p::Recv {
+                        buf: p.bat_buf + region,
+                        bytes,
+                        peer: d,
+                    });
+                }
             }
             ops.push(v);
         }
-        self.nccl_group(&ops)?;
-        let call = self.calls[kind(Op::Dispatch, Path::Batched)] + 1;
-        self.wait_streams(Op::Dispatch, call)?;
+        self.nccl_group_on(&ops, streams)?;
+        if capacity {
+            return Ok(());
+        }
+        let call = self.calls[kind(Op::Dispatch, path)] + 1;
+        self.wait_streams_on(streams, Op::Dispatch, call)?;
         // A rank whose pack stage found bad input skipped writing its headers and batches: what
         // sits in them is an earlier call's, valid-looking. Read the error word before anything
         // of this call is sent, so no peer takes that data for this call's (the loom model
         // `verify/src/gpu_protocol.rs` found this); the peers' own waits then end bounded.
         self.check()?;
-        let mut ops = Vec::new();
+        let mut ops: Vec<Vec<(usize, crate::nccl::P2p)>> = Vec::new();
         for di in 0..self.devs.len() {
             let (r, peers) = self.nccl_peers(di);
             let p = self.ptrs[r];
             self.devs[di].bind()?;
-            let words = self.cfg.num_ranks * (2 + l);
+            let words = r_all * hw;
             let (mut sh, mut rh) = (vec![0i32; words], vec![0i32; words]);
             // SAFETY: both headers hold R*(2+L) i32 on the bound context; the stream is idle.
             unsafe {
@@ -193,60 +329,196 @@ impl GpuGroup {
                 // [issue 10 item 4] Every header word, ours and the peer's, is bounded (tokens
                 // <= T, selections within tokens..=tokens*K, per-expert rows summing to the
                 // selections) before it sizes a transfer; a bad one marks the group broken.
-                let hw = 2 + l;
                 let (sw, rw) = (&sh[d * hw..][..hw], &rh[d * hw..][..hw]);
                 let (mine, theirs) = crate::nccl::check_pair(r, d, sw, rw, t, k)
                     .inspect_err(|e| self.broken = Some(e.clone()))?;
-                let (to_tok, to_sel) = (mine.tokens, mine.selections);
-                let (from_tok, from_sel) = (theirs.tokens, theirs.selections);
-                self.sels[di].0[d] = to_sel;
-                self.sels[di].1[d] = from_sel;
-                v.push(crate::nccl::P2p::Send {
-                    buf: p.snd_buf + (d * t * eb) as u64,
-                    bytes: to_tok * eb,
-                    peer: d,
-                });
-                v.push(crate::nccl::P2p::Recv {
-                    buf: p.bat_buf + (d * t * eb) as u64,
-                    bytes: from_tok * eb,
-                    peer: d,
-                });
+                self.sels[di].0[d] = mine.selections;
+                self.sels[di].1[d] = theirs.selections;
+                match path {
+                    Path::Batched => {
+                        v.push((
+                            0,
+                            crate::nccl::P2p::Send {
+                                buf: p.snd_buf + (d * t * eb) as u64,
+                                bytes: mine.tokens * eb,
+                                peer: d,
+                            },
+                        ));
+                        v.push((
+                            0,
+                            crate::nccl::P2p::Recv {
+                                buf: p.bat_buf + (d * t * eb) as u64,
+                                bytes: theirs.tokens * eb,
+                                peer: d,
+                            },
+                        ));
+                    }
+                    Path::PerExpert => {
+                        // One message per local expert of d (staged packed in expert order
+                        // from d*T*K), one per local expert of mine from d, each into its
+                        // (l, d) region of pe_buf.
+                        let out = pe_messages(&sw[2..], t, k)
+                            .inspect_err(|e| self.broken = Some(e.clone()))?;
+                        for (le, (at, n)) in out.into_iter().enumerate() {
+                            v.push((
+                                le,
+                                crate::nccl::P2p::Send {
+                                    buf: p.snd_buf + ((d * t * k + at) * peb) as u64,
+                                    bytes: n * peb,
+                                    peer: d,
+                                },
+                            ));
+                        }
+                        let inn = pe_messages(&rw[2..], t, k)
+                            .inspect_err(|e| self.broken = Some(e.clone()))?;
+                        for (le, (_, n)) in inn.into_iter().enumerate() {
+                            v.push((
+                                le,
+                                crate::nccl::P2p::Recv {
+                                    buf: p.pe_buf + (((le * r_all + d) * t) * peb) as u64,
+                                    bytes: n * peb,
+                                    peer: d,
+                                },
+                            ));
+                        }
+                    }
+                }
             }
+            self.nx.hdrs[di] = (sh, rh);
             ops.push(v);
         }
-        self.nccl_group(&ops)
+        self.nccl_rounds(ops, streams)
+    }
+
+    /// The tagged payload operations, in groups of [`experts_per_group`] local experts.
+    fn nccl_rounds(
+        &mut self,
+        ops: Vec<Vec<(usize, crate::nccl::P2p)>>,
+        streams: &[sys::CUstream],
+    ) -> Result<(), GpuError> {
+        let chunk = experts_per_group(self.cfg.num_ranks, self.devs.len());
+        for round in by_expert_chunks(ops, self.cfg.num_local_experts(), chunk) {
+            if round.iter().any(|v| !v.is_empty()) {
+                self.nccl_group_on(&round, streams)?;
+            }
+        }
+        Ok(())
     }
 
     /// Combine over NCCL, after the pack kernel: rows for source s go back to s's receive
-    /// region for me. The sizes are known from the dispatch headers: no host round trip.
-    pub(crate) fn nccl_combine_exchange(&mut self) -> Result<(), GpuError> {
+    /// region for me. Exact: the sizes come from the dispatch headers (no host round trip);
+    /// batched one message per peer, per-expert one per (peer, local expert). Capacity:
+    /// T * min(K, L) rows per peer (batched only).
+    pub(crate) fn nccl_combine_exchange(
+        &mut self,
+        path: Path,
+        sizes: NcclSizes,
+        streams: &[sys::CUstream],
+    ) -> Result<(), GpuError> {
         let (t, k) = (self.cfg.max_tokens_per_rank, self.cfg.top_k);
         let rowb = 2 * self.cfg.hidden;
-        let mut ops = Vec::new();
+        let cap = combine_capacity_rows(&self.cfg)?;
+        let hw = 2 + self.cfg.num_local_experts();
+        let mut ops: Vec<Vec<(usize, crate::nccl::P2p)>> = Vec::new();
         for di in 0..self.devs.len() {
             let (r, peers) = self.nccl_peers(di);
             let p = self.ptrs[r];
             let mut v = Vec::new();
+            // Per-expert: rows from NCCL owners sit in cmb_buf from row T*K on, packed in
+            // (owner, local expert) order (the dispatch pack kernel's comb_pos says where).
+            let mut nbase = t * k;
             for &d in &peers {
                 let region = (d * t * k * rowb) as u64;
-                v.push(crate::nccl::P2p::Send {
-                    buf: p.snd_buf + region,
-                    bytes: self.sels[di].1[d] * rowb,
-                    peer: d,
-                });
-                v.push(crate::nccl::P2p::Recv {
-                    buf: p.cmb_buf + region,
-                    bytes: self.sels[di].0[d] * rowb,
-                    peer: d,
-                });
+                match (sizes, path) {
+                    (NcclSizes::Capacity, _) => {
+                        let bytes = prod("a capacity combine message", &[cap, rowb])?;
+                        v.push((
+                            0,
+                            crate::nccl::P2p::Send {
+                                buf: p.snd_buf + region,
+                                bytes,
+                                peer: d,
+                            },
+                        ));
+                        v.push((
+                            0,
+                            crate::nccl::P2p::Recv {
+                                buf: p.cmb_buf + region,
+                                bytes,
+                                peer: d,
+                            },
+                        ));
+                    }
+                    (NcclSizes::Exact, Path::Batched) => {
+                        v.push((
+                            0,
+                            crate::nccl::P2p::Send {
+                                buf: p.snd_buf + region,
+                                bytes: self.sels[di].1[d] * rowb,
+                                peer: d,
+                            },
+                        ));
+                        v.push((
+                            0,
+                            crate::nccl::P2p::Recv {
+                                buf: p.cmb_buf + region,
+                                bytes: self.sels[di].0[d] * rowb,
+                                peer: d,
+                            },
+                        ));
+                    }
+                    (NcclSizes::Exact, Path::PerExpert) => {
+                        let (sh, rh) = &self.nx.hdrs[di];
+                        if sh.len() < (d + 1) * hw || rh.len() < (d + 1) * hw {
+                            return Err(GpuError::Unsupported(
+                                "per-expert combine over NCCL before an exact-size dispatch".into(),
+                            ));
+                        }
+                        // Rows of (l, d) back to source d, staged packed from d*T*K.
+                        let out = pe_messages(&rh[d * hw + 2..][..hw - 2], t, k)?;
+                        for (le, (at, n)) in out.into_iter().enumerate() {
+                            v.push((
+                                le,
+                                crate::nccl::P2p::Send {
+                                    buf: p.snd_buf + ((d * t * k + at) * rowb) as u64,
+                                    bytes: n * rowb,
+                                    peer: d,
+                                },
+                            ));
+                        }
+                        let inn = pe_messages(&sh[d * hw + 2..][..hw - 2], t, k)?;
+                        let mut sum = 0usize;
+                        for (le, (at, n)) in inn.into_iter().enumerate() {
+                            v.push((
+                                le,
+                                crate::nccl::P2p::Recv {
+                                    buf: p.cmb_buf + ((nbase + at) * rowb) as u64,
+                                    bytes: n * rowb,
+                                    peer: d,
+                                },
+                            ));
+                            sum += n;
+                        }
+                        nbase += sum;
+                        if nbase > 2 * t * k {
+                            return Err(GpuError::Unsupported(format!(
+                                "per-expert combine rows {nbase} past the region of 2*T*K"
+                            )));
+                        }
+                    }
+                }
             }
             ops.push(v);
         }
-        self.nccl_group(&ops)
+        self.nccl_rounds(ops, streams)
     }
 
-    pub(crate) fn nccl_group(&mut self, ops: &[Vec<crate::nccl::P2p>]) -> Result<(), GpuError> {
-        let streams = self.streams_raw();
+    /// The grouped send/recv `ops` (one list per device) on `streams` (one per device).
+    pub(crate) fn nccl_group_on(
+        &mut self,
+        ops: &[Vec<crate::nccl::P2p>],
+        streams: &[sys::CUstream],
+    ) -> Result<(), GpuError> {
         let comms = self.comms.as_ref().ok_or_else(|| {
             GpuError::Nccl(
                 "NCCL peers but no communicators (the group was not built for NCCL)".into(),
@@ -255,7 +527,7 @@ impl GpuGroup {
         for d in &self.devs {
             d.bind()?;
         }
-        let r = crate::nccl::grouped(comms, &streams, ops);
+        let r = crate::nccl::grouped(comms, streams, ops);
         if let Err(e) = &r {
             self.broken = Some(e.clone());
         }
@@ -266,14 +538,25 @@ impl GpuGroup {
     /// NCCL receive from a dead peer cannot hang the process). Past the timeout the
     /// communicators are aborted and the group refuses later calls.
     pub(crate) fn wait_streams(&mut self, op: Op, call: u64) -> Result<(), GpuError> {
+        let streams = self.streams_raw();
+        self.wait_streams_on(&streams, op, call)
+    }
+
+    /// [`GpuGroup::wait_streams`] on the given streams (one per device).
+    pub(crate) fn wait_streams_on(
+        &mut self,
+        streams: &[sys::CUstream],
+        op: Op,
+        call: u64,
+    ) -> Result<(), GpuError> {
         let t0 = std::time::Instant::now();
         let limit = std::time::Duration::from_nanos(self.params.timeout_ns);
         for di in 0..self.devs.len() {
             let dev = &self.devs[di];
             dev.bind()?;
             loop {
-                // SAFETY: the stream belongs to the bound context.
-                let rc = unsafe { sys::cuStreamQuery(dev.stream) };
+                // SAFETY: the stream belongs to the bound context (checked by the caller).
+                let rc = unsafe { sys::cuStreamQuery(streams[di]) };
                 if rc == sys::CUresult::CUDA_SUCCESS {
                     break;
                 }
@@ -309,6 +592,23 @@ impl GpuGroup {
         Ok(())
     }
 
+    /// Test hook: every device's decoded error word (None: clear), read without changing the
+    /// group's state (so a test sees what each device reported, not only the first error).
+    #[doc(hidden)]
+    pub fn device_errors_for_test(&self) -> Result<Vec<Option<GpuError>>, GpuError> {
+        let mut v = Vec::new();
+        for dev in &self.devs {
+            dev.bind()?;
+            let mut w = [0u32; ERR_WORDS];
+            // SAFETY: `err` holds ERR_WORDS u32 on the bound context.
+            cuda("read error word", unsafe {
+                result::memcpy_dtoh_sync(&mut w, dev.err)
+            })?;
+            v.push(super::errors::decode(&w, &self.cfg));
+        }
+        Ok(v)
+    }
+
     /// Waits for every device and turns a timed-out wait into [`Error::Timeout`].
     pub fn sync(&mut self) -> Result<(), GpuError> {
         self.check_usable()?;
@@ -328,5 +628,51 @@ impl GpuGroup {
             }
         }
         self.check()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_expert_groups_stay_under_the_nccl_limit_and_split_alike() {
+        // R = 2 on 2 GPUs in one process: 2 comms x 2 peers x 2 ops x 128 experts = 1024.
+        assert_eq!(experts_per_group(2, 2), 128);
+        assert_eq!(experts_per_group(2, 1), 256);
+        // Eight GPUs in one process: 8 comms x 8 peers x 2 = 128 ops per expert.
+        assert_eq!(experts_per_group(8, 8), 8);
+        assert!(experts_per_group(8, 8) * 2 * 8 * 8 <= MAX_GROUP_OPS);
+        // Never 0, even past the limit with one expert.
+        assert_eq!(experts_per_group(1024, 64), 1);
+        assert_eq!(experts_per_group(0, 0), MAX_GROUP_OPS / 2);
+        let op = |peer| crate::nccl::P2p::Send {
+            buf: 0,
+            bytes: 1,
+            peer,
+        };
+        // Tags 0..5 in chunks of 2: rounds {0,1}, {2,3}, {4}; device order kept.
+        let ops = vec![
+            (0..5).map(|l| (l, op(l))).collect::<Vec<_>>(),
+            vec![(4, op(9))],
+        ];
+        let r = by_expert_chunks(ops, 5, 2);
+        let peers = |v: &Vec<crate::nccl::P2p>| {
+            v.iter()
+                .map(|o| match o {
+                    crate::nccl::P2p::Send { peer, .. } | crate::nccl::P2p::Recv { peer, .. } => {
+                        *peer
+                    }
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(r.len(), 3);
+        assert_eq!(peers(&r[0][0]), vec![0, 1]);
+        assert_eq!(peers(&r[1][0]), vec![2, 3]);
+        assert_eq!(peers(&r[2][0]), vec![4]);
+        assert!(r[0][1].is_empty() && r[1][1].is_empty());
+        assert_eq!(peers(&r[2][1]), vec![9]);
+        // The batched path tags everything 0: one group.
+        assert_eq!(by_expert_chunks(vec![vec![(0, op(1))]], 128, 128).len(), 1);
     }
 }

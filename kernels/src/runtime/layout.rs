@@ -155,7 +155,9 @@ pub(crate) fn rank_sizes(c: &Config, nccl: bool) -> Result<[usize; 25], GpuError
     }
     let eb = entry_bytes_checked(c)?;
     let peb = pe_entry_bytes_checked(c)?;
-    let cmb = prod("cmb_buf", &[r, t, k, h, 2])?;
+    // cmb_buf: R*T*K rows; with NCCL at least 2*T*K (the per-expert path's NCCL rows sit in
+    // the second T*K, beside the NVLink rows at t*K+k; R = 1 needs the bump).
+    let cmb = prod("cmb_buf", &[if nccl { r.max(2) } else { r }, t, k, h, 2])?;
     let sig_words = 6usize
         .checked_mul(r)
         .and_then(|a| a.checked_add(l.checked_mul(r)?))
@@ -186,7 +188,11 @@ pub(crate) fn rank_sizes(c: &Config, nccl: bool) -> Result<[usize; 25], GpuError
         128, // state: u32 counters, then the u64 epochs at STATE_EPOCH_OFFSET
         prod("bat_cnt", &[r, l, 4])?,
         if nccl {
-            prod("snd_buf", &[r, t, eb])?.max(cmb)
+            // Staging: batched dispatch R*T entries, per-expert dispatch R*T*K messages (at
+            // most T*K selections go to one destination), combine R*T*K rows.
+            prod("snd_buf", &[r, t, eb])?
+                .max(prod("snd_buf", &[r, t, k, peb])?)
+                .max(cmb)
         } else {
             16
         },
@@ -304,6 +310,47 @@ pub(crate) fn carve_rank(base: u64, sizes: &[usize; 25]) -> RankPtrs {
     }
 }
 
+/// Combine capacity of one (owner, source) NCCL pair in [`NcclSizes::Capacity`] mode: the most
+/// selections a source can have on one destination, T tokens times min(K, L) experts each (a
+/// token selects an expert at most once, and a destination holds L of them).
+pub(crate) fn combine_capacity_rows(c: &Config) -> Result<usize, GpuError> {
+    prod(
+        "combine capacity rows",
+        &[c.max_tokens_per_rank, c.top_k.min(c.num_local_experts())],
+    )
+}
+
+/// The per-expert NCCL messages of one (rank, peer) pair from a checked header's rows per local
+/// expert: (first entry, entries) of each local expert's message, packed in expert order (the
+/// pack kernel stages them the same way). Every value is bounded by the header check (rows <=
+/// T each, summing to at most T*K), and the sum is checked here again.
+pub(crate) fn pe_messages(
+    rows: &[i32],
+    t: usize,
+    k: usize,
+) -> Result<Vec<(usize, usize)>, GpuError> {
+    let mut at = 0usize;
+    let mut v = Vec::with_capacity(rows.len());
+    for (l, &r) in rows.iter().enumerate() {
+        let n = usize::try_from(r).ok().filter(|&n| n <= t).ok_or_else(|| {
+            GpuError::Unsupported(format!(
+                "per-expert message of local expert {l}: {r} rows, outside 0..={t} (T)"
+            ))
+        })?;
+        v.push((at, n));
+        at = at
+            .checked_add(n)
+            .filter(|&a| a <= t.saturating_mul(k))
+            .ok_or_else(|| {
+                GpuError::Unsupported(format!(
+                    "per-expert messages sum past T*K = {} rows at local expert {l}",
+                    t.saturating_mul(k)
+                ))
+            })?;
+    }
+    Ok(v)
+}
+
 /// The peer mask of a rank that reaches every rank in 0..r through NCCL.
 pub(crate) fn all_peers(r: usize) -> u32 {
     if r >= 32 {
@@ -369,6 +416,51 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("i32"));
+    }
+
+    #[test]
+    fn nccl_staging_holds_every_message() {
+        let c = Config {
+            mode: Mode::FP8,
+            ..cfg(2, 256, 128, 7168, 8)
+        };
+        let s = rank_sizes(&c, true).unwrap();
+        let (t, k, rowb) = (128, 8, 2 * 7168);
+        // snd_buf (22): per-expert dispatch R*T*K messages, combine R*T*K rows.
+        assert!(s[22] >= 2 * t * k * pe_entry_bytes(&c));
+        assert!(s[22] >= 2 * t * k * rowb);
+        assert!(s[22] >= 2 * t * entry_bytes(&c));
+        // cmb_buf (18) holds 2*T*K rows even at R = 1 with NCCL, R*T*K without.
+        let one = Config {
+            num_ranks: 1,
+            num_experts: 8,
+            ..c
+        };
+        assert_eq!(rank_sizes(&one, true).unwrap()[18], 2 * t * k * rowb);
+        assert_eq!(rank_sizes(&one, false).unwrap()[18], t * k * rowb);
+        // Capacity combine: T * min(K, L) rows.
+        assert_eq!(combine_capacity_rows(&c).unwrap(), 128 * 8);
+        assert_eq!(
+            combine_capacity_rows(&cfg(4, 8, 128, 128, 8)).unwrap(),
+            128 * 2
+        );
+        assert!(combine_capacity_rows(&cfg(1, 2, usize::MAX, 128, 4)).is_err());
+    }
+
+    #[test]
+    fn per_expert_messages_are_packed_and_bounded() {
+        assert_eq!(
+            pe_messages(&[2, 0, 3], 4, 2).unwrap(),
+            vec![(0, 2), (2, 0), (2, 3)]
+        );
+        assert!(pe_messages(&[], 4, 2).unwrap().is_empty());
+        // A count past T, negative, or a sum past T*K is an error, never a transfer size.
+        for bad in [&[5, 0][..], &[-1, 2], &[i32::MIN], &[4, 4, 1]] {
+            assert!(
+                matches!(pe_messages(bad, 4, 2), Err(GpuError::Unsupported(_))),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

@@ -67,12 +67,47 @@ pub enum Transport {
     #[default]
     Auto,
     /// NCCL for every peer, this rank itself included (one rank per GPU: NCCL refuses two ranks
-    /// on one device). Batched path only; the per-expert path refuses it.
+    /// on one device). Both paths: batched (one payload message per peer) and per-expert (one
+    /// message per (peer, local expert) batch, needs [`NcclSizes::Exact`]).
     Nccl,
     /// Process mode across nodes: CUDA IPC (NVLink) to the peers of this rank's node, NCCL to
     /// the others; the node of every rank comes from the handshake (`crate::topology`). On one
     /// node (and in a single-process group) it is `Auto`.
     TwoTier,
+}
+
+/// How the NCCL transport sizes its payload messages (peers reached through NCCL only).
+///
+/// - `Exact`: dispatch first exchanges the batch headers, the host waits for them (a bounded
+///   poll of the streams), reads the counts, checks them (`check_header`) and sends exactly the
+///   rows there are; combine reuses those counts. A host round trip per dispatch: stream-ordered
+///   but NOT graph-capturable (the host must read device data mid-call), and not offered by the
+///   device API. Both paths.
+/// - `Capacity`: headers and payloads go in ONE NCCL group with no host synchronisation (the
+///   send headers are poisoned first, so a rank stopped by bad input sends a count its peers
+///   reject on the device instead of an earlier call's header):
+///   dispatch sends the header plus the full T entries per peer, combine T * min(K, L) rows per
+///   peer (the most selections one source can have on one destination: at most T tokens, each
+///   selects at most min(K, L) of its L experts); the unpack kernels read the real counts from
+///   the received header (bounded on the device). Stream-ordered and, as NCCL point-to-point
+///   calls may be captured into CUDA graphs, capturable. Batched path only: per-expert would
+///   have to send L * T entries per peer (every local expert's full region), so it is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NcclSizes {
+    /// Header round trip through the host, then exact payload sizes.
+    #[default]
+    Exact,
+    /// Header + fixed capacity in one group, no host round trip.
+    Capacity,
+}
+
+impl NcclSizes {
+    pub fn name(self) -> &'static str {
+        match self {
+            NcclSizes::Exact => "exact",
+            NcclSizes::Capacity => "capacity",
+        }
+    }
 }
 
 /// Process mode's exchange: every rank's blob, in rank order (e.g. `Rendezvous::all_gather`).
@@ -92,6 +127,8 @@ pub struct GpuOptions {
     pub zero_copy_local: bool,
     /// Which transport the batched path uses per peer pair.
     pub transport: Transport,
+    /// NCCL transport: exact sizes after a host round trip, or a fixed capacity without one.
+    pub nccl_sizes: NcclSizes,
 }
 
 impl Default for GpuOptions {
@@ -102,6 +139,7 @@ impl Default for GpuOptions {
             blocks_per_rank: None,
             zero_copy_local: true,
             transport: Transport::Auto,
+            nccl_sizes: NcclSizes::default(),
         }
     }
 }
@@ -135,6 +173,29 @@ pub struct GpuGroup {
     #[allow(dead_code)]
     pub(crate) ipc_opened: IpcMappings,
     pub(crate) last_op: Option<Op>,
+    /// NCCL sizing mode and the last exact dispatch's headers (per device).
+    pub(crate) nx: NcclState,
+}
+
+/// The NCCL transport's host state: the sizing mode, and per device the headers of the last
+/// exact-size dispatch (sent, received: R * (2 + L) words each), which size the per-expert
+/// combine's messages.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct NcclState {
+    pub(crate) sizes: NcclSizes,
+    /// The sizing of the last dispatch whose exchange was queued (combine follows it).
+    pub(crate) dispatch_sizes: Option<NcclSizes>,
+    pub(crate) hdrs: Vec<(Vec<i32>, Vec<i32>)>,
+}
+
+impl NcclState {
+    pub(crate) fn new(sizes: NcclSizes, devices: usize) -> NcclState {
+        NcclState {
+            sizes,
+            dispatch_sizes: None,
+            hdrs: vec![(Vec::new(), Vec::new()); devices],
+        }
+    }
 }
 
 impl Drop for GpuGroup {
@@ -214,6 +275,22 @@ impl GpuGroup {
     #[doc(hidden)]
     pub fn set_fault_rank(&mut self, rank: Option<usize>) {
         self.params.fault_rank = rank.map(|r| r as i32).unwrap_or(-1);
+    }
+
+    /// The NCCL transport's sizing mode (see [`NcclSizes`]).
+    pub fn nccl_sizes(&self) -> NcclSizes {
+        self.nx.sizes
+    }
+
+    /// Changes the NCCL sizing mode for later calls. In process mode every rank must make the
+    /// same change before the same call (the two sides of a message must agree on its size).
+    pub fn set_nccl_sizes(&mut self, sizes: NcclSizes) {
+        self.nx.sizes = sizes;
+    }
+
+    /// Whether the group reaches any peer through NCCL.
+    pub fn uses_nccl(&self) -> bool {
+        self.comms.is_some()
     }
 
     /// The bound of every wait.
