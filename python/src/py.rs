@@ -221,6 +221,8 @@ fn classify(e: &BindError) -> (&'static str, &'static str, Vec<(&'static str, Fi
             GpuError::Compile(_) => ("DeviceError", "Compile", vec![]),
             GpuError::Process(_) => ("PeerError", "Process", vec![]),
             GpuError::Unsupported(_) => ("UnsupportedError", "Unsupported", vec![]),
+            // A node id from the environment (EP_NODE_ID, GROUP_RANK) that cannot be used.
+            GpuError::Node(_) => ("InputError", "Node", vec![]),
             GpuError::PathMismatch { .. } => ("InputError", "PathMismatch", vec![]),
             GpuError::Handle(_) => ("InputError", "Handle", vec![]),
             GpuError::WrongDevice {
