@@ -4,9 +4,12 @@
 #   1. two tracks at once, one per GPU (CUDA_VISIBLE_DEVICES): the GPU tests, the differential
 #      fuzz and EP1 figures on GPU 0; the soak, the sanitizers, EP8-virtual figures and the
 #      example on GPU 1;
-#   2. both GPUs: the two-GPU tests, process mode (handshake, NCCL bounds), EP2 figures over
-#      NVLink (one process and two), the example in two processes, the fault runs, and the
-#      Python Buffer under torchrun (N = 2) when a wheel was packed.
+#   2. both GPUs: the two-GPU tests, process mode (handshake, NCCL bounds, two-tier), EP2
+#      figures over NVLink (one process and two), the example in two processes, and the Python
+#      Buffer under torchrun (N = 2) when a wheel was packed;
+#   3. the network transport: both paths over NCCL (exact and capacity sizes, one process and
+#      two, default transports and forced sockets), the two-tier group; then the fault runs with
+#      the time that is left.
 # Every step has its own time limit; the script keeps going after a failure and ends with a table
 # (ok / FAILED / CUT). Logs go to one tarball in $OUT plus summary.txt (the tool returns 8 files).
 #
@@ -64,7 +67,9 @@ cat "$BIN/BUILD-INFO" >> "$LOGS/env.txt" 2>/dev/null
   export CUDA_VISIBLE_DEVICES=0
   step gpu-tests-1gpu 140 "$BIN/gpu"
   step fuzz 95 env EP_GPU_FUZZ_MAX_SECS=85 "$BIN/gpu_fuzz"
-  step bench-ep1 40 "$BIN/ep-bench" --backend gpu --ranks 1 --masked 0 --iters 200
+  step bench-ep1 40 "$BIN/ep-bench" --backend gpu --ranks 1 --masked 0 --iters 200 --profile
+  step bench-sweep-ep1 60 "$BIN/ep-bench" --backend gpu --ranks 1 --masked 0 --iters 100 \
+    --sweep-tokens 1,16,128,512
 ) &
 A=$!
 (
@@ -72,6 +77,9 @@ A=$!
   step soak 95 env EP_SOAK_MAX_SECS=85 "$BIN/gpu_soak"
   step sanitizer 110 env SAN_TOOL_LIMIT_S=34 bash "$HERE/sanitizer.sh" "$BIN" "$LOGS/sanitizer"
   step bench-ep8-virtual 45 "$BIN/ep-bench" --backend gpu --ranks 8 --masked 0 --iters 100
+  step bench-ep2-virtual 30 "$BIN/ep-bench" --backend gpu --ranks 2 --masked 0 --iters 200 --profile
+  step bench-sweep-ep8v 90 "$BIN/ep-bench" --backend gpu --ranks 8 --masked 0 --iters 50 \
+    --sweep-tokens 1,16,128,512
   step example-virtual 40 bash -c "'$BIN/moe_layer' && '$BIN/moe_layer' --ranks 4 --mode bf16 \
     && '$BIN/moe_layer' --ranks 8 --mode fp8-ue8m0 && '$BIN/moe_layer' --nprocs 2"
 ) &
@@ -81,12 +89,33 @@ wait $A $B
 # ---- phase 2: both GPUs ---------------------------------------------------------------------
 step gpu-tests-2gpu 80 "$BIN/gpu" two_gpus
 step gpu-process 90 "$BIN/gpu_process"
-step bench-ep2-2gpu 35 "$BIN/ep-bench" --backend gpu --ranks 2 --gpus 2 --masked 0 --iters 200
+step bench-ep2-2gpu 35 "$BIN/ep-bench" --backend gpu --ranks 2 --gpus 2 --masked 0 --iters 200 --profile
+step bench-sweep-ep2-2gpu 60 "$BIN/ep-bench" --backend gpu --ranks 2 --gpus 2 --masked 0 \
+  --iters 100 --sweep-tokens 1,16,128,512
 if ls "$BIN"/ep_dispatch-*.whl > /dev/null 2>&1 && [ -f "$BIN/python/gpu.sh" ]; then
   step python 90 env OUT="$LOGS" BENCH_ARGS="--iters 50" bash "$BIN/python/gpu.sh" "$BIN" "$LOGS"
 fi
 step bench-ep2-2proc 30 "$BIN/ep-bench" --nprocs 2 --gpus 2 --masked 0
 step example-2proc 20 "$BIN/moe_layer" --nprocs 2 --gpus 2
+# ---- phase 3: the network transport (issue 12), both paths, standard setting -----------------
+# NCCL on its default transports (NVLink P2P between the two GPUs), then forced onto its network
+# transport (sockets) with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (NCCL 2.28.3's documented
+# switches; NCCL_DEBUG=INFO in one run shows the channels going "via NET/Socket"); exact and
+# capacity sizes; in one process (ncclCommInitAll) and in two. Then the two-tier group: 4
+# processes on 2 GPUs as 2 emulated nodes (CUDA IPC inside a node, NCCL across).
+NET="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"
+for sz in exact capacity; do
+  step nccl-1proc-$sz 30 "$BIN/ep-bench" --backend gpu --ranks 2 --gpus 2 --transport nccl \
+    --nccl-sizes $sz --masked 0 --iters 100
+  step nccl-2proc-$sz 30 "$BIN/ep-bench" --nprocs 2 --gpus 2 --transport nccl --nccl-sizes $sz \
+    --masked 0 --iters 100
+  step net-2proc-$sz 40 env $NET NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET "$BIN/ep-bench" \
+    --nprocs 2 --gpus 2 --transport nccl --nccl-sizes $sz --masked 0 --iters 100
+  step net-1proc-$sz 30 env $NET "$BIN/ep-bench" --backend gpu --ranks 2 --gpus 2 \
+    --transport nccl --nccl-sizes $sz --masked 0 --iters 100
+done
+step two-tier 60 "$BIN/ep-bench" --nprocs 4 --gpus 2 --nodes 2 --masked 0 --iters 50 \
+  --timeout-secs 20
 left=$(( DEADLINE - $(elapsed) ))
 if [ "$left" -gt 30 ]; then
   step faults "$left" env FAULT_BUDGET_S=$(( left - 8 )) FAULT_LOGDIR="$LOGS/faults" \
@@ -111,8 +140,16 @@ for n in gpu-tests-1gpu gpu-tests-2gpu gpu-process fuzz soak sanitizer example-v
   grep -aE '(passed|failed|skipped|SKIPPED|FAIL|PASS|panicked|configs|calls|ERROR SUMMARY|error|trials|survived|detect)' \
     "$LOGS/$n.log" | tail -n 14 >> "$SUMMARY"
 done
-for n in bench-ep1 bench-ep8-virtual bench-ep2-2gpu bench-ep2-2proc; do
+for n in bench-ep1 bench-ep8-virtual bench-ep2-virtual bench-ep2-2gpu bench-ep2-2proc \
+         bench-sweep-ep1 bench-sweep-ep8v bench-sweep-ep2-2gpu; do
   [ -f "$LOGS/$n.log" ] && { echo "-- $n"; tail -n 24 "$LOGS/$n.log"; } >> "$SUMMARY"
+done
+for f in "$LOGS"/nccl-*.log "$LOGS"/net-*.log "$LOGS"/two-tier.log; do
+  [ -f "$f" ] || continue
+  echo "-- $(basename "$f" .log)" >> "$SUMMARY"
+  grep -aE '(==|path |per-expert|batched|speed-up|NCCL sends|wire|via NET|via P2P|unsupported|succeeded|FAIL|rror)' "$f" \
+    | grep -v 'NCCL INFO Channel' | tail -n 20 >> "$SUMMARY"
+  grep -a 'via NET\|via P2P\|via SHM' "$f" | head -n 2 >> "$SUMMARY"
 done
 tar -czf "$OUT/gate-logs.tar.gz" -C "$LOGS" . 2>/dev/null
 cat "$SUMMARY"
