@@ -80,9 +80,12 @@ pub enum Transport {
 ///
 /// - `Exact`: dispatch first exchanges the batch headers, the host waits for them (a bounded
 ///   poll of the streams), reads the counts, checks them (`check_header`) and sends exactly the
-///   rows there are; combine reuses those counts. A host round trip per dispatch: stream-ordered
-///   but NOT graph-capturable (the host must read device data mid-call), and not offered by the
-///   device API. Both paths.
+///   rows there are; combine reuses those counts. A host round trip per dispatch: the host
+///   blocks mid-call to read device data, so the call is neither ordered on a caller's stream
+///   nor graph-capturable, and the device API refuses it. Both paths. The default: it sends the
+///   fewest bytes (capacity doubles combine's at the standard setting), and on NCCL's network
+///   transport, the one this transport exists for, it wins the round trip by 2.1x
+///   (BENCHMARKS.md, "The network transport"; on NCCL's NVLink transport capacity wins).
 /// - `Capacity`: headers and payloads go in ONE NCCL group with no host synchronisation (the
 ///   send headers are poisoned first, so a rank stopped by bad input sends a count its peers
 ///   reject on the device instead of an earlier call's header):
