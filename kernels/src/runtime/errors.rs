@@ -100,7 +100,19 @@ impl GpuGroup {
     /// group refuses later calls. Call after synchronising the stream the calls went on.
     pub fn check(&mut self) -> Result<(), GpuError> {
         self.check_usable()?;
-        let mut found: Vec<GpuError> = Vec::new();
+        let mut found: Vec<GpuError> = self.device_errors()?.into_iter().flatten().collect();
+        found.sort_by_key(cause_first);
+        if let Some(e) = found.into_iter().next() {
+            self.broken = Some(e.clone());
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Every device's error word, decoded (None: that device reported nothing), in device
+    /// order. Does not wait for running work and does not change the group's state.
+    pub(crate) fn device_errors(&self) -> Result<Vec<Option<GpuError>>, GpuError> {
+        let mut v = Vec::with_capacity(self.devs.len());
         for dev in &self.devs {
             dev.bind()?;
             let mut w = [0u32; ERR_WORDS];
@@ -109,16 +121,9 @@ impl GpuGroup {
             cuda("read error word", unsafe {
                 result::memcpy_dtoh_sync(&mut w, dev.err)
             })?;
-            if let Some(e) = decode(&w, &self.cfg) {
-                found.push(e);
-            }
+            v.push(decode(&w, &self.cfg));
         }
-        found.sort_by_key(cause_first);
-        if let Some(e) = found.into_iter().next() {
-            self.broken = Some(e.clone());
-            return Err(e);
-        }
-        Ok(())
+        Ok(v)
     }
 }
 

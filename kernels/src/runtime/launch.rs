@@ -596,17 +596,7 @@ impl GpuGroup {
     /// group's state (so a test sees what each device reported, not only the first error).
     #[doc(hidden)]
     pub fn device_errors_for_test(&self) -> Result<Vec<Option<GpuError>>, GpuError> {
-        let mut v = Vec::new();
-        for dev in &self.devs {
-            dev.bind()?;
-            let mut w = [0u32; ERR_WORDS];
-            // SAFETY: `err` holds ERR_WORDS u32 on the bound context.
-            cuda("read error word", unsafe {
-                result::memcpy_dtoh_sync(&mut w, dev.err)
-            })?;
-            v.push(super::errors::decode(&w, &self.cfg));
-        }
-        Ok(v)
+        self.device_errors()
     }
 
     /// Waits for every device and turns a timed-out wait into [`Error::Timeout`].
