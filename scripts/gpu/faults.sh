@@ -26,7 +26,7 @@
 # a barrier takes up to 30 s), FAULT_BUDGET_S (the whole script, 150: trials that no longer fit
 # are skipped and counted), FAULT_ITERS (timed calls per path and op; default 100 on one GPU,
 # where time-sliced processes take ~4.4 ms a call, 3000 on two), FAULT_SEED (bash RANDOM seed),
-# FAULT_LOGDIR (per-trial rank logs; default a temporary folder), FAULT_GPUS (GPU count, default
+# FAULT_TRANSPORTS (default "ipc nccl"), FAULT_LOGDIR (per-trial rank logs; default a temporary folder), FAULT_GPUS (GPU count, default
 # from nvidia-smi; with none the script prints SKIPPED and exits 0).
 #
 # Exit status: 0 when every injected fault ended on the survivor within the limit naming the
@@ -43,6 +43,8 @@ TRIALS=${FAULT_TRIALS:-10}
 TMO=${FAULT_TIMEOUT_MS:-1500}
 LIMIT=${FAULT_DETECT_LIMIT_S:-40}
 BUDGET=${FAULT_BUDGET_S:-150}
+TRANSPORTS=${FAULT_TRANSPORTS:-ipc nccl}
+case " $TRANSPORTS " in *" ipc "*|*" nccl "*) ;; *) echo "FAULT_TRANSPORTS: expected ipc and/or nccl, got '$TRANSPORTS'" >&2; exit 2 ;; esac
 RANDOM=${FAULT_SEED:-$$}
 LOGDIR=${FAULT_LOGDIR:-$(mktemp -d /tmp/ep-faults.XXXXXX)}
 mkdir -p "$LOGDIR"
@@ -229,7 +231,7 @@ summary() {
   echo "== fault summary ($(elapsed) s, $NG GPU(s), ranks on $GPUS GPU(s), GPU wait bound $TMO ms, survivor limit $LIMIT s)"
   printf '%-6s %-6s %7s %9s %8s %6s %6s %5s %8s  %s\n' transport fault trials injected survived named hangs cut "usable" "detect s min/median/max"
   local tr fault
-  for tr in ipc nccl; do
+  for tr in $TRANSPORTS; do
     for fault in kill stall; do
       awk -F'\t' -v tr="$tr" -v f="$fault" -v usable="$(awk -F'\t' -v tr="$tr" '$1 == tr { u = ($2 == 0 ? "yes" : "NO") } END { print (u == "" ? "-" : u) }' "$USABLE")" '
         $1 == tr && $2 == f {
@@ -264,7 +266,7 @@ trap on_term TERM INT
 
 log "ep-gpu-mp: $MP; $NG GPU(s) visible, ranks on $GPUS; trials $TRIALS per transport x fault; budget $BUDGET s; logs $LOGDIR"
 fail=0
-for tr in ipc nccl; do
+for tr in $TRANSPORTS; do
   mtr=$tr; [ "$tr" = ipc ] && mtr=auto
   if [ "$tr" = nccl ] && [ "$GPUS" -lt 2 ]; then
     echo "SKIPPED: nccl fault trials: NCCL needs one rank per GPU and this machine has $NG GPU(s)"
