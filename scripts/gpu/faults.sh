@@ -26,8 +26,9 @@
 # a barrier takes up to 30 s), FAULT_BUDGET_S (the whole script, 150: trials that no longer fit
 # are skipped and counted), FAULT_ITERS (timed calls per path and op; default 100 on one GPU,
 # where time-sliced processes take ~4.4 ms a call, 3000 on two), FAULT_SEED (bash RANDOM seed),
-# FAULT_TRANSPORTS (default "ipc nccl"), FAULT_LOGDIR (per-trial rank logs; default a temporary folder), FAULT_GPUS (GPU count, default
-# from nvidia-smi; with none the script prints SKIPPED and exits 0).
+# FAULT_TRANSPORTS (default "ipc nccl"), FAULT_LOGDIR (per-trial rank logs; default a temporary
+# folder), FAULT_GPUS (GPU count, default from nvidia-smi; with none the script prints SKIPPED
+# and exits 0).
 #
 # Exit status: 0 when every injected fault ended on the survivor within the limit naming the
 # lost rank and every usable-check passed; 1 otherwise; 2 on bad usage.
