@@ -179,7 +179,10 @@ pub fn options(transport: Transport, timeout: Duration) -> GpuOptions {
 pub fn probe_transport(transport: Transport) -> Result<()> {
     if transport == Transport::Nccl && !ep_kernels::nccl::nccl_present() {
         return Err(GpuError::NoDevice(
-            "transport='nccl' needs NCCL, and libnccl.so.2 cannot be loaded in this process".into(),
+            "transport='nccl' needs NCCL, and no libnccl can be loaded in this process (the \
+             loader is asked for libnccl.so, then versioned names: put NCCL's lib folder on \
+             LD_LIBRARY_PATH)"
+                .into(),
         )
         .into());
     }
