@@ -180,8 +180,8 @@ pub fn probe_transport(transport: Transport) -> Result<()> {
     if transport == Transport::Nccl && !ep_kernels::nccl::nccl_present() {
         return Err(GpuError::NoDevice(
             "transport='nccl' needs NCCL, and no libnccl can be loaded in this process (the \
-             loader is asked for libnccl.so, then versioned names: put NCCL's lib folder on \
-             LD_LIBRARY_PATH)"
+             loader is asked for libnccl.so, then versioned names, not libnccl.so.2: put a \
+             libnccl.so link to NCCL's libnccl.so.2 in a folder on LD_LIBRARY_PATH)"
                 .into(),
         )
         .into());
