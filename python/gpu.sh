@@ -7,7 +7,9 @@
 #   bash python/gpu.sh WHEEL_DIR [OUT_DIR]
 #
 # Environment: PY (torch's interpreter, default /opt/torch/.venv/bin/python3), NVRTC_DIR (added
-# to LD_LIBRARY_PATH for the kernels' run-time compilation), BENCH_ARGS (extra bench.py flags).
+# to LD_LIBRARY_PATH for the kernels' run-time compilation), BENCH_ARGS (extra bench.py flags),
+# PYTEST_K (a pytest -k expression, e.g. 'nccl or two-tier': only those tests), NO_BENCH=1 (the
+# tests only).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 wheels="${1:?usage: gpu.sh WHEEL_DIR [OUT_DIR]}"
@@ -31,8 +33,10 @@ for n in 1 2; do
     fi
     echo "== pytest, torchrun --nproc-per-node $n"
     (cd "$site" && "$py" -m torch.distributed.run --nproc-per-node "$n" -m pytest -q -rs \
-        -p no:cacheprovider "$here/tests" 2>&1) | tee "$out/pytest-n$n.log" | tail -n 40
+        -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} "$here/tests" 2>&1) \
+        | tee "$out/pytest-n$n.log" | tail -n 40
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    [ "${NO_BENCH:-0}" = 1 ] && continue
     echo "== bench.py, torchrun --nproc-per-node $n (T=128 H=7168 K=8 E=256, FP8 dispatch)"
     for path in batched per_expert; do
         (cd "$site" && "$py" -m torch.distributed.run --nproc-per-node "$n" "$here/bench.py" \

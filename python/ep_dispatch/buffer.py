@@ -113,7 +113,14 @@ class Buffer:
     Our own keywords (all optional):
         path: 'batched' (default; one message per destination rank) or 'per_expert' (one per
             selection, as DeepEP sends). Outputs are bit-identical either way.
-        transport: 'auto' (NVLink over CUDA IPC between the processes) or 'nccl'.
+        transport: 'auto' (default: NVLink over CUDA IPC between the processes, one node),
+            'nccl' (every peer, this rank included, through NCCL; one GPU per rank) or
+            'two-tier' (CUDA IPC to the ranks of this rank's node, NCCL to the others; the node
+            is ``EP_NODE_ID``, else torchrun's ``GROUP_RANK``, else the hostname). Where NCCL
+            carries traffic it sends fixed capacities (no host round trip: stream-ordered and
+            capturable); only the batched path does that, so ``path='per_expert'`` with 'nccl'
+            or 'two-tier' raises ``UnsupportedError``. The NCCL unique id goes through
+            ``group`` with the IPC handles.
         timeout_s: the bound of every wait in the kernels (default 10 s); a wait that runs out
             raises ``ep_dispatch.TimeoutError`` naming rank, peer, phase and call.
         num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk: the shape up front;
@@ -138,8 +145,14 @@ class Buffer:
         - Errors the kernels find (a timed-out wait, bad routing in ``topk_idx``, bad peer
           data) stop the kernels without trapping and are raised by ``Buffer.check()``, which
           synchronises; until then the outputs of the failed call are undefined.
-        - ``transport='nccl'`` is refused (``UnsupportedError``) at the first dispatch: the
-          NCCL exchange is host-driven and cannot be enqueued on the caller's stream.
+        - With ``transport='nccl'`` or ``'two-tier'``, NCCL messages have fixed sizes (dispatch:
+          a header and all T rows per peer; combine: T * min(K, L) rows per peer), more bytes
+          than the rows there are, because exact sizes would need the host to read the batch
+          headers mid-call. The per-expert path needs exact sizes and is refused there
+          (``UnsupportedError``). NCCL's receives are not bounded by ``timeout_s``: a peer that
+          never sends leaves the stream waiting (bound your own wait on it, e.g. with
+          ``async_finish=True`` and ``event.event.query()``). Before capturing a CUDA graph,
+          make one eager call of the same shape (NCCL connects peers on first use).
     """
 
     num_sms = 20
@@ -163,6 +176,9 @@ class Buffer:
             _checks.flag(name, v)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
             raise argument_error("timeout_s", f"{timeout_s!r} is not a number of seconds")
+        for name, v in (("path", path), ("transport", transport)):
+            if not isinstance(v, str):
+                raise argument_error(name, f"{v!r} is not a string")
         _native.check_keywords(path, transport, float(timeout_s))
         self._shape = _checks.Shape(num_max_dispatch_tokens_per_rank, hidden, num_experts,
                                     num_topk)
@@ -180,6 +196,7 @@ class Buffer:
         # Then the GPU: a clear NoDeviceError where there is none, NotBuiltError where this
         # build cannot run on it. torch is imported only now.
         _native.probe_devices(1)
+        _native.probe_transport(transport)  # 'nccl' needs libnccl in this process
         if _native.DEVICE_API is None:  # a build without GPU execution
             from .errors import NotBuiltError
 
@@ -213,17 +230,19 @@ class Buffer:
                                        num_experts, *, num_topk=None, transport="auto"):
         """Bytes of GPU memory one rank's buffers take for this shape (our layout, computed by
         ep-kernels: BF16, the largest payload; ``num_topk`` None means the bound over every
-        top-k up to 16; ``transport='nccl'`` adds the staging buffer). Needs no GPU."""
+        top-k up to 16). ``transport='nccl'`` and ``'two-tier'`` add the NCCL staging buffer
+        (a two-tier rank allocates it before it knows whether any peer is on another node).
+        NCCL's own memory (its communicator's buffers) is not counted. Needs no GPU."""
         _checks.integer("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
         _checks.integer("hidden", hidden)
         _checks.integer("num_ranks", num_ranks)
         _checks.integer("num_experts", num_experts)
         if num_topk is not None:
             _checks.integer("num_topk", num_topk, 1, _checks.MAX_TOP_K)
-        if transport not in ("auto", "nccl"):
-            raise argument_error("transport", f"{transport!r} is not 'auto' or 'nccl'")
+        if not isinstance(transport, str):
+            raise argument_error("transport", f"{transport!r} is not 'auto', 'nccl' or 'two-tier'")
         return _native.size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
-                                 num_experts, num_topk, transport == "nccl")
+                                 num_experts, num_topk, transport)
 
     @staticmethod
     def set_num_sms(new_num_sms):

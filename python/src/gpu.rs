@@ -3,8 +3,9 @@
 //! [`RankGroup`].
 //!
 //! [`RankGroup`] is one rank of a process-mode group (`GpuGroup::new_process`: the CUDA IPC
-//! handles exchanged through the caller's all-gather, i.e. `torch.distributed` over the Buffer's
-//! group), driven through ep-kernels' device API (`RankEp`): dispatch and combine are enqueued on
+//! handles, and rank 0's NCCL unique id on the transports that use NCCL, exchanged in one blob
+//! per rank through the caller's all-gather, i.e. `torch.distributed` over the Buffer's group),
+//! driven through ep-kernels' device API (`RankEp`): dispatch and combine are enqueued on
 //! the caller's raw `CUstream` (torch's current stream, borrowed: never synchronised) with the
 //! caller's device pointers (torch tensors' `data_ptr()`), wrapped as borrowed cudarc views that
 //! are never freed here.
@@ -15,7 +16,8 @@ use ep_kernels::runtime::{
     bytes_per_rank_with, probe_devices, AllGather, CombineHook, DispatchHook,
 };
 use ep_kernels::{
-    DeviceDispatchOut, DeviceHandle, GpuError, GpuGroup, GpuOptions, Path, Tokens, Transport,
+    DeviceDispatchOut, DeviceHandle, GpuError, GpuGroup, GpuOptions, NcclSizes, Path, Tokens,
+    Transport,
 };
 use ep_reference::{bf16, Config, Mode};
 use std::collections::VecDeque;
@@ -73,17 +75,18 @@ fn check_dims(cfg: &Config) -> Result<()> {
     Ok(())
 }
 
-/// Bytes of GPU memory one rank's buffers take for this shape: ep-kernels' own layout
-/// (`bytes_per_rank_with`), in BF16 (the largest payload, as DeepEP's hint also assumes) with
-/// `top_k` (None: 16, the largest the contract allows, so the hint bounds every top-k), plus the
-/// NCCL staging buffer when `nccl`.
+/// Bytes of GPU memory one rank's buffers take for this shape on `transport`: ep-kernels' own
+/// layout (`bytes_per_rank_with`), in BF16 (the largest payload, as DeepEP's hint also assumes)
+/// with `top_k` (None: 16, the largest the contract allows, so the hint bounds every top-k), plus
+/// the NCCL staging buffer on the transports that allocate it ([`has_staging`]). NCCL's own
+/// memory (its communicator's buffers, allocated by libnccl) is not included.
 pub fn size_hint(
     num_max_dispatch_tokens_per_rank: usize,
     hidden: usize,
     num_ranks: usize,
     num_experts: usize,
     top_k: Option<usize>,
-    nccl: bool,
+    transport: Transport,
 ) -> Result<u64> {
     let cfg = Config::new(
         num_ranks,
@@ -94,7 +97,15 @@ pub fn size_hint(
         Mode::Bf16,
     )?;
     check_dims(&cfg)?;
-    Ok(bytes_per_rank_with(&cfg, nccl)? as u64)
+    Ok(bytes_per_rank_with(&cfg, has_staging(transport))? as u64)
+}
+
+/// Whether a rank on `transport` allocates the NCCL staging buffer, as `GpuGroup::new_process`
+/// decides it: on every transport but `Auto` (under `TwoTier`, whether some peer is on another
+/// node is known only after the exchange, and the allocation, whose size the handshake checks,
+/// comes before it).
+pub fn has_staging(transport: Transport) -> bool {
+    transport != Transport::Auto
 }
 
 /// Parses our `transport=` keyword.
@@ -102,11 +113,80 @@ pub fn transport(name: &str) -> Result<Transport> {
     match name {
         "auto" => Ok(Transport::Auto),
         "nccl" => Ok(Transport::Nccl),
+        "two-tier" => Ok(Transport::TwoTier),
         other => Err(BindError::argument(
             "transport",
-            format!("{other:?} is not a transport (expected 'auto' or 'nccl')"),
+            format!("{other:?} is not a transport (expected 'auto', 'nccl' or 'two-tier')"),
         )),
     }
+}
+
+/// The name of `t` as the `transport=` keyword spells it.
+pub fn transport_name(t: Transport) -> &'static str {
+    match t {
+        Transport::Auto => "auto",
+        Transport::Nccl => "nccl",
+        Transport::TwoTier => "two-tier",
+    }
+}
+
+/// Refuses a path the transport cannot run through the device API. NCCL can carry traffic on
+/// `Nccl` (every peer) and `TwoTier` (the peers on other nodes); there this Buffer runs NCCL with
+/// fixed capacities ([`NcclSizes::Capacity`]), which only the batched path has: the per-expert
+/// path's NCCL messages need exact sizes, read from the batch headers on the host in the middle
+/// of the call, and a stream-ordered Buffer never waits for its stream mid-call.
+pub fn check_path_on(path: Path, transport: Transport) -> Result<()> {
+    if path == Path::PerExpert && transport != Transport::Auto {
+        let reach = if transport == Transport::Nccl {
+            "every peer is"
+        } else {
+            "the peers on other nodes are"
+        };
+        return Err(GpuError::Unsupported(format!(
+            "path='per_expert' with transport='{}': {reach} reached through NCCL, and the \
+             per-expert path's NCCL messages need exact sizes, which the host reads from the \
+             batch headers in the middle of the call (a host round trip); this Buffer enqueues \
+             on torch's current stream without synchronising it (stream-ordered, capturable), \
+             so it runs NCCL with fixed capacities, which only the batched path has. Use \
+             path='batched' (the same bits), or transport='auto' within one node",
+            transport_name(transport)
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+/// The group's options for this Buffer: one GPU per process, the wait bound, the transport, and
+/// fixed-capacity NCCL sizes wherever NCCL can carry traffic (the device API refuses exact sizes:
+/// they need a host round trip mid-call).
+pub fn options(transport: Transport, timeout: Duration) -> GpuOptions {
+    GpuOptions {
+        num_gpus: 1,
+        timeout_ns: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
+        transport,
+        nccl_sizes: if has_staging(transport) {
+            NcclSizes::Capacity
+        } else {
+            NcclSizes::default()
+        },
+        ..GpuOptions::default()
+    }
+}
+
+/// Whether this process can run `transport`, as far as can be told before any collective step:
+/// `Nccl` needs libnccl here (`TwoTier` needs it only across nodes, which the exchange finds out
+/// and names then).
+pub fn probe_transport(transport: Transport) -> Result<()> {
+    if transport == Transport::Nccl && !ep_kernels::nccl::nccl_present() {
+        return Err(GpuError::NoDevice(
+            "transport='nccl' needs NCCL, and no libnccl can be loaded in this process (the \
+             loader is asked for libnccl.so, then versioned names, not libnccl.so.2: put a \
+             libnccl.so link to NCCL's libnccl.so.2 in a folder on LD_LIBRARY_PATH)"
+                .into(),
+        )
+        .into());
+    }
+    Ok(())
 }
 
 /// Parses our `path=` keyword.
@@ -256,20 +336,9 @@ impl RankGroup {
     ) -> Result<RankGroup> {
         cfg.validate()?;
         check_dims(cfg)?;
-        if transport == Transport::Nccl {
-            return Err(GpuError::Unsupported(
-                "transport='nccl' through the device API (the NCCL exchange is host-driven); \
-                 use transport='auto' (NVLink over CUDA IPC)"
-                    .into(),
-            )
-            .into());
-        }
-        let opts = GpuOptions {
-            num_gpus: 1,
-            timeout_ns: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
-            transport,
-            ..GpuOptions::default()
-        };
+        check_path_on(path, transport)?;
+        probe_transport(transport)?;
+        let opts = options(transport, timeout);
         let group = GpuGroup::new_process(cfg, opts, rank, ordinal, all_gather)?;
         let ctx = CudaContext::new(ordinal).map_err(|e| {
             GpuError::Cuda(format!(
@@ -301,6 +370,11 @@ impl RankGroup {
 
     pub fn describe_devices(&self) -> String {
         self.group.describe_devices()
+    }
+
+    /// Bit d set when this rank reaches peer d through NCCL (the others through CUDA IPC).
+    pub fn nccl_mask(&self) -> u32 {
+        self.group.nccl_mask()
     }
 
     /// Errors the kernels recorded (a timed-out wait, bad routing, bad peer data), as the
@@ -452,31 +526,114 @@ mod tests {
     #[test]
     fn size_hint_is_the_kernels_layout() {
         // DeepEP's standard setting with K = 8.
-        let got = size_hint(128, 7168, 8, 256, Some(8), false).unwrap();
+        let got = size_hint(128, 7168, 8, 256, Some(8), Transport::Auto).unwrap();
         let cfg = Config::new(8, 256, 128, 7168, 8, Mode::Bf16).unwrap();
         assert_eq!(got, bytes_per_rank_with(&cfg, false).unwrap() as u64);
         // No top_k: the bound over every top_k, so at least the K = 8 figure.
-        let bound = size_hint(128, 7168, 8, 256, None, false).unwrap();
+        let bound = size_hint(128, 7168, 8, 256, None, Transport::Auto).unwrap();
         assert!(bound > got, "{bound} vs {got}");
-        // The NCCL staging buffer adds to it.
-        assert!(size_hint(128, 7168, 8, 256, Some(8), true).unwrap() > got);
+    }
+
+    #[test]
+    fn size_hint_counts_the_staging_where_new_process_allocates_it() {
+        let cfg = Config::new(8, 256, 128, 7168, 8, Mode::Bf16).unwrap();
+        let with = bytes_per_rank_with(&cfg, true).unwrap() as u64;
+        let without = bytes_per_rank_with(&cfg, false).unwrap() as u64;
+        assert!(with > without, "{with} vs {without}");
+        // NCCL and two-tier ranks both allocate the staging (new_process: every transport but
+        // Auto); Auto does not.
+        for (t, want) in [
+            (Transport::Auto, without),
+            (Transport::Nccl, with),
+            (Transport::TwoTier, with),
+        ] {
+            assert_eq!(
+                size_hint(128, 7168, 8, 256, Some(8), t).unwrap(),
+                want,
+                "{t:?}"
+            );
+        }
+        // One rank (NCCL self-send): the staging's combine rows are bumped to R = 2.
+        let one = Config::new(1, 8, 16, 512, 4, Mode::Bf16).unwrap();
+        assert_eq!(
+            size_hint(16, 512, 1, 8, Some(4), Transport::Nccl).unwrap(),
+            bytes_per_rank_with(&one, true).unwrap() as u64
+        );
+    }
+
+    #[test]
+    fn nccl_runs_with_capacity_sizes_and_auto_is_unchanged() {
+        let t = Duration::from_secs(3);
+        for tr in [Transport::Nccl, Transport::TwoTier] {
+            let o = options(tr, t);
+            assert_eq!(o.nccl_sizes, NcclSizes::Capacity, "{tr:?}");
+            assert_eq!(
+                (o.transport, o.num_gpus, o.timeout_ns),
+                (tr, 1, 3_000_000_000)
+            );
+        }
+        let auto = options(Transport::Auto, t);
+        let default = GpuOptions::default();
+        assert_eq!(auto.transport, Transport::Auto);
+        assert_eq!(auto.nccl_sizes, default.nccl_sizes);
+        assert_eq!(auto.zero_copy_local, default.zero_copy_local);
+        assert_eq!(auto.blocks_per_rank, default.blocks_per_rank);
+        // A timeout past u64 nanoseconds saturates.
+        assert_eq!(options(Transport::Auto, Duration::MAX).timeout_ns, u64::MAX);
+    }
+
+    #[test]
+    fn per_expert_is_refused_where_nccl_carries_traffic_and_says_why() {
+        for tr in [Transport::Auto, Transport::Nccl, Transport::TwoTier] {
+            check_path_on(Path::Batched, tr).unwrap();
+        }
+        check_path_on(Path::PerExpert, Transport::Auto).unwrap();
+        for (tr, name, reach) in [
+            (
+                Transport::Nccl,
+                "nccl",
+                "every peer is reached through NCCL",
+            ),
+            (
+                Transport::TwoTier,
+                "two-tier",
+                "the peers on other nodes are reached through NCCL",
+            ),
+        ] {
+            let e = check_path_on(Path::PerExpert, tr).unwrap_err();
+            assert!(
+                matches!(e, BindError::Gpu(GpuError::Unsupported(_))),
+                "{e:?}"
+            );
+            let m = e.to_string();
+            for words in [
+                &format!("path='per_expert' with transport='{name}'") as &str,
+                reach,
+                "exact sizes",
+                "host round trip",
+                "stream-ordered",
+                "path='batched'",
+            ] {
+                assert!(m.contains(words), "{words:?} not in {m}");
+            }
+        }
     }
 
     #[test]
     fn size_hint_refuses_bad_and_huge_shapes() {
-        let e = size_hint(128, 7168, 3, 256, None, false).unwrap_err();
+        let e = size_hint(128, 7168, 3, 256, None, Transport::Auto).unwrap_err();
         assert_eq!(
             e.to_string(),
             "config: num_experts = 256 is not a multiple of num_ranks = 3"
         );
-        let e = size_hint(1 << 40, 7168, 8, 256, None, false).unwrap_err();
+        let e = size_hint(1 << 40, 7168, 8, 256, None, Transport::Nccl).unwrap_err();
         // The config's bounds (ep_reference::config) refuse it first, naming value and limit.
         assert!(
             e.to_string()
                 .contains("1099511627776 exceeds the limit 65536"),
             "{e}"
         );
-        let e = size_hint(1 << 30, 1 << 30, 1, 1 << 10, None, false).unwrap_err();
+        let e = size_hint(1 << 30, 1 << 30, 1, 1 << 10, None, Transport::TwoTier).unwrap_err();
         assert!(e.to_string().contains("exceeds the limit"), "{e}");
     }
 
@@ -484,16 +641,22 @@ mod tests {
     fn keywords_parse_or_name_the_argument() {
         assert_eq!(path("batched").unwrap(), Path::Batched);
         assert_eq!(path("per_expert").unwrap(), Path::PerExpert);
+        assert_eq!(transport("auto").unwrap(), Transport::Auto);
         assert_eq!(transport("nccl").unwrap(), Transport::Nccl);
+        assert_eq!(transport("two-tier").unwrap(), Transport::TwoTier);
+        for t in [Transport::Auto, Transport::Nccl, Transport::TwoTier] {
+            assert_eq!(transport(transport_name(t)).unwrap(), t);
+        }
         assert_eq!(Phases::parse("recv").unwrap(), Phases::Recv);
         assert!(path("fast")
             .unwrap_err()
             .to_string()
             .starts_with("argument `path`"));
-        assert!(transport("ib")
-            .unwrap_err()
-            .to_string()
-            .starts_with("argument `transport`"));
+        for bad in ["ib", "two_tier", "NCCL", ""] {
+            let e = transport(bad).unwrap_err().to_string();
+            assert!(e.starts_with("argument `transport`"), "{e}");
+            assert!(e.contains("'auto', 'nccl' or 'two-tier'"), "{e}");
+        }
     }
 
     #[test]

@@ -609,24 +609,26 @@ fn f32_from_bf16<'py>(py: Python<'py>, data: Bound<'py, PyBytes>) -> PyResult<Bo
     Ok(PyBytes::new(py, &b))
 }
 
-/// Bytes of GPU memory one rank's buffers take (ep-kernels' layout; see `gpu::size_hint`).
+/// Bytes of GPU memory one rank's buffers take on `transport` (ep-kernels' layout, with the NCCL
+/// staging where that transport allocates it; see `gpu::size_hint`).
 #[pyfunction]
-#[pyo3(signature = (num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, top_k=None, nccl=false))]
+#[pyo3(signature = (num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, top_k=None, transport="auto"))]
 fn size_hint(
     num_max_dispatch_tokens_per_rank: usize,
     hidden: usize,
     num_ranks: usize,
     num_experts: usize,
     top_k: Option<usize>,
-    nccl: bool,
+    transport: &str,
 ) -> PyResult<u64> {
+    let t = gpu::transport(transport).py_err()?;
     gpu::size_hint(
         num_max_dispatch_tokens_per_rank,
         hidden,
         num_ranks,
         num_experts,
         top_k,
-        nccl,
+        t,
     )
     .py_err()
 }
@@ -637,13 +639,22 @@ fn probe_devices(need: usize) -> PyResult<usize> {
     gpu::probe(need).py_err()
 }
 
-/// Checks our `path=` and `transport=` keywords (raises `ArgumentError` naming the keyword).
+/// Checks our `path=` and `transport=` keywords (raises `ArgumentError` naming the keyword),
+/// then that the path runs on that transport (`UnsupportedError` saying why not).
 #[pyfunction]
 fn check_keywords(path: &str, transport: &str, timeout_s: f64) -> PyResult<()> {
-    gpu::path(path).py_err()?;
-    gpu::transport(transport).py_err()?;
+    let p = gpu::path(path).py_err()?;
+    let t = gpu::transport(transport).py_err()?;
     duration("timeout_s", timeout_s)?;
-    Ok(())
+    gpu::check_path_on(p, t).py_err()
+}
+
+/// What this process needs for `transport` beyond a GPU (NCCL for 'nccl'), or `NoDeviceError`
+/// saying what is missing.
+#[pyfunction]
+fn probe_transport(transport: &str) -> PyResult<()> {
+    let t = gpu::transport(transport).py_err()?;
+    gpu::probe_transport(t).py_err()
 }
 
 /// One rank of a process-mode GPU group (see `gpu::RankGroup`). Not shared between threads.
@@ -703,6 +714,11 @@ impl GpuRank {
     /// "NVIDIA H200 (sm_90, 132 SMs) x 1".
     fn describe_devices(&self) -> String {
         self.inner.describe_devices()
+    }
+
+    /// Bit d set when this rank reaches peer d through NCCL (the others through CUDA IPC).
+    fn nccl_mask(&self) -> u32 {
+        self.inner.nccl_mask()
     }
 
     /// Errors the kernels recorded (timeout, bad routing, bad peer data), raised as the
@@ -841,6 +857,7 @@ fn _ep_dispatch(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(size_hint, m)?)?;
     m.add_function(wrap_pyfunction!(probe_devices, m)?)?;
     m.add_function(wrap_pyfunction!(check_keywords, m)?)?;
+    m.add_function(wrap_pyfunction!(probe_transport, m)?)?;
     m.add_function(wrap_pyfunction!(_raise_sample_error, m)?)?;
     m.add_class::<GpuRank>()?;
     Ok(())

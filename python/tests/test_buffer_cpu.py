@@ -85,11 +85,14 @@ def test_every_deepep_keyword_is_accepted_then_no_device_is_clear():
         Buffer(g, **kwargs)
     assert str(e.value).startswith("no usable GPU: ") and e.value.kind == "NoDevice"
     assert isinstance(e.value, ep.DeviceError) and isinstance(e.value, RuntimeError)
-    # The same positionally, and with our extras.
-    with pytest.raises(ep.NoDeviceError):
-        Buffer(g, 0, 1 << 30, True, 24, True, False, False, False, False, None,
-               path="per_expert", transport="nccl", timeout_s=3,
-               num_max_dispatch_tokens_per_rank=128, hidden=7168, num_experts=256, num_topk=8)
+    # The same positionally, and with our extras (every transport gets as far as the device).
+    for path, transport in (("per_expert", "auto"), ("batched", "nccl"),
+                            ("batched", "two-tier")):
+        with pytest.raises(ep.NoDeviceError):
+            Buffer(g, 0, 1 << 30, True, 24, True, False, False, False, False, None,
+                   path=path, transport=transport, timeout_s=3,
+                   num_max_dispatch_tokens_per_rank=128, hidden=7168, num_experts=256,
+                   num_topk=8)
 
 
 def test_unknown_keywords_are_refused():
@@ -100,6 +103,11 @@ def test_unknown_keywords_are_refused():
 @pytest.mark.parametrize("kwargs, argument", [
     (dict(path="fast"), "path"),
     (dict(transport="ib"), "transport"),
+    (dict(transport="two_tier"), "transport"),
+    (dict(transport="NCCL"), "transport"),
+    (dict(transport=None), "transport"),
+    (dict(path=1), "path"),
+    (dict(path="fast", transport="nccl"), "path"),
     (dict(timeout_s=0), "timeout_s"),
     (dict(timeout_s="10"), "timeout_s"),
     (dict(num_topk=17), "num_topk"),
@@ -112,6 +120,50 @@ def test_our_keywords_are_checked_before_the_device(kwargs, argument):
         Buffer(FakeGroup(), **kwargs)
     assert e.value.argument == argument, str(e.value)
     assert str(e.value).startswith(f"argument `{argument}`: ")
+
+
+def test_every_transport_keyword_parses():
+    for path in ("batched", "per_expert"):
+        ep._native.check_keywords(path, "auto", 10.0)
+    for transport in ("auto", "nccl", "two-tier"):
+        ep._native.check_keywords("batched", transport, 10.0)
+    with pytest.raises(ep.ArgumentError) as e:
+        ep._native.check_keywords("batched", "rdma", 10.0)
+    assert e.value.argument == "transport"
+    assert "expected 'auto', 'nccl' or 'two-tier'" in str(e.value)
+
+
+@pytest.mark.parametrize("transport, reach", [
+    ("nccl", "every peer is reached through NCCL"),
+    ("two-tier", "the peers on other nodes are reached through NCCL"),
+])
+def test_per_expert_over_nccl_is_refused_before_the_device_and_says_why(transport, reach):
+    # On any machine, GPU or not: the keywords are checked before the device is looked at.
+    with pytest.raises(ep.UnsupportedError) as e:
+        Buffer(FakeGroup(), path="per_expert", transport=transport)
+    assert e.value.kind == "Unsupported"
+    assert isinstance(e.value, NotImplementedError)
+    msg = str(e.value)
+    for words in (f"path='per_expert' with transport='{transport}'", reach, "exact sizes",
+                  "host round trip", "stream-ordered", "fixed capacities",
+                  "Use path='batched'"):
+        assert words in msg, f"{words!r} not in {msg!r}"
+    # The same refusal from the native check the Buffer calls.
+    with pytest.raises(ep.UnsupportedError):
+        ep._native.check_keywords("per_expert", transport, 10.0)
+
+
+def test_probe_transport_names_what_is_missing():
+    # 'auto' and 'two-tier' need nothing beyond the GPU here; 'nccl' needs libnccl, which a
+    # machine may or may not have: either it passes or it names NCCL.
+    ep._native.probe_transport("auto")
+    ep._native.probe_transport("two-tier")
+    try:
+        ep._native.probe_transport("nccl")
+    except ep.NoDeviceError as e:
+        assert "transport='nccl' needs NCCL" in str(e) and "LD_LIBRARY_PATH" in str(e), str(e)
+    with pytest.raises(ep.ArgumentError):
+        ep._native.probe_transport("ib")
 
 
 def test_a_group_is_required():
@@ -149,11 +201,19 @@ def test_size_hint_is_ours_and_needs_no_gpu():
     bound = hint(128, 7168, 8, 256)
     assert isinstance(k8, int) and 0 < k8 < bound
     # Same as the native call (ep-kernels' layout), and growing with every dimension.
-    assert k8 == ep._native.size_hint(128, 7168, 8, 256, 8, False)
+    assert k8 == ep._native.size_hint(128, 7168, 8, 256, 8, "auto")
     assert hint(256, 7168, 8, 256, num_topk=8) > k8
     assert hint(128, 7168, 8, 288, num_topk=8) > k8
     assert hint(128, 4096, 8, 256, num_topk=8) < k8
-    assert hint(128, 7168, 8, 256, num_topk=8, transport="nccl") > k8
+    assert hint(128, 7168, 8, 256, num_topk=8, transport="auto") == k8
+    # NCCL staging: on 'nccl' and on 'two-tier' (allocated before the node plan is known).
+    nccl = hint(128, 7168, 8, 256, num_topk=8, transport="nccl")
+    assert nccl > k8
+    assert hint(128, 7168, 8, 256, num_topk=8, transport="two-tier") == nccl
+    assert nccl == ep._native.size_hint(128, 7168, 8, 256, 8, "nccl")
+    assert ep._native.size_hint(128, 7168, 8, 256, 8) == k8  # the default is 'auto'
+    # The staging holds at least the batched dispatch's R*T entries of H bf16 each.
+    assert nccl - k8 >= 8 * 128 * 7168 * 2
     # The recv_x and y buffers alone (L x R*T x H bf16 each) are a floor.
     assert k8 > 2 * (256 // 8) * (8 * 128) * 7168 * 2
 
@@ -169,9 +229,10 @@ def test_size_hint_refuses_bad_shapes():
     with pytest.raises(ep.ConfigError, match="max_tokens_per_rank = 1099511627776 exceeds the limit 65536") as e:
         hint(1 << 40, 7168, 8, 256)
     assert e.value.kind == "LimitExceeded"
-    with pytest.raises(ep.ArgumentError) as e:
-        hint(128, 7168, 8, 256, transport="rdma")
-    assert e.value.argument == "transport"
+    for bad in ("rdma", "two_tier", None, True):
+        with pytest.raises(ep.ArgumentError) as e:
+            hint(128, 7168, 8, 256, transport=bad)
+        assert e.value.argument == "transport"
 
 
 # ---- argument checks on stand-in tensors --------------------------------------------------------

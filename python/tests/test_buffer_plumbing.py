@@ -131,19 +131,26 @@ T, H, K = 6, 512, 3
 R, E = 2, 8
 
 
-@pytest.fixture
-def buffers(monkeypatch):
+def make_buffers(monkeypatch, **kw):
     world = World(R)
+    probed = []
     monkeypatch.setattr(native, "probe_devices", lambda n: 1)
+    monkeypatch.setattr(native, "probe_transport", probed.append)
     monkeypatch.setattr(native, "GpuRank", world.rank)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     bufs = []
     for r in range(R):
-        b = ep.Buffer(Group(r, R), 0, 1 << 20, True, E // R, path="per_expert", timeout_s=3)
+        b = ep.Buffer(Group(r, R), 0, 1 << 20, True, E // R, timeout_s=3, **kw)
         b._dev = torch.device("cpu")  # the stand-in "device" is the host
         b._stream = lambda: 0
         bufs.append(b)
+    world.probed = probed
     return world, bufs
+
+
+@pytest.fixture
+def buffers(monkeypatch):
+    return make_buffers(monkeypatch, path="per_expert")
 
 
 def make_inputs(seed):
@@ -241,3 +248,30 @@ def test_handles_are_checked(buffers):
     bufs[0].destroy()
     with pytest.raises(ep.InputError, match="destroyed"):
         bufs[0].low_latency_combine(y, topk, w, res[0][2])
+
+
+@pytest.mark.parametrize("transport", ["nccl", "two-tier"])
+def test_the_transport_reaches_the_native_rank(monkeypatch, transport):
+    world, bufs = make_buffers(monkeypatch, transport=transport)
+    assert world.probed == [transport] * R  # each rank probed what the transport needs
+    ins = make_inputs(4)
+    want = oracle.dispatch([i[0] for i in ins], [i[1] for i in ins], T, E)
+    want_c = oracle.combine([i[3] for i in ins], [i[1] for i in ins], [i[2] for i in ins], T, E)
+    res = [b.low_latency_dispatch(i[0], i[1], T, E) for b, i in zip(bufs, ins)]
+    assert [c[1:] for c in world.created] == [("batched", transport, 3.0)] * R
+    for r, (recv_x, recv_count, handle, _, _) in enumerate(res):
+        assert handle.path == "batched"
+        assert oracle.diff(got_of(recv_x, recv_count, handle), want[r]) is None
+    outs = [b.low_latency_combine(i[3], i[1], i[2], rr[2]) for b, i, rr in zip(bufs, ins, res)]
+    for r, (combined, _, _) in enumerate(outs):
+        assert oracle.combine_diff(combined, want_c[r]) is None
+
+
+@pytest.mark.parametrize("transport", ["nccl", "two-tier"])
+def test_per_expert_over_nccl_never_reaches_the_native_rank(monkeypatch, transport):
+    world = World(R)
+    monkeypatch.setattr(native, "probe_devices", lambda n: 1)
+    monkeypatch.setattr(native, "GpuRank", world.rank)
+    with pytest.raises(ep.UnsupportedError, match="exact sizes"):
+        ep.Buffer(Group(0, R), path="per_expert", transport=transport)
+    assert world.created == []

@@ -3,7 +3,13 @@
 rank). Every rank builds every rank's inputs from the same seed, so each checks its own outputs
 against the oracle bit for bit without extra communication.
 
-Skipped, with the reason, where torch, a GPU or this build's GPU execution is missing.
+Every Buffer test runs on each (path, transport) of ``SETUPS``: NVLink over CUDA IPC on both
+paths, and the batched path over NCCL ('nccl': every peer, this rank included) and over the
+two-tier transport with one emulated node per rank (so NCCL carries every peer there too).
+``-k nccl`` or ``-k two-tier`` selects those.
+
+Skipped, with the reason, where torch, a GPU or this build's GPU execution is missing; the NCCL
+transports also where libnccl cannot be loaded or two ranks share a GPU (NCCL refuses that).
 """
 
 import datetime
@@ -31,7 +37,11 @@ MODES = {
     "fp8-round": dict(use_fp8=True, round_scale=True),
     "fp8-ue8m0": dict(use_fp8=True, round_scale=True, use_ue8m0=True),
 }
-PATHS = ["batched", "per_expert"]
+# (path, transport): the per-expert path runs on 'auto' only (over NCCL it needs exact sizes,
+# which the stream-ordered Buffer refuses). 'two-tier' runs with one emulated node per rank
+# (EP_NODE_ID = rank while the group forms): every peer through NCCL, this rank through itself.
+SETUPS = [("batched", "auto"), ("per_expert", "auto"), ("batched", "nccl"),
+          ("batched", "two-tier")]
 
 
 def _free_port():
@@ -69,14 +79,68 @@ def E(R):
 
 def make_buffer(group, R, E, **kw):
     # As DeepEP's tests make theirs; the DeepEP keywords are accepted and ignored.
-    hint = ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E)
+    hint = ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E,
+                                                    transport=kw.get("transport", "auto"))
     return ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True,
                      num_qps_per_rank=E // R, **kw)
 
 
-@pytest.fixture(scope="module", params=PATHS)
-def buf(request, group, R, E):
-    b = make_buffer(group, R, E, path=request.param)
+@pytest.fixture(scope="session")
+def nccl_skip(group):
+    """Why the NCCL transports cannot run in this group (the same answer on every rank, so no
+    rank starts a collective step the others skip), or None."""
+    import torch.distributed as dist
+
+    try:
+        ep._native.probe_transport("nccl")
+        why = None
+    except ep.NoDeviceError as e:
+        why = str(e)
+    everyone = [None] * group.size()
+    dist.all_gather_object(everyone, (socket.gethostname(), torch.cuda.current_device(), why),
+                           group=group)
+    missing = [f"rank {r}: {w}" for r, (_, _, w) in enumerate(everyone) if w]
+    if missing:
+        return "; ".join(missing)
+    gpus = {(host, dev) for host, dev, _ in everyone}
+    if len(gpus) < len(everyone):
+        return (f"NCCL needs one GPU per rank, and these {len(everyone)} ranks share "
+                f"{len(gpus)} GPU(s)")
+    return None
+
+
+def skip_without_nccl(transport, why):
+    if transport != "auto" and why is not None:
+        print(f"SKIPPED: transport={transport!r}: {why}")
+        pytest.skip(f"transport={transport!r}: {why}")
+
+
+def emulate_nodes(b, node):
+    """Makes `b` form its groups with EP_NODE_ID = `node` (the node id is read when a group
+    forms, at the first dispatch of each shape), leaving the environment as it was after."""
+    form = b._rank_group
+
+    def rank_group(*args):
+        old = os.environ.get("EP_NODE_ID")
+        os.environ["EP_NODE_ID"] = node
+        try:
+            return form(*args)
+        finally:
+            if old is None:
+                del os.environ["EP_NODE_ID"]
+            else:
+                os.environ["EP_NODE_ID"] = old
+
+    b._rank_group = rank_group
+
+
+@pytest.fixture(scope="module", params=SETUPS, ids=[f"{p}-{t}" for p, t in SETUPS])
+def buf(request, group, R, E, nccl_skip):
+    path, transport = request.param
+    skip_without_nccl(transport, nccl_skip)
+    b = make_buffer(group, R, E, path=path, transport=transport)
+    if transport == "two-tier":
+        emulate_nodes(b, f"node{group.rank()}")
     yield b
     b.destroy()
 
@@ -279,3 +343,41 @@ def test_bad_routing_is_refused(group, R, E):
         b.check()
     assert e.value.kind in ("DuplicateExpert", "Timeout"), str(e.value)
     b.destroy()
+
+
+def test_peers_are_reached_as_the_transport_plans(buf, group, R, E):
+    """Which peers NCCL carries: none on 'auto', every rank (itself included) on 'nccl', every
+    other rank on the emulated 'two-tier' (one node per rank). So a transport that silently fell
+    back to CUDA IPC fails here, and the bitwise tests above ran over the transport named."""
+    rank = group.rank()
+    ins = inputs(11, R, E)
+    want, want_c = expect(ins, E, MODES["bf16"])
+    x, topk, w, y = (on_gpu(t) for t in ins[rank])
+    recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, topk, T, E, use_fp8=False)
+    combined, _, _ = buf.low_latency_combine(y, topk, w, handle)
+    torch.cuda.synchronize()
+    buf.check()
+    everyone = (1 << R) - 1
+    planned = {"auto": 0, "nccl": everyone, "two-tier": everyone & ~(1 << rank)}[buf.transport]
+    masks = {g.nccl_mask() for g in buf._ranks.values()}
+    assert masks == {planned}, (buf.transport, masks, planned)
+    assert oracle.diff(got_of(recv_x, recv_count, handle), want[rank]) is None
+    assert oracle.combine_diff(combined, want_c[rank]) is None
+
+
+@pytest.mark.parametrize("transport", ["nccl", "two-tier"])
+def test_per_expert_over_nccl_raises_unsupported(group, R, E, transport):
+    # The Buffer refuses it when made, before any collective step.
+    with pytest.raises(ep.UnsupportedError) as e:
+        make_buffer(group, R, E, path="per_expert", transport=transport)
+    assert "exact sizes" in str(e.value) and "host round trip" in str(e.value), str(e.value)
+
+    # So does the native rank itself, before the exchange (all_gather is never called).
+    def no_exchange(blob):
+        raise AssertionError("the refused group started its exchange")
+
+    with pytest.raises(ep.UnsupportedError) as e:
+        ep._native.GpuRank(group.rank(), R, E, T, H, K, True, False, False,
+                           torch.cuda.current_device(), "per_expert", transport, 10.0,
+                           no_exchange)
+    assert e.value.kind == "Unsupported" and "path='batched'" in str(e.value), str(e.value)
