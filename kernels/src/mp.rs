@@ -126,8 +126,49 @@ pub fn timeout_ns(timeout: Duration) -> u64 {
 /// that `Instant::now() + wait` cannot overflow in the rendezvous or in a sleep.
 pub const MAX_HOST_WAIT: Duration = Duration::from_secs(30 * 24 * 3600);
 
+/// Progress lines on stderr when `EP_MP_TRACE` is set (`[rank R +S s] step`), so that a rank
+/// stopped from outside (the fault runs) shows where it was. Off by default: the normal output
+/// is the report only.
+struct Trace {
+    on: bool,
+    rank: std::cell::Cell<Option<usize>>,
+    t0: Instant,
+}
+
+impl Trace {
+    fn new() -> Trace {
+        Trace {
+            on: std::env::var_os("EP_MP_TRACE").is_some_and(|v| !v.is_empty() && v != "0"),
+            rank: std::cell::Cell::new(None),
+            t0: Instant::now(),
+        }
+    }
+
+    fn step(&self, what: &str) {
+        if self.on {
+            let r = self.rank.get().map_or("?".into(), |r| r.to_string());
+            eprintln!(
+                "[rank {r} +{:.3} s] {what}",
+                self.t0.elapsed().as_secs_f64()
+            );
+        }
+    }
+}
+
+/// Traces `what` when dropped (guards declared around the group trace its release on every
+/// path, errors included).
+struct TraceOnDrop<'a>(&'a Trace, &'static str);
+
+impl Drop for TraceOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.step(self.1);
+    }
+}
+
 /// Runs this process's rank (the environment names it: `RANK`, `WORLD_SIZE`, ...).
 pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
+    let trace = Trace::new();
+    trace.step("joining the rendezvous");
     let host_wait = o.timeout.min(MAX_HOST_WAIT);
     let rdzv = Rendezvous::from_env(
         Duration::from_secs(60),
@@ -135,6 +176,8 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
     )
     .map_err(|e| fail(format!("rendezvous: {e}"), false))?;
     let (rank, world) = (rdzv.rank(), rdzv.world_size());
+    trace.rank.set(Some(rank));
+    trace.step("rendezvous joined");
     let local_rank = ep_launch::ProcessConfig::from_env()
         .map(|p| p.local_rank)
         .unwrap_or(rank);
@@ -152,10 +195,15 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
     let node = crate::topology::node_id()
         .map(|n| n.to_string())
         .map_err(|e| fail(format!("rank {rank}: {e}"), false))?;
+    trace.step("forming the group");
+    // Dropped after `g` (declared before it): the group's release, on every path, is traced.
+    let _released = TraceOnDrop(&trace, "leaving: the group, if formed, is released");
     let mut g = GpuGroup::new_process(&cfg, opts, rank, ordinal, &mut |b| {
         rdzv.all_gather(b).map_err(|e| e.to_string())
     })
     .map_err(|e| gpu_err(rank, "group", e))?;
+    let _releasing = TraceOnDrop(&trace, "releasing the group");
+    trace.step("group formed");
     let device = format!("GPU {ordinal} ({})", g.describe_devices());
     let mask = g.nccl_mask();
     let nccl_peers: Vec<usize> = (0..world).filter(|&d| (mask >> d) & 1 == 1).collect();
@@ -208,6 +256,7 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
         let want_c =
             oracle::combine(&cfg, &cin).map_err(|e| fail(format!("oracle: {e}"), false))?;
         let me = &data[rank];
+        trace.step(&format!("round {round}: checking every path"));
         for path in paths.clone() {
             if o.die_rank == Some(rank) && round == 1 {
                 eprintln!("rank {rank}: exiting on purpose (die_rank) before the round-1 dispatch");
@@ -286,6 +335,7 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
                 g.sync().map_err(|e| gpu_err(rank, "warm-up", e))?;
                 rdzv.barrier("bench")
                     .map_err(|e| fail(format!("rank {rank}: barrier: {e}"), true))?;
+                trace.step(&format!("timing {} {op:?}", path.name()));
                 let t0 = Instant::now();
                 for _ in 0..o.iters {
                     g.launch(op, path).map_err(|e| gpu_err(rank, "bench", e))?;
@@ -316,6 +366,7 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
     // No rank frees its buffers while a peer may still touch them through its IPC mapping: all
     // of this rank's work is done, then every rank meets once more before `g` drops (with
     // `--iters 0` a fast rank used to free memory a slower peer was still writing).
+    trace.step("final sync and barrier");
     g.sync().map_err(|e| gpu_err(rank, "final sync", e))?;
     rdzv.barrier("done")
         .map_err(|e| fail(format!("rank {rank}: final barrier: {e}"), true))?;

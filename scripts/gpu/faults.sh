@@ -26,9 +26,9 @@
 # a barrier takes up to 30 s), FAULT_BUDGET_S (the whole script, 150: trials that no longer fit
 # are skipped and counted), FAULT_ITERS (timed calls per path and op; default 100 on one GPU,
 # where time-sliced processes take ~4.4 ms a call, 3000 on two), FAULT_SEED (bash RANDOM seed),
-# FAULT_TRANSPORTS (default "ipc nccl"), FAULT_LOGDIR (per-trial rank logs; default a temporary
-# folder), FAULT_GPUS (GPU count, default from nvidia-smi; with none the script prints SKIPPED
-# and exits 0).
+# FAULT_TRANSPORTS (default "ipc nccl"), FAULT_KINDS (default "kill stall"), FAULT_LOGDIR
+# (per-trial rank logs, with the ranks' EP_MP_TRACE progress lines; default a temporary folder),
+# FAULT_GPUS (GPU count, default from nvidia-smi; with none the script prints SKIPPED and exits 0).
 #
 # Exit status: 0 when every injected fault ended on the survivor within the limit naming the
 # lost rank and every usable-check passed; 1 otherwise; 2 on bad usage.
@@ -45,6 +45,7 @@ TMO=${FAULT_TIMEOUT_MS:-1500}
 LIMIT=${FAULT_DETECT_LIMIT_S:-40}
 BUDGET=${FAULT_BUDGET_S:-150}
 TRANSPORTS=${FAULT_TRANSPORTS:-ipc nccl}
+KINDS=${FAULT_KINDS:-kill stall}
 case " $TRANSPORTS " in *" ipc "*|*" nccl "*) ;; *) echo "FAULT_TRANSPORTS: expected ipc and/or nccl, got '$TRANSPORTS'" >&2; exit 2 ;; esac
 RANDOM=${FAULT_SEED:-$$}
 LOGDIR=${FAULT_LOGDIR:-$(mktemp -d /tmp/ep-faults.XXXXXX)}
@@ -93,7 +94,7 @@ start_rank() {
   (
     env -u TORCHELASTIC_RUN_ID -u EP_RDZV_PORT \
       RANK="$r" WORLD_SIZE=2 LOCAL_RANK="$r" LOCAL_WORLD_SIZE=2 \
-      MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" EP_LAUNCHER=ep-launch \
+      MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" EP_LAUNCHER=ep-launch EP_MP_TRACE=1 \
       "$MP" --transport "$tr" --gpus "$GPUS" --iters "$ITERS" "${CFG[@]}" \
       > "$dir/r$r.log" 2>&1 &
     echo $! > "$dir/r$r.pid"
@@ -211,6 +212,12 @@ trial() {
   printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$fault" "$n" "$victim" "$delay" \
     "$status" "$detect" "$rc" "$named" "$msg" >> "$RESULTS"
   log "$name $fault #$n: rank $victim at ${delay} s (${frac} of ${w0} s): survivor rank $survivor $status rc=$rc detect=${detect:--} s named=$named: ${msg:-<no error line>}"
+  if [ "$status" != ended ]; then
+    # Where each rank was when the trial ended (EP_MP_TRACE progress lines).
+    for r in 0 1; do
+      log "    rank $r's last steps: $(grep -h '^\[rank' "$dir/r$r.log" 2>/dev/null | tail -n 3 | tr '\n' '|')"
+    done
+  fi
 }
 
 # A fresh 2-rank group on the same GPUs, checked bitwise (launched by ep-gpu-mp itself).
@@ -233,7 +240,7 @@ summary() {
   printf '%-6s %-6s %7s %9s %8s %6s %6s %5s %8s  %s\n' transport fault trials injected survived named hangs cut "usable" "detect s min/median/max"
   local tr fault
   for tr in $TRANSPORTS; do
-    for fault in kill stall; do
+    for fault in $KINDS; do
       awk -F'\t' -v tr="$tr" -v f="$fault" -v usable="$(awk -F'\t' -v tr="$tr" '$1 == tr { u = ($2 == 0 ? "yes" : "NO") } END { print (u == "" ? "-" : u) }' "$USABLE")" '
         $1 == tr && $2 == f {
           n++
@@ -286,7 +293,7 @@ for tr in $TRANSPORTS; do
   log "baseline $tr: timed calls ~$P s at the end of the run (faults aimed there)"
   # kill and stall trials alternate, so a budget cut shortens both alike.
   for n in $(seq 1 "$TRIALS"); do
-    for fault in kill stall; do
+    for fault in $KINDS; do
       need=$(awk -v w="$w0" -v t="$TMO" 'BEGIN { printf "%d", w + t / 1000 + 5 }')
       if [ "$(left)" -lt "$need" ]; then
         echo "CUT: $tr $fault trial $n not run (budget: $(left) s left, a trial needs ~$need s)"
