@@ -205,18 +205,57 @@ impl Drop for GpuGroup {
     fn drop(&mut self) {
         // [issue 10 item 5] Communicators go before the streams and memory they use: a bounded
         // wait for the streams, then destroy (idle, healthy) or abort (busy, failed).
+        let t = std::time::Duration::from_nanos(self.params.timeout_ns);
         if let Some(c) = self.comms.take() {
-            let t = std::time::Duration::from_nanos(self.params.timeout_ns);
             c.release(&self.streams(), t, self.broken.is_none());
         }
-        for dev in &self.devs {
-            let _ = dev.bind();
-            // SAFETY: the stream belongs to the bound context.
-            let _ = unsafe { result::stream::synchronize(dev.stream) };
+        // Then a bounded wait for every stream: our kernels end within their own wait bound, so
+        // twice the group's bound (at least 1 s) suffices for anything that can finish. A stream
+        // still busy after that waits on a peer that stopped (an NCCL receive the abort did not
+        // end: run 12's NCCL stall trial hung here, in an unbounded synchronize). Freeing memory
+        // under it would block as well (cuMemFree synchronises), so the devices and the peers'
+        // mappings are then leaked, not freed: the caller gets to report its error instead of
+        // hanging, and the process's exit reclaims them.
+        let bound = t.saturating_mul(2).max(std::time::Duration::from_secs(1));
+        if !streams_idle_within(&self.streams(), bound) {
+            std::mem::forget(std::mem::take(&mut self.devs));
+            std::mem::forget(std::mem::replace(
+                &mut self.ipc_opened,
+                IpcMappings {
+                    ctx: None,
+                    ptrs: Vec::new(),
+                },
+            ));
         }
-        // Then the fields: the devices free their allocations, `ipc_opened` closes the peers'
-        // mappings (its own Drop, which also runs when `new_process` fails half-way).
+        // Otherwise the fields: the devices synchronise (idle now) and free their allocations,
+        // `ipc_opened` closes the peers' mappings (its own Drop, which also runs when
+        // `new_process` fails half-way).
     }
+}
+
+/// Whether every stream finished its work within `bound` (polled). A stream whose query
+/// fails (a faulted context) counts as finished: nothing more will run on it.
+fn streams_idle_within(
+    streams: &[(Arc<CudaContext>, sys::CUstream)],
+    bound: std::time::Duration,
+) -> bool {
+    let t0 = std::time::Instant::now();
+    for (ctx, s) in streams {
+        if ctx.bind_to_thread().is_err() {
+            continue;
+        }
+        loop {
+            // SAFETY: `s` is a live stream of the bound context.
+            match unsafe { sys::cuStreamQuery(*s) } {
+                sys::CUresult::CUDA_ERROR_NOT_READY if t0.elapsed() < bound => {
+                    std::thread::sleep(std::time::Duration::from_micros(50))
+                }
+                sys::CUresult::CUDA_ERROR_NOT_READY => return false,
+                _ => break,
+            }
+        }
+    }
+    true
 }
 
 /// Peer allocations opened through CUDA IPC, closed on drop (also on an error path of
