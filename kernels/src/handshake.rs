@@ -3,7 +3,7 @@
 //! Before any peer allocation is mapped (or any NCCL communicator formed), every rank publishes a
 //! [`Hello`]: the library and protocol versions, a fingerprint of the CUDA sources its kernels
 //! were compiled from (they define what a peer writes where), the full [`Config`] (mode, `round_scale` and
-//! `ue8m0` included), the transport, the wait bound, `zero_copy_local`, its rank, and the byte
+//! `ue8m0` included), the transport and its NCCL sizing, the wait bound, `zero_copy_local`, its rank, and the byte
 //! size of its one allocation. The record travels in the same all-gather round as the CUDA IPC
 //! handle (or the NCCL unique id): [`exchange`] prepends it to the caller's payload, and strips
 //! and checks every peer's record before handing the payloads back. Every rank compares every
@@ -20,7 +20,7 @@
 //! Wire format (little-endian): `b"EPhs"`, protocol `u8`, library version (`u8` length, 1..=64
 //! printable ASCII bytes), kernel fingerprint `u64`, R, E, T, H, K (`u64` each), mode `u8` (0 bf16, 1 fp8), mode flags `u8`
 //! (bit 0 round_scale, bit 1 ue8m0; 0 for bf16), transport `u8` (0 auto, 1 nccl, 2 two-tier),
-//! zero_copy_local `u8` (0/1), timeout_ns `u64`, rank `u64`, allocation bytes `u64`, node id source
+//! zero_copy_local `u8` (0/1), NCCL sizes `u8` (0 exact, 1 capacity), timeout_ns `u64`, rank `u64`, allocation bytes `u64`, node id source
 //! `u8` (0 `EP_NODE_ID`, 1 `GROUP_RANK`, 2 hostname), node id (`u8` length, 1..=64 printable ASCII
 //! bytes without spaces), payload length `u16` (<= [`MAX_PAYLOAD`]), payload.
 //!
@@ -30,13 +30,14 @@
 
 use crate::runtime::AllGather;
 use crate::topology::{NodeId, NodeSource, MAX_NODE_ID_LEN};
-use crate::{GpuError, GpuOptions, Transport};
+use crate::{GpuError, GpuOptions, NcclSizes, Transport};
 use ep_reference::{Config, Mode};
 
 /// First bytes of every record.
 pub const MAGIC: [u8; 4] = *b"EPhs";
-/// Version of this record's layout and of the memory protocol it describes (2: the node id).
-pub const PROTOCOL: u8 = 2;
+/// Version of this record's layout and of the memory protocol it describes (2: the node id;
+/// 3: the NCCL sizing, which decides every NCCL message's size on both sides).
+pub const PROTOCOL: u8 = 3;
 /// This library's version (every rank must run the same build of the layout).
 pub const LIBRARY: &str = env!("CARGO_PKG_VERSION");
 /// Longest library version string a record may carry.
@@ -91,6 +92,8 @@ pub struct Hello {
     pub kernels: u64,
     pub config: Config,
     pub transport: Transport,
+    /// How NCCL messages are sized (both sides of a message must size it alike).
+    pub nccl_sizes: NcclSizes,
     pub zero_copy_local: bool,
     pub timeout_ns: u64,
     pub rank: usize,
@@ -115,6 +118,7 @@ impl Hello {
             kernels: kernel_fingerprint(),
             config: *cfg,
             transport: opts.transport,
+            nccl_sizes: opts.nccl_sizes,
             zero_copy_local: opts.zero_copy_local,
             timeout_ns: opts.timeout_ns,
             rank,
@@ -170,6 +174,10 @@ impl Hello {
             Transport::TwoTier => 2,
         });
         b.push(self.zero_copy_local as u8);
+        b.push(match self.nccl_sizes {
+            NcclSizes::Exact => 0,
+            NcclSizes::Capacity => 1,
+        });
         b.extend_from_slice(&self.timeout_ns.to_le_bytes());
         b.extend_from_slice(&(self.rank as u64).to_le_bytes());
         b.extend_from_slice(&self.alloc_bytes.to_le_bytes());
@@ -285,6 +293,17 @@ impl Hello {
                 })
             }
         };
+        let nccl_sizes = match r.u8("nccl_sizes")? {
+            0 => NcclSizes::Exact,
+            1 => NcclSizes::Capacity,
+            z => {
+                return Err(BlobError::BadField {
+                    field: "nccl_sizes",
+                    value: z as u64,
+                    allowed: "0 (exact) or 1 (capacity)",
+                })
+            }
+        };
         let timeout_ns = r.u64("timeout_ns")?;
         let rank = r.u64("rank")?;
         if rank >= counts[0] as u64 {
@@ -351,6 +370,7 @@ impl Hello {
                 kernels,
                 config,
                 transport,
+                nccl_sizes,
                 zero_copy_local,
                 timeout_ns,
                 rank: rank as usize,
@@ -416,6 +436,7 @@ impl Hello {
             self.zero_copy_local,
             theirs.zero_copy_local
         );
+        same!("nccl_sizes", self.nccl_sizes, theirs.nccl_sizes);
         same!("timeout_ns", self.timeout_ns, theirs.timeout_ns);
         if theirs.rank != peer {
             return mismatch(
@@ -626,9 +647,14 @@ mod tests {
     #[test]
     fn a_record_round_trips_with_its_payload() {
         for mode in [Mode::Bf16, Mode::FP8, Mode::FP8_ROUND, Mode::FP8_UE8M0] {
-            for transport in [Transport::Auto, Transport::Nccl, Transport::TwoTier] {
+            for (transport, nccl_sizes) in [
+                (Transport::Auto, NcclSizes::Exact),
+                (Transport::Nccl, NcclSizes::Capacity),
+                (Transport::TwoTier, NcclSizes::Exact),
+            ] {
                 let opts = GpuOptions {
                     transport,
+                    nccl_sizes,
                     timeout_ns: u64::MAX,
                     zero_copy_local: false,
                     ..Default::default()
@@ -759,8 +785,9 @@ mod tests {
         assert_eq!(field_of(patch(mode, &[1, 4])), "mode flags");
         assert_eq!(field_of(patch(mode + 2, &[3])), "transport");
         assert_eq!(field_of(patch(mode + 3, &[2])), "zero_copy_local");
+        assert_eq!(field_of(patch(mode + 4, &[2])), "nccl_sizes");
         // rank >= R (R = 4), allocation 0 and > 2^50.
-        let rank_at = mode + 4 + 8;
+        let rank_at = mode + 5 + 8;
         assert_eq!(field_of(patch(rank_at, &4u64.to_le_bytes())), "rank");
         assert_eq!(
             field_of(patch(rank_at + 8, &0u64.to_le_bytes())),
@@ -793,7 +820,7 @@ mod tests {
             }
         );
         // Any timeout is meaningful: u64::MAX decodes.
-        let back = patch(mode + 4, &u64::MAX.to_le_bytes()).unwrap();
+        let back = patch(mode + 5, &u64::MAX.to_le_bytes()).unwrap();
         assert_eq!(back.timeout_ns, u64::MAX);
         // Bad magic.
         assert!(matches!(patch(0, b"EPhX"), Err(BlobError::BadMagic { .. })));
@@ -882,6 +909,12 @@ mod tests {
                 "transport",
                 "Auto",
                 "Nccl",
+            ),
+            (
+                with(&|h| h.nccl_sizes = NcclSizes::Capacity),
+                "nccl_sizes",
+                "Exact",
+                "Capacity",
             ),
             (
                 with(&|h| h.zero_copy_local = false),

@@ -325,7 +325,9 @@ impl GpuGroup {
     }
 
     /// Changes the NCCL sizing mode for later calls. In process mode every rank must make the
-    /// same change before the same call (the two sides of a message must agree on its size).
+    /// same change before the same call (the two sides of a message must agree on its size):
+    /// the handshake compares the modes the ranks start with, a later divergence is not
+    /// detected.
     pub fn set_nccl_sizes(&mut self, sizes: NcclSizes) {
         self.nx.sizes = sizes;
     }
