@@ -49,15 +49,13 @@ pub fn launch_nodes(
 ) -> ExitCode {
     let mut rank_env = Vec::new();
     if nodes > 1 {
-        for rank in 0..nprocs {
-            match ep_kernels::topology::emulation_env(rank, nprocs, nodes) {
-                Ok(v) => rank_env.push(v),
-                Err(e) => {
-                    eprintln!("ep-bench: --nodes {nodes}: {e}");
-                    return ExitCode::from(2);
-                }
+        rank_env = match ep_kernels::topology::emulation_envs(nprocs, nodes) {
+            Ok(v) => v,
+            Err(e) => {
+                eprintln!("ep-bench: --nodes {nodes}: {e}");
+                return ExitCode::from(2);
             }
-        }
+        };
         if !args
             .iter()
             .any(|a| a == "--transport" || a.starts_with("--transport="))

@@ -281,6 +281,13 @@ pub fn emulation_env(
     ])
 }
 
+/// [`emulation_env`] of every rank, in rank order (what `LaunchOptions::rank_env` takes).
+pub fn emulation_envs(nprocs: usize, nodes: usize) -> Result<Vec<Vec<(String, String)>>, String> {
+    (0..nprocs)
+        .map(|rank| emulation_env(rank, nprocs, nodes))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -515,5 +522,10 @@ mod tests {
         // What the launcher sets is a valid node id.
         let (_, v) = &emulation_env(0, 4, 2).unwrap()[0];
         assert!(NodeId::named(v).is_ok());
+        // Every rank's, in rank order; a split that does not fit is refused as a whole.
+        let all = emulation_envs(4, 2).unwrap();
+        let nodes: Vec<&str> = all.iter().map(|v| v[0].1.as_str()).collect();
+        assert_eq!(nodes, ["0", "0", "1", "1"]);
+        assert!(emulation_envs(4, 3).is_err());
     }
 }

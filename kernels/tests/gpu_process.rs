@@ -18,7 +18,7 @@ use ep_kernels::mp::{run_rank, MpOptions};
 use ep_kernels::nccl::SETUP_FLOOR;
 use ep_kernels::runtime::bytes_per_rank_with;
 use ep_kernels::testing::{random_inputs, Rng, Routing};
-use ep_kernels::topology::{emulation_env, node_id, NodeId};
+use ep_kernels::topology::{emulation_envs, node_id, NodeId};
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, NcclSizes, Path, Transport};
 use ep_reference::{Config, Mode};
 use std::io::{BufRead, BufReader, Write};
@@ -432,9 +432,7 @@ fn two_tier_rank() -> i32 {
 /// did, with the expected peers on each tier, and that both paths were checked and timed.
 fn gpu_two_tier_four_processes_on_two_emulated_nodes_match_the_oracle() {
     let exe = std::env::current_exe().expect("test binary path");
-    let rank_env: Vec<Vec<(String, String)>> = (0..4)
-        .map(|r| emulation_env(r, 4, 2).expect("4 ranks on 2 nodes"))
-        .collect();
+    let rank_env = emulation_envs(4, 2).expect("4 ranks on 2 nodes");
     let opts = ep_launch::LaunchOptions {
         rank_env,
         ..Default::default()

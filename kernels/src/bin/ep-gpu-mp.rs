@@ -96,15 +96,13 @@ fn parent(args: &Args) -> ExitCode {
         if !given_transport {
             child.extend(["--transport".to_string(), "two-tier".to_string()]);
         }
-        for rank in 0..n {
-            match ep_kernels::topology::emulation_env(rank, n, nodes) {
-                Ok(v) => rank_env.push(v),
-                Err(e) => {
-                    eprintln!("ep-gpu-mp: --nodes: {e}");
-                    return ExitCode::from(2);
-                }
+        rank_env = match ep_kernels::topology::emulation_envs(n, nodes) {
+            Ok(v) => v,
+            Err(e) => {
+                eprintln!("ep-gpu-mp: --nodes: {e}");
+                return ExitCode::from(2);
             }
-        }
+        };
     }
     let exe = std::env::current_exe().expect("current_exe");
     let opts = ep_launch::LaunchOptions {
