@@ -56,7 +56,7 @@
 //!   left of the protocol there is the model's: the ack wait (on its own ack, published by the
 //!   previous launch's last block out, which the stream ordered before this launch: `ack0`
 //!   already holds `epoch - 1` and nothing is waited for) and `last_block_out` with the epoch
-//!   and self-ack ([`finish`], checked by `batched_one_sender_two_receivers`).
+//!   and self-ack (`finish`, checked by `batched_one_sender_two_receivers`).
 //!
 //! # Mutants
 //! `--cfg ep_mutant="..."` weakens one ordering; `.ci/loom.sh` builds each and requires a model
@@ -89,7 +89,7 @@
 //!   `>= epoch - 1` is a release store of the destination's last block out that happened after
 //!   its reads of call `epoch - 1` (acks only grow); nothing is written to a destination before
 //!   the `__syncthreads_or(wbad)` that follows, whatever thread acquired. The model now does the
-//!   same ([`preload_acks`], then [`sender_wait_acks`] skips an ack already seen); per-expert
+//!   same (`preload_acks`, then `sender_wait_acks` skips an ack already seen); per-expert
 //!   dispatch still waits in threads `tid < R` after `load_topk`, without a pre-load.
 //! - In per-expert dispatch a block that owns several experts writes the second expert's
 //!   messages after the first expert's `fence_rel` (before its signal), so only the first
@@ -340,8 +340,9 @@ pub struct Launch {
     pub timeout: Duration,
     /// `fault_rank`: this rank never signals (the test hook).
     pub fault_rank: Option<usize>,
-    /// This rank's `topk_idx` holds an expert out of range: `load_topk` reports it
-    /// (`ERR_EXPERT_RANGE`) and the rank takes the `in_bad` path.
+    /// This rank's `topk_idx` holds an expert out of range: the routing check (batched: the
+    /// `route` lambda; per-expert: `load_topk`) reports it (`ERR_EXPERT_RANGE`) and the rank
+    /// takes the `in_bad` path.
     pub bad_input: Option<usize>,
 }
 
@@ -1242,7 +1243,7 @@ impl Host {
 
     /// launch.rs `GpuGroup::sync` then errors.rs `GpuGroup::check`, once the streams are
     /// synchronised (the caller joined every block of the launch): reads every device's error
-    /// word; the first error, input errors, then peer data, then timeouts ([`cause_first`]),
+    /// word; the first error, input errors, then peer data, then timeouts (`cause_first`),
     /// fails the group.
     pub fn sync(&mut self, g: &Group) -> Result<(), DeviceError> {
         self.check_usable()?;
