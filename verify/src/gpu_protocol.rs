@@ -2,43 +2,61 @@
 //! check it (`tests/loom_gpu_protocol.rs`, built with `--cfg ep_loom`; the same functions run on
 //! std threads in the normal build).
 //!
-//! One function per role. Each step names the `.cu` line it mirrors (files under
-//! `kernels/src/cu/`). Only the synchronisation is kept: routing tables, quantisation and the
-//! expansion into canonical rows are computation on data that the orderings below publish.
-//! Payload entries are [`ROW_BYTES`]-byte rows of [`SharedRows`]: every access touches a loom
-//! cell, so loom reports a read that the orderings do not place after its write ("Causality
-//! violation"), and a write of call 2 that could land on a row call 1 still reads.
+//! One function per role. Each step cites the kernel code it mirrors (files under
+//! `kernels/src/cu/`) by function and a quoted fragment, not by line number; the kernels carry
+//! `// loom: gpu_protocol::<item>` comments at the same places. Only the synchronisation is
+//! kept: routing tables, quantisation and the expansion into canonical rows are computation on
+//! data that the orderings below publish. Payload entries are [`ROW_BYTES`]-byte rows of
+//! [`SharedRows`]: every access touches a loom cell, so loom reports a read that the orderings
+//! do not place after its write ("Causality violation"), and a write of call 2 that could land
+//! on a row call 1 still reads.
 //!
 //! # How the device maps onto the model
 //! - **A block is one thread.** The kernels order a block's threads with `__syncthreads` and let
-//!   thread 0 fence, count and signal. A `bar.sync` then thread 0's `fence.acq_rel` is cumulative
-//!   in the PTX memory model, so one thread doing the block's work in program order has the same
-//!   orderings. The model has one warp per block: send unit (token) t belongs to block
-//!   `t % blocks`, receive unit j (over every source's entries) to block `j % blocks`.
-//! - **Instructions.** `fence.acq_rel.{gpu,sys}` (common.cuh:160 `fence_rel`) is `fence(AcqRel)`;
+//!   one thread fence, count and signal. A `bar.sync` then that thread's `fence.acq_rel` is
+//!   cumulative in the PTX memory model, so one thread doing the block's work in program order
+//!   has the same orderings. The model has one warp per block: send unit (token) t belongs to
+//!   block `t % blocks`, receive unit j (over every source's entries) to block `j % blocks`.
+//!   Which thread of the block does a step matters only through the barriers around it: batched
+//!   dispatch's ack wait is thread `32 + d` (`acker`), its signal thread 0, its receive waits
+//!   threads `tid < R`; each is followed or preceded by a `__syncthreads[_or]`.
+//! - **Instructions.** `fence.acq_rel.{gpu,sys}` (common.cuh `fence_rel`) is `fence(AcqRel)`;
 //!   `st.release` a `Release` store; `ld.acquire` an `Acquire` load; `atomicAdd`, `atomicCAS`,
 //!   `atomicExch` relaxed read-modify-writes (CUDA's atomics are relaxed); `ld.volatile` and the
 //!   plain stores of the `state` counters relaxed atomics; `__threadfence_system`
-//!   `fence(SeqCst)`. The u64 epoch word (`ST_EPOCH64`, common.cuh:238 `ld_epoch`) and the
+//!   `fence(SeqCst)`. The u64 epoch word (`ST_EPOCH64`, common.cuh `ld_epoch`) and the
 //!   payload entries are plain memory (loom cells). Scopes (.gpu / .sys) are not modelled: the
 //!   kernels use the narrowest one that covers every rank.
-//! - **Launches.** A launch is one thread per block, of stage 0 (the whole call over NVLink;
-//!   the NCCL stages 1/2 only split it around a host exchange and are not modelled). The next
+//! - **Launches.** [`dispatch_block`] is one block of a stage-0 launch (the whole call over
+//!   NVLink / peer memory). The NCCL transport splits a call into stage 1 (pack), a host NCCL
+//!   exchange and stage 2 (unpack), with no signals or acks for NCCL peers (`via_nccl`: the
+//!   stream orders them); only its capacity mode's header poisoning is modelled
+//!   ([`batched_pack_block`], [`nccl_capacity_exchange`], [`batched_unpack_block`]). The next
 //!   launch on a device's stream starts after every block of the previous one ended (the tests
-//!   join them). Nothing else orders two
-//!   calls: no host synchronisation between calls is assumed (`GpuGroup::launch` back to back,
-//!   process mode, CUDA graph replay), so only the acks order a call's reads on one device before
-//!   the next call's writes from another.
+//!   join them). Nothing else orders two calls: no host synchronisation between calls is
+//!   assumed (`GpuGroup::launch` back to back, process mode, CUDA graph replay), so only the
+//!   acks order a call's reads on one device before the next call's writes from another.
 //! - **Pairs.** The kernels run every (source, destination) pair, self included, count 0 too. A
 //!   model lists the pairs it checks ([`Setup::links`]); pairs share nothing but the block
 //!   counters and the error word, which the model keeps.
 //! - **Bounded waits.** `%globaltimer` is a [`Deadline`]: under loom a timeout of N ms is N polls
 //!   and one of an hour or more never expires. The kernels look at the error word and the clock
 //!   every 64 polls, the model on every poll.
-//! - **Input checks.** `load_topk` / `read_ntok` (common.cuh:351, :383) report a bad index or
-//!   token count with `report_error` before anything is written; [`Launch::bad_input`] makes
-//!   one rank's routing bad. Peer-supplied counts are bounded with `peer_bad` (common.cuh:223);
-//!   the model's peers are honest, so that check only mirrors the path.
+//! - **Input checks.** Batched dispatch checks its routing in its one routing pass (the `route`
+//!   lambda, "`v < -1 || v >= (i64)E`": `ERR_EXPERT_RANGE`; then the repeats, `ERR_DUP_EXPERT`),
+//!   per-expert dispatch in common.cuh `load_topk(..., true)`, both the token count in
+//!   `read_ntok` (`ERR_TOKENS`); all report with `report_error` before anything is written and
+//!   set `in_bad`. [`Launch::bad_input`] makes one rank's routing bad. Peer-supplied counts are
+//!   bounded with `peer_bad` (common.cuh); the model's peers are honest on NVLink, so there that
+//!   check only mirrors the path; over NCCL the poisoned header exercises it.
+//! - **The one-rank path** (batched.cu `direct`: "`R == 1 && p.stage == 0 && p.nccl_mask ==
+//!   0u`") is not modelled and needs no model: the rank is its own only source and destination,
+//!   its blocks write the caller's canonical rows straight from `x` with no batch, no signal and
+//!   no expansion, so no block reads what another block or rank wrote in this call. What is
+//!   left of the protocol there is the model's: the ack wait (on its own ack, published by the
+//!   previous launch's last block out, which the stream ordered before this launch: `ack0`
+//!   already holds `epoch - 1` and nothing is waited for) and `last_block_out` with the epoch
+//!   and self-ack (`finish`, checked by `batched_one_sender_two_receivers`).
 //!
 //! # Mutants
 //! `--cfg ep_mutant="..."` weakens one ordering; `.ci/loom.sh` builds each and requires a model
@@ -47,55 +65,82 @@
 //! itself a release fence: making only the store relaxed is an equivalent mutant (the protocol
 //! stays correct, and loom agrees). So `gpu_signal_relaxed` and `gpu_ack_store_relaxed` drop
 //! the store's release *and* the release half of the fences before it in that thread.
+//! `gpu_no_hdr_poison` is not an ordering: it drops the host's poisoning of the NCCL send
+//! headers, and the model `capacity_bad_input_sender_header_poisoned` must see the peer take the
+//! previous call's header as this call's (an assertion, not a causality violation).
 //!
 //! # What the model found in the kernels
 //! Checked against the kernels after the device-API change (u64 epochs, tagged signals, input
-//! and peer-data checks on the device, the NCCL stage split). No ordering is missing.
+//! and peer-data checks on the device, the NCCL stage split) and again after issue 11's speed
+//! work (the pre-loaded ack, the one-pass routing check, the one-rank path, per-expert over
+//! NCCL, capacity-mode NCCL sizes). No ordering is missing.
 //! Observations:
-//! - The `.release` of the signal stores (batched.cu:184, per_expert.cu:96) and of the ack
-//!   stores (batched.cu:350, per_expert.cu:179) is redundant: the same thread has just run
-//!   `fence.acq_rel` (batched.cu:181, per_expert.cu:94, common.cuh:407 in `last_block_out`),
-//!   which makes a relaxed store a release pattern. Harmless; kept as belt and braces.
+//! - The `.release` of the signal stores (batched dispatch "`st_release(p, sig_bat(tab[d]) +
+//!   rank, signal_word(epoch, ...))`", per-expert "`st_release(p, sig_pe(tab[d], R) + ...`") and
+//!   of the ack stores (`finish:` of both, "`st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)
+//!   epoch)`" / `sig_pe_ack`) is redundant: the same thread has just run `fence.acq_rel` (the
+//!   `fence_rel(p)` after the `ST_SENT` count, the one before per-expert's signal, the one in
+//!   common.cuh `last_block_out`), which makes a relaxed store a release pattern. Harmless; kept
+//!   as belt and braces.
+//! - Batched dispatch's ack wait moved (issue 11): thread `32 + d` issues its first `ld_acquire`
+//!   of `sig_bat_ack(me, R) + d` (`ack0`) at kernel start, before `s_epoch` is read and before
+//!   the routing checks, and calls `wait_ack` only after `in_bad` is known and only if
+//!   "`ack0 < epoch - 1ull`". That is the same protocol: `ack0` is an acquire load, and a value
+//!   `>= epoch - 1` is a release store of the destination's last block out that happened after
+//!   its reads of call `epoch - 1` (acks only grow); nothing is written to a destination before
+//!   the `__syncthreads_or(wbad)` that follows, whatever thread acquired. The model now does the
+//!   same (`preload_acks`, then `sender_wait_acks` skips an ack already seen); per-expert
+//!   dispatch still waits in threads `tid < R` after `load_topk`, without a pre-load.
 //! - In per-expert dispatch a block that owns several experts writes the second expert's
-//!   messages after the first expert's `fence_rel` (per_expert.cu:94), so only the first
+//!   messages after the first expert's `fence_rel` (before its signal), so only the first
 //!   expert's writes rely on `wait_ack`'s acquire alone (the consecutive-calls model rewrites
 //!   exactly those).
-//! - Tags: `sig_tag` (common.cuh:237) wraps between epochs 2^40 - 2 (tag 2^40 - 1) and
+//! - Tags: `sig_tag` (common.cuh) wraps between epochs 2^40 - 2 (tag 2^40 - 1) and
 //!   2^40 - 1 (tag 1); that is the only place where a stale tag is *larger* than the current
 //!   one, so a receiver that compared with `>=` (as `wait_ack` rightly does for acks) would
 //!   take the previous call's signal there and nowhere else. The `*_tag_wrap` models run two
 //!   calls across it (mutant `gpu_tag_ge`). 2^40 - 1 -> 2^40 is tag 1 -> 2, no wrap.
-//! - A rank whose routing or token count is bad (`in_bad`, batched.cu:46, per_expert.cu:42)
-//!   skips its ack waits and goes to `finish` in every block (each block checks the same
-//!   routing), so it neither sends nor receives nor counts itself in `ST_SENT`; but its last
-//!   block out still publishes the epoch and acks every source (batched.cu:345-350,
-//!   per_expert.cu:175-179) for a call whose data it never read. That is sound: an ack only
-//!   lets a source overwrite this rank's receive buffers, and the epochs stay in step, so a
-//!   next call launched without a sync is exchanged correctly (model
+//! - A rank whose routing or token count is bad (`in_bad`: batched "`__syncthreads_or(bad) |
+//!   s_bad`", per-expert "`load_topk(...) | s_bad`") skips its ack waits ("`if (!in_bad &&
+//!   acker && ...`"; its `ack0` load is left unused) and goes to `finish` in every block (each
+//!   block checks the same routing), so it neither sends nor receives nor counts itself in
+//!   `ST_SENT`; but its last block out still publishes the epoch and acks every source
+//!   ("`if (last_out && p.stage != 1)`") for a call whose data it never read. That is sound: an
+//!   ack only lets a source overwrite this rank's receive buffers, and the epochs stay in step,
+//!   so a next call launched without a sync is exchanged correctly (model
 //!   `bad_input_receiver_then_good_call`). Its peers see no signal: on the same device their
 //!   waits stop on the error flag within 64 polls; on another device they run the whole
 //!   `timeout_ns` and report a timeout there, which the host ranks after the input error
-//!   (errors.rs:86 `cause_first`, :99 `check`). If the caller's routing changed while the
-//!   launch ran, blocks could disagree on `in_bad` and the next item applies.
-//! - A batched dispatch block whose `wait_ack` fails skips the send side, hence the
-//!   `ST_SENT` count (batched.cu:99 jumps over :178). If only some blocks of a rank fail, the
-//!   count is left non-zero and a later launch on the same state would signal before every
-//!   block has written. The host's refusal of every call after an error (errors.rs:116 sets
-//!   `broken`, runtime/mod.rs:220 `check_usable`, first thing in launch.rs:17 `launch_inner`
-//!   and :308 `sync`) is what keeps this from happening: it is needed, not just prudent. Back
-//!   to back `launch`es without a sync (benchmarks, graph replay) after an error give garbage
-//!   until the next sync reports it.
-//! - Not an ordering, but the same shape (NCCL transport, not modelled: the model runs stage
-//!   0): a rank with bad input also skips, in its pack stage (`p.stage` 1), the writes of
-//!   `snd_hdr` and the staged batches (batched.cu:99 jumps over :131-:171), and
-//!   launch.rs:141 `nccl_dispatch_exchange` reads `snd_hdr` back after `wait_streams` (:167)
-//!   without reading the error word: the previous call's headers (valid once, so `check_pair`,
-//!   :193, passes) and batches go to the peers, whose unpack stage (NCCL sources: no signal to
-//!   wait for, batched.cu:194) takes them as this call's. The next `sync` reports the input
-//!   error, so a caller that syncs gets the error; until then the peers hold the previous
-//!   call's rows. Fixed: `nccl_dispatch_exchange` now reads the error word (`check()`) right
-//!   after `wait_streams`, before any batch is sent; the peers' NCCL waits then end at their
-//!   bound instead of taking stale rows (not yet run on a GPU).
+//!   (errors.rs `cause_first`: input, then peer data, then timeouts; `GpuGroup::check`). If the
+//!   caller's routing changed while the launch ran, blocks could disagree on `in_bad` and the
+//!   next item applies.
+//! - A batched dispatch block whose `wait_ack` fails skips the send side ("`if
+//!   (__syncthreads_or(wbad) || in_bad) goto finish;`" jumps over the `ST_SENT` `atomicAdd`). If
+//!   only some blocks of a rank fail, the count is left non-zero and a later launch on the same
+//!   state would signal before every block has written. The host's refusal of every call after
+//!   an error (errors.rs `GpuGroup::check` sets `broken`; runtime/mod.rs `check_usable`, first
+//!   thing in launch.rs `launch_inner` and `sync`) is what keeps this from happening: it is
+//!   needed, not just prudent. Back to back `launch`es without a sync (benchmarks, graph
+//!   replay) after an error give garbage until the next sync reports it.
+//! - NCCL transport, exact sizes (`NcclSizes::Exact`, not modelled): a rank with bad input also
+//!   skips, in its pack stage (`p.stage` 1), the writes of `snd_hdr` and the staged batches, so
+//!   what sits there is an earlier call's, valid-looking. launch.rs `nccl_dispatch_exchange`
+//!   reads the error word ("`self.check()?;`") after the header exchange and `wait_streams_on`,
+//!   before it reads the headers back to size the payload: no batch of the call is sent, and the
+//!   peers' NCCL waits end at their bound instead of taking stale rows (not yet run on a GPU).
+//! - NCCL transport, capacity sizes (`NcclSizes::Capacity`, modelled for batched dispatch):
+//!   header and the whole T-entry region go in one grouped exchange with no host look. The
+//!   host first sets every send-header word to `POISON_HDR` = i32::MAX (launch.rs
+//!   `poison_send_headers`, in stream order before the pack kernel); a good pack stage
+//!   overwrites it, a bad one leaves it; the peer's unpack (stage 2: "`c = ((const
+//!   int*)me.rcv_hdr)[tid * HDR_WORDS(L)]`" instead of `wait_signal`) bounds it with
+//!   `peer_bad(..., PF_BATCH_TOKENS, c, T)` and reports `ERR_PEER_DATA` instead of taking the
+//!   previous call's header and rows (model `capacity_bad_input_sender_header_poisoned`, mutant
+//!   `gpu_no_hdr_poison`). Not modelled there: the other header words (selections, rows per
+//!   local expert: the same poison, bounded by `PF_SELECTIONS` / `PF_EXPERT_ROWS` after the
+//!   token count already failed), the combine exchange, per-expert over NCCL (exact sizes only:
+//!   `check_nccl_sizes`), and NCCL's own transfer, which the model treats as a rendezvous of
+//!   both ranks' streams between the two stages.
 
 use std::time::Duration;
 
@@ -104,25 +149,25 @@ use ep_reference::sync::{fence, AtomicU64, Deadline, Ordering, SharedRows};
 /// Bytes of one payload entry: a 16-byte header (four u32) and an 8-byte payload word.
 pub const ROW_BYTES: usize = 24;
 
-/// Phases reported in the error word (common.cuh:18-19 `PH_*`).
+/// Phases reported in the error word (common.cuh `PH_DISPATCH_SEND`, `PH_DISPATCH_RECV`).
 pub const PH_DISPATCH_SEND: u32 = 0;
 pub const PH_DISPATCH_RECV: u32 = 1;
 
-/// Error codes of `err[0]` (common.cuh:184-188 `ERR_*`) that the model raises.
+/// Error codes of `err[0]` (common.cuh `#define ERR_*`) that the model raises.
 pub const ERR_TIMEOUT: u32 = 1;
 pub const ERR_EXPERT_RANGE: u32 = 2;
 pub const ERR_PEER_DATA: u32 = 5;
-/// common.cuh:190, :197: the peer-supplied counts the receivers bound.
-const PF_BATCH_TOKENS: u32 = 0;
+/// common.cuh `PF_BATCH_TOKENS`, `PF_PE_COUNT`: the peer-supplied counts the receivers bound.
+pub const PF_BATCH_TOKENS: u32 = 0;
 const PF_PE_COUNT: u32 = 7;
 
-/// common.cuh:235 `SIG_COUNT_BITS`: a signal word is `tag << 24 | count`.
+/// common.cuh `SIG_COUNT_BITS`: a signal word is `tag << 24 | count`.
 pub const SIG_COUNT_BITS: u32 = 24;
 const SIG_COUNT_MASK: u64 = (1 << SIG_COUNT_BITS) - 1;
 
 // ---------------------------------------------------------------- orderings and their mutants
 
-/// batched.cu:176 `fence_rel(p)` before the block counter's `atomicAdd`: publishes this block's
+/// Batched dispatch's `fence_rel(p)` before "`atomicAdd(state + ST_SENT + KIND, 1u)`": publishes this block's
 /// stores to the block that completes the count.
 #[inline]
 fn fence_before_sent_add() {
@@ -133,7 +178,7 @@ fn fence_before_sent_add() {
     fence(Ordering::Acquire);
 }
 
-/// batched.cu:181 `fence_rel(p)` of the block that completed the count, before the signal
+/// Batched dispatch's second `fence_rel(p)`, of the block that completed the count, before the signal
 /// stores: acquires the other blocks' stores (their fence + add) and releases them with its own.
 #[inline]
 fn fence_after_last_sent() {
@@ -147,7 +192,7 @@ fn fence_after_last_sent() {
     fence(Ordering::Acquire);
 }
 
-/// per_expert.cu:94 `fence_rel(p)` of the block that owns the expert, before its signal.
+/// Per-expert dispatch's `fence_rel(p)` of the block that owns the expert, before its signal.
 #[inline]
 fn fence_before_pe_signal() {
     #[cfg(not(ep_mutant = "gpu_signal_relaxed"))]
@@ -156,19 +201,20 @@ fn fence_before_pe_signal() {
     fence(Ordering::Acquire);
 }
 
-/// batched.cu:184 / per_expert.cu:96 `st_release` of a signal word.
+/// The `st_release(p, sig_bat(tab[d]) + rank, ...)` / `st_release(p, sig_pe(tab[d], R) + ...)`
+/// of a signal word.
 #[cfg(not(ep_mutant = "gpu_signal_relaxed"))]
 const SIGNAL_STORE: Ordering = Ordering::Release;
 #[cfg(ep_mutant = "gpu_signal_relaxed")]
 const SIGNAL_STORE: Ordering = Ordering::Relaxed;
 
-/// common.cuh:250 `wait_signal`: `ld_acquire(p, addr)`.
+/// common.cuh `wait_signal`: `ld_acquire(p, addr)`.
 #[cfg(not(ep_mutant = "gpu_wait_relaxed"))]
 const SIGNAL_LOAD: Ordering = Ordering::Acquire;
 #[cfg(ep_mutant = "gpu_wait_relaxed")]
 const SIGNAL_LOAD: Ordering = Ordering::Relaxed;
 
-/// common.cuh:402 `last_block_out`: `fence_rel(p)` before the exit counter's `atomicAdd`.
+/// common.cuh `last_block_out`: the first `fence_rel(p)`, before the exit counter's `atomicAdd`.
 #[inline]
 fn fence_before_exit_add() {
     #[cfg(not(any(ep_mutant = "gpu_exit_release", ep_mutant = "gpu_ack_store_relaxed")))]
@@ -178,7 +224,7 @@ fn fence_before_exit_add() {
     fence(Ordering::Acquire);
 }
 
-/// common.cuh:407 `last_block_out`: `fence_rel(p)` of the last block out, after its `atomicAdd`.
+/// common.cuh `last_block_out`: the second `fence_rel(p)`, of the last block out, after its `atomicAdd`.
 #[inline]
 fn fence_after_last_exit() {
     #[cfg(not(any(ep_mutant = "gpu_exit_acquire", ep_mutant = "gpu_ack_store_relaxed")))]
@@ -190,13 +236,15 @@ fn fence_after_last_exit() {
     fence(Ordering::Acquire);
 }
 
-/// batched.cu:350 / per_expert.cu:179 `st_release` of an ack word.
+/// `finish:`'s `st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch)` (per-expert:
+/// `sig_pe_ack`) of an ack word.
 #[cfg(not(ep_mutant = "gpu_ack_store_relaxed"))]
 const ACK_STORE: Ordering = Ordering::Release;
 #[cfg(ep_mutant = "gpu_ack_store_relaxed")]
 const ACK_STORE: Ordering = Ordering::Relaxed;
 
-/// common.cuh:268 `wait_ack`: `ld_acquire(p, addr)`.
+/// common.cuh `wait_ack`: `ld_acquire(p, addr)`; also batched dispatch's pre-load
+/// "`ack0 = ld_acquire(p, sig_bat_ack(me, R) + ackd)`".
 #[cfg(not(ep_mutant = "gpu_ack_load_relaxed"))]
 const ACK_LOAD: Ordering = Ordering::Acquire;
 #[cfg(ep_mutant = "gpu_ack_load_relaxed")]
@@ -205,7 +253,7 @@ const ACK_LOAD: Ordering = Ordering::Relaxed;
 /// `ld.volatile`, `atomicAdd`, `atomicCAS`, `atomicExch` and plain stores of state counters.
 const RELAXED: Ordering = Ordering::Relaxed;
 
-/// common.cuh:251 the receiver's match: the word's tag must equal this call's.
+/// common.cuh `wait_signal`'s match, "`(v >> SIG_COUNT_BITS) == tag`": the word's tag must equal this call's.
 #[inline]
 fn tag_matches(word_tag: u64, tag: u64) -> bool {
     #[cfg(not(ep_mutant = "gpu_tag_ge"))]
@@ -240,7 +288,7 @@ pub struct Setup {
     pub local_experts: usize,
 }
 
-/// One rank's words (common.cuh:35 `RankPtrs`: `state`, `sig`, `bat_buf` / `pe_buf`).
+/// One rank's words (common.cuh `RankPtrs`: `state`, `sig`, `bat_buf` / `pe_buf`).
 pub struct Rank {
     pub device: usize,
     pub blocks: usize,
@@ -258,9 +306,15 @@ pub struct Rank {
     ack: Vec<AtomicU64>,
     /// `bat_buf` (entry s * T + pos) / `pe_buf` (entry (l * R + s) * T + t).
     buf: SharedRows,
+    /// NCCL capacity mode: `snd_hdr` word 0 (tokens) of destination d's header, row d (i32).
+    snd_hdr: SharedRows,
+    /// NCCL capacity mode: `snd_buf`, the staged batch for destination d at entry d * T + pos.
+    snd_buf: SharedRows,
+    /// NCCL capacity mode: `rcv_hdr` word 0 (tokens) of source s's header, row s (i32).
+    rcv_hdr: SharedRows,
 }
 
-/// One device's error word (common.cuh:176-183: `err[0]` code, `err[1..7]` details, `err[7]`
+/// One device's error word (common.cuh, the comment above `ERR_TIMEOUT`: `err[0]` code, `err[1..7]` details, `err[7]`
 /// claim).
 pub struct ErrorWord {
     code: AtomicU64,
@@ -286,13 +340,14 @@ pub struct Launch {
     pub timeout: Duration,
     /// `fault_rank`: this rank never signals (the test hook).
     pub fault_rank: Option<usize>,
-    /// This rank's `topk_idx` holds an expert out of range: `load_topk` reports it
-    /// (`ERR_EXPERT_RANGE`) and the rank takes the `in_bad` path.
+    /// This rank's `topk_idx` holds an expert out of range: the routing check (batched: the
+    /// `route` lambda; per-expert: `load_topk`) reports it (`ERR_EXPERT_RANGE`) and the rank
+    /// takes the `in_bad` path.
     pub bad_input: Option<usize>,
 }
 
 /// One call's inputs: `route[s][t]` = the (destination rank, local expert) of every valid slot of
-/// token t on rank s (`topk_idx` after common.cuh:351 `load_topk`).
+/// token t on rank s (`topk_idx` after the routing check).
 #[derive(Debug, Clone)]
 pub struct Input {
     /// 1, 2, ...: this call's index in the model; its epoch is [`Group::base`] + `call`.
@@ -367,6 +422,9 @@ impl Group {
                     sig: (0..l_n * r_n).map(|_| AtomicU64::new(left)).collect(),
                     ack: (0..r_n).map(|_| AtomicU64::new(base)).collect(),
                     buf: SharedRows::new(l_n * r_n * t_n, ROW_BYTES),
+                    snd_hdr: SharedRows::new(r_n, 4),
+                    snd_buf: SharedRows::new(r_n * t_n, ROW_BYTES),
+                    rcv_hdr: SharedRows::new(r_n, 4),
                 }
             })
             .collect();
@@ -405,7 +463,7 @@ impl Group {
         &self.devices[self.ranks[rank].device]
     }
 
-    /// The tokens of `s` bound for `d`, in token order (batched.cu:75-98, `tokpos`).
+    /// The tokens of `s` bound for `d`, in token order (batched dispatch's `sm.tokpos`).
     fn batch(&self, input: &Input, s: usize, d: usize) -> Vec<usize> {
         (0..input.route[s].len())
             .filter(|&t| input.route[s][t].iter().any(|sel| sel.0 == d))
@@ -486,24 +544,24 @@ fn read_entry(buf: &SharedRows, row: usize) -> ([u32; 4], u64) {
     }
 }
 
-/// common.cuh:237 `sig_tag`: `epoch mod (2^40 - 1) + 1`, never 0.
+/// common.cuh `sig_tag`: `epoch mod (2^40 - 1) + 1`, never 0.
 pub fn sig_tag(epoch: u64) -> u64 {
     epoch % ((1 << 40) - 1) + 1
 }
 
-/// common.cuh:280 `signal_word`: `tag << 24 | count`.
+/// common.cuh `signal_word`: `tag << 24 | count`.
 pub fn signal_word(epoch: u64, count: u32) -> u64 {
     (sig_tag(epoch) << SIG_COUNT_BITS) | (count as u64 & SIG_COUNT_MASK)
 }
 
 // ---------------------------------------------------------------- errors and bounded waits
 
-/// common.cuh:200 `failed`: `ld_volatile_u32(err) != 0`.
+/// common.cuh `failed`: `ld_volatile_u32(err) != 0`.
 fn failed(e: &ErrorWord) -> bool {
     e.code.load(RELAXED) != 0
 }
 
-/// common.cuh:205 `report_error`: the first error of the device writes the details, then
+/// common.cuh `report_error`: the first error of the device writes the details, then
 /// raises the code; later ones only see it.
 fn report_error(e: &ErrorWord, code: u32, words: [u32; 6]) {
     // if (atomicCAS(w + 7, 0u, 1u) == 0u)
@@ -525,7 +583,7 @@ fn report_error(e: &ErrorWord, code: u32, words: [u32; 6]) {
     }
 }
 
-/// common.cuh:219 `report_timeout`: rank, peer, phase, call (low), waited us, call (high).
+/// common.cuh `report_timeout`: rank, peer, phase, call (low), waited us, call (high).
 fn report_timeout(e: &ErrorWord, rank: usize, peer: usize, phase: u32, call: u64, waited: u64) {
     let words = [
         rank as u32,
@@ -538,7 +596,7 @@ fn report_timeout(e: &ErrorWord, rank: usize, peer: usize, phase: u32, call: u64
     report_error(e, ERR_TIMEOUT, words);
 }
 
-/// common.cuh:223 `peer_bad`: a peer-supplied `value` outside [0, limit] is reported.
+/// common.cuh `peer_bad`: a peer-supplied `value` outside [0, limit] is reported.
 fn peer_bad(e: &ErrorWord, rank: usize, peer: usize, field: u32, value: i64, limit: i64) -> bool {
     if (0..=limit).contains(&value) {
         return false;
@@ -555,7 +613,7 @@ fn peer_bad(e: &ErrorWord, rank: usize, peer: usize, field: u32, value: i64, lim
     true
 }
 
-/// common.cuh:245 `wait_signal`: waits until the word carries this call's tag; returns its count.
+/// common.cuh `wait_signal`: waits until the word carries this call's tag; returns its count.
 #[allow(clippy::too_many_arguments)]
 fn wait_signal(
     g: &Group,
@@ -591,7 +649,7 @@ fn wait_signal(
     })
 }
 
-/// common.cuh:264 `wait_ack`: waits until the ack word is at least `need` (u64 epochs).
+/// common.cuh `wait_ack`: waits until the ack word is at least `need` (u64 epochs).
 #[allow(clippy::too_many_arguments)]
 fn wait_ack(
     g: &Group,
@@ -624,7 +682,7 @@ fn wait_ack(
 
 // ---------------------------------------------------------------- the roles
 
-/// Role: the start of every block (batched.cu:33-38, per_expert.cu:29-34): this call's epoch.
+/// Role: the start of every block (thread 0: "`s_epoch = ld_epoch(state, KIND) + 1ull`"): this call's epoch.
 fn block_epoch(me: &Rank) -> u64 {
     // s_epoch = ld_epoch(state, KIND) + 1ull;
     // SAFETY: the only write is the previous launch's last block out (`finish`), which ended
@@ -636,13 +694,14 @@ fn block_epoch(me: &Rank) -> u64 {
     calls + 1
 }
 
-/// Role: the device-side input check (batched.cu:46, per_expert.cu:42 `load_topk(..., true)`,
-/// common.cuh:351-380): a bad index is reported before anything is written. Returns `in_bad`.
+/// Role: the device-side input check (batched: the routing pass's `route` lambda and the
+/// repeats loop; per-expert: common.cuh `load_topk(..., true)`): a bad index is reported before
+/// anything is written. Returns `in_bad`.
 fn input_check(g: &Group, kp: &Launch, rank: usize) -> bool {
     if kp.bad_input != Some(rank) {
         return false;
     }
-    // common.cuh:357 report_error(p.err, ERR_EXPERT_RANGE, rank, token, slot, value, value >> 32, E);
+    // report_error(p.err, ERR_EXPERT_RANGE, rank, token, slot, value, value >> 32, E);
     let e_n = (g.ranks.len() * g.setup.local_experts) as u32;
     report_error(
         g.err(rank),
@@ -652,14 +711,37 @@ fn input_check(g: &Group, kp: &Launch, rank: usize) -> bool {
     true
 }
 
+/// Role: batched dispatch's pre-load of every destination's ack, at kernel start, before the
+/// epoch is read and before the routing checks (thread `32 + d`, `acker`: "`if (acker) ack0 =
+/// ld_acquire(p, sig_bat_ack(me, R) + ackd)`"). Per-expert dispatch has none. Returns `ack0`
+/// per destination, in `Group::dests` order.
+fn preload_acks(g: &Group, rank: usize) -> Vec<u64> {
+    g.dests(rank)
+        .map(|d| g.ranks[rank].ack[d].load(ACK_LOAD))
+        .collect()
+}
+
 /// Role: the sender of the next call waits for every destination's ack of the previous call
-/// before it overwrites their buffers (batched.cu:51-53, per_expert.cu:43-44; threads tid < R,
-/// one per destination; skipped when the input is bad).
-fn sender_wait_acks(g: &Group, kp: &Launch, rank: usize, epoch: u64) -> Option<WaitEnd> {
+/// before it overwrites their buffers; skipped when the input is bad. Batched (`ack0` given):
+/// thread `32 + d`, after the routing checks, "`if (!in_bad && acker && ack0 < epoch - 1ull)
+/// wbad = !wait_ack(...)`", then "`if (__syncthreads_or(wbad) || in_bad) goto finish;`".
+/// Per-expert (`ack0` none): threads `tid < R` after `load_topk`, "`if (!in_bad && tid < R &&
+/// p.stage != 2 && !via_nccl(p, tid)) bad = !wait_ack(...)`".
+fn sender_wait_acks(
+    g: &Group,
+    kp: &Launch,
+    rank: usize,
+    epoch: u64,
+    ack0: Option<&[u64]>,
+) -> Option<WaitEnd> {
     let mut bad = None;
     #[cfg(not(ep_mutant = "gpu_no_ack_wait"))]
-    for d in g.dests(rank) {
-        // bad = !wait_ack(p, sig_bat_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_DISPATCH_SEND);
+    for (i, d) in g.dests(rank).enumerate() {
+        // ack0 < epoch - 1ull: the pre-load (an acquire) did not see the ack yet.
+        if ack0.is_some_and(|a| a[i] >= epoch - 1) {
+            continue;
+        }
+        // wait_ack(p, sig_bat_ack(me, R) + ackd, epoch - 1ull, epoch, rank, ackd, PH_DISPATCH_SEND)
         if let Err(e) = wait_ack(
             g,
             kp,
@@ -674,26 +756,26 @@ fn sender_wait_acks(g: &Group, kp: &Launch, rank: usize, epoch: u64) -> Option<W
         }
     }
     #[cfg(ep_mutant = "gpu_no_ack_wait")]
-    let _ = (g, kp, rank, epoch);
+    let _ = (g, kp, rank, epoch, ack0);
     bad
 }
 
 /// Role: a batched sender block writes its share of every batch, then counts itself out; the
 /// block that completes the count stores every destination's signal with the call's tag
-/// (batched.cu:106-186).
+/// (batched dispatch, "`---- send`" under "`if (p.stage != 2 && !direct)`").
 fn batched_send(g: &Group, kp: &Launch, input: &Input, rank: usize, bid: usize, epoch: u64) {
     let me = &g.ranks[rank];
     let t_n = g.setup.max_tokens;
     let mut counts = Vec::new();
     for d in g.dests(rank) {
         let batch = g.batch(input, rank, d);
-        // batched.cu:109 for (u = bid * NWARPS + warp; u < n * segs; u += blocks_per_rank * NWARPS)
+        // for (int u = u_first; u < n * segs; u += stride), u_first = bid * NWARPS + warp; u < n * segs; u += blocks_per_rank * NWARPS)
         for (pos, &t) in batch.iter().enumerate() {
             if t % me.blocks != bid {
                 continue;
             }
-            // batched.cu:131-133 entry = tab[d].bat_buf + (rank * T + tokpos(t, d)) * entry_bytes;
-            // seg_store(payload); batched.cu:140 ((int*)entry)[0] = t (the header)
+            // entry = tab[d].bat_buf + ((u64)rank * T + sm.tokpos[t * R + d]) * p.entry_bytes;
+            // seg_store(p, sg, xr, g * 512, entry + HDR_BYTES); ((int*)entry)[0] = t; (the header)
             write_entry(
                 &g.ranks[d].buf,
                 rank * t_n + pos,
@@ -703,21 +785,20 @@ fn batched_send(g: &Group, kp: &Launch, input: &Input, rank: usize, bid: usize, 
         }
         counts.push((d, batch.len() as u32));
     }
-    // batched.cu:173 __syncthreads(); then thread 0 (:175):
-    // batched.cu:176 fence_rel(p);
+    // __syncthreads(); if (tid == 0) { fence_rel(p);
     fence_before_sent_add();
-    // batched.cu:178 const u32 old = atomicAdd(state + ST_SENT + KIND, 1u);
+    // const u32 old = atomicAdd(state + ST_SENT + KIND, 1u);
     let old = me.sent.fetch_add(1, RELAXED);
-    // batched.cu:179 if (old == (u32)p.blocks_per_rank - 1u)
+    // if (old == (u32)p.blocks_per_rank - 1u)
     if old as usize == me.blocks - 1 {
-        // batched.cu:180 state[ST_SENT + KIND] = 0u;
+        // state[ST_SENT + KIND] = 0u;
         me.sent.store(0, RELAXED);
-        // batched.cu:181 fence_rel(p);
+        // fence_rel(p);
         fence_after_last_sent();
-        // batched.cu:182 if (rank != p.fault_rank)
+        // if (rank != p.fault_rank) for (int d = 0; d < R; d++) if (!via_nccl(p, d))
         if kp.fault_rank != Some(rank) {
             for (d, count) in counts {
-                // batched.cu:184 st_release(p, sig_bat(tab[d]) + rank, signal_word(epoch, (u32)sm.tot[d]));
+                // st_release(p, sig_bat(tab[d]) + rank, signal_word(epoch, (u32)sm.tot[d]));
                 g.ranks[d].sig[rank].store(signal_word(epoch, count), SIGNAL_STORE);
             }
         }
@@ -726,7 +807,7 @@ fn batched_send(g: &Group, kp: &Launch, input: &Input, rank: usize, bid: usize, 
 
 /// Role: a batched receiver block waits for every source's signal (acquire, bounded, stopped
 /// by the error word), bounds the count, then reads its share of the entries
-/// (batched.cu:188-337).
+/// (batched dispatch, the block under "`if (p.stage != 1 && !direct)`").
 fn batched_receive(
     g: &Group,
     kp: &Launch,
@@ -738,12 +819,12 @@ fn batched_receive(
     let me = &g.ranks[rank];
     let t_n = g.setup.max_tokens;
     let mut counts = Vec::new();
-    // batched.cu:192 if (tid < R)
+    // if (tid < R) (not via_nccl(p, tid): NVLink source)
     for s in g.sources(rank) {
-        // batched.cu:196 c = wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
+        // c = wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
         match wait_signal(g, kp, &me.sig[s], epoch, rank, s, PH_DISPATCH_RECV) {
             Ok(c) => {
-                // batched.cu:197 bad = c < 0 || peer_bad(p, rank, tid, PF_BATCH_TOKENS, c, T);
+                // bad = c < 0 || peer_bad(p, rank, tid, PF_BATCH_TOKENS, c, T);
                 if peer_bad(g.err(rank), rank, s, PF_BATCH_TOKENS, c as i64, t_n as i64) {
                     rep.failed_wait.get_or_insert(WaitEnd::SawError);
                 } else {
@@ -755,17 +836,17 @@ fn batched_receive(
             }
         }
     }
-    // batched.cu:200 if (__syncthreads_or(bad)) goto finish;
+    // if (__syncthreads_or(bad)) goto finish;
     if rep.failed_wait.is_some() {
         return;
     }
-    // batched.cu:252 for (u0 = bid * NWARPS + warp; u0 < units; ...): entry j of every source's
+    // units u0 = bid * NWARPS + warp, u0 += nw (load_unit / store_unit): entry j of every source's
     // batch, one after the other (sm.rcnt), belongs to block j % blocks.
     let mut j = 0;
     for (s, c) in counts {
         for pos in 0..c {
             if j % me.blocks == bid {
-                // batched.cu:273-282 h = me.bat_buf + (s * T + j) * entry_bytes; loads of h
+                // load_unit: h = me.bat_buf + ((u64)s * T + j) * p.entry_bytes; loads of h
                 let (header, payload) = read_entry(&me.buf, s * t_n + pos);
                 rep.read.push(Entry {
                     src: s,
@@ -781,14 +862,14 @@ fn batched_receive(
 }
 
 /// Role: a per-expert sender block writes one message per selection of each expert it owns,
-/// stamped with the u64 epoch, and signals each expert itself (per_expert.cu:52-98).
+/// stamped with the u64 epoch, and signals each expert itself (per-expert dispatch, "`---- send`").
 fn per_expert_send(g: &Group, kp: &Launch, input: &Input, rank: usize, bid: usize, epoch: u64) {
     let me = &g.ranks[rank];
     let (r_n, t_n, l_n) = (g.ranks.len(), g.setup.max_tokens, g.setup.local_experts);
     let dests: Vec<usize> = g.dests(rank).collect();
-    // per_expert.cu:55 for (int e = bid; e < E && p.stage != 2; e += p.blocks_per_rank)
+    // for (int e = bid; e < E && p.stage != 2; e += p.blocks_per_rank)
     for e in (bid..r_n * l_n).step_by(me.blocks) {
-        // per_expert.cu:56 const int d = e / L, l = e % L;
+        // const int d = e / L, l = e % L;
         let (d, l) = (e / l_n, e % l_n);
         if !dests.contains(&d) {
             continue;
@@ -797,8 +878,8 @@ fn per_expert_send(g: &Group, kp: &Launch, input: &Input, rank: usize, bid: usiz
         let mut count = 0u32;
         for (t, sels) in input.route[rank].iter().enumerate() {
             if let Some(k) = sels.iter().position(|&sel| sel == (d, l)) {
-                // per_expert.cu:78-81 entry = region + tt * pe_entry_bytes; seg_store(payload);
-                // per_expert.cu:83-86 header {(u32)epoch, tt, slot, (u32)(epoch >> 32)}
+                // entry = region + (u64)tt * p.pe_entry_bytes; seg_store(..., entry + PE_HDR);
+                // header {(u32)epoch, tt, sm.m_b[m] (slot), (u32)(epoch >> 32)}
                 write_entry(
                     &g.ranks[d].buf,
                     region + t,
@@ -808,11 +889,11 @@ fn per_expert_send(g: &Group, kp: &Launch, input: &Input, rank: usize, bid: usiz
                 count += 1;
             }
         }
-        // per_expert.cu:92 __syncthreads(); per_expert.cu:93 if (tid == 0 && rank != p.fault_rank)
+        // __syncthreads(); if (tid == 0 && rank != p.fault_rank && !nc)
         if kp.fault_rank != Some(rank) {
-            // per_expert.cu:94 fence_rel(p);
+            // fence_rel(p);
             fence_before_pe_signal();
-            // per_expert.cu:96 st_release(p, sig_pe(tab[d], R) + l * R + rank, signal_word(epoch, (u32)count));
+            // st_release(p, sig_pe(tab[d], R) + (u64)l * R + rank, signal_word(epoch, (u32)count));
             g.ranks[d].sig[l * r_n + rank].store(signal_word(epoch, count), SIGNAL_STORE);
         }
     }
@@ -820,7 +901,7 @@ fn per_expert_send(g: &Group, kp: &Launch, input: &Input, rank: usize, bid: usiz
 
 /// Role: a per-expert receiver block, per local expert it owns and per source in order, waits
 /// for the (l, s) signal, then finds this call's messages by their epoch stamp
-/// (per_expert.cu:100-169).
+/// (per-expert dispatch, "`---- receive`").
 fn per_expert_receive(
     g: &Group,
     kp: &Launch,
@@ -832,10 +913,10 @@ fn per_expert_receive(
     let me = &g.ranks[rank];
     let (r_n, t_n, l_n) = (g.ranks.len(), g.setup.max_tokens, g.setup.local_experts);
     let sources: Vec<usize> = g.sources(rank).collect();
-    // per_expert.cu:102 for (int l = bid; l < L && p.stage != 1; l += p.blocks_per_rank)
+    // for (int l = bid; l < L && p.stage != 1; l += p.blocks_per_rank)
     for l in (bid..l_n).step_by(me.blocks) {
         for &s in &sources {
-            // per_expert.cu:107 c = wait_signal(p, sig_pe(me, R) + l * R + s, epoch, rank, s, PH_DISPATCH_RECV);
+            // tid 0: c = wait_signal(p, sig_pe(me, R) + (u64)l * R + s, epoch, rank, s, PH_DISPATCH_RECV);
             let got = wait_signal(
                 g,
                 kp,
@@ -845,7 +926,7 @@ fn per_expert_receive(
                 s,
                 PH_DISPATCH_RECV,
             );
-            // per_expert.cu:108 if (c >= 0 && peer_bad(p, rank, s, PF_PE_COUNT, c, T)) c = -1;
+            // if ((nc || c >= 0) && peer_bad(p, rank, s, PF_PE_COUNT, c, T)) c = -1;
             let got = got.and_then(|c| {
                 if peer_bad(g.err(rank), rank, s, PF_PE_COUNT, c as i64, t_n as i64) {
                     Err(WaitEnd::SawError)
@@ -855,7 +936,7 @@ fn per_expert_receive(
             });
             let cnt = match got {
                 Ok(c) => c,
-                // per_expert.cu:114 if (cnt < 0) goto finish;
+                // if (cnt < 0) goto finish;
                 Err(e) => {
                     rep.failed_wait = Some(e);
                     return;
@@ -863,12 +944,12 @@ fn per_expert_receive(
             };
             let region = (l * r_n + s) * t_n;
             let mut found = 0;
-            // per_expert.cu:117 for (c = 0; c < T && base - begin < cnt; ...)
+            // for (int c = 0; c < T && base - begin < cnt; ...)
             for j in 0..t_n {
                 if found >= cnt {
                     break;
                 }
-                // per_expert.cu:123-124 one 16-byte load of the header;
+                // one 16-byte load of the header, hv = *(const uint4*)(region + ...);
                 // has = hv.x == (u32)epoch && hv.w == (u32)(epoch >> 32)
                 let (h, payload) = read_entry(&me.buf, region + j);
                 if h[0] == epoch as u32 && h[3] == (epoch >> 32) as u32 {
@@ -886,17 +967,17 @@ fn per_expert_receive(
     }
 }
 
-/// Role: the end of every block (common.cuh:398-412 `last_block_out`); returns whether this
+/// Role: the end of every block (common.cuh `last_block_out`); returns whether this
 /// block is the last one out.
 fn last_block_out(me: &Rank) -> bool {
-    // common.cuh:400 __syncthreads(); :401 if (threadIdx.x == 0) { :402 fence_rel(p);
+    // __syncthreads(); if (threadIdx.x == 0) { fence_rel(p);
     fence_before_exit_add();
-    // common.cuh:403 u32 old = atomicAdd(state + ST_EXIT + kind, 1u);
+    // u32 old = atomicAdd(state + ST_EXIT + kind, 1u);
     let old = me.exit.fetch_add(1, RELAXED);
-    // common.cuh:404 s_last = (old == (u32)p.blocks_per_rank - 1u);
+    // s_last = (old == (u32)p.blocks_per_rank - 1u);
     let last = old as usize == me.blocks - 1;
     if last {
-        // common.cuh:406-407 state[ST_EXIT + kind] = 0u; fence_rel(p);
+        // state[ST_EXIT + kind] = 0u; fence_rel(p);
         me.exit.store(0, RELAXED);
         fence_after_last_exit();
     }
@@ -904,28 +985,30 @@ fn last_block_out(me: &Rank) -> bool {
 }
 
 /// Role: the last block out publishes the epoch and acknowledges to every source that this rank
-/// consumed the call (batched.cu:339-352, per_expert.cu:171-181; stage 0).
-fn finish(g: &Group, rank: usize, epoch: u64, rep: &mut BlockReport) {
+/// consumed the call (`finish:` of both dispatch kernels). `stage` 0: the whole call; 1 (pack):
+/// neither epoch nor acks ("`if (last_out && p.stage != 1)`"); 2 (unpack): the epoch, and no
+/// ack to its sources, which the model's stage 2 only has over NCCL ("`if (!via_nccl(p, s))`").
+fn finish(g: &Group, rank: usize, epoch: u64, rep: &mut BlockReport, stage: u8) {
     let me = &g.ranks[rank];
     rep.last_out = last_block_out(me);
-    // batched.cu:345 / per_expert.cu:175 if (last_out && p.stage != 1)
-    if rep.last_out {
-        // batched.cu:347 / per_expert.cu:178 ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
+    // if (last_out && p.stage != 1)
+    if rep.last_out && stage != 1 {
+        // ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
         // SAFETY: every block of this launch read the word before its exit count, which the
         // last block out acquired (`last_block_out`); the next launch starts after this one.
         unsafe {
             me.epoch
                 .with_row_mut(0, |b| b.copy_from_slice(&epoch.to_le_bytes()))
         };
-        for s in g.sources(rank) {
-            // batched.cu:350 / per_expert.cu:179 st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
+        for s in g.sources(rank).filter(|_| stage == 0) {
+            // if (!via_nccl(p, s)) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
             g.ranks[s].ack[rank].store(epoch, ACK_STORE);
         }
     }
 }
 
-/// One block of one dispatch launch, every role in kernel order (batched.cu:19
-/// `ep_batched_dispatch` / per_expert.cu:16 `ep_per_expert_dispatch`).
+/// One block of one stage-0 dispatch launch, every role in kernel order (batched.cu
+/// `ep_batched_dispatch` / per_expert.cu `ep_per_expert_dispatch`).
 pub fn dispatch_block(
     g: &Group,
     kp: &Launch,
@@ -934,18 +1017,20 @@ pub fn dispatch_block(
     bid: usize,
 ) -> BlockReport {
     let me = &g.ranks[rank];
+    // Batched: thread 32 + d's first ld_acquire of the ack, before anything else.
+    let ack0 = (g.setup.kind == Kind::Batched).then(|| preload_acks(g, rank));
     let epoch = block_epoch(me);
     let mut rep = BlockReport {
         epoch,
         ..BlockReport::default()
     };
-    // batched.cu:46 / per_expert.cu:42 const int in_bad = load_topk(...) | s_bad;
+    // batched: in_bad = __syncthreads_or(bad) | s_bad; per-expert: load_topk(...) | s_bad
     rep.bad_input = input_check(g, kp, rank);
-    // batched.cu:52 / per_expert.cu:44 if (!in_bad && tid < R ...) bad = !wait_ack(...);
+    // if (!in_bad && acker && ack0 < epoch - 1ull) wbad = !wait_ack(...) (per-expert: tid < R)
     if !rep.bad_input {
-        rep.failed_wait = sender_wait_acks(g, kp, rank, epoch);
+        rep.failed_wait = sender_wait_acks(g, kp, rank, epoch, ack0.as_deref());
     }
-    // batched.cu:99 / per_expert.cu:45 if (__syncthreads_or(bad)) goto finish;
+    // if (__syncthreads_or(wbad) || in_bad) goto finish; (per-expert: __syncthreads_or(bad))
     if !rep.bad_input && rep.failed_wait.is_none() {
         match g.setup.kind {
             Kind::Batched => {
@@ -958,13 +1043,168 @@ pub fn dispatch_block(
             }
         }
     }
-    finish(g, rank, epoch, &mut rep);
+    finish(g, rank, epoch, &mut rep, 0);
+    rep
+}
+
+// ---------------------------------------------------------------- NCCL, capacity sizes (batched)
+
+/// launch.rs `POISON_HDR`: what capacity mode writes into every send-header word before the
+/// pack stage, a token count (i32::MAX) no peer accepts.
+pub const POISON_HDR: u32 = i32::MAX as u32;
+
+fn write_hdr(rows: &SharedRows, row: usize, v: u32) {
+    // SAFETY: a header word is written by the host before the pack launch, by block 0 of the
+    // pack launch, or by the exchange after it; the launches and the exchange are ordered by
+    // the stream (the tests join them), and loom checks it through the row's cell.
+    unsafe { rows.with_row_mut(row, |b| b.copy_from_slice(&v.to_le_bytes())) }
+}
+
+fn read_hdr(rows: &SharedRows, row: usize) -> u32 {
+    // SAFETY: as `write_hdr`: reads are ordered after the writes by the stream.
+    unsafe {
+        rows.with_rows(row, 1, |b| {
+            u32::from_le_bytes(b.try_into().expect("4 bytes"))
+        })
+    }
+}
+
+/// Host: launch.rs `poison_send_headers`, "`cuMemsetD32Async(self.ptrs[r].snd_hdr, POISON_HDR,
+/// words, streams[di])`" in `nccl_call` before the pack stage of a capacity dispatch, in stream
+/// order (the caller runs it before `rank`'s pack launch).
+pub fn poison_send_headers(g: &Group, rank: usize) {
+    #[cfg(not(ep_mutant = "gpu_no_hdr_poison"))]
+    for d in 0..g.ranks.len() {
+        write_hdr(&g.ranks[rank].snd_hdr, d, POISON_HDR);
+    }
+    // Mutant: no poisoning; a pack stage that stops on bad input leaves the previous call's
+    // header, valid-looking, in `snd_hdr`.
+    #[cfg(ep_mutant = "gpu_no_hdr_poison")]
+    let _ = (g, rank);
+}
+
+/// One block of batched dispatch's pack stage (`p.stage` 1) with every destination over NCCL:
+/// the same prologue as [`dispatch_block`] (no ack wait: `acker` is false for NCCL peers); on
+/// good input its share of every batch into `snd_buf` ("`(u8*)me.snd_buf + ((u64)d * T +
+/// sm.tokpos[t * R + d]) * p.entry_bytes`"), block 0 the header ("`meta = (int*)me.snd_hdr +
+/// tid * HDR_WORDS(L)`", "`meta[0] = sm.tot[tid]`"), then the `ST_SENT` count with no signal
+/// (`if (!via_nccl(p, d))`); on bad input straight to `finish`, which in stage 1 publishes
+/// nothing.
+pub fn batched_pack_block(
+    g: &Group,
+    kp: &Launch,
+    input: &Input,
+    rank: usize,
+    bid: usize,
+) -> BlockReport {
+    let me = &g.ranks[rank];
+    let t_n = g.setup.max_tokens;
+    let epoch = block_epoch(me);
+    let mut rep = BlockReport {
+        epoch,
+        ..BlockReport::default()
+    };
+    rep.bad_input = input_check(g, kp, rank);
+    // if (__syncthreads_or(wbad) || in_bad) goto finish;
+    if !rep.bad_input {
+        for d in g.dests(rank) {
+            let batch = g.batch(input, rank, d);
+            for (pos, &t) in batch.iter().enumerate() {
+                if t % me.blocks == bid {
+                    write_entry(
+                        &me.snd_buf,
+                        d * t_n + pos,
+                        [t as u32, 0, 0, 0],
+                        payload(input.call, rank, t),
+                    );
+                }
+            }
+            // if (bid == 0 && tid < R) { meta = snd_hdr + tid * HDR_WORDS(L); meta[0] = sm.tot[tid]; }
+            if bid == 0 {
+                write_hdr(&me.snd_hdr, d, batch.len() as u32);
+            }
+        }
+        fence_before_sent_add();
+        let old = me.sent.fetch_add(1, RELAXED);
+        if old as usize == me.blocks - 1 {
+            me.sent.store(0, RELAXED);
+            fence_after_last_sent();
+            // for (d ...) if (!via_nccl(p, d)) st_release(...): every destination is NCCL here.
+        }
+    }
+    finish(g, rank, epoch, &mut rep, 1);
+    rep
+}
+
+/// Host and NCCL: launch.rs `nccl_dispatch_exchange` in capacity mode, one grouped exchange
+/// per pair with no host look at the headers: `snd_hdr` row d of s into `rcv_hdr` row s of d,
+/// and the whole T-entry region d of s's `snd_buf` into region s of d's `bat_buf`. Run after
+/// every pack launch ended and before any unpack launch starts (NCCL's rendezvous, in stream
+/// order on both sides).
+pub fn nccl_capacity_exchange(g: &Group) {
+    let t_n = g.setup.max_tokens;
+    for &(s, d) in &g.setup.links {
+        let (src, dst) = (&g.ranks[s], &g.ranks[d]);
+        write_hdr(&dst.rcv_hdr, s, read_hdr(&src.snd_hdr, d));
+        for j in 0..t_n {
+            let (h, p) = read_entry(&src.snd_buf, d * t_n + j);
+            write_entry(&dst.buf, s * t_n + j, h, p);
+        }
+    }
+}
+
+/// One block of batched dispatch's unpack stage (`p.stage` 2) with every source over NCCL: the
+/// same prologue (the same routing, so the same `in_bad`), then per source the count from its
+/// header instead of a signal ("`if (via_nccl(p, tid)) c = ((const int*)me.rcv_hdr)[tid *
+/// HDR_WORDS(L)]`"), bounded ("`bad = c < 0 || peer_bad(p, rank, tid, PF_BATCH_TOKENS, c, T)`";
+/// the header is an `int`: the poison is i32::MAX, past T), then its share of the entries;
+/// `finish` publishes the epoch and acks no NCCL source.
+pub fn batched_unpack_block(g: &Group, kp: &Launch, rank: usize, bid: usize) -> BlockReport {
+    let me = &g.ranks[rank];
+    let t_n = g.setup.max_tokens;
+    let epoch = block_epoch(me);
+    let mut rep = BlockReport {
+        epoch,
+        ..BlockReport::default()
+    };
+    rep.bad_input = input_check(g, kp, rank);
+    if !rep.bad_input {
+        let mut counts = Vec::new();
+        for s in g.sources(rank) {
+            let c = read_hdr(&me.rcv_hdr, s) as i32 as i64;
+            if c < 0 || peer_bad(g.err(rank), rank, s, PF_BATCH_TOKENS, c, t_n as i64) {
+                rep.failed_wait.get_or_insert(WaitEnd::SawError);
+            } else {
+                counts.push((s, c as usize));
+            }
+        }
+        // if (__syncthreads_or(bad)) goto finish;
+        if rep.failed_wait.is_none() {
+            let mut j = 0;
+            for (s, c) in counts {
+                for pos in 0..c {
+                    if j % me.blocks == bid {
+                        let (header, payload) = read_entry(&me.buf, s * t_n + pos);
+                        rep.read.push(Entry {
+                            src: s,
+                            local: 0,
+                            pos,
+                            token: header[0] as u64,
+                            payload,
+                        });
+                    }
+                    j += 1;
+                }
+            }
+        }
+    }
+    finish(g, rank, epoch, &mut rep, 2);
     rep
 }
 
 // ---------------------------------------------------------------- the host
 
-/// A device error as the host decodes it (kernels/src/runtime/errors.rs:31 `decode`).
+/// A device error as the host decodes it (kernels/src/runtime/errors.rs `decode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceError {
     Timeout {
@@ -976,8 +1216,13 @@ pub enum DeviceError {
     },
     /// `ERR_EXPERT_RANGE`: this rank's routing was bad.
     BadInput { rank: u32 },
-    /// `ERR_PEER_DATA`.
-    PeerData { rank: u32, peer: u32, field: u32 },
+    /// `ERR_PEER_DATA`: the receiving rank, the peer, the field (`PF_*`) and its value.
+    PeerData {
+        rank: u32,
+        peer: u32,
+        field: u32,
+        value: u32,
+    },
 }
 
 /// The host side of kernels/src/runtime/ that the protocol relies on.
@@ -987,8 +1232,8 @@ pub struct Host {
 }
 
 impl Host {
-    /// runtime/mod.rs:220 `GpuGroup::check_usable`: a group that failed refuses every later
-    /// call (launch.rs:17 `launch_inner`, :308 `sync`).
+    /// runtime/mod.rs `GpuGroup::check_usable`: a group that failed refuses every later
+    /// call (the first thing in launch.rs `launch_inner` and `sync`).
     pub fn check_usable(&self) -> Result<(), DeviceError> {
         match self.broken {
             Some(t) => Err(t),
@@ -996,51 +1241,69 @@ impl Host {
         }
     }
 
-    /// launch.rs:307 `GpuGroup::sync` then errors.rs:99 `check`, once the streams are
+    /// launch.rs `GpuGroup::sync` then errors.rs `GpuGroup::check`, once the streams are
     /// synchronised (the caller joined every block of the launch): reads every device's error
-    /// word; the first error, input and peer errors before timeouts (errors.rs:86
-    /// `cause_first`), fails the group.
+    /// word; the first error, input errors, then peer data, then timeouts (`cause_first`),
+    /// fails the group.
     pub fn sync(&mut self, g: &Group) -> Result<(), DeviceError> {
         self.check_usable()?;
-        let mut found = Vec::new();
-        for e in &g.devices {
-            // cuMemcpyDtoH of err after the stream synchronised: ordered by the join.
-            let code = e.code.load(RELAXED) as u32;
-            if code == 0 {
-                continue;
-            }
-            // SAFETY: every block of the launch ended (joined): no writer is left.
-            let w: Vec<u32> = unsafe {
-                e.fields.with_rows(0, 1, |b| {
-                    b.chunks(4)
-                        .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
-                        .collect()
-                })
-            };
-            found.push(match code {
-                ERR_TIMEOUT => DeviceError::Timeout {
-                    rank: w[0],
-                    peer: w[1],
-                    phase: w[2],
-                    call: w[3] as u64 | (w[5] as u64) << 32,
-                },
-                ERR_EXPERT_RANGE => DeviceError::BadInput { rank: w[0] },
-                _ => DeviceError::PeerData {
-                    rank: w[0],
-                    peer: w[1],
-                    field: w[2],
-                },
-            });
-        }
-        // errors.rs:114 found.sort_by_key(cause_first);
-        found.sort_by_key(|e| matches!(e, DeviceError::Timeout { .. }));
+        let mut found: Vec<DeviceError> = (0..g.devices.len())
+            .filter_map(|dev| device_error(g, dev))
+            .collect();
+        // found.sort_by_key(cause_first);
+        found.sort_by_key(cause_first);
         if let Some(&e) = found.first() {
-            // errors.rs:116 self.broken = Some(e.clone());
+            // self.broken = Some(e.clone());
             self.broken = Some(e);
             return Err(e);
         }
         Ok(())
     }
+}
+
+/// errors.rs `cause_first`: bad input is the cause, bad peer data next (a peer of a rank stopped
+/// by bad input, over NCCL in capacity mode), timeouts (waits for the stopped rank) last.
+fn cause_first(e: &DeviceError) -> u8 {
+    match e {
+        DeviceError::Timeout { .. } => 2,
+        DeviceError::PeerData { .. } => 1,
+        DeviceError::BadInput { .. } => 0,
+    }
+}
+
+/// Device `dev`'s error word as errors.rs `decode` reads it (None: nothing reported). Call once
+/// every block of the launches has ended (joined): the host copies the word after the stream
+/// synchronised.
+pub fn device_error(g: &Group, dev: usize) -> Option<DeviceError> {
+    let e = &g.devices[dev];
+    // cuMemcpyDtoH of err after the stream synchronised: ordered by the join.
+    let code = e.code.load(RELAXED) as u32;
+    if code == 0 {
+        return None;
+    }
+    // SAFETY: every block of the launch ended (joined): no writer is left.
+    let w: Vec<u32> = unsafe {
+        e.fields.with_rows(0, 1, |b| {
+            b.chunks(4)
+                .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect()
+        })
+    };
+    Some(match code {
+        ERR_TIMEOUT => DeviceError::Timeout {
+            rank: w[0],
+            peer: w[1],
+            phase: w[2],
+            call: w[3] as u64 | (w[5] as u64) << 32,
+        },
+        ERR_EXPERT_RANGE => DeviceError::BadInput { rank: w[0] },
+        _ => DeviceError::PeerData {
+            rank: w[0],
+            peer: w[1],
+            field: w[2],
+            value: w[3],
+        },
+    })
 }
 
 #[cfg(all(test, not(ep_loom)))]
@@ -1204,5 +1467,62 @@ mod tests {
         let mut host = Host::default();
         assert_eq!(host.sync(&g), Err(DeviceError::BadInput { rank: 1 }));
         assert_eq!(host.check_usable(), Err(DeviceError::BadInput { rank: 1 }));
+    }
+
+    /// One capacity-mode call, blocks one after the other (the loom model runs them at once).
+    fn capacity_call(g: &Group, kp: &Launch, input: &Input) -> Vec<BlockReport> {
+        for r in 0..g.ranks.len() {
+            poison_send_headers(g, r);
+        }
+        for r in 0..g.ranks.len() {
+            batched_pack_block(g, kp, input, r, 0);
+        }
+        nccl_capacity_exchange(g);
+        (0..g.ranks.len())
+            .map(|r| batched_unpack_block(g, kp, r, 0))
+            .collect()
+    }
+
+    #[test]
+    fn capacity_poisoned_header_of_a_bad_sender_is_rejected_by_the_peer() {
+        let setup = Setup {
+            kind: Kind::Batched,
+            ranks: vec![(0, 1), (1, 1)],
+            links: vec![(0, 1)],
+            max_tokens: 2,
+            local_experts: 1,
+        };
+        let g = Group::new(setup);
+        let kp = Launch {
+            timeout: Duration::from_secs(10),
+            fault_rank: None,
+            bad_input: None,
+        };
+        let c1 = Input {
+            call: 1,
+            route: vec![vec![vec![(1, 0)], vec![(1, 0)]], vec![]],
+        };
+        let rx = capacity_call(&g, &kp, &c1);
+        assert_eq!(merged(&rx[1..]), g.expected(&c1, 1));
+        let c2 = Input { call: 2, ..c1 };
+        let bad = Launch {
+            bad_input: Some(0),
+            ..kp
+        };
+        let rx = capacity_call(&g, &bad, &c2);
+        assert!(rx[1].read.is_empty(), "stale rows taken: {:?}", rx[1].read);
+        assert_eq!(
+            device_error(&g, 1),
+            Some(DeviceError::PeerData {
+                rank: 1,
+                peer: 0,
+                field: PF_BATCH_TOKENS,
+                value: POISON_HDR
+            })
+        );
+        assert_eq!(
+            Host::default().sync(&g),
+            Err(DeviceError::BadInput { rank: 0 })
+        );
     }
 }

@@ -15,36 +15,50 @@
 //! the two yielding to each other for ever.)
 //!
 //! Which model covers which wait of the kernels:
-//! - `batched_two_senders_one_receiver`: the block-completion counter and the signal
-//!   (batched.cu:173-185) and the receiver's `wait_signal` (batched.cu:196), one call.
+//! The kernels name these models in `// loom:` comments next to the code each one covers.
+//! - `batched_two_senders_one_receiver`: the block-completion counter and the signal (batched
+//!   dispatch's `fence_rel(p)`, "`atomicAdd(state + ST_SENT + KIND, 1u)`", `fence_rel(p)`,
+//!   "`st_release(p, sig_bat(tab[d]) + rank, ...)`") and the receiver's `wait_signal`, one call.
 //! - `batched_consecutive_calls` (and `per_expert_consecutive_calls`): the tag in the signal
-//!   (no signal of call 1 taken for call 2), the ack (batched.cu:350, per_expert.cu:179) and the
-//!   sender's `wait_ack` (batched.cu:53, per_expert.cu:44) before it overwrites the buffers.
+//!   (no signal of call 1 taken for call 2), the ack (`finish:`'s "`st_release(p,
+//!   sig_bat_ack(tab[s], R) + rank, (u64)epoch)`" / `sig_pe_ack`) and the sender's ack wait
+//!   before it overwrites the buffers (batched: the pre-load `ack0` then "`if (!in_bad && acker
+//!   && ack0 < epoch - 1ull) wbad = !wait_ack(...)`"; per-expert: `wait_ack` in `tid < R`).
 //! - `batched_tag_wrap`, `per_expert_tag_wrap`: the same two calls across the tag's wrap
-//!   (epochs 2^40 - 2 -> 2^40 - 1, tags 2^40 - 1 -> 1; common.cuh:237 `sig_tag`, :251 the
-//!   match): the previous call's signal, whose tag is now the larger, is never taken.
+//!   (epochs 2^40 - 2 -> 2^40 - 1, tags 2^40 - 1 -> 1; common.cuh `sig_tag`, and `wait_signal`'s
+//!   match "`(v >> SIG_COUNT_BITS) == tag`"): the previous call's signal, whose tag is now the
+//!   larger, is never taken.
 //! - `batched_one_sender_two_receivers`: `last_block_out`'s exit counter, which must carry every
-//!   receiving block's reads into the last block's ack (common.cuh:398 `last_block_out`).
+//!   receiving block's reads into the last block's ack (common.cuh `last_block_out`).
 //! - `per_expert_two_senders_one_receiver`: the per-expert signal of each (expert, source) and
-//!   the epoch-stamped messages (per_expert.cu:92-96, :107, :123-124).
+//!   the epoch-stamped messages (per-expert dispatch's `fence_rel(p)` then "`st_release(p,
+//!   sig_pe(tab[d], R) + (u64)l * R + rank, ...)`", its `wait_signal`, and the header match
+//!   "`hv.x == (u32)epoch && hv.w == (u32)(epoch >> 32)`").
 //! - `fault_timeout_stops_every_waiter`, `slow_sender_timeout_refused_or_correct`: the bounded
-//!   waits, the error word (common.cuh:205 `report_error`, :200 `failed`) and the host's refusal
-//!   after a timeout (runtime/launch.rs:307 `sync`, errors.rs:99 `check`, runtime/mod.rs:220
+//!   waits, the error word (common.cuh `report_error`, `failed`) and the host's refusal after a
+//!   timeout (runtime/launch.rs `GpuGroup::sync`, errors.rs `GpuGroup::check`, runtime/mod.rs
 //!   `check_usable`).
 //! - `bad_input_sender_peer_*`, `bad_input_receiver_then_good_call`: the device-side input
-//!   check (`in_bad`, batched.cu:46 / :99): the bad rank skips its waits and sends but still
-//!   counts out, publishes its epoch and acks; what its peers see on the same device (the flag)
-//!   and on another (a timeout, ranked after the input error by errors.rs:86 `cause_first`).
+//!   check (`in_bad`: batched "`__syncthreads_or(bad) | s_bad`", then "`if
+//!   (__syncthreads_or(wbad) || in_bad) goto finish;`"): the bad rank skips its waits and sends
+//!   but still counts out, publishes its epoch and acks; what its peers see on the same device
+//!   (the flag) and on another (a timeout, ranked after the input error by errors.rs
+//!   `cause_first`).
 //! - `batched_two_senders_one_receiver_two_calls` (the slow one): all of the batched orderings
 //!   at once, two sender blocks and one receiver block over two calls.
+//! - `capacity_bad_input_sender_header_poisoned`: NCCL capacity mode (batched): the host's
+//!   poisoning of the send headers (launch.rs `poison_send_headers`) and the unpack's bound on
+//!   the received token count, across a call whose sender stops on bad input (mutant
+//!   `gpu_no_hdr_poison`).
 #![cfg(ep_loom)]
 
 use std::sync::atomic::{AtomicBool, Ordering as StdOrdering};
 use std::time::Duration;
 
 use ep_verify::gpu_protocol::{
-    dispatch_block, merged, BlockReport, DeviceError, Group, Host, Input, Kind, Launch, Setup,
-    WaitEnd, PH_DISPATCH_RECV,
+    batched_pack_block, batched_unpack_block, device_error, dispatch_block, merged,
+    nccl_capacity_exchange, poison_send_headers, BlockReport, DeviceError, Group, Host, Input,
+    Kind, Launch, Setup, WaitEnd, PF_BATCH_TOKENS, PH_DISPATCH_RECV, POISON_HDR,
 };
 use loom::thread;
 
@@ -339,7 +353,7 @@ fn fault_timeout_stops_every_waiter() {
             call: 1,
         };
         assert_eq!(host.sync(g), Err(want));
-        // Call 2: runtime/launch.rs:17 `launch_inner` starts with check_usable.
+        // Call 2: runtime/launch.rs `launch_inner` starts with check_usable.
         assert_eq!(host.check_usable(), Err(want), "call 2 must be refused");
     });
     assert!(
@@ -435,7 +449,7 @@ fn bad_input_sender_peer_on_another_device() {
 }
 
 /// Rank 1 (the receiver) has bad routing in call 1 and good routing in call 2, launched back to
-/// back with no sync. Its call 1 reads nothing but acks call 1 (batched.cu:345-350); rank 0's
+/// back with no sync. Its call 1 reads nothing but acks call 1 (`finish:`, "`if (last_out && p.stage != 1)`"); rank 0's
 /// call 2 then overwrites the buffers, and rank 1's call 2 must consume exactly call 2's
 /// entries: the bad call leaves the epochs in step and its early ack is safe.
 #[test]
@@ -479,5 +493,112 @@ fn bad_input_receiver_then_good_call() {
         let mut host = Host::default();
         assert_eq!(host.sync(g), Err(DeviceError::BadInput { rank: 1 }));
         completed
+    });
+}
+
+/// Every block of every rank in one launch each (all at once: loom threads, the first block on
+/// this one); returns when all ended, the reports per rank in block order.
+fn every_block(
+    g: &'static Group,
+    run: impl Fn(usize, usize) -> BlockReport + Clone + Send + 'static,
+) -> Vec<Vec<BlockReport>> {
+    let all: Vec<(usize, usize)> = (0..g.ranks.len())
+        .flat_map(|r| (0..g.ranks[r].blocks).map(move |b| (r, b)))
+        .collect();
+    let others: Vec<_> = all[1..]
+        .iter()
+        .map(|&(r, b)| {
+            let run = run.clone();
+            thread::spawn(move || run(r, b))
+        })
+        .collect();
+    let mut reps: Vec<Vec<BlockReport>> = vec![Vec::new(); g.ranks.len()];
+    reps[all[0].0].push(run(all[0].0, all[0].1));
+    for (&(r, _), t) in all[1..].iter().zip(others) {
+        reps[r].push(t.join().unwrap());
+    }
+    reps
+}
+
+/// One batched dispatch over NCCL in capacity mode (launch.rs `nccl_call`): the host poisons
+/// every rank's send headers, the pack launches run, the grouped exchange, the unpack launches.
+/// Returns the pack and the unpack reports per rank.
+fn capacity_call(
+    g: &'static Group,
+    kp: Launch,
+    input: &Input,
+) -> (Vec<Vec<BlockReport>>, Vec<Vec<BlockReport>>) {
+    for r in 0..g.ranks.len() {
+        poison_send_headers(g, r);
+    }
+    let packs = {
+        let input = input.clone();
+        every_block(g, move |r, b| batched_pack_block(g, &kp, &input, r, b))
+    };
+    nccl_capacity_exchange(g);
+    let unpacks = every_block(g, move |r, b| batched_unpack_block(g, &kp, r, b));
+    (packs, unpacks)
+}
+
+/// NCCL capacity mode (batched; rank 0 sends to rank 1 over NCCL, two devices), two calls with
+/// no host sync between them. Call 1 is good: rank 1 consumes exactly its entries. In call 2
+/// rank 0's routing is bad: its pack stage writes no header and no batch, and the exchange,
+/// with no host look, sends what is in them. The header must be the host's poison, so that
+/// rank 1's unpack reports `ERR_PEER_DATA` (tokens, i32::MAX) and reads nothing, never call 1's
+/// header and rows taken as call 2's (mutant `gpu_no_hdr_poison`); the host names the input
+/// error first (errors.rs `cause_first`), and both ranks' epochs stay in step.
+#[test]
+fn capacity_bad_input_sender_header_poisoned() {
+    model(|| {
+        let g = group(Kind::Batched, vec![(0, 1), (1, 1)], 1);
+        // No wait in this path (NCCL peers: no signal, no ack): the bound never matters.
+        let kp = Launch {
+            timeout: Duration::from_secs(7200),
+            ..bounded(0)
+        };
+        let c = [input(1, 0, 0), input(2, 0, 0)];
+        let (_, rx1) = capacity_call(g, kp, &c[0]);
+        assert_eq!(
+            device_error(g, 0).or(device_error(g, 1)),
+            None,
+            "call 1 is clean"
+        );
+        assert_eq!(
+            merged(&rx1[1]),
+            g.expected(&c[0], 1),
+            "call 1 consumed exactly"
+        );
+        let bad = Launch {
+            bad_input: Some(0),
+            ..kp
+        };
+        let (tx2, rx2) = capacity_call(g, bad, &c[1]);
+        assert!(tx2[0].iter().all(|r| r.bad_input && r.read.is_empty()));
+        let stale = merged(&rx2[1]);
+        assert!(
+            stale.is_empty(),
+            "rank 1 took a stale header as call 2's and read {stale:?}"
+        );
+        assert!(rx2[1].iter().all(|r| r.failed_wait.is_some()));
+        assert_eq!(
+            device_error(g, 1),
+            Some(DeviceError::PeerData {
+                rank: 1,
+                peer: 0,
+                field: PF_BATCH_TOKENS,
+                value: POISON_HDR,
+            }),
+            "rank 1's unpack rejects the poisoned token count"
+        );
+        for (rank, reps) in tx2.iter().chain(&rx2).enumerate() {
+            assert!(reps.iter().all(|r| r.epoch == 2), "rank {} epoch", rank % 2);
+        }
+        let mut host = Host::default();
+        assert_eq!(
+            host.sync(g),
+            Err(DeviceError::BadInput { rank: 0 }),
+            "the input error is named first"
+        );
+        true
     });
 }

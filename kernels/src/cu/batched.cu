@@ -40,6 +40,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     __shared__ IoPtrs s_io;
     // Thread 32 + d waits for destination d's acknowledgement of the previous call (below); its
     // first load is issued here, so that its latency overlaps the prologue and the routing loads.
+    // loom: gpu_protocol::preload_acks, model batched_consecutive_calls.
     const int ackd = tid - 32;
     const bool acker = ackd >= 0 && ackd < R && p.stage != 2 && !via_nccl(p, ackd);
     u64 ack0 = 0;
@@ -149,11 +150,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     }
     {
         // Bad routing (or token count) is caught here, before anything is written: the rank goes to
-        // the end unsent, unsignalled; peers stop on this GPU's error flag, time out on others (loom: bad_input_*).
+        // the end unsent, unsignalled; peers stop on this GPU's error flag, time out on others.
+        // loom: gpu_protocol::input_check and dispatch_block, models bad_input_sender_peer_*, bad_input_receiver_then_good_call.
         const int in_bad = __syncthreads_or(bad) | s_bad;
         PROF(7);  // routing checked, positions known
         // The previous call's batches must have been consumed before this call overwrites them.
-        // loom: gpu_protocol::sender_wait_acks, model batched_consecutive_calls (ack0 was its first load).
+        // loom: gpu_protocol::sender_wait_acks, model batched_consecutive_calls (ack0 was its first load: preload_acks).
         int wbad = 0;
         if (!in_bad && acker && ack0 < epoch - 1ull)
             wbad = !wait_ack(p, sig_bat_ack(me, R) + ackd, epoch - 1ull, epoch, rank, ackd, PH_DISPATCH_SEND);
@@ -167,6 +169,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         if (tid == 0) ((int*)me.meta)[0] = n;
     }
     if (direct) {
+        // loom: not modelled, and needs no model (no cross-rank protocol): gpu_protocol's module docs, "The one-rank path".
         // ---- one rank: the canonical rows, straight from x (begin(l, 0) = 0: the row of (t, k)
         // is its index within its expert); no batch, no signal, no expansion.
         const int stride = p.blocks_per_rank * NWARPS;
@@ -289,6 +292,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             int* cnt = via_nccl(p, d) ? (int*)me.snd_hdr + d * HDR_WORDS(L) + 2 : (int*)tab[d].bat_cnt + rank * L;
             cnt[l] = sm.pw[i * W + W - 1] + __popc((u32)sm.bm[i * W + W - 1]);
         }
+        // loom: gpu_protocol::batched_pack_block (NCCL: the header over the host's poison), model capacity_bad_input_sender_header_poisoned.
         if (bid == 0 && tid < R) {
             int* meta = via_nccl(p, tid) ? (int*)me.snd_hdr + tid * HDR_WORDS(L) : (int*)tab[tid].bat_meta + 2 * rank;
             meta[0] = sm.tot[tid];
@@ -315,6 +319,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         bad = 0;
         if (tid < R) {
             long long c;
+            // loom: gpu_protocol::batched_unpack_block (NCCL, capacity: a poisoned count fails peer_bad), model capacity_bad_input_sender_header_poisoned.
             if (via_nccl(p, tid)) c = ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L)];
             // loom: gpu_protocol::batched_receive, models batched_two_senders_one_receiver, batched_consecutive_calls, batched_tag_wrap.
             else c = wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);

@@ -200,7 +200,7 @@ __device__ __forceinline__ u64 globaltimer() {
 __device__ __forceinline__ bool failed(const KParams& p) {
     return ld_volatile_u32((const u32*)p.err) != 0;
 }
-// loom model: gpu_protocol::report_error and failed; covered by loom_gpu_protocol.rs (fault_*, bad_input_*)
+// loom model: gpu_protocol::report_error and failed; covered by loom_gpu_protocol.rs (fault_timeout_*, bad_input_*)
 // Out of line: it sits in the cold branches of hot loops.
 __device__ __noinline__ void report_error(u64 err, u32 code, u32 a, u32 b, u32 c, u32 d, u32 e, u32 f) {
     u32* w = (u32*)err;
@@ -220,6 +220,7 @@ __device__ void report_timeout(const KParams& p, int rank, int peer, int phase, 
     report_error(p.err, ERR_TIMEOUT, (u32)rank, (u32)peer, (u32)phase, (u32)call, (u32)(waited / 1000ull), (u32)(call >> 32));
 }
 // A peer-supplied `value` of `field` outside [0, limit]: reported, and the caller skips its use.
+// loom model: gpu_protocol::peer_bad; covered by loom_gpu_protocol.rs capacity_bad_input_sender_header_poisoned
 __device__ __forceinline__ bool peer_bad(const KParams& p, int rank, int peer, int field, long long value, long long limit) {
     if (value >= 0 && value <= limit) return false;
     report_error(p.err, ERR_PEER_DATA, (u32)rank, (u32)peer, (u32)field, (u32)value, 0u, (u32)limit);
