@@ -114,6 +114,10 @@ pub fn accounting(
     }
 }
 
+/// One NCCL call's wire figures, all ranks: (dispatch bytes, combine bytes, dispatch
+/// messages, combine messages).
+pub type NcclWire = (u64, u64, u64, u64);
+
 /// Wire accounting of the NCCL transport, every peer (self included) through NCCL: (dispatch
 /// bytes, combine bytes, dispatch messages, combine messages), all ranks, per call. A message
 /// is one `ncclSend` (zero-byte sends are not issued); bytes are what the sends carry: the
@@ -127,7 +131,7 @@ pub fn nccl_accounting(
     topk_idx: &[Vec<i64>],
     path: Path,
     sizes: NcclSizes,
-) -> Result<(u64, u64, u64, u64), String> {
+) -> Result<NcclWire, String> {
     let (r, l, k, t) = (
         cfg.num_ranks,
         cfg.num_local_experts(),

@@ -51,7 +51,7 @@ pub struct MpTiming {
     pub combine_us: f64,
     /// NCCL transport: (sizing, (dispatch bytes, combine bytes, dispatch messages, combine
     /// messages)) of one call, all ranks ([`crate::bench::nccl_accounting`]).
-    pub wire: Option<(&'static str, (u64, u64, u64, u64))>,
+    pub wire: Option<(&'static str, crate::bench::NcclWire)>,
 }
 
 /// What one rank did.

@@ -1331,7 +1331,7 @@ fn graph_case_on(path: Path, hook: bool, nccl: bool) {
         let mut rng = Rng::new(17);
         let data = random_inputs(&cfg, &[9], Routing::Random { masked: 0.1 }, &mut rng);
         let y = random_y(&cfg, &mut rng);
-        device_case(&mut g, &[s.clone()], path, &data, &y, false);
+        device_case(&mut g, std::slice::from_ref(&s), path, &data, &y, false);
         g
     } else {
         group(&cfg, 1)

@@ -127,7 +127,7 @@ impl Config {
             }
         }
         self.check_limits()?;
-        if self.num_experts % self.num_ranks != 0 {
+        if !self.num_experts.is_multiple_of(self.num_ranks) {
             return Err(Error::ExpertsNotDivisible {
                 experts: self.num_experts,
                 ranks: self.num_ranks,
@@ -147,7 +147,7 @@ impl Config {
                 return Err(Error::Ue8m0WithoutRoundScale);
             }
             let multiple = if ue8m0 { 512 } else { 128 };
-            if self.hidden % multiple != 0 {
+            if !self.hidden.is_multiple_of(multiple) {
                 return Err(Error::HiddenNotMultiple {
                     hidden: self.hidden,
                     multiple,

@@ -26,7 +26,7 @@ pub fn check_dispatch_inputs(
     x_len: usize,
     topk_idx: &[i64],
 ) -> Result<usize> {
-    if topk_idx.len() % cfg.top_k != 0 {
+    if !topk_idx.len().is_multiple_of(cfg.top_k) {
         return Err(Error::ShapeMismatch {
             rank,
             tensor: "topk_idx",

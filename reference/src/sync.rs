@@ -71,7 +71,7 @@ impl Deadline {
                 polls = polls.wrapping_add(1);
                 // Reading the clock costs more than a poll: look at it every 64 polls, and let
                 // the OS run the peer when this core is oversubscribed.
-                if polls % 64 == 0 {
+                if polls.is_multiple_of(64) {
                     if self.start.elapsed() >= self.timeout {
                         return ready();
                     }

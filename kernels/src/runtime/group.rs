@@ -16,7 +16,7 @@ impl GpuGroup {
                 "{r} ranks; the GPU kernels support at most {MAX_RANKS}"
             )));
         }
-        if r % g != 0 {
+        if !r.is_multiple_of(g) {
             return Err(GpuError::Unsupported(format!(
                 "{r} ranks cannot be spread evenly over {g} GPUs"
             )));
