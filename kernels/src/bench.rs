@@ -216,38 +216,24 @@ pub fn run(
     warmup: usize,
     num_gpus: usize,
 ) -> Result<GpuReport, String> {
-    run_timed(
+    let opts = GpuOptions {
+        num_gpus,
+        ..Default::default()
+    };
+    run_with(
         cfg,
         x,
         topk_idx,
         topk_weights,
         iters,
         warmup,
-        num_gpus,
+        opts,
         num_gpus == 1,
     )
 }
 
-/// [`run`], choosing graph replay (`graph`, one GPU only) or one launch per call.
-#[allow(clippy::too_many_arguments)]
-pub fn run_timed(
-    cfg: &Config,
-    x: &[Vec<bf16>],
-    topk_idx: &[Vec<i64>],
-    topk_weights: &[Vec<f32>],
-    iters: usize,
-    warmup: usize,
-    num_gpus: usize,
-    graph: bool,
-) -> Result<GpuReport, String> {
-    let opts = GpuOptions {
-        num_gpus,
-        ..Default::default()
-    };
-    run_with(cfg, x, topk_idx, topk_weights, iters, warmup, opts, graph)
-}
-
-/// [`run_timed`] with the group's options (transport, NCCL sizing). Over NCCL the calls are
+/// [`run`] with the group's options (transport, NCCL sizing) and the choice of graph replay
+/// (`graph`, one GPU only) or one launch per call. Over NCCL the calls are
 /// launched one by one (exact sizes read headers on the host mid-call: nothing to capture), the
 /// per-expert path runs exact sizes whatever `opts.nccl_sizes` says (capacity would send L*T
 /// entries per peer; the group refuses it), and the wire figures come from
