@@ -346,31 +346,7 @@ impl Comms {
             self.abort();
             return;
         }
-        let t0 = Instant::now();
-        let mut idle = true;
-        'streams: for (ctx, s) in streams {
-            if ctx.bind_to_thread().is_err() {
-                idle = false;
-                break;
-            }
-            loop {
-                // SAFETY: `s` is a live stream of the bound context.
-                let rc = unsafe { cudarc::driver::sys::cuStreamQuery(*s) };
-                match rc {
-                    cudarc::driver::sys::CUresult::CUDA_SUCCESS => break,
-                    cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY
-                        if t0.elapsed() < timeout =>
-                    {
-                        std::thread::sleep(POLL)
-                    }
-                    _ => {
-                        idle = false;
-                        break 'streams;
-                    }
-                }
-            }
-        }
-        if !idle {
+        if crate::runtime::drain_streams(streams, timeout) != crate::runtime::Drain::Idle {
             self.abort();
         }
         // Drop destroys what was not aborted.

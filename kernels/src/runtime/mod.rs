@@ -217,7 +217,7 @@ impl Drop for GpuGroup {
         // mappings are then leaked, not freed: the caller gets to report its error instead of
         // hanging, and the process's exit reclaims them.
         let bound = t.saturating_mul(2).max(std::time::Duration::from_secs(1));
-        if !streams_idle_within(&self.streams(), bound) {
+        if drain_streams(&self.streams(), bound) == Drain::Busy {
             std::mem::forget(std::mem::take(&mut self.devs));
             std::mem::forget(std::mem::replace(
                 &mut self.ipc_opened,
@@ -233,29 +233,51 @@ impl Drop for GpuGroup {
     }
 }
 
-/// Whether every stream finished its work within `bound` (polled). A stream whose query
-/// fails (a faulted context) counts as finished: nothing more will run on it.
-fn streams_idle_within(
+/// How a bounded wait for a set of streams ended ([`drain_streams`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Drain {
+    /// Every stream finished its work.
+    Idle,
+    /// Some stream was still running at the bound.
+    Busy,
+    /// None was running, but some context could not be bound or some stream reported an
+    /// error (a faulted context): nothing more will run there.
+    Failed,
+}
+
+/// Polls every stream (each with its context) until it finishes, at most `bound` in all. Every
+/// stream is looked at, so a failed one never hides a busy one after it.
+pub(crate) fn drain_streams(
     streams: &[(Arc<CudaContext>, sys::CUstream)],
     bound: std::time::Duration,
-) -> bool {
+) -> Drain {
     let t0 = std::time::Instant::now();
+    let mut failed = false;
     for (ctx, s) in streams {
         if ctx.bind_to_thread().is_err() {
+            failed = true;
             continue;
         }
         loop {
             // SAFETY: `s` is a live stream of the bound context.
             match unsafe { sys::cuStreamQuery(*s) } {
+                sys::CUresult::CUDA_SUCCESS => break,
                 sys::CUresult::CUDA_ERROR_NOT_READY if t0.elapsed() < bound => {
                     std::thread::sleep(std::time::Duration::from_micros(50))
                 }
-                sys::CUresult::CUDA_ERROR_NOT_READY => return false,
-                _ => break,
+                sys::CUresult::CUDA_ERROR_NOT_READY => return Drain::Busy,
+                _ => {
+                    failed = true;
+                    break;
+                }
             }
         }
     }
-    true
+    if failed {
+        Drain::Failed
+    } else {
+        Drain::Idle
+    }
 }
 
 /// Peer allocations opened through CUDA IPC, closed on drop (also on an error path of
