@@ -129,9 +129,22 @@ const TESTS: &[(&str, usize, fn())] = &[
         1,
         gpu_rank_ep_process_mode_equals_oracle,
     ),
+    (
+        "gpu_error_reaches_the_next_call_without_a_sync",
+        1,
+        gpu_error_reaches_the_next_call_without_a_sync,
+    ),
+    (
+        "gpu_trap_on_error_ends_the_context_and_still_names_the_error",
+        1,
+        gpu_trap_on_error_ends_the_context_and_still_names_the_error,
+    ),
 ];
 
 fn main() {
+    if std::env::var_os(TRAP_CHILD).is_some() {
+        trap_child();
+    }
     let mut runner = runner::Runner::new("gpu tests");
     for &(name, gpus, test) in TESTS {
         let probe = runner::probe(gpus, name.contains("nccl"));
@@ -1018,15 +1031,17 @@ impl<T: DeviceRepr + Copy + PartialEq + std::fmt::Debug + Default> Guarded<T> {
 }
 
 impl RankOut {
-    fn check_all_untouched(&self, s: &Arc<CudaStream>) {
+    /// A failed dispatch's outputs: no row, scale, source index or combine row written (the
+    /// counts and layout pairs are checked by the caller).
+    fn check_failed_dispatch(&self, s: &Arc<CudaStream>) {
         self.recv_x.all_fill(s, "recv_x");
         if let Some(g) = &self.scales {
             g.all_fill(s, "recv_scales");
         }
-        self.count.all_fill(s, "recv_count");
-        self.layout.all_fill(s, "layout_range");
         self.src.all_fill(s, "src_info");
         self.out.all_fill(s, "out");
+        let _ = self.count.read(s, "recv_count");
+        let _ = self.layout.read(s, "layout_range");
     }
 }
 
@@ -1262,9 +1277,15 @@ fn gpu_device_bad_input_typed_error_no_stray_write() {
                     ) => {}
                     _ => panic!("{case}: unexpected {err:?}"),
                 }
-                // The bad rank wrote nothing; nobody wrote outside an output.
-                outs[1].check_all_untouched(&s);
+                // The bad rank wrote no row; nobody wrote outside an output. Both ranks' calls
+                // failed (rank 0's waits stop on the device's error), so both present the
+                // contract's failed dispatch: every count and layout pair 0.
+                outs[1].check_failed_dispatch(&s);
                 outs[0].check_untouched(&s);
+                for o in &outs {
+                    assert!(o.count.read(&s, "recv_count").iter().all(|&c| c == 0));
+                    assert!(o.layout.read(&s, "layout_range").iter().all(|&c| c == 0));
+                }
                 // Later calls are refused with the same error.
                 let mut douts: Vec<DeviceDispatchOut> =
                     outs.iter_mut().map(|o| o.dispatch_out()).collect();
@@ -1569,4 +1590,235 @@ fn gpu_rank_ep_process_mode_equals_oracle() {
         }
         println!("ok: RankEp (process mode) {} both paths", cfg.describe());
     }
+}
+
+const SPIN_SRC: &str = r#"
+extern "C" __global__ void ep_test_spin(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+"#;
+
+/// Keeps stream `s` busy for `ns` nanoseconds (one thread spinning on %globaltimer).
+fn spin(s: &Arc<CudaStream>, ns: u64) {
+    let ptx = cudarc::nvrtc::compile_ptx(SPIN_SRC).unwrap();
+    let f = s.context().load_module(ptx).unwrap().load_function("ep_test_spin").unwrap();
+    let mut b = s.launch_builder(&f);
+    b.arg(&ns);
+    // SAFETY: ep_test_spin(u64) takes one value and touches no memory.
+    unsafe {
+        b.launch(LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+    .unwrap();
+}
+
+/// Whether stream `s` still has work queued or running (cuStreamQuery; no wait).
+fn busy(s: &Arc<CudaStream>) -> bool {
+    // SAFETY: a live stream of a live context.
+    let rc = unsafe { cudarc::driver::sys::cuStreamQuery(s.cu_stream()) };
+    rc == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY
+}
+
+/// Device-API dispatch of every rank into `outs` on stream `s`, token counts on the host.
+fn dispatch_all(
+    g: &mut GpuGroup,
+    path: Path,
+    s: &Arc<CudaStream>,
+    ins: &[RankIn],
+    n: &[usize],
+    outs: &mut [RankOut],
+) -> Result<DeviceHandle, GpuError> {
+    let xs: Vec<_> = ins.iter().map(|i| as_bf16(&i.x)).collect();
+    let ts: Vec<_> = ins.iter().map(|i| i.topk.slice(..)).collect();
+    let dins: Vec<DispatchIn> = (0..ins.len())
+        .map(|q| DispatchIn {
+            x: &xs[q],
+            topk_idx: &ts[q],
+            n_tokens: Tokens::Host(n[q]),
+        })
+        .collect();
+    let mut douts: Vec<DeviceDispatchOut> = outs.iter_mut().map(|o| o.dispatch_out()).collect();
+    g.dispatch_device(path, &[s.as_ref()], &dins, Some(&mut douts))
+}
+
+/// Device-API combine of every rank into `outs` on stream `s`.
+fn combine_all(
+    g: &mut GpuGroup,
+    s: &Arc<CudaStream>,
+    h: &DeviceHandle,
+    ins: &[RankIn],
+    outs: &mut [RankOut],
+) -> Result<(), GpuError> {
+    let ts: Vec<_> = ins.iter().map(|i| i.topk.slice(..)).collect();
+    let ws: Vec<_> = ins.iter().map(|i| i.w.slice(..)).collect();
+    let ys: Vec<_> = ins.iter().map(|i| as_bf16(&i.y)).collect();
+    let cins: Vec<CombineIn> = (0..ins.len())
+        .map(|q| CombineIn {
+            y: &ys[q],
+            topk_idx: &ts[q],
+            topk_weights: &ws[q],
+        })
+        .collect();
+    let mut fulls = out_views(outs);
+    let mut couts = inner(&mut fulls);
+    g.combine_device(&[s.as_ref()], h, &cins, &mut couts)
+}
+
+/// Polls `g` (no sync) until it reports an error, at most 5 s.
+fn poll_until_error(g: &GpuGroup) -> GpuError {
+    let t0 = std::time::Instant::now();
+    loop {
+        if let Err(e) = g.poll() {
+            return e;
+        }
+        assert!(t0.elapsed().as_secs() < 5, "no error reached the host in 5 s");
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+}
+
+/// [issue 20 item 1] A peer that never signals: its waiting ranks' kernels record a timeout,
+/// which reaches the host through the error word's mirror while the stream is still busy (a
+/// 2 s spin queued behind the failed call), and the next call raises it at its entry. The
+/// failed call's outputs are the contract's: dispatch presents no row (every count and layout
+/// pair 0), combine's rows are NaN; nothing outside the outputs is written.
+fn gpu_error_reaches_the_next_call_without_a_sync() {
+    let mut rng = Rng::new(21);
+    for path in [Path::Batched, Path::PerExpert] {
+        for op in [Op::Dispatch, Op::Combine] {
+            let cfg = Config::new(4, 8, 8, 256, 2, Mode::Bf16).unwrap();
+            // zero_copy off: combine signals even between ranks of one GPU.
+            let mut g = group_with(&cfg, 1, false);
+            g.set_timeout_ns(50_000_000);
+            let (_c, s) = context(0);
+            let data = random_inputs(&cfg, &[8; 4], Routing::Random { masked: 0.0 }, &mut rng);
+            let y = random_y(&cfg, &mut rng);
+            let mut ins: Vec<RankIn> = (0..4).map(|_| RankIn::new(&cfg, &s)).collect();
+            for q in 0..4 {
+                ins[q].set(&s, &data[q], Some(&y[q]));
+            }
+            let mut outs: Vec<RankOut> = (0..4).map(|_| RankOut::new(&g, &s)).collect();
+            let n = [8usize; 4];
+            // Call 1 is fine.
+            let h = dispatch_all(&mut g, path, &s, &ins, &n, &mut outs).unwrap();
+            combine_all(&mut g, &s, &h, &ins, &mut outs).unwrap();
+            s.synchronize().unwrap();
+            g.poll().unwrap();
+            // Call 2: rank 2 never signals (in the op under test).
+            let h = match op {
+                Op::Dispatch => {
+                    g.set_fault_rank(Some(2));
+                    dispatch_all(&mut g, path, &s, &ins, &n, &mut outs).unwrap()
+                }
+                Op::Combine => {
+                    let h = dispatch_all(&mut g, path, &s, &ins, &n, &mut outs).unwrap();
+                    s.synchronize().unwrap();
+                    g.poll().unwrap();
+                    g.set_fault_rank(Some(2));
+                    combine_all(&mut g, &s, &h, &ins, &mut outs).unwrap();
+                    h
+                }
+            };
+            spin(&s, 2_000_000_000);
+            let t0 = std::time::Instant::now();
+            let err = poll_until_error(&g);
+            let seen = t0.elapsed();
+            assert!(busy(&s), "the error was read while the stream was busy, without a sync");
+            println!("{} {op:?}: {err} (on the host after {seen:?}, stream busy)", path.name());
+            match &err {
+                GpuError::Contract(Error::Timeout {
+                    peer: 2,
+                    phase,
+                    call,
+                    rank,
+                    ..
+                }) => {
+                    assert!(*rank < 4);
+                    assert_eq!((phase.op, phase.side), (op, Side::Recv));
+                    assert_eq!(*call, 2);
+                }
+                other => panic!("expected a timeout naming peer 2, got {other}"),
+            }
+            // The next call raises the same error at its entry, before anything is enqueued.
+            let again = match op {
+                Op::Dispatch => dispatch_all(&mut g, path, &s, &ins, &n, &mut outs).map(|_| ()),
+                Op::Combine => combine_all(&mut g, &s, &h, &ins, &mut outs),
+            };
+            assert_eq!(again.unwrap_err(), err);
+            s.synchronize().unwrap();
+            for (q, o) in outs.iter().enumerate() {
+                o.check_untouched(&s); // guards: nothing written outside an output
+                match op {
+                    Op::Dispatch => {
+                        assert!(o.count.read(&s, "recv_count").iter().all(|&c| c == 0), "rank {q}: counts of a failed dispatch");
+                        assert!(o.layout.read(&s, "layout_range").iter().all(|&c| c == 0), "rank {q}: layout of a failed dispatch");
+                    }
+                    Op::Combine => {
+                        let out = o.out.read(&s, "out");
+                        assert!(out[..8 * 256].iter().all(|&b| b == 0x7FFF), "rank {q}: rows of a failed combine");
+                        assert!(out[8 * 256..].iter().all(|&b| b == 0x4321), "rank {q}: combine wrote past n");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Set in the child process of the trap test.
+const TRAP_CHILD: &str = "EP_GPU_TEST_TRAP_CHILD";
+
+/// The trap test's child: a group with `trap_on_error`, a peer that never signals. Prints the
+/// stream's CUDA error and the error the host mirror names, then exits 0 (1 when something
+/// else happened).
+fn trap_child() -> ! {
+    let mut rng = Rng::new(5);
+    let cfg = Config::new(2, 4, 4, 256, 2, Mode::Bf16).unwrap();
+    let mut g = GpuGroup::new(
+        &cfg,
+        GpuOptions {
+            trap_on_error: true,
+            timeout_ns: 50_000_000,
+            ..GpuOptions::default()
+        },
+    )
+    .unwrap();
+    let data = random_inputs(&cfg, &[4; 2], Routing::Random { masked: 0.0 }, &mut rng);
+    let x: Vec<_> = data.iter().map(|d| d.x.clone()).collect();
+    let idx: Vec<_> = data.iter().map(|d| d.topk_idx.clone()).collect();
+    g.dispatch(Path::Batched, &x, &idx).unwrap();
+    g.set_fault_rank(Some(1));
+    let r = g.dispatch(Path::Batched, &x, &idx);
+    println!("trap child: call 2: {r:?}");
+    println!("trap child: mirror: {:?}", g.poll());
+    let named = matches!(
+        g.poll(),
+        Err(GpuError::Contract(Error::Timeout { peer: 1, .. }))
+    );
+    // A trap leaves the context unusable: a fresh allocation on it fails.
+    let dead = CudaContext::new(0)
+        .and_then(|c| c.default_stream().alloc_zeros::<u8>(16).map(|_| ()))
+        .is_err();
+    let trapped = r.is_err() && dead;
+    println!("trap child: trapped={trapped} named={named}");
+    std::process::exit(if trapped && named { 0 } else { 1 })
+}
+
+/// [issue 20 item 2] `trap_on_error`: the kernel traps (the context is lost, as with DeepEP's
+/// kernels), and the error is still named from the host mirror. Runs in a child process: a
+/// trap poisons the context of the process it happens in.
+fn gpu_trap_on_error_ends_the_context_and_still_names_the_error() {
+    let exe = std::env::current_exe().unwrap();
+    let out = std::process::Command::new(exe)
+        .env(TRAP_CHILD, "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    print!("{text}");
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "trap child: {:?}", out.status);
+    assert!(text.contains("trapped=true named=true"));
 }

@@ -78,7 +78,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         auto route = [&](int i, i64 v) {
             int e = (int)v;
             if (v < -1 || v >= (i64)E) {
-                report_error(p.err, ERR_EXPERT_RANGE, (u32)rank, (u32)(i / K), (u32)(i % K), (u32)(unsigned long long)v,
+                report_error(p, ERR_EXPERT_RANGE, (u32)rank, (u32)(i / K), (u32)(i % K), (u32)(unsigned long long)v,
                              (u32)((unsigned long long)v >> 32), (u32)E);
                 bad = 1;
                 e = -1;
@@ -110,7 +110,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         const int t = i / K, k = i % K;
         for (int j = 0; j < k; j++)
             if (sm.sk[t * K + j] == e) {
-                report_error(p.err, ERR_DUP_EXPERT, (u32)rank, (u32)t, (u32)k, (u32)e, 0u, (u32)j);
+                report_error(p, ERR_DUP_EXPERT, (u32)rank, (u32)t, (u32)k, (u32)e, 0u, (u32)j);
                 bad = 1;
                 break;
             }
@@ -370,8 +370,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                 // (l, s), or the slot is skipped and the error reported. Checked here, where the
                 // header is used, so that the loads of all four units stay in flight above.
                 if (lx != NO_LOCAL && (lx >= (u32)L || ix >= (u32)sm.cls[lx * R + s])) {
-                    if (lx >= (u32)L) report_error(p.err, ERR_PEER_DATA, rank, s, PF_HDR_LOCAL, lx, 0u, L - 1);
-                    else report_error(p.err, ERR_PEER_DATA, rank, s, PF_HDR_INDEX, ix, 0u, sm.cls[lx * R + s] - 1);
+                    if (lx >= (u32)L) report_error(p, ERR_PEER_DATA, rank, s, PF_HDR_LOCAL, lx, 0u, L - 1);
+                    else report_error(p, ERR_PEER_DATA, rank, s, PF_HDR_INDEX, ix, 0u, sm.cls[lx * R + s] - 1);
                     lx = NO_LOCAL;
                 }
                 const int off = c * 512 + lane * 16;
@@ -400,7 +400,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                 }
                 // The selection offset indexes comb_map: bounded (t is only stored).
                 if (slots != 0u && (sel < 0 || sel > TK - __popc(slots))) {
-                    if (lane == 0) report_error(p.err, ERR_PEER_DATA, rank, s, PF_HDR_SEL, (u32)sel, 0u, (u32)(TK - __popc(slots)));
+                    if (lane == 0) report_error(p, ERR_PEER_DATA, rank, s, PF_HDR_SEL, (u32)sel, 0u, (u32)(TK - __popc(slots)));
                     return;
                 }
                 for (u32 m = slots; m != 0u; m &= m - 1u) {
@@ -485,6 +485,8 @@ finish:
     PROF(4);
     bool last_out = last_block_out(p, state, KIND);
     PROF(5);
+    // A failed call leaves defined outputs (common.cuh); the pack stage leaves them to its unpack.
+    if (last_out && p.stage != 1 && failed(p)) fail_dispatch_outputs(p, io, me);
     // The pack stage (1) leaves the epoch for its unpack stage (2). NCCL peers need no ack: the
     // stream orders this call's unpack before the next call's send/recv into the same buffers.
     if (last_out && p.stage != 1) {
@@ -657,8 +659,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
             if (old == (u32)p.blocks_per_rank - 1u) {
                 state[ST_SENT + KIND] = 0u;
                 fence_rel(p);
-                for (int s = 0; s < R; s++)
-                    if (!via_nccl(p, s)) st_release(p, sig_cb(tab[s], R) + rank, signal_word(epoch, (u32)sm.tot[s]));
+                if (rank != p.fault_rank)
+                    for (int s = 0; s < R; s++)
+                        if (!via_nccl(p, s)) st_release(p, sig_cb(tab[s], R) + rank, signal_word(epoch, (u32)sm.tot[s]));
             }
         }
         if (p.stage == 1) goto finish;  // pack stage: the reduction runs after the NCCL exchange
@@ -675,6 +678,8 @@ finish:
     PROF(4);
     bool last_out = last_block_out(p, state, KIND);
     PROF(5);
+    // A failed call leaves defined outputs (common.cuh); the pack stage leaves them to its unpack.
+    if (last_out && p.stage != 1 && failed(p)) fail_combine_outputs(p, io, n);
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;

@@ -111,13 +111,16 @@ struct KParams {
     int xrow, spr;           // bytes of a received x row; scale words per row
     int entry_bytes;         // batched entry: header + payload, 16-aligned
     int pe_entry_bytes;      // per-expert entry: header + payload, 16-aligned
-    int fault_rank;          // test hook: this rank never signals (-1: none)
+    int fault_rank;          // test hook: this rank never signals, dispatch or combine (-1: none)
     int sys_scope;           // 1: ranks on several GPUs (system-scope ordering), 0: one GPU
     int zero_copy;           // 1: combine reads the rows of owners on this GPU in place
     int pad1;
     u64 prof;                // 0, or u64[grid * 8]: %globaltimer stamps per block and phase
     u32 nccl_mask;           // bit d: peer d is reached through NCCL (staging + host send/recv)
     int stage;               // 0: whole call; 1: send side only (pack); 2: receive side only (unpack)
+    u64 err_host;            // u32[8] in mapped pinned host memory: the error word's host mirror
+    int trap;                // 1: trap after recording an error (DeepEP's crash), 0: exit cleanly
+    int pad2;
 };
 
 // Is peer d reached through NCCL (its data goes through this rank's staging buffers)?
@@ -202,7 +205,14 @@ __device__ __forceinline__ bool failed(const KParams& p) {
 }
 // loom model: gpu_protocol::report_error and failed; covered by loom_gpu_protocol.rs (fault_timeout_*, bad_input_*)
 // Out of line: it sits in the cold branches of hot loops.
-__device__ __noinline__ void report_error(u64 err, u32 code, u32 a, u32 b, u32 c, u32 d, u32 e, u32 f) {
+// The claim winner also writes the host mirror (p.err_host, mapped pinned memory): the words
+// first, a system fence, then the code, so a host that reads a nonzero code with acquire
+// ordering reads the words of that error. The host polls the mirror at the entry of every call
+// without synchronising any stream (kernels/src/runtime/errors.rs). Plain stores only: device
+// atomics on host memory are not atomic on every platform, and one writer needs none.
+// (Scalar arguments: a __noinline__ function taking the KParams by reference would copy them to
+// the stack in every kernel.)
+__device__ __noinline__ void report_error_at(u64 err, u64 err_host, int trap, u32 code, u32 a, u32 b, u32 c, u32 d, u32 e, u32 f) {
     u32* w = (u32*)err;
     if (atomicCAS(w + 7, 0u, 1u) == 0u) {
         w[1] = a;
@@ -213,17 +223,36 @@ __device__ __noinline__ void report_error(u64 err, u32 code, u32 a, u32 b, u32 c
         w[6] = f;
         __threadfence_system();
         atomicExch(w, code);
+        volatile u32* h = (volatile u32*)err_host;
+        if (h) {
+            h[1] = a;
+            h[2] = b;
+            h[3] = c;
+            h[4] = d;
+            h[5] = e;
+            h[6] = f;
+            h[7] = 1u;
+            __threadfence_system();
+            h[0] = code;
+            __threadfence_system();
+        }
     }
+    // Opt-in (GpuOptions::trap_on_error): the host mirror above survives the trap, so the host
+    // still names the error after the context is lost.
+    if (trap) __trap();
+}
+__device__ __forceinline__ void report_error(const KParams& p, u32 code, u32 a, u32 b, u32 c, u32 d, u32 e, u32 f) {
+    report_error_at(p.err, p.err_host, p.trap, code, a, b, c, d, e, f);
 }
 // loom model: gpu_protocol::report_timeout; covered by loom_gpu_protocol.rs
 __device__ void report_timeout(const KParams& p, int rank, int peer, int phase, u64 call, u64 waited) {
-    report_error(p.err, ERR_TIMEOUT, (u32)rank, (u32)peer, (u32)phase, (u32)call, (u32)(waited / 1000ull), (u32)(call >> 32));
+    report_error(p, ERR_TIMEOUT, (u32)rank, (u32)peer, (u32)phase, (u32)call, (u32)(waited / 1000ull), (u32)(call >> 32));
 }
 // A peer-supplied `value` of `field` outside [0, limit]: reported, and the caller skips its use.
 // loom model: gpu_protocol::peer_bad; covered by loom_gpu_protocol.rs capacity_bad_input_sender_header_poisoned
 __device__ __forceinline__ bool peer_bad(const KParams& p, int rank, int peer, int field, long long value, long long limit) {
     if (value >= 0 && value <= limit) return false;
-    report_error(p.err, ERR_PEER_DATA, (u32)rank, (u32)peer, (u32)field, (u32)value, 0u, (u32)limit);
+    report_error(p, ERR_PEER_DATA, (u32)rank, (u32)peer, (u32)field, (u32)value, 0u, (u32)limit);
     return true;
 }
 
@@ -355,7 +384,7 @@ __device__ __forceinline__ int load_topk(const KParams& p, const i64* topk, int 
         const i64 v = topk[i];
         int e = (int)v;
         if (check && (v < -1 || v >= (i64)p.E)) {
-            report_error(p.err, ERR_EXPERT_RANGE, (u32)rank, (u32)(i / p.K), (u32)(i % p.K), (u32)(unsigned long long)v,
+            report_error(p, ERR_EXPERT_RANGE, (u32)rank, (u32)(i / p.K), (u32)(i % p.K), (u32)(unsigned long long)v,
                          (u32)((unsigned long long)v >> 32), (u32)p.E);
             bad = 1;
             e = -1;
@@ -372,7 +401,7 @@ __device__ __forceinline__ int load_topk(const KParams& p, const i64* topk, int 
         const int t = i / p.K, k = i % p.K;
         for (int j = 0; j < k; j++)
             if (sk[t * p.K + j] == e) {
-                report_error(p.err, ERR_DUP_EXPERT, (u32)rank, (u32)t, (u32)k, (u32)e, 0u, (u32)j);
+                report_error(p, ERR_DUP_EXPERT, (u32)rank, (u32)t, (u32)k, (u32)e, 0u, (u32)j);
                 bad = 1;
                 break;
             }
@@ -384,7 +413,7 @@ __device__ __forceinline__ int load_topk(const KParams& p, const i64* topk, int 
 __device__ __forceinline__ int read_ntok(const KParams& p, const IoPtrs& io, int rank, int* bad) {
     const int n = *(const int*)io.ntok;
     if (n < 0 || n > p.T) {
-        report_error(p.err, ERR_TOKENS, (u32)rank, (u32)n, 0u, 0u, 0u, (u32)p.T);
+        report_error(p, ERR_TOKENS, (u32)rank, (u32)n, 0u, 0u, 0u, (u32)p.T);
         *bad = 1;
         return 0;
     }
@@ -410,6 +439,33 @@ __device__ __forceinline__ bool last_block_out(const KParams& p, u32* state, int
     }
     __syncthreads();
     return s_last != 0;
+}
+
+// The outputs of a call that failed (docs/contract.md, "A failed call"), written by the last
+// block of a rank to leave when the device's error word is set (an error of this rank, or of
+// another whose failure stopped this rank's waits): nothing of an earlier call passes for this
+// call's. Dispatch: every count and (begin, count) pair 0, so no row is presented as received.
+// Combine: every element of the n output rows NaN (bf16 0x7FFF), which no weighted sum of the
+// contract produces from finite inputs without being flagged by any check the caller makes.
+// Out of line with scalar arguments (cold; see report_error_at).
+__device__ __noinline__ void fail_dispatch_at(int L, int R, u64 io_count, u64 io_layout, u64 my_count, u64 my_layout) {
+    for (int i = threadIdx.x; i < L; i += NTHREADS) {
+        ((int*)io_count)[i] = 0;
+        ((int*)my_count)[i] = 0;
+    }
+    for (int i = threadIdx.x; i < L * R * 2; i += NTHREADS) {
+        ((int*)io_layout)[i] = 0;
+        ((int*)my_layout)[i] = 0;
+    }
+}
+__device__ __noinline__ void fail_combine_at(u64 out, u64 elems) {
+    for (u64 i = threadIdx.x; i < elems; i += NTHREADS) ((u16*)out)[i] = (u16)0x7FFFu;
+}
+__device__ __forceinline__ void fail_dispatch_outputs(const KParams& p, const IoPtrs& io, const RankPtrs& me) {
+    fail_dispatch_at(p.L, p.R, io.recv_count, io.layout, me.recv_count, me.layout);
+}
+__device__ __forceinline__ void fail_combine_outputs(const KParams& p, const IoPtrs& io, int n) {
+    fail_combine_at(io.out, (u64)n * (u64)p.H);
 }
 
 // The combine reduction of docs/contract.md for the tokens of one rank: for each token t and channel h,

@@ -235,6 +235,8 @@ finish:
     PROF(4);
     bool last_out = last_block_out(p, state, KIND);
     PROF(5);
+    // A failed call leaves defined outputs (common.cuh); the pack stage leaves them to its unpack.
+    if (last_out && p.stage != 1 && failed(p)) fail_dispatch_outputs(p, io, me);
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
             // loom: gpu_protocol::finish (the ack), model per_expert_consecutive_calls.
@@ -319,7 +321,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
             }
             __syncthreads();
             for (int s = tid; s < R; s += NTHREADS) {
-                if (via_nccl(p, s)) continue;
+                if (via_nccl(p, s) || rank == p.fault_rank) continue;
                 fence_rel(p);
                 // loom: not modelled itself; fence + release store after __syncthreads, as per-expert dispatch
                 // (model per_expert_two_senders_one_receiver).
@@ -347,6 +349,8 @@ finish:
     PROF(4);
     bool last_out = last_block_out(p, state, KIND);
     PROF(5);
+    // A failed call leaves defined outputs (common.cuh); the pack stage leaves them to its unpack.
+    if (last_out && p.stage != 1 && failed(p)) fail_combine_outputs(p, io, n);
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
             // loom: not modelled itself; the same ack as per-expert dispatch (model per_expert_consecutive_calls).

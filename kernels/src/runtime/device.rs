@@ -42,6 +42,9 @@ pub(crate) struct Dev {
     pub(crate) modules: Vec<sys::CUmodule>,
     pub(crate) table: sys::CUdeviceptr,
     pub(crate) err: sys::CUdeviceptr,
+    /// The error word's host mirror: ERR_WORDS u32 of mapped pinned memory the kernels write
+    /// (report_error in common.cuh) and the host reads at every call's entry without a sync.
+    pub(crate) err_host: HostMirror,
     pub(crate) sms: usize,
     pub(crate) first_rank: usize,
     pub(crate) ranks: usize,
@@ -103,6 +106,7 @@ impl Dev {
             modules: Vec::new(),
             table: 0,
             err: 0,
+            err_host: HostMirror::null(),
             sms,
             first_rank,
             ranks,
@@ -229,12 +233,88 @@ impl Drop for Dev {
             for &p in &self.allocs {
                 let _ = result::free_sync(p);
             }
+            if !self.err_host.host.is_null() {
+                let _ = result::free_host(self.err_host.host.cast());
+            }
             for &m in &self.modules {
                 let _ = result::module::unload(m);
             }
             if !self.stream.is_null() {
                 let _ = result::stream::destroy(self.stream);
             }
+        }
+    }
+}
+
+/// The host mirror of a device's error word: mapped pinned memory (`cuMemHostAlloc` with
+/// DEVICEMAP), written by the one kernel thread that claims the device's first error and read
+/// by the host with volatile loads. Freed by the owning [`Dev`]'s Drop (after its stream is
+/// idle), so the kernels never write to freed memory.
+pub(crate) struct HostMirror {
+    /// The host address (ERR_WORDS u32).
+    pub(crate) host: *mut u32,
+    /// Its device address, passed to the kernels (`KParams::err_host`).
+    pub(crate) dev: u64,
+}
+
+// SAFETY: the mirror is pinned host memory owned by its Dev, valid from any thread for the Dev's
+// life; the host side only reads it (volatile loads), so sharing or moving the owner between
+// threads is sound.
+unsafe impl Send for HostMirror {}
+// SAFETY: as above: `&HostMirror` only ever reads.
+unsafe impl Sync for HostMirror {}
+
+impl HostMirror {
+    pub(crate) fn null() -> HostMirror {
+        HostMirror {
+            host: std::ptr::null_mut(),
+            dev: 0,
+        }
+    }
+
+    /// Allocates and zeroes the mirror on the bound context.
+    pub(crate) fn alloc() -> Result<HostMirror, GpuError> {
+        let bytes = 4 * ERR_WORDS;
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: a plain pinned allocation of `bytes` bytes; zeroed below before any use.
+        let host = cuda("cuMemHostAlloc", unsafe { result::malloc_host(bytes, flags) })?
+            .cast::<u32>();
+        // SAFETY: `host` holds ERR_WORDS u32, just allocated and not yet shared.
+        unsafe { std::ptr::write_bytes(host, 0, ERR_WORDS) };
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: `host` was allocated with DEVICEMAP on the bound context; `dev` receives
+        // the device address of the same memory.
+        let rc = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host.cast(), 0) };
+        if let Err(e) = cuda("cuMemHostGetDevicePointer", rc.result()) {
+            // SAFETY: allocated above, never shared.
+            let _ = unsafe { result::free_host(host.cast()) };
+            return Err(e);
+        }
+        Ok(HostMirror { host, dev })
+    }
+
+    /// The mirror's words, or None while its code word is 0. Reads host memory only: no
+    /// stream is synchronised and no driver call is made.
+    pub(crate) fn read(&self) -> Option<[u32; ERR_WORDS]> {
+        if self.host.is_null() {
+            return None;
+        }
+        // SAFETY: `host` holds ERR_WORDS u32 for the life of the owning Dev; the kernels write
+        // it with plain stores, so the host reads it with volatile loads. The code word is
+        // written last, after a system fence (report_error): once it reads nonzero, the
+        // acquire fence below orders the reads of the other words after it.
+        unsafe {
+            let code = std::ptr::read_volatile(self.host);
+            if code == 0 {
+                return None;
+            }
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+            let mut w = [0u32; ERR_WORDS];
+            w[0] = code;
+            for (i, slot) in w.iter_mut().enumerate().skip(1) {
+                *slot = std::ptr::read_volatile(self.host.add(i));
+            }
+            Some(w)
         }
     }
 }

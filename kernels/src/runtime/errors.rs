@@ -2,7 +2,9 @@
 //! `topk_idx`, a bad token count, a peer-supplied field out of bounds) and its typed host form.
 //! Layout and codes: common.cuh (`report_error`). The first error of a device wins; the group
 //! then refuses later calls (`GpuGroup::check_usable`): the ranks' epochs may disagree after a
-//! call that stopped half-way, so a new group is the way back.
+//! call that stopped half-way, so a new group is the way back. The kernels also write the
+//! error into a host mirror (mapped pinned memory), which every call reads at its entry
+//! without synchronising: an error reaches the caller at the next call at the latest.
 
 use super::*;
 
@@ -107,6 +109,19 @@ impl GpuGroup {
             return Err(e);
         }
         Ok(())
+    }
+
+    /// The first error (by [`cause_first`]) the kernels recorded on any device, read from the
+    /// error words' host mirrors: host memory only, no stream synchronised, no driver call.
+    pub(crate) fn recorded_error(&self) -> Option<GpuError> {
+        let mut found: Vec<GpuError> = self
+            .devs
+            .iter()
+            .filter_map(|d| d.err_host.read())
+            .filter_map(|w| decode(&w, &self.cfg))
+            .collect();
+        found.sort_by_key(cause_first);
+        found.into_iter().next()
     }
 
     /// Every device's error word, decoded (None: that device reported nothing), in device

@@ -317,6 +317,7 @@ fn upload_table(dev: &mut Dev, ptrs: &[RankPtrs]) -> Result<(), GpuError> {
     })?;
     dev.table = table;
     dev.err = dev.alloc(4 * ERR_WORDS)?;
+    dev.err_host = HostMirror::alloc()?;
     Ok(())
 }
 
@@ -358,6 +359,7 @@ fn kparams(
         fault_rank: -1,
         sys_scope: sys_scope as i32,
         zero_copy: opts.zero_copy_local as i32,
+        trap: opts.trap_on_error as i32,
         ..Default::default()
     })
 }

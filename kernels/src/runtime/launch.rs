@@ -103,6 +103,7 @@ impl GpuGroup {
             let mut kp = self.params;
             kp.table = dev.table;
             kp.err = dev.err;
+            kp.err_host = dev.err_host.dev;
             kp.rank_base = dev.first_rank as i32;
             kp.ranks_here = dev.ranks as i32;
             kp.nccl_mask = self.masks[di];
@@ -612,7 +613,11 @@ impl GpuGroup {
             dev.bind()?;
             // SAFETY: the stream belongs to this device's bound context.
             if let Err(e) = unsafe { result::stream::synchronize(dev.stream) } {
-                let err = GpuError::Cuda(format!("kernel failed: {e:?}"));
+                // A kernel that trapped (GpuOptions::trap_on_error) recorded its cause first:
+                // the mirror still names it after the context is lost.
+                let err = self
+                    .recorded_error()
+                    .unwrap_or_else(|| GpuError::Cuda(format!("kernel failed: {e:?}")));
                 self.broken = Some(err.clone());
                 return Err(err);
             }

@@ -110,6 +110,11 @@ pub(crate) struct KParams {
     pub prof: u64,
     pub nccl_mask: u32,
     pub stage: i32,
+    /// The device's error-word mirror in mapped pinned host memory (its device address).
+    pub err_host: u64,
+    /// 1: the kernels trap after recording an error ([`GpuOptions::trap_on_error`]).
+    pub trap: i32,
+    pub pad2: i32,
 }
 
 /// `a * b * ...` for the size of `what`, or a typed error naming it (no silent wrap in release).

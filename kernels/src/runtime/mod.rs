@@ -33,7 +33,7 @@ mod layout;
 mod profile;
 
 pub use device::probe_devices;
-pub(crate) use device::{cuda, Dev};
+pub(crate) use device::{cuda, Dev, HostMirror};
 pub use device_api::{
     CombineHook, CombineIn, DeviceDispatchOut, DeviceHandle, DispatchHook, DispatchIn,
     DispatchOutSizes, RankEp, Tokens,
@@ -132,6 +132,10 @@ pub struct GpuOptions {
     pub transport: Transport,
     /// NCCL transport: exact sizes after a host round trip, or a fixed capacity without one.
     pub nccl_sizes: NcclSizes,
+    /// Trap (end the CUDA context, as DeepEP's kernels do) right after recording an error,
+    /// instead of leaving the kernel cleanly and raising at the next call. The error is still
+    /// named: its host mirror survives the trap. Off by default (a trap poisons the context).
+    pub trap_on_error: bool,
 }
 
 impl Default for GpuOptions {
@@ -143,6 +147,7 @@ impl Default for GpuOptions {
             zero_copy_local: true,
             transport: Transport::Auto,
             nccl_sizes: NcclSizes::default(),
+            trap_on_error: false,
         }
     }
 }
@@ -335,7 +340,8 @@ impl GpuGroup {
         format!("{name} (sm_{a}{b}, {} SMs) x {}", d.sms, self.devs.len())
     }
 
-    /// Test hook: `Some(r)` makes rank r never signal in dispatch (its peers' waits time out).
+    /// Test hook: `Some(r)` makes rank r never signal, in dispatch and in combine (its peers'
+    /// waits time out).
     #[doc(hidden)]
     pub fn set_fault_rank(&mut self, rank: Option<usize>) {
         self.params.fault_rank = rank.map(|r| r as i32).unwrap_or(-1);
@@ -364,9 +370,27 @@ impl GpuGroup {
         self.params.timeout_ns = ns;
     }
 
+    /// What the kernels have recorded so far, without waiting for them: `Ok` while nothing
+    /// failed, else the error the next call would raise (naming rank, peer, phase and call for
+    /// a timeout). Reads the error words' host mirrors only: no stream is synchronised, so it
+    /// may be called while kernels run, e.g. to bound a caller's own wait. Unlike [`check`],
+    /// it does not need the calls to have finished, and an error it sees is raised again by
+    /// every later call.
+    ///
+    /// [`check`]: GpuGroup::check
+    pub fn poll(&self) -> Result<(), GpuError> {
+        self.check_usable()
+    }
+
+    /// Refuses a call on a group that failed: an error `check` or `sync` already returned, or
+    /// one the kernels recorded since (read from the error words' host mirrors: no stream is
+    /// synchronised, so a call enqueued behind a failed one raises at its entry).
     pub(crate) fn check_usable(&self) -> Result<(), GpuError> {
-        match &self.broken {
-            Some(e) => Err(e.clone()),
+        if let Some(e) = &self.broken {
+            return Err(e.clone());
+        }
+        match self.recorded_error() {
+            Some(e) => Err(e),
             None => Ok(()),
         }
     }
