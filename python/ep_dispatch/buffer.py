@@ -127,6 +127,9 @@ class Buffer:
             later calls must agree. Otherwise the first dispatch fixes each.
         check_routing: copy ``topk_idx`` to the host on each dispatch and check it (expert range,
             duplicates) before launching. Synchronises the stream: for debugging, not for graphs.
+        trap_on_error: trap in the kernel right after it records an error, ending the CUDA
+            context as DeepEP's kernels do (default False: the kernel exits cleanly and the
+            next call raises). The error is still named afterwards (``poll()``, ``check()``).
 
     Differences from DeepEP, on purpose:
         - Row order is canonical (by source rank, then token), so outputs are reproducible and
@@ -143,8 +146,14 @@ class Buffer:
           keep one dispatch's routing state, not two), with the same ``topk_idx`` tensor that
           was dispatched; an older handle raises ``InputError``.
         - Errors the kernels find (a timed-out wait, bad routing in ``topk_idx``, bad peer
-          data) stop the kernels without trapping and are raised by ``Buffer.check()``, which
-          synchronises; until then the outputs of the failed call are undefined.
+          data) stop the kernels without trapping (unless ``trap_on_error=True``) and are
+          raised at the entry of the next dispatch or combine on this Buffer (read from host
+          memory the kernels write: no synchronisation), as ``TimeoutError`` naming rank, peer,
+          phase and call, ``InputError`` or ``PeerError``; ``poll()`` raises them without
+          making a call, ``check()`` after synchronising. The failed call's outputs are
+          defined, so none passes for a good one: a failed dispatch receives nothing
+          (``recv_count`` and every ``layout_range`` entry 0), a failed combine's rows are NaN.
+          After an error every call raises it again: form a new Buffer.
         - With ``transport='nccl'`` or ``'two-tier'``, NCCL messages have fixed sizes (dispatch:
           a header and all T rows per peer; combine: T * min(K, L) rows per peer), more bytes
           than the rows there are, because exact sizes would need the host to read the batch
@@ -162,7 +171,7 @@ class Buffer:
                  use_fabric=False, explicitly_destroy=False, enable_shrink=False, comm=None, *,
                  path="batched", transport="auto", timeout_s=10.0,
                  num_max_dispatch_tokens_per_rank=None, hidden=None, num_experts=None,
-                 num_topk=None, check_routing=False):
+                 num_topk=None, check_routing=False, trap_on_error=False):
         # Everything that needs no GPU is checked first, so a bad argument is reported as such
         # on any machine.
         _checks.integer("num_nvl_bytes", num_nvl_bytes, lo=0)
@@ -172,7 +181,8 @@ class Buffer:
                         ("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
                         ("allow_mnnvl", allow_mnnvl), ("use_fabric", use_fabric),
                         ("explicitly_destroy", explicitly_destroy),
-                        ("enable_shrink", enable_shrink), ("check_routing", check_routing)):
+                        ("enable_shrink", enable_shrink), ("check_routing", check_routing),
+                        ("trap_on_error", trap_on_error)):
             _checks.flag(name, v)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
             raise argument_error("timeout_s", f"{timeout_s!r} is not a number of seconds")
@@ -190,8 +200,10 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.path, self.transport, self.timeout_s = path, transport, float(timeout_s)
         self.check_routing = check_routing
+        self.trap_on_error = trap_on_error
         self._ranks = {}
         self._combine_buffers = {}
+        self._held = {}  # the tensors of send halves whose receive half is still due
 
         # Then the GPU: a clear NoDeviceError where there is none, NotBuiltError where this
         # build cannot run on it. torch is imported only now.
@@ -266,6 +278,14 @@ class Buffer:
         _checks.integer("hidden", hidden)
         _checks.integer("num_experts", num_experts)
 
+    def poll(self):
+        """Raises what the kernels recorded so far (as ``check()`` does), without waiting for
+        them: it reads host memory the kernels write, synchronises nothing, and may be called
+        while kernels run (e.g. to bound a wait on an event). Every dispatch and combine makes
+        the same check at its entry. (DeepEP has no counterpart.)"""
+        for g in self._ranks.values():
+            g.poll()
+
     def check(self):
         """Raises what the kernels recorded on the device since the last check: a timed-out
         wait (``TimeoutError`` naming rank, peer, phase, call), bad routing (``InputError``
@@ -299,7 +319,7 @@ class Buffer:
             _native.validate_config(self.group_size, E, T, H, K, use_fp8, round_scale, use_ue8m0)
             g = _native.GpuRank(self.rank, self.group_size, E, T, H, K, use_fp8, round_scale,
                                 use_ue8m0, self._device, self.path, self.transport,
-                                self.timeout_s, self._all_gather)
+                                self.timeout_s, self._all_gather, self.trap_on_error)
             self._ranks[key] = g
             s = self._shape
             s.tokens, s.hidden, s.experts, s.top_k = T, H, E, K
@@ -373,14 +393,24 @@ class Buffer:
                 ref(layout_range))
         stats = cumulative_local_expert_recv_stats
 
-        def receive():
-            g.dispatch(self._stream(), "recv", *ptrs)
-            if stats is not None:
-                stats.add_(recv_count)
-
+        tensors = (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range, stats)
         if return_recv_hook:
             hid = g.dispatch(self._stream(), "send", *ptrs)
-            hook = receive
+            # The send half's tensors stay referenced until its receive half is enqueued: by
+            # the hook, or by the next dispatch of this shape (which enqueues it first when the
+            # hook was not called, so a lost hook never leaves the Buffer stuck).
+            self._held[("dispatch", key)] = tensors
+            done = []
+
+            def hook():
+                if done:
+                    return
+                done.append(True)
+                if g.pending_dispatch() == hid:
+                    g.dispatch(self._stream(), "recv", *ptrs)
+                    self._held.pop(("dispatch", key), None)
+                if stats is not None:
+                    stats.add_(recv_count)
         else:
             hid = g.dispatch(self._stream(), "both", *ptrs)
             if stats is not None:
@@ -391,7 +421,6 @@ class Buffer:
         handle = Handle(src_info, None, T, H, E, layout_pairs=pairs, recv_count=recv_count,
                         num_tokens=n, top_k=K, use_fp8=use_fp8, path=self.path, _key=key,
                         _buffer=id(self), _id=hid, _topk_idx=topk_idx)
-        tensors = (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range, stats)
         out = (recv_x, scales) if use_fp8 else recv_x
         return out, recv_count, handle, self._event(async_finish, tensors), hook
 
@@ -429,15 +458,22 @@ class Buffer:
             out = torch.empty((n, H), dtype=dt.bf16, device=self._dev)
         ptrs = (handle._id, (y.data_ptr(), y.numel()), (topk_idx.data_ptr(), topk_idx.numel()),
                 (topk_weights.data_ptr(), topk_weights.numel()), (out.data_ptr(), out.numel()))
+        tensors = (y, topk_idx, topk_weights, handle.src_info, out)
         if return_recv_hook:
-            g.combine(self._stream(), "send", *ptrs)
+            cid = g.combine(self._stream(), "send", *ptrs)
+            self._held[("combine", handle._key)] = tensors  # as in dispatch
+            done = []
 
             def hook():
-                g.combine(self._stream(), "recv", *ptrs)
+                if done:
+                    return
+                done.append(True)
+                if g.pending_combine() == cid:
+                    g.combine(self._stream(), "recv", *ptrs)
+                    self._held.pop(("combine", handle._key), None)
         else:
             g.combine(self._stream(), "both", *ptrs)
             hook = None
-        tensors = (y, topk_idx, topk_weights, handle.src_info, out)
         return out, self._event(async_finish, tensors), hook
 
     def get_next_low_latency_combine_buffer(self, handle):

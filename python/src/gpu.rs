@@ -159,11 +159,12 @@ pub fn check_path_on(path: Path, transport: Transport) -> Result<()> {
 /// The group's options for this Buffer: one GPU per process, the wait bound, the transport, and
 /// fixed-capacity NCCL sizes wherever NCCL can carry traffic (the device API refuses exact sizes:
 /// they need a host round trip mid-call).
-pub fn options(transport: Transport, timeout: Duration) -> GpuOptions {
+pub fn options(transport: Transport, timeout: Duration, trap_on_error: bool) -> GpuOptions {
     GpuOptions {
         num_gpus: 1,
         timeout_ns: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
         transport,
+        trap_on_error,
         nccl_sizes: if has_staging(transport) {
             NcclSizes::Capacity
         } else {
@@ -309,7 +310,9 @@ pub struct RankGroup {
     handles: VecDeque<(u64, DeviceHandle)>,
     /// The send half of a dispatch whose receive half (the hook) is still due, and its id.
     pending_dispatch: Option<(u64, DispatchHook)>,
-    pending_combine: Option<CombineHook>,
+    /// The same for a combine (ids count combines: [`RankGroup::combine`] returns them).
+    pending_combine: Option<(u64, CombineHook)>,
+    next_combine: u64,
 }
 
 impl Drop for RankGroup {
@@ -325,11 +328,13 @@ impl RankGroup {
     /// Forms the group (collective: every rank calls it with the same config and options).
     /// `all_gather` exchanges one blob per rank in rank order (the Python side passes
     /// `torch.distributed.all_gather_object` over the Buffer's group).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         cfg: &Config,
         path: Path,
         transport: Transport,
         timeout: Duration,
+        trap_on_error: bool,
         rank: usize,
         ordinal: usize,
         all_gather: &mut AllGather<'_>,
@@ -338,7 +343,7 @@ impl RankGroup {
         check_dims(cfg)?;
         check_path_on(path, transport)?;
         probe_transport(transport)?;
-        let opts = options(transport, timeout);
+        let opts = options(transport, timeout, trap_on_error);
         let group = GpuGroup::new_process(cfg, opts, rank, ordinal, all_gather)?;
         let ctx = CudaContext::new(ordinal).map_err(|e| {
             GpuError::Cuda(format!(
@@ -357,6 +362,7 @@ impl RankGroup {
             handles: VecDeque::new(),
             pending_dispatch: None,
             pending_combine: None,
+            next_combine: 1,
         })
     }
 
@@ -384,6 +390,28 @@ impl RankGroup {
         Ok(self.group.check()?)
     }
 
+    /// What the kernels recorded so far, without waiting for them (the error word's host
+    /// mirror; no stream is synchronised, so it may be called during capture too). Every call
+    /// makes this check at its entry.
+    pub fn poll(&self) -> Result<()> {
+        Ok(self.group.poll()?)
+    }
+
+    /// Test hook: `Some(r)`: rank r never signals (its peers' waits run out).
+    pub fn set_fault_rank(&mut self, rank: Option<usize>) {
+        self.group.set_fault_rank(rank);
+    }
+
+    /// The id of the dispatch whose send half waits for its receive half, if any.
+    pub fn pending_dispatch(&self) -> Option<u64> {
+        self.pending_dispatch.as_ref().map(|(id, _)| *id)
+    }
+
+    /// The id of the combine whose send half waits for its receive half, if any.
+    pub fn pending_combine(&self) -> Option<u64> {
+        self.pending_combine.as_ref().map(|(id, _)| *id)
+    }
+
     fn stream(&self, raw: u64) -> Arc<CudaStream> {
         // SAFETY: `raw` is the caller's live CUstream on this device's primary context (torch's
         // current stream); the wrapper does not own it and lives only for this call.
@@ -409,11 +437,13 @@ impl RankGroup {
             self.keep(id, handle);
             return Ok(id);
         }
-        if self.pending_dispatch.is_some() {
-            return Err(BindError::argument(
-                "return_recv_hook",
-                "the previous dispatch's receive hook was not called; call it first",
-            ));
+        if let Some((pid, hook)) = self.pending_dispatch.take() {
+            // The previous dispatch's receive half is still due: it is enqueued now, ahead of
+            // this call (the kernels keep one dispatch's state; the Python Buffer keeps that
+            // call's tensors alive until then, and its hook becomes a no-op). Refusing here
+            // instead would leave the send half pending for good, and every later call refused.
+            let handle = self.group.dispatch_recv(hook, &[&s])?;
+            self.keep(pid, handle);
         }
         // SAFETY (all borrows): the Python side checked each tensor's dtype, shape, device and
         // contiguity and passes its address and element count; the tensors stay referenced
@@ -458,25 +488,25 @@ impl RankGroup {
     }
 
     /// Enqueues a combine (or one half) on `stream`, after the dispatch of handle `handle`.
+    /// Returns the combine's id (with `Phases::Recv`, the id of the combine it completed).
     pub fn combine(
         &mut self,
         stream: u64,
         phases: Phases,
         handle: u64,
         p: &CombinePtrs,
-    ) -> Result<()> {
+    ) -> Result<u64> {
         let s = self.stream(stream);
         if phases == Phases::Recv {
-            let hook = self.pending_combine.take().ok_or_else(|| {
+            let (id, hook) = self.pending_combine.take().ok_or_else(|| {
                 BindError::argument("hook", "no combine send half is waiting for its receive")
             })?;
-            return Ok(self.group.combine_recv(hook, &[&s])?);
+            self.group.combine_recv(hook, &[&s])?;
+            return Ok(id);
         }
-        if self.pending_combine.is_some() {
-            return Err(BindError::argument(
-                "return_recv_hook",
-                "the previous combine's receive hook was not called; call it first",
-            ));
+        if let Some((_, hook)) = self.pending_combine.take() {
+            // As in `dispatch`: the previous combine's receive half first.
+            self.group.combine_recv(hook, &[&s])?;
         }
         let h = match self.handles.iter().find(|(id, _)| *id == handle) {
             Some((_, h)) => h.clone(),
@@ -510,12 +540,15 @@ impl RankGroup {
             topk_weights: &wv,
         }];
         let mut outs = [out.view_mut()];
+        let id = self.next_combine;
         if phases == Phases::Send {
-            self.pending_combine = Some(self.group.combine_send(&[&s], &h, &ins, &mut outs)?);
+            let hook = self.group.combine_send(&[&s], &h, &ins, &mut outs)?;
+            self.pending_combine = Some((id, hook));
         } else {
             self.group.combine_device(&[&s], &h, &ins, &mut outs)?;
         }
-        Ok(())
+        self.next_combine += 1;
+        Ok(id)
     }
 }
 
@@ -565,21 +598,26 @@ mod tests {
     fn nccl_runs_with_capacity_sizes_and_auto_is_unchanged() {
         let t = Duration::from_secs(3);
         for tr in [Transport::Nccl, Transport::TwoTier] {
-            let o = options(tr, t);
+            let o = options(tr, t, false);
             assert_eq!(o.nccl_sizes, NcclSizes::Capacity, "{tr:?}");
             assert_eq!(
                 (o.transport, o.num_gpus, o.timeout_ns),
                 (tr, 1, 3_000_000_000)
             );
         }
-        let auto = options(Transport::Auto, t);
+        let auto = options(Transport::Auto, t, false);
+        assert!(!auto.trap_on_error);
+        assert!(options(Transport::Auto, t, true).trap_on_error);
         let default = GpuOptions::default();
         assert_eq!(auto.transport, Transport::Auto);
         assert_eq!(auto.nccl_sizes, default.nccl_sizes);
         assert_eq!(auto.zero_copy_local, default.zero_copy_local);
         assert_eq!(auto.blocks_per_rank, default.blocks_per_rank);
         // A timeout past u64 nanoseconds saturates.
-        assert_eq!(options(Transport::Auto, Duration::MAX).timeout_ns, u64::MAX);
+        assert_eq!(
+            options(Transport::Auto, Duration::MAX, false).timeout_ns,
+            u64::MAX
+        );
     }
 
     #[test]

@@ -668,7 +668,7 @@ impl GpuRank {
     /// Forms the group; collective. `all_gather(blob: bytes) -> list[bytes]` exchanges one
     /// blob per rank in rank order.
     #[new]
-    #[pyo3(signature = (rank, num_ranks, num_experts, num_max_dispatch_tokens_per_rank, hidden, top_k, use_fp8, round_scale, use_ue8m0, ordinal, path, transport, timeout_s, all_gather))]
+    #[pyo3(signature = (rank, num_ranks, num_experts, num_max_dispatch_tokens_per_rank, hidden, top_k, use_fp8, round_scale, use_ue8m0, ordinal, path, transport, timeout_s, all_gather, trap_on_error=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -686,6 +686,7 @@ impl GpuRank {
         transport: &str,
         timeout_s: f64,
         all_gather: Bound<'_, PyAny>,
+        trap_on_error: bool,
     ) -> PyResult<GpuRank> {
         let cfg = config(
             num_ranks,
@@ -707,7 +708,8 @@ impl GpuRank {
             got.extract::<Vec<Vec<u8>>>()
                 .map_err(|e| format!("all_gather did not return a list of bytes: {e}"))
         };
-        let inner = RankGroup::new(&cfg, p, t, timeout, rank, ordinal, &mut gather).py_err()?;
+        let inner = RankGroup::new(&cfg, p, t, timeout, trap_on_error, rank, ordinal, &mut gather)
+            .py_err()?;
         Ok(GpuRank { inner })
     }
 
@@ -725,6 +727,27 @@ impl GpuRank {
     /// contract's exceptions. Synchronous; not inside CUDA graph capture.
     fn check(&mut self) -> PyResult<()> {
         self.inner.check().py_err()
+    }
+
+    /// Raises what the kernels recorded so far, without waiting for them (no sync; every
+    /// dispatch and combine makes the same check at its entry).
+    fn poll(&self) -> PyResult<()> {
+        self.inner.poll().py_err()
+    }
+
+    /// Test hook: rank `rank` (None: no rank) never signals, so its peers' waits run out.
+    fn _set_fault_rank(&mut self, rank: Option<usize>) {
+        self.inner.set_fault_rank(rank);
+    }
+
+    /// The id of the dispatch whose receive half is still due, or None.
+    fn pending_dispatch(&self) -> Option<u64> {
+        self.inner.pending_dispatch()
+    }
+
+    /// The id of the combine whose receive half is still due, or None.
+    fn pending_combine(&self) -> Option<u64> {
+        self.inner.pending_combine()
     }
 
     /// Enqueues a dispatch on the raw CUDA stream `stream`; `phases`: 'both', 'send', 'recv'.
@@ -759,7 +782,8 @@ impl GpuRank {
         self.inner.dispatch(stream, ph, &p).py_err()
     }
 
-    /// Enqueues a combine on the raw CUDA stream `stream` after the dispatch `handle`.
+    /// Enqueues a combine on the raw CUDA stream `stream` after the dispatch `handle`; returns
+    /// its id (`pending_combine` names it while its receive half is due).
     #[pyo3(signature = (stream, phases, handle, y, topk_idx, topk_weights, out))]
     #[allow(clippy::too_many_arguments)]
     fn combine(
@@ -771,7 +795,7 @@ impl GpuRank {
         topk_idx: gpu::Ptr,
         topk_weights: gpu::Ptr,
         out: gpu::Ptr,
-    ) -> PyResult<()> {
+    ) -> PyResult<u64> {
         let ph = Phases::parse(phases).py_err()?;
         let p = CombinePtrs {
             y,

@@ -381,3 +381,89 @@ def test_per_expert_over_nccl_raises_unsupported(group, R, E, transport):
                            torch.cuda.current_device(), "per_expert", transport, 10.0,
                            no_exchange)
     assert e.value.kind == "Unsupported" and "path='batched'" in str(e.value), str(e.value)
+
+
+def _poll_until_raises(b, limit_s=5.0):
+    """Polls `b` (no synchronisation) until it raises; returns the exception."""
+    import time
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        try:
+            b.poll()
+        except ep.EpError as e:
+            return e
+        time.sleep(0.001)
+    raise AssertionError(f"no error reached the host in {limit_s} s")
+
+
+@pytest.mark.parametrize("path", ["batched", "per_expert"])
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_a_lost_peer_raises_at_the_next_call(group, R, E, op, path):
+    """[issue 20 item 1] Rank 0 stops signalling (the test hook): every rank's wait for it runs
+    out, the next call on each rank raises the TimeoutError naming rank 0 at its entry (no
+    check(), no synchronisation), and the failed call's outputs are the contract's: a failed
+    dispatch receives nothing, a failed combine's rows are NaN."""
+    if R == 1 and path == "batched":
+        pytest.skip("one rank's batched calls write the canonical rows directly: no wait to lose")
+    rank = group.rank()
+    ins = inputs(11, R, E, n=T)
+    x, topk, w, y = (on_gpu(t) for t in ins[rank])
+    b = make_buffer(group, R, E, timeout_s=0.2, path=path)
+    _, _, h, _, _ = b.low_latency_dispatch(x, topk, T, E, use_fp8=False)
+    b.low_latency_combine(y, topk, w, h)
+    torch.cuda.synchronize()
+    b.poll()
+    (g,) = b._ranks.values()
+    if op == "combine":
+        _, count, h, _, _ = b.low_latency_dispatch(x, topk, T, E, use_fp8=False)
+        torch.cuda.synchronize()
+        b.poll()
+    g._set_fault_rank(0)
+    if op == "dispatch":
+        _, count, h, _, _ = b.low_latency_dispatch(x, topk, T, E, use_fp8=False)
+        failed = count
+    else:
+        failed, _, _ = b.low_latency_combine(y, topk, w, h)
+    err = _poll_until_raises(b)
+    assert isinstance(err, ep.TimeoutError), repr(err)
+    assert (err.peer, err.call) == (0, 2), str(err)
+    assert err.phase.startswith(op), str(err)
+    # The next call raises the same error at its entry.
+    with pytest.raises(ep.TimeoutError) as again:
+        b.low_latency_dispatch(x, topk, T, E, use_fp8=False)
+    assert str(again.value) == str(err)
+    torch.cuda.synchronize()
+    if op == "dispatch":
+        assert failed.tolist() == [0] * (E // R)
+        assert (h.layout_range == 0).all()
+    else:
+        assert failed.isnan().all(), "a failed combine's rows are NaN"
+    b.destroy()
+
+
+def test_a_lost_hook_leaves_the_buffer_usable(group, R, E):
+    """[issue 20 item 4] A send half whose hook is never called: the next dispatch enqueues its
+    receive half first instead of refusing (which would refuse every later call too); the
+    lost hook, if called after all, does nothing. The latest dispatch combines bit for bit."""
+    rank = group.rank()
+    ins = inputs(12, R, E)
+    want, want_c = expect(ins, E, MODES["fp8"])
+    x, topk, w, y = (on_gpu(t) for t in ins[rank])
+    b = make_buffer(group, R, E)
+    _, _, h1, _, lost = b.low_latency_dispatch(x, topk, T, E, return_recv_hook=True)
+    recv_x, recv_count, h2, _, hook = b.low_latency_dispatch(x, topk, T, E,
+                                                             return_recv_hook=True)
+    lost()  # its receive half already ran
+    hook()
+    with pytest.raises(ep.InputError):  # h1's state was replaced by h2's
+        b.low_latency_combine(y, topk, w, h1)
+    _, _, clost = b.low_latency_combine(y, topk, w, h2, return_recv_hook=True)
+    combined, _, chook = b.low_latency_combine(y, topk, w, h2, return_recv_hook=True)
+    chook()
+    clost()  # no-op
+    torch.cuda.synchronize()
+    b.check()
+    assert oracle.diff(got_of(recv_x, recv_count, h2), want[rank]) is None
+    assert oracle.combine_diff(combined, want_c[rank]) is None
+    b.destroy()

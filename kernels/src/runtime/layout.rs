@@ -473,7 +473,7 @@ mod tests {
         // The kernels take (KParams, IoTable) by value: under CUDA's 4 KiB parameter limit.
         let kp = std::mem::size_of::<KParams>();
         let io = std::mem::size_of::<IoTable>();
-        assert_eq!(kp, 120); // the same fields as common.cuh's KParams
+        assert_eq!(kp, 136); // the same fields as common.cuh's KParams
         assert_eq!(io, MAX_LOCAL * 11 * 8);
         assert!(kp + io <= 4096, "{kp} + {io}");
     }
