@@ -9,7 +9,8 @@
 # Environment: PY (torch's interpreter, default /opt/torch/.venv/bin/python3), NVRTC_DIR (added
 # to LD_LIBRARY_PATH for the kernels' run-time compilation), BENCH_ARGS (extra bench.py flags),
 # PYTEST_K (a pytest -k expression, e.g. 'nccl or two-tier': only those tests), NO_BENCH=1 (the
-# tests only).
+# tests only), NPROCS (the group sizes, default "1 2"), SHARE_GPU=1 (run N ranks on fewer GPUs:
+# processes share a GPU over CUDA IPC; the NCCL tests then skip, NCCL needs one GPU per rank).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 wheels="${1:?usage: gpu.sh WHEEL_DIR [OUT_DIR]}"
@@ -26,8 +27,8 @@ gpus="$("$py" -c 'import torch; print(torch.cuda.device_count())')"
 echo "gpu.sh: $gpus GPU(s); $("$py" -c 'import ep_dispatch as e; print(e.__file__, e.DEVICE_API)')"
 
 status=0
-for n in 1 2; do
-    if [ "$n" -gt 1 ] && [ "$gpus" -lt "$n" ]; then
+for n in ${NPROCS:-1 2}; do
+    if [ "$n" -gt 1 ] && [ "$gpus" -lt "$n" ] && [ "${SHARE_GPU:-0}" != 1 ]; then
         echo "gpu.sh: N=$n SKIPPED: $gpus GPU(s)"
         continue
     fi
