@@ -1600,11 +1600,15 @@ extern "C" __global__ void ep_test_spin(unsigned long long ns) {
 }
 "#;
 
-/// Keeps stream `s` busy for `ns` nanoseconds (one thread spinning on %globaltimer).
-fn spin(s: &Arc<CudaStream>, ns: u64) {
+/// The spin kernel, loaded on `s`'s context.
+fn spin_kernel(s: &Arc<CudaStream>) -> cudarc::driver::CudaFunction {
     let ptx = cudarc::nvrtc::compile_ptx(SPIN_SRC).unwrap();
-    let f = s.context().load_module(ptx).unwrap().load_function("ep_test_spin").unwrap();
-    let mut b = s.launch_builder(&f);
+    s.context().load_module(ptx).unwrap().load_function("ep_test_spin").unwrap()
+}
+
+/// Keeps stream `s` busy for `ns` nanoseconds (one thread spinning on %globaltimer).
+fn spin(s: &Arc<CudaStream>, f: &cudarc::driver::CudaFunction, ns: u64) {
+    let mut b = s.launch_builder(f);
     b.arg(&ns);
     // SAFETY: ep_test_spin(u64) takes one value and touches no memory.
     unsafe {
@@ -1617,11 +1621,11 @@ fn spin(s: &Arc<CudaStream>, ns: u64) {
     .unwrap();
 }
 
-/// Whether stream `s` still has work queued or running (cuStreamQuery; no wait).
-fn busy(s: &Arc<CudaStream>) -> bool {
-    // SAFETY: a live stream of a live context.
-    let rc = unsafe { cudarc::driver::sys::cuStreamQuery(s.cu_stream()) };
-    rc == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY
+/// cuStreamQuery of stream `s` (NOT_READY: work queued or running; no wait).
+fn query(s: &Arc<CudaStream>) -> cudarc::driver::sys::CUresult {
+    s.context().bind_to_thread().unwrap();
+    // SAFETY: a live stream of the bound context.
+    unsafe { cudarc::driver::sys::cuStreamQuery(s.cu_stream()) }
 }
 
 /// Device-API dispatch of every rank into `outs` on stream `s`, token counts on the host.
@@ -1695,6 +1699,7 @@ fn gpu_error_reaches_the_next_call_without_a_sync() {
             let mut g = group_with(&cfg, 1, false);
             g.set_timeout_ns(50_000_000);
             let (_c, s) = context(0);
+            let spinner = spin_kernel(&s);
             let data = random_inputs(&cfg, &[8; 4], Routing::Random { masked: 0.0 }, &mut rng);
             let y = random_y(&cfg, &mut rng);
             let mut ins: Vec<RankIn> = (0..4).map(|_| RankIn::new(&cfg, &s)).collect();
@@ -1723,12 +1728,24 @@ fn gpu_error_reaches_the_next_call_without_a_sync() {
                     h
                 }
             };
-            spin(&s, 2_000_000_000);
+            // A 2 s spin behind the failed call: the error must reach the host while it runs.
+            spin(&s, &spinner, 2_000_000_000);
             let t0 = std::time::Instant::now();
             let err = poll_until_error(&g);
             let seen = t0.elapsed();
-            assert!(busy(&s), "the error was read while the stream was busy, without a sync");
-            println!("{} {op:?}: {err} (on the host after {seen:?}, stream busy)", path.name());
+            let rc = query(&s);
+            let t1 = std::time::Instant::now();
+            s.synchronize().unwrap();
+            let drained = t1.elapsed();
+            println!(
+                "{} {op:?}: {err} (on the host after {seen:?}; then cuStreamQuery {rc:?}, and \
+                 the stream drained {drained:?} later)",
+                path.name()
+            );
+            assert!(
+                drained.as_millis() > 500,
+                "the error was read only after the stream drained (or the spin did not run)"
+            );
             match &err {
                 GpuError::Contract(Error::Timeout {
                     peer: 2,
@@ -1749,7 +1766,6 @@ fn gpu_error_reaches_the_next_call_without_a_sync() {
                 Op::Combine => combine_all(&mut g, &s, &h, &ins, &mut outs),
             };
             assert_eq!(again.unwrap_err(), err);
-            s.synchronize().unwrap();
             for (q, o) in outs.iter().enumerate() {
                 o.check_untouched(&s); // guards: nothing written outside an output
                 match op {

@@ -64,7 +64,8 @@ def test_signatures_are_deepeps():
     extras = {n for n, p in inspect.signature(Buffer.__init__).parameters.items()
               if p.kind == p.KEYWORD_ONLY}
     assert extras == {"path", "transport", "timeout_s", "num_max_dispatch_tokens_per_rank",
-                      "hidden", "num_experts", "num_topk", "check_routing"}
+                      "hidden", "num_experts", "num_topk", "check_routing",
+                      "trap_on_error"}
 
 
 class FakeGroup:

@@ -41,8 +41,9 @@ class World:
         self.created = []
 
     def rank(self, rank, num_ranks, num_experts, T, H, K, use_fp8, round_scale, use_ue8m0,
-             ordinal, path, transport, timeout_s, all_gather):
+             ordinal, path, transport, timeout_s, all_gather, trap_on_error=False):
         assert num_ranks == self.R and callable(all_gather)
+        assert trap_on_error in (True, False)
         self.created.append((rank, path, transport, timeout_s))
         return FakeRank(self, rank, num_experts, T, H, K,
                         dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
@@ -51,10 +52,19 @@ class World:
 class FakeRank:
     def __init__(self, world, rank, E, T, H, K, mode):
         self.w, self.rank, self.E, self.T, self.H, self.K, self.mode = world, rank, E, T, H, K, mode
-        self.next_id, self.pending, self.pending_c = 1, None, None
+        self.next_id, self.pending, self.pending_c, self.next_c = 1, None, None, 1
 
     def check(self):
         pass
+
+    def poll(self):
+        pass
+
+    def pending_dispatch(self):
+        return self.pending
+
+    def pending_combine(self):
+        return self.pending_c
 
     def dispatch(self, stream, phases, x, topk, n, recv_x, scales, count, src, layout):
         L, R, T, H, K = self.E // self.w.R, self.w.R, self.T, self.H, self.K
@@ -62,6 +72,8 @@ class FakeRank:
             assert self.pending is not None, "recv half without a send half"
             hid, self.pending = self.pending, None
             return hid
+        # A due receive half is enqueued ahead of a new call (as the native rank does).
+        self.pending = None
         # The lengths the device API checks.
         assert x[1] == n * H and topk[1] == n * K
         assert recv_x[1] == L * R * T * H * (1 if self.mode["use_fp8"] else 2)
@@ -94,9 +106,10 @@ class FakeRank:
 
     def combine(self, stream, phases, handle, y, topk, w, out):
         if phases == "recv":
-            assert self.pending_c, "recv half without a send half"
-            self.pending_c = False
-            return
+            assert self.pending_c is not None, "recv half without a send half"
+            cid, self.pending_c = self.pending_c, None
+            return cid
+        self.pending_c = None  # a due receive half goes first (as in dispatch)
         L, R, T, H, K = self.E // self.w.R, self.w.R, self.T, self.H, self.K
         assert y[1] == L * R * T * H and topk[1] % K == 0 and w[1] == topk[1]
         n = topk[1] // K
@@ -112,8 +125,10 @@ class FakeRank:
                                   [c[2] for c in calls], T, self.E)
             for c, o in zip(calls, outs):
                 write(c[3], o, 2)
+        cid, self.next_c = self.next_c, self.next_c + 1
         if phases == "send":
-            self.pending_c = True
+            self.pending_c = cid
+        return cid
 
 
 class Group:
