@@ -221,7 +221,11 @@ fn check_fp8(w: &Workload, d: usize, out: &DispatchOutput) -> Result<f64, String
                 let span = g * 128..(g + 1) * 128;
                 worst = worst.max(
                     check_group(&x[span.clone()], &q[span], scale_inv, round_scale).map_err(
-                        |e| format!("rank {d} expert {l} row {i} (source {s} token {t}) group {g}: {e}"),
+                        |e| {
+                            format!(
+                                "rank {d} expert {l} row {i} (source {s} token {t}) group {g}: {e}"
+                            )
+                        },
                     )?,
                 );
             }
@@ -244,10 +248,7 @@ fn check_bf16(w: &Workload, d: usize, out: &DispatchOutput) -> Result<(), String
     for l in 0..cfg.num_local_experts() {
         for (i, (s, t)) in expected_rows(w, d, l).into_iter().enumerate() {
             let idx = l * per + i;
-            let (x, y) = (
-                &w.x[s][t * h..(t + 1) * h],
-                &recv[idx * h..(idx + 1) * h],
-            );
+            let (x, y) = (&w.x[s][t * h..(t + 1) * h], &recv[idx * h..(idx + 1) * h]);
             if let Some(c) = (0..h).find(|&c| x[c].to_bits() != y[c].to_bits()) {
                 return Err(format!(
                     "rank {d} expert {l} row {i} (source {s} token {t}) channel {c}: {:#06x}, \
@@ -405,7 +406,8 @@ impl Case {
         } else {
             Values::Normal
         };
-        let mut w = Workload::generate_with(&self.cfg, &self.tokens, self.routing, values, self.seed);
+        let mut w =
+            Workload::generate_with(&self.cfg, &self.tokens, self.routing, values, self.seed);
         if self.cfg.mode.is_fp8() {
             let mut rng = StdRng::seed_from_u64(self.seed ^ 0x5EED);
             for x in &mut w.x {
@@ -485,7 +487,10 @@ fn case(modes: Vec<Mode>) -> impl Strategy<Value = Case> {
 
 /// Every rank's dispatch output from the oracle, the per-expert path and the batched path.
 fn dispatch_everywhere(w: &Workload) -> Vec<(&'static str, Vec<DispatchOutput>)> {
-    fn run<R: EpRank>(ranks: Result<Vec<R>, ep_reference::Error>, w: &Workload) -> Vec<DispatchOutput> {
+    fn run<R: EpRank>(
+        ranks: Result<Vec<R>, ep_reference::Error>,
+        w: &Workload,
+    ) -> Vec<DispatchOutput> {
         let mut ranks = ranks.expect("group");
         dispatch_all(&mut ranks, w)
             .into_iter()
@@ -494,9 +499,18 @@ fn dispatch_everywhere(w: &Workload) -> Vec<(&'static str, Vec<DispatchOutput>)>
     }
     let cfg = &w.config;
     vec![
-        ("oracle", oracle::dispatch(cfg, &w.dispatch_inputs()).expect("oracle dispatch")),
-        ("per-expert", run(per_expert::group(cfg, CpuOptions::default()), w)),
-        ("batched", run(ep_fast::group(cfg, CpuOptions::default()), w)),
+        (
+            "oracle",
+            oracle::dispatch(cfg, &w.dispatch_inputs()).expect("oracle dispatch"),
+        ),
+        (
+            "per-expert",
+            run(per_expert::group(cfg, CpuOptions::default()), w),
+        ),
+        (
+            "batched",
+            run(ep_fast::group(cfg, CpuOptions::default()), w),
+        ),
     ]
 }
 
@@ -519,9 +533,18 @@ fn combine_everywhere(w: &Workload, ys: &[Vec<bf16>]) -> Vec<(&'static str, Vec<
     }
     let cfg = &w.config;
     vec![
-        ("oracle", oracle::combine(cfg, &w.combine_inputs(ys)).expect("oracle combine")),
-        ("per-expert", run(per_expert::group(cfg, CpuOptions::default()), w, ys)),
-        ("batched", run(ep_fast::group(cfg, CpuOptions::default()), w, ys)),
+        (
+            "oracle",
+            oracle::combine(cfg, &w.combine_inputs(ys)).expect("oracle combine"),
+        ),
+        (
+            "per-expert",
+            run(per_expert::group(cfg, CpuOptions::default()), w, ys),
+        ),
+        (
+            "batched",
+            run(ep_fast::group(cfg, CpuOptions::default()), w, ys),
+        ),
     ]
 }
 
@@ -590,7 +613,11 @@ proptest! {
 // The bounds are reached, and the checkers reject wrong outputs.
 
 fn fixed_case(mode: Mode, seed: u64) -> Case {
-    let h = if matches!(mode, Mode::Fp8 { ue8m0: true, .. }) { 512 } else { 256 };
+    let h = if matches!(mode, Mode::Fp8 { ue8m0: true, .. }) {
+        512
+    } else {
+        256
+    };
     Case {
         cfg: Config::new(2, 4, 16, h, 3, mode).unwrap(),
         tokens: vec![16, 11],
@@ -606,7 +633,11 @@ fn fixed_case(mode: Mode, seed: u64) -> Case {
 fn fp8_bounds_are_tight() {
     for mode in [Mode::FP8_ROUND, Mode::FP8] {
         let worst = fp8_case(&fixed_case(mode, 3)).unwrap();
-        assert!(worst > 0.9 && worst <= 1.0, "{}: worst ratio {worst}", mode.name());
+        assert!(
+            worst > 0.9 && worst <= 1.0,
+            "{}: worst ratio {worst}",
+            mode.name()
+        );
     }
 }
 
@@ -724,7 +755,10 @@ fn bf16_check_rejects_a_changed_bit() {
     // A row in the wrong place: the layout check.
     let mut outs = oracle::dispatch(&w.config, &w.dispatch_inputs()).unwrap();
     outs[0].src_info[idx] += 1;
-    assert!(check_bf16(&w, 0, &outs[0]).is_err(), "a wrong src_info passed");
+    assert!(
+        check_bf16(&w, 0, &outs[0]).is_err(),
+        "a wrong src_info passed"
+    );
 }
 
 #[test]
