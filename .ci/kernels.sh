@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CI check for ep-kernels on a machine without a GPU (fresh Debian with Rust, Python 3 and pip):
 # installs NVRTC from PyPI (the CUDA 13 wheel), compiles every kernel for sm_90 and prints
-# ptxas's register/spill report; then runs the crate's tests, whose GPU tests print SKIPPED.
+# ptxas's register/spill report, and runs the on-disk kernel cache's compile/store/load path with
+# that NVRTC; then runs the crate's tests, whose GPU tests print SKIPPED.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,6 +28,8 @@ if grep -q SKIPPED "$out"; then
     exit 1
 fi
 grep -q "compiled 3 modules for sm_90" "$out"
+# The on-disk kernel cache's whole path with the real compiler (same test binary).
+grep -q "^disk cache: 3 modules compiled and stored" "$out"
 rm -f "$out"
 
 # The crate's other tests (the GPU tests print SKIPPED here) run in .ci/run's workspace test.

@@ -2,11 +2,21 @@
 //! candle-kernels: the `.cu` files are embedded with `include_str!`, prefixed with the shared
 //! headers, and compiled for the device's architecture with FMA contraction off (`--fmad=false`;
 //! the kernels write `fmaf` where docs/contract.md asks for a fused multiply-add).
+//!
+//! [`cubin`] (what the runtime loads) keeps each CUBIN in memory for the process and on disk for
+//! later processes ([`cache`]): `$EP_KERNEL_CACHE` (`off` disables it), else
+//! `$XDG_CACHE_HOME/ep-dispatch/kernels`, else `~/.cache/ep-dispatch/kernels`; an entry's key
+//! is the SHA-256 of the module's full source, every NVRTC option, the architecture and NVRTC's
+//! version. A cold start compiles (seconds); a warm one reads three files. An unusable cache is
+//! never an error: the module is compiled as if there were none.
+
+pub mod cache;
 
 use crate::GpuError;
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 /// Shared types, signals, bounded waits, bf16 rounding, the combine reduction.
@@ -74,20 +84,39 @@ pub fn options(arch: &str, verbose: bool) -> Vec<String> {
     o
 }
 
+fn no_nvrtc() -> GpuError {
+    GpuError::NoDevice("libnvrtc not found (put it on LD_LIBRARY_PATH)".into())
+}
+
+/// NVRTC's version (major, minor), part of every cache key.
+pub fn nvrtc_version() -> Result<(i32, i32), GpuError> {
+    if !nvrtc_present() {
+        return Err(no_nvrtc());
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: libnvrtc is loadable (checked above); both pointers are to live ints.
+    unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| GpuError::Compile(format!("nvrtcVersion: {e:?}")))?;
+    Ok((major, minor))
+}
+
 /// Compiles one family to a CUBIN for `arch` (e.g. "sm_90").
 pub fn compile(f: &Family, arch: &str, verbose: bool) -> Result<Compiled, GpuError> {
+    compile_with(f, arch, &options(arch, verbose))
+}
+
+/// [`compile`] with the NVRTC options given (`opts` names `arch` already).
+fn compile_with(f: &Family, arch: &str, opts: &[String]) -> Result<Compiled, GpuError> {
     if !nvrtc_present() {
-        return Err(GpuError::NoDevice(
-            "libnvrtc not found (put it on LD_LIBRARY_PATH)".into(),
-        ));
+        return Err(no_nvrtc());
     }
     let src = CString::new(f.full_source()).map_err(|e| GpuError::Compile(e.to_string()))?;
     let name = CString::new(f.name).map_err(|e| GpuError::Compile(e.to_string()))?;
     let prog = nvrtc::create_program(&src, Some(&name))
         .map_err(|e| GpuError::Compile(format!("{}: {e:?}", f.name)))?;
-    let opts = options(arch, verbose);
     // SAFETY: `prog` is a live program created above; the options are valid C strings.
-    let compiled = unsafe { nvrtc::compile_program(prog, &opts) };
+    let compiled = unsafe { nvrtc::compile_program(prog, opts) };
     // SAFETY: `prog` is live; the log is NUL-terminated by NVRTC.
     let log = unsafe { nvrtc::get_program_log(prog) }
         .map(|v| {
@@ -131,11 +160,98 @@ pub fn compile(f: &Family, arch: &str, verbose: bool) -> Result<Compiled, GpuErr
     result
 }
 
+/// The disk-cache key of `f`'s CUBIN for `arch`, with the options [`cubin`] compiles with and
+/// the NVRTC that is loaded (which must be there: its version is part of the key).
+pub fn cache_key(f: &Family, arch: &str) -> Result<cache::Key, GpuError> {
+    Ok(cache::key(
+        f.name,
+        &f.full_source(),
+        &options(arch, false),
+        arch,
+        nvrtc_version()?,
+    ))
+}
+
+/// Where a CUBIN of [`cubin_cached`] came from.
+#[derive(Debug)]
+pub enum Origin {
+    /// A checked disk-cache entry.
+    Disk(PathBuf),
+    /// NVRTC. `found`: what the cache held instead of a usable entry (`None` with no cache);
+    /// `stored`: where the new entry went, or why it could not be written (`None` with no
+    /// cache). Neither is an error of the call.
+    Compiled {
+        found: Option<String>,
+        stored: Option<Result<PathBuf, String>>,
+    },
+}
+
+/// `f`'s CUBIN for `arch` through the disk cache in `dir` (`None`: no disk cache), without the
+/// in-memory one: a checked entry if there is one, else compiled and written (atomically). Fails
+/// only where compiling fails; any trouble with the cache falls back to compiling.
+pub fn cubin_cached(
+    f: &Family,
+    arch: &str,
+    dir: Option<&Path>,
+) -> Result<(Vec<u8>, Origin), GpuError> {
+    let opts = options(arch, false);
+    through_cache(
+        dir,
+        // Without NVRTC there is no version for the key, and nothing to compile with either.
+        || {
+            Ok(cache::key(
+                f.name,
+                &f.full_source(),
+                &opts,
+                arch,
+                nvrtc_version()?,
+            ))
+        },
+        || Ok(compile_with(f, arch, &opts)?.cubin),
+    )
+}
+
+/// The cache's logic, apart from NVRTC (so that it is tested without it): the entry of `key()` in
+/// `dir` if it passes its checks, else `compile()`, written back.
+fn through_cache(
+    dir: Option<&Path>,
+    key: impl FnOnce() -> Result<cache::Key, GpuError>,
+    compile: impl FnOnce() -> Result<Vec<u8>, GpuError>,
+) -> Result<(Vec<u8>, Origin), GpuError> {
+    let Some(dir) = dir else {
+        let c = compile()?;
+        return Ok((
+            c,
+            Origin::Compiled {
+                found: None,
+                stored: None,
+            },
+        ));
+    };
+    let key = key()?;
+    let found = match cache::read(dir, &key) {
+        cache::Lookup::Hit(c) => return Ok((c, Origin::Disk(cache::entry_path(dir, &key)))),
+        cache::Lookup::Miss => "no entry".to_string(),
+        cache::Lookup::Rejected(r) => format!("entry rejected: {r:?}"),
+        cache::Lookup::Unreadable(e) => format!("entry unreadable: {e}"),
+    };
+    let c = compile()?;
+    let stored = cache::write(dir, &key, &c).map_err(|e| format!("{}: {e}", dir.display()));
+    Ok((
+        c,
+        Origin::Compiled {
+            found: Some(found),
+            stored: Some(stored),
+        },
+    ))
+}
+
 /// CUBINs by (family, arch).
 type CubinCache = HashMap<(&'static str, String), Vec<u8>>;
 static CUBINS: Mutex<Option<CubinCache>> = Mutex::new(None);
 
-/// [`compile`] once per (family, arch) per process.
+/// `f`'s CUBIN for `arch`: from memory after the first call in a process, else through the disk
+/// cache at [`cache::dir`] ([`cubin_cached`]), else compiled.
 pub fn cubin(f: &Family, arch: &str) -> Result<Vec<u8>, GpuError> {
     let key = (f.name, arch.to_string());
     if let Some(c) = CUBINS
@@ -145,9 +261,141 @@ pub fn cubin(f: &Family, arch: &str) -> Result<Vec<u8>, GpuError> {
     {
         return Ok(c);
     }
-    let c = compile(f, arch, false)?.cubin;
+    let (c, _) = cubin_cached(f, arch, cache::dir().as_deref())?;
     if let Ok(mut m) = CUBINS.lock() {
         m.get_or_insert_with(HashMap::new).insert(key, c.clone());
     }
     Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    struct TempDir(PathBuf);
+    impl TempDir {
+        fn new(tag: &str) -> TempDir {
+            let p = std::env::temp_dir()
+                .join(format!("ep-kernel-cache-flow-{}-{tag}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&p);
+            TempDir(p)
+        }
+    }
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn key() -> Result<cache::Key, GpuError> {
+        Ok(cache::key(
+            "t.cu",
+            "src",
+            &options("sm_90", false),
+            "sm_90",
+            (13, 0),
+        ))
+    }
+
+    /// `through_cache` with a stand-in compiler that counts its calls.
+    fn run(dir: Option<&Path>, calls: &Cell<u32>, out: &[u8]) -> (Vec<u8>, Origin) {
+        through_cache(dir, key, || {
+            calls.set(calls.get() + 1);
+            Ok(out.to_vec())
+        })
+        .expect("the cache never fails a call")
+    }
+
+    #[test]
+    fn compiles_once_then_loads() {
+        let d = TempDir::new("once");
+        let calls = Cell::new(0);
+        let (c, o) = run(Some(&d.0), &calls, b"cubin-1");
+        assert_eq!(c, b"cubin-1");
+        assert!(
+            matches!(&o, Origin::Compiled { found: Some(f), stored: Some(Ok(_)) } if f == "no entry"),
+            "{o:?}"
+        );
+        // A later process (no in-memory cache here) loads it; the compiler is not called.
+        let (c, o) = run(Some(&d.0), &calls, b"cubin-2");
+        assert_eq!((c.as_slice(), calls.get()), (&b"cubin-1"[..], 1));
+        assert!(matches!(o, Origin::Disk(_)), "{o:?}");
+    }
+
+    #[test]
+    fn corrupt_entry_is_recompiled_and_rewritten() {
+        let d = TempDir::new("corrupt");
+        let calls = Cell::new(0);
+        run(Some(&d.0), &calls, b"good cubin");
+        let path = cache::entry_path(&d.0, &key().unwrap());
+        let mut bytes = std::fs::read(&path).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0xFF;
+        std::fs::write(&path, &bytes).unwrap();
+        let (c, o) = run(Some(&d.0), &calls, b"good cubin");
+        assert_eq!((c.as_slice(), calls.get()), (&b"good cubin"[..], 2));
+        assert!(
+            matches!(&o, Origin::Compiled { found: Some(f), stored: Some(Ok(_)) } if f.contains("BadHash")),
+            "{o:?}"
+        );
+        // Truncated: the same.
+        std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+        let (_, o) = run(Some(&d.0), &calls, b"good cubin");
+        assert!(matches!(&o, Origin::Compiled { found: Some(f), .. } if f.contains("Truncated")));
+        // Rewritten: the next run loads it.
+        let (c, o) = run(Some(&d.0), &calls, b"other");
+        assert_eq!((c.as_slice(), calls.get()), (&b"good cubin"[..], 3));
+        assert!(matches!(o, Origin::Disk(_)));
+    }
+
+    #[test]
+    fn unwritable_dir_falls_back_to_compiling() {
+        let d = TempDir::new("unwritable");
+        std::fs::create_dir_all(&d.0).unwrap();
+        let blocker = d.0.join("a-file");
+        std::fs::write(&blocker, b"x").unwrap();
+        let dir = blocker.join("kernels"); // cannot be created, even by root
+        let calls = Cell::new(0);
+        for n in 1..=2 {
+            let (c, o) = run(Some(&dir), &calls, b"cubin");
+            assert_eq!((c.as_slice(), calls.get()), (&b"cubin"[..], n));
+            assert!(
+                matches!(
+                    &o,
+                    Origin::Compiled {
+                        stored: Some(Err(_)),
+                        ..
+                    }
+                ),
+                "{o:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn disabled_cache_compiles_and_writes_nothing() {
+        let calls = Cell::new(0);
+        let (_, o) = run(None, &calls, b"cubin");
+        assert!(matches!(
+            o,
+            Origin::Compiled {
+                found: None,
+                stored: None
+            }
+        ));
+        let (_, _) = run(None, &calls, b"cubin");
+        assert_eq!(calls.get(), 2);
+    }
+
+    #[test]
+    fn a_compile_error_is_the_calls_error() {
+        let d = TempDir::new("err");
+        let r = through_cache(Some(&d.0), key, || Err(GpuError::Compile("boom".into())));
+        assert!(matches!(r, Err(GpuError::Compile(m)) if m == "boom"));
+        assert!(matches!(
+            cache::read(&d.0, &key().unwrap()),
+            cache::Lookup::Miss
+        ));
+    }
 }

@@ -91,6 +91,14 @@
 //!   + 8·L·R bytes + 6 KB).
 //! - **FP8.** `cvt.rn.satfinite.e4m3x2.f32`; every NaN becomes 0x7F, as in the reference (the
 //!   GPU's f32 multiply already returns the positive canonical NaN).
+//! - **Kernel cache.** NVRTC takes seconds per process, so the CUBINs are kept on disk
+//!   ([`compile::cache`]): in `$EP_KERNEL_CACHE` if set (`EP_KERNEL_CACHE=off` disables it),
+//!   else `$XDG_CACHE_HOME/ep-dispatch/kernels`, else `~/.cache/ep-dispatch/kernels`, one file
+//!   per module named by the SHA-256 of its full source, every NVRTC option, the architecture and
+//!   NVRTC's version (major.minor), holding its length and SHA-256 (checked on every read).
+//!   Entries are written atomically (temporary file, fsync, rename), so the ranks of a job and
+//!   later runs share them; a corrupt or unreadable entry is recompiled and rewritten, and an
+//!   unusable cache folder only means compiling, never an error.
 
 pub mod bench;
 pub mod compile;

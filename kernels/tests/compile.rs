@@ -1,15 +1,25 @@
 //! Needs only NVRTC (no GPU): every kernel compiles for sm_90, and ptxas's register/spill report
-//! is printed. A custom runner (`harness = false`): where libnvrtc cannot be opened it prints
-//! `SKIPPED: ...` and reports the check as skipped, not passed; a failure exits non-zero.
+//! is printed; then the on-disk kernel cache runs its whole path with the real compiler (compile
+//! and store, load back the same bytes, a corrupt entry recompiled and rewritten). A custom
+//! runner (`harness = false`): where libnvrtc cannot be opened it prints `SKIPPED: ...` and
+//! reports the checks as skipped, not passed; a failure exits non-zero.
 
-use ep_kernels::compile::{self, FAMILIES};
+use ep_kernels::compile::{self, cache, Origin, FAMILIES};
+use std::time::Instant;
 
 fn main() {
     if !compile::nvrtc_present() {
         println!("SKIPPED: every_kernel_compiles_for_sm90_with_nvrtc: libnvrtc not found (put it on LD_LIBRARY_PATH)");
-        println!("compile check: 0 passed; 0 failed; 1 skipped");
+        println!("SKIPPED: disk_cache_compiles_stores_and_loads: libnvrtc not found (put it on LD_LIBRARY_PATH)");
+        println!("compile check: 0 passed; 0 failed; 2 skipped");
         return;
     }
+    every_kernel_compiles();
+    disk_cache_compiles_stores_and_loads();
+    println!("compile check: 2 passed; 0 failed; 0 skipped");
+}
+
+fn every_kernel_compiles() {
     for f in FAMILIES {
         let c = compile::compile(&f, "sm_90", true)
             .unwrap_or_else(|e| panic!("{} failed to compile: {e}", f.name));
@@ -55,5 +65,72 @@ fn main() {
         );
     }
     println!("compiled examples/moe_layer.cu for sm_90");
-    println!("compile check: 1 passed; 0 failed; 0 skipped");
+}
+
+/// `cubin_cached` in a fresh folder, for every module: the first call compiles and stores, the
+/// second loads the same bytes from disk (no compile), a truncated entry is recompiled and
+/// rewritten, and a flipped byte likewise.
+fn disk_cache_compiles_stores_and_loads() {
+    let dir = std::env::temp_dir().join(format!("ep-kernel-cache-check-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (mut cold, mut warm) = (0.0f64, 0.0f64);
+    for f in FAMILIES {
+        let t = Instant::now();
+        let (first, o) = compile::cubin_cached(&f, "sm_90", Some(&dir))
+            .unwrap_or_else(|e| panic!("{}: {e}", f.name));
+        cold += t.elapsed().as_secs_f64();
+        let path = match o {
+            Origin::Compiled {
+                stored: Some(Ok(p)),
+                ..
+            } => p,
+            other => panic!("{}: first call: {other:?}", f.name),
+        };
+        assert_eq!(
+            path,
+            cache::entry_path(&dir, &compile::cache_key(&f, "sm_90").unwrap())
+        );
+        let t = Instant::now();
+        let (again, o) = compile::cubin_cached(&f, "sm_90", Some(&dir)).unwrap();
+        warm += t.elapsed().as_secs_f64();
+        assert!(
+            matches!(o, Origin::Disk(_)),
+            "{}: second call: {o:?}",
+            f.name
+        );
+        assert_eq!(again, first, "{}: the entry is not what was stored", f.name);
+        let bytes = std::fs::read(&path).unwrap();
+        for (what, bad) in [
+            ("truncated", bytes[..bytes.len() - 100].to_vec()),
+            ("flipped byte", {
+                let mut b = bytes.clone();
+                let mid = b.len() / 2;
+                b[mid] ^= 0x40;
+                b
+            }),
+        ] {
+            std::fs::write(&path, &bad).unwrap();
+            let (c, o) = compile::cubin_cached(&f, "sm_90", Some(&dir)).unwrap();
+            assert!(
+                matches!(&o, Origin::Compiled { found: Some(r), stored: Some(Ok(_)) } if r.contains("rejected")),
+                "{} ({what}): {o:?}",
+                f.name
+            );
+            assert_eq!(c.len(), first.len(), "{} ({what})", f.name);
+            let (c, o) = compile::cubin_cached(&f, "sm_90", Some(&dir)).unwrap();
+            assert!(
+                matches!(o, Origin::Disk(_)),
+                "{} ({what}): not rewritten",
+                f.name
+            );
+            assert_eq!(c.len(), first.len());
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    println!(
+        "disk cache: {} modules compiled and stored in {cold:.2} s, loaded back in {:.1} ms; \
+         corrupt entries recompiled and rewritten",
+        FAMILIES.len(),
+        warm * 1e3
+    );
 }
