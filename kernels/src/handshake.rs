@@ -20,7 +20,7 @@
 //! Wire format (little-endian): `b"EPhs"`, protocol `u8`, library version (`u8` length, 1..=64
 //! printable ASCII bytes), kernel fingerprint `u64`, R, E, T, H, K (`u64` each), mode `u8` (0 bf16, 1 fp8), mode flags `u8`
 //! (bit 0 round_scale, bit 1 ue8m0; 0 for bf16), transport `u8` (0 auto, 1 nccl, 2 two-tier),
-//! zero_copy_local `u8` (0/1), NCCL sizes `u8` (0 exact, 1 capacity), timeout_ns `u64`, rank `u64`, allocation bytes `u64`, node id source
+//! zero_copy_local `u8` (0/1), NCCL sizes `u8` (0 exact, 1 capacity), shrink `u8` (0/1), timeout_ns `u64`, rank `u64`, allocation bytes `u64`, node id source
 //! `u8` (0 `EP_NODE_ID`, 1 `GROUP_RANK`, 2 hostname), node id (`u8` length, 1..=64 printable ASCII
 //! bytes without spaces), payload length `u16` (<= [`MAX_PAYLOAD`]), payload.
 //!
@@ -36,8 +36,9 @@ use ep_reference::{Config, Mode};
 /// First bytes of every record.
 pub const MAGIC: [u8; 4] = *b"EPhs";
 /// Version of this record's layout and of the memory protocol it describes (2: the node id;
-/// 3: the NCCL sizing, which decides every NCCL message's size on both sides).
-pub const PROTOCOL: u8 = 3;
+/// 3: the NCCL sizing, which decides every NCCL message's size on both sides; 4: shrink mode,
+/// under which a rank skips the peers it masked, so every rank must run it or none).
+pub const PROTOCOL: u8 = 4;
 /// This library's version (every rank must run the same build of the layout).
 pub const LIBRARY: &str = env!("CARGO_PKG_VERSION");
 /// Longest library version string a record may carry.
@@ -45,7 +46,7 @@ pub const MAX_VERSION_LEN: usize = 64;
 /// Largest payload (IPC handle, NCCL unique id) a record may carry.
 pub const MAX_PAYLOAD: usize = 1024;
 /// Bytes of a record without its version string and payload.
-const FIXED: usize = 4 + 1 + 1 + 8 + 5 * 8 + 4 + 3 * 8 + 2 + 2;
+const FIXED: usize = 4 + 1 + 1 + 8 + 5 * 8 + 5 + 3 * 8 + 2 + 2;
 /// Largest blob [`Hello::decode`] reads.
 pub const MAX_BLOB: usize = FIXED + MAX_VERSION_LEN + MAX_NODE_ID_LEN + MAX_PAYLOAD;
 /// Bound of each of R, E, T, H, K on the wire (the config's own limits are checked by
@@ -94,6 +95,8 @@ pub struct Hello {
     pub transport: Transport,
     /// How NCCL messages are sized (both sides of a message must size it alike).
     pub nccl_sizes: NcclSizes,
+    /// Shrink mode ([`GpuOptions::enable_shrink`]).
+    pub shrink: bool,
     pub zero_copy_local: bool,
     pub timeout_ns: u64,
     pub rank: usize,
@@ -119,6 +122,7 @@ impl Hello {
             config: *cfg,
             transport: opts.transport,
             nccl_sizes: opts.nccl_sizes,
+            shrink: opts.enable_shrink,
             zero_copy_local: opts.zero_copy_local,
             timeout_ns: opts.timeout_ns,
             rank,
@@ -178,6 +182,7 @@ impl Hello {
             NcclSizes::Exact => 0,
             NcclSizes::Capacity => 1,
         });
+        b.push(self.shrink as u8);
         b.extend_from_slice(&self.timeout_ns.to_le_bytes());
         b.extend_from_slice(&(self.rank as u64).to_le_bytes());
         b.extend_from_slice(&self.alloc_bytes.to_le_bytes());
@@ -304,6 +309,17 @@ impl Hello {
                 })
             }
         };
+        let shrink = match r.u8("shrink")? {
+            0 => false,
+            1 => true,
+            z => {
+                return Err(BlobError::BadField {
+                    field: "shrink",
+                    value: z as u64,
+                    allowed: "0 or 1",
+                })
+            }
+        };
         let timeout_ns = r.u64("timeout_ns")?;
         let rank = r.u64("rank")?;
         if rank >= counts[0] as u64 {
@@ -371,6 +387,7 @@ impl Hello {
                 config,
                 transport,
                 nccl_sizes,
+                shrink,
                 zero_copy_local,
                 timeout_ns,
                 rank: rank as usize,
@@ -437,6 +454,7 @@ impl Hello {
             theirs.zero_copy_local
         );
         same!("nccl_sizes", self.nccl_sizes, theirs.nccl_sizes);
+        same!("shrink", self.shrink, theirs.shrink);
         same!("timeout_ns", self.timeout_ns, theirs.timeout_ns);
         if theirs.rank != peer {
             return mismatch(
@@ -786,8 +804,9 @@ mod tests {
         assert_eq!(field_of(patch(mode + 2, &[3])), "transport");
         assert_eq!(field_of(patch(mode + 3, &[2])), "zero_copy_local");
         assert_eq!(field_of(patch(mode + 4, &[2])), "nccl_sizes");
+        assert_eq!(field_of(patch(mode + 5, &[2])), "shrink");
         // rank >= R (R = 4), allocation 0 and > 2^50.
-        let rank_at = mode + 5 + 8;
+        let rank_at = mode + 6 + 8;
         assert_eq!(field_of(patch(rank_at, &4u64.to_le_bytes())), "rank");
         assert_eq!(
             field_of(patch(rank_at + 8, &0u64.to_le_bytes())),
@@ -820,7 +839,7 @@ mod tests {
             }
         );
         // Any timeout is meaningful: u64::MAX decodes.
-        let back = patch(mode + 5, &u64::MAX.to_le_bytes()).unwrap();
+        let back = patch(mode + 6, &u64::MAX.to_le_bytes()).unwrap();
         assert_eq!(back.timeout_ns, u64::MAX);
         // Bad magic.
         assert!(matches!(patch(0, b"EPhX"), Err(BlobError::BadMagic { .. })));
@@ -916,6 +935,7 @@ mod tests {
                 "Exact",
                 "Capacity",
             ),
+            (with(&|h| h.shrink = true), "shrink", "false", "true"),
             (
                 with(&|h| h.zero_copy_local = false),
                 "zero_copy_local",

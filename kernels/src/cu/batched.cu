@@ -38,6 +38,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     __shared__ u64 s_epoch;
     __shared__ int s_n, s_bad;
     __shared__ IoPtrs s_io;
+    __shared__ u32 s_gone;  // shrink mode: masked peers, then the ones lost in this call
     // Thread 32 + d waits for destination d's acknowledgement of the previous call (below); its
     // first load is issued here, so that its latency overlaps the prologue and the routing loads.
     // loom: gpu_protocol::preload_acks, model batched_consecutive_calls.
@@ -50,6 +51,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         s_epoch = ld_epoch(state, KIND) + 1ull;
         s_bad = 0;
         s_n = read_ntok(p, s_io, rank, &s_bad);
+        s_gone = masked_peers(p, me);
     }
     // The per-token and per-expert tallies start at zero (their whole extent: n is not known yet).
     for (int i = tid; i < E * W; i += NTHREADS) sm.bm[i] = 0;
@@ -58,6 +60,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
     const IoPtrs& io = s_io;
     const u64 epoch = s_epoch;
     const int n = s_n;
+    const u32 gone0 = s_gone;  // masked before this block started: not routed to, not waited for
+    u32 gone = gone0;          // ... and the peers lost in this call (agreed by every block)
     PROF(0);
     // This warp's first send unit (token, 512-channel segment): its x loads are issued now and
     // stay in flight through the routing set-up (reads only: nothing is written before the checks).
@@ -85,7 +89,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             }
             sm.sk[i] = e;
             int dl = -1;
-            if (e >= 0) {
+            // A selection of a masked rank's expert counts as -1 (sk keeps it: checked, and the
+            // handle's routing; combine masks by the mask it sees).
+            if (e >= 0 && !is_gone(gone0, e / L)) {
                 const int t = i / K, d = e / L;
                 dl = (d << 16) | (e - d * L);
                 atomicAdd(&sm.tokpos[t * R + d], 1);
@@ -157,10 +163,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         // The previous call's batches must have been consumed before this call overwrites them.
         // loom: gpu_protocol::sender_wait_acks, model batched_consecutive_calls (ack0 was its first load: preload_acks).
         int wbad = 0;
-        if (!in_bad && acker && ack0 < epoch - 1ull)
+        if (!in_bad && acker && p.shrink) {
+            // loom: gpu_protocol::wait_peer_ack (agreement), models shrink_*.
+            if (!is_gone(gone0, ackd)) {
+                const int r = wait_peer_ack(peer_wait(p, me, KIND, DEC_ACK, rank, ackd, PH_DISPATCH_SEND), sig_bat_ack(me, R) + ackd,
+                                            epoch - 1ull, epoch);
+                if (r == PEER_LOST) atomicOr(&s_gone, 1u << ackd);
+                else wbad = !r;
+            }
+        } else if (!in_bad && acker && ack0 < epoch - 1ull)
             wbad = !wait_ack(p, sig_bat_ack(me, R) + ackd, epoch - 1ull, epoch, rank, ackd, PH_DISPATCH_SEND);
         if (__syncthreads_or(wbad) || in_bad) goto finish;
     }
+    // Masked, or lost at the acknowledgement: nothing is sent there (agreed by every block).
+    gone = s_gone;
     PROF(1);
     // The device API's routing and token count, kept for this call's combine (its handle): sk
     // holds the checked indices, equal to topk_idx's values.
@@ -240,6 +256,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                 const int dl = sm.sdl[t * K + k];
                 if (dl >= 0) mask |= 1u << (dl >> 16);
             }
+            mask &= ~gone;
             if (mask == 0u) continue;
             const u16* xr = (const u16*)io.x + (u64)t * p.H;
             seg_quant(p, sg);
@@ -289,11 +306,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
         // blocks hold them); block 0 the batch sizes.
         for (int i = bid * NTHREADS + tid; i < E; i += p.blocks_per_rank * NTHREADS) {
             const int d = i / L, l = i % L;
+            if (is_gone(gone, d)) continue;
             int* cnt = via_nccl(p, d) ? (int*)me.snd_hdr + d * HDR_WORDS(L) + 2 : (int*)tab[d].bat_cnt + rank * L;
             cnt[l] = sm.pw[i * W + W - 1] + __popc((u32)sm.bm[i * W + W - 1]);
         }
         // loom: gpu_protocol::batched_pack_block (NCCL: the header over the host's poison), model capacity_bad_input_sender_header_poisoned.
-        if (bid == 0 && tid < R) {
+        if (bid == 0 && tid < R && !is_gone(gone, tid)) {
             int* meta = via_nccl(p, tid) ? (int*)me.snd_hdr + tid * HDR_WORDS(L) : (int*)tab[tid].bat_meta + 2 * rank;
             meta[0] = sm.tot[tid];
             meta[1] = sm.tot[R + tid];
@@ -309,7 +327,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
                 fence_rel(p);
                 if (rank != p.fault_rank)
                     for (int d = 0; d < R; d++)
-                        if (!via_nccl(p, d)) st_release(p, sig_bat(tab[d]) + rank, signal_word(epoch, (u32)sm.tot[d]));
+                        if (!via_nccl(p, d) && !is_gone(gone, d)) st_release(p, sig_bat(tab[d]) + rank, signal_word(epoch, (u32)sm.tot[d]));
             }
         }
     }
@@ -321,12 +339,23 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             long long c;
             // loom: gpu_protocol::batched_unpack_block (NCCL, capacity: a poisoned count fails peer_bad), model capacity_bad_input_sender_header_poisoned.
             if (via_nccl(p, tid)) c = ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L)];
+            // Shrink mode: a masked source is not waited for, one whose wait runs out is masked
+            // now (agreed by every block); either sends nothing in this call.
+            // loom: gpu_protocol::wait_peer_signals (agreement), models shrink_*.
+            else if (p.shrink)
+                c = is_gone(gone, tid) ? PEER_LOST
+                                       : wait_peer_signals(peer_wait(p, me, KIND, DEC_RECV, rank, tid, PH_DISPATCH_RECV), sig_bat(me) + tid, 0, 1, 0, epoch);
             // loom: gpu_protocol::batched_receive, models batched_two_senders_one_receiver, batched_consecutive_calls, batched_tag_wrap.
             else c = wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
+            if (c == PEER_LOST) {
+                atomicOr(&s_gone, 1u << tid);
+                c = 0;
+            }
             bad = c < 0 || peer_bad(p, rank, tid, PF_BATCH_TOKENS, c, T);
             sm.rcnt[tid] = bad ? 0 : (int)c;
         }
         if (__syncthreads_or(bad)) goto finish;
+        gone = s_gone;  // + the sources lost in this call: their counts below are 0
         PROF(3);
         {
             const u64 RT = (u64)R * T;
@@ -437,14 +466,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             // Rows of each local expert from each source (peer-supplied: at most T each).
             for (int i = tid; i < L * R; i += NTHREADS) {
                 const int s = i % R, l = i / R;
-                const int c = via_nccl(p, s) ? ((const int*)me.rcv_hdr)[s * HDR_WORDS(L) + 2 + l] : ((const int*)me.bat_cnt)[s * L + l];
+                const int c = is_gone(gone, s) ? 0
+                              : via_nccl(p, s) ? ((const int*)me.rcv_hdr)[s * HDR_WORDS(L) + 2 + l]
+                                               : ((const int*)me.bat_cnt)[s * L + l];
                 const bool b = peer_bad(p, rank, s, PF_EXPERT_ROWS, c, T);
                 bad |= b;
                 sm.cls[i] = b ? 0 : c;
             }
             // Selections each source sent (rows combine sends back), block 0 only.
             int cc = 0;
-            if (bid == 0 && tid < R) {
+            if (bid == 0 && tid < R && !is_gone(gone, tid)) {
                 const int c = via_nccl(p, tid) ? ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L) + 1] : ((const int*)me.bat_meta)[2 * tid + 1];
                 cc = peer_bad(p, rank, tid, PF_SELECTIONS, c, T * K) ? 0 : c;
             }
@@ -492,9 +523,10 @@ finish:
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
+            const u32 masked = masked_peers(p, me);  // shrink: no ack to a masked peer
             for (int s = 0; s < R; s++)
                 // loom: gpu_protocol::finish (the ack), models batched_consecutive_calls, batched_one_sender_two_receivers.
-                if (!via_nccl(p, s)) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
+                if (!via_nccl(p, s) && !is_gone(masked, s)) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
         }
     }
 }
@@ -517,10 +549,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
     __shared__ int s_n;
     __shared__ IoPtrs s_io;
     __shared__ u64 s_y[MAX_LOCAL];  // y of every rank of this launch (zero-copy reads)
+    __shared__ u32 s_gone;          // shrink mode: masked peers, then the ones lost in this call
     if (tid == 0) {
         s_io = resolve_io(iot.r[rank - p.rank_base], me);
         s_epoch = ld_epoch(state, KIND) + 1ull;
         s_n = ((const int*)me.meta)[0];  // the dispatch's count and routing (the handle)
+        s_gone = masked_peers(p, me);
     }
     if (tid < p.ranks_here) {
         const u64 y = iot.r[tid].y;
@@ -547,6 +581,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
     const u64 epoch = s_epoch;
     PROF(0);
     const int n = s_n;
+    const u32 gone0 = s_gone;  // a selection of a masked owner's expert counts as -1
+    u32 gone = gone0;
     // With zero_copy, sources on this GPU read the rows in place: only other GPUs get a put.
     auto local = [&](int s) { return p.zero_copy && !via_nccl(p, s) && s >= p.rank_base && s < p.rank_base + p.ranks_here; };
     {
@@ -558,12 +594,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
         // comb_map row of a selection whose owner d is read in place (-1: not local, no load).
         auto map_row = [&](i64 v, int pos) -> int {
             const int e = (int)v;
-            if (e < 0) return -1;
+            if (e < 0 || is_gone(gone0, e / p.L)) return -1;
             const int d = e / p.L;
             return local(d) ? ((const int*)tab[d].comb_map)[(u64)rank * TK + pos] : -1;
         };
         auto route = [&](int i, i64 v, int pos, int mrow) {
-            const int e = (int)v;
+            const int e = is_gone(gone0, (int)v / p.L) && v >= 0 ? -1 : (int)v;
             int dl = -1;
             u64 a = 0;
             if (e >= 0) {
@@ -591,10 +627,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
     }
     if (tid < R) sm.tot[tid] = ((const int*)me.comb_cnt)[tid];
     int bad = 0;
-    if (acker && ack0 < epoch - 1ull)
+    if (acker && p.shrink) {
+        if (!is_gone(gone0, ackd)) {
+            const int r = wait_peer_ack(peer_wait(p, me, KIND, DEC_ACK, rank, ackd, PH_COMBINE_SEND), sig_cb_ack(me, R) + ackd,
+                                        epoch - 1ull, epoch);
+            if (r == PEER_LOST) atomicOr(&s_gone, 1u << ackd);
+            else bad = !r;
+        }
+    } else if (acker && ack0 < epoch - 1ull)
         // loom: not modelled itself; the same wait_ack as batched dispatch (model batched_consecutive_calls).
         bad = !wait_ack(p, sig_cb_ack(me, R) + ackd, epoch - 1ull, epoch, rank, ackd, PH_COMBINE_SEND);
     if (__syncthreads_or(bad)) goto finish;
+    gone = s_gone;  // masked, or lost at the acknowledgement: nothing goes back there
     PROF(1);
     {
         // Every rank on this GPU and zero_copy: every row is read in place, and every row and
@@ -602,8 +646,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
         const bool all_local = p.zero_copy && p.ranks_here == R && p.nccl_mask == 0u;
         // ---- send: batch(me -> s) = rows comb_map[s][0..cnt), to s's area for me.
         // Units of 512 bytes (16 per lane), eight in flight per warp.
+        // Sources this rank sends nothing to: on this GPU (zero-copy), masked or lost.
+        auto skip = [&](int s) { return local(s) || is_gone(gone, s); };
         int total = 0;
-        for (int s = 0; s < R; s++) total += local(s) ? 0 : sm.tot[s];
+        for (int s = 0; s < R; s++) total += skip(s) ? 0 : sm.tot[s];
         if (p.stage == 2) total = 0;  // unpack stage: the rows went out in the pack stage
         const int nw = p.blocks_per_rank * NWARPS;
         const int lane = tid & 31;
@@ -621,8 +667,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
                         int i = u / C;
                         const u64 off = (u64)(u % C) * 512 + lane * 16;
                         int s = 0;
-                        while (local(s) || i >= sm.tot[s]) {
-                            if (!local(s)) i -= sm.tot[s];
+                        while (skip(s) || i >= sm.tot[s]) {
+                            if (!skip(s)) i -= sm.tot[s];
                             s++;
                         }
                         if (off < rowb) {
@@ -640,8 +686,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
         } else {
             for (int u = bid * NWARPS + warp; u < total; u += nw) {
                 int i = u, s = 0;
-                while (local(s) || i >= sm.tot[s]) {
-                    if (!local(s)) i -= sm.tot[s];
+                while (skip(s) || i >= sm.tot[s]) {
+                    if (!skip(s)) i -= sm.tot[s];
                     s++;
                 }
                 const u64 yrow = (u64)((const int*)me.comb_map)[(u64)s * T * K + i];
@@ -661,16 +707,32 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KPa
                 fence_rel(p);
                 if (rank != p.fault_rank)
                     for (int s = 0; s < R; s++)
-                        if (!via_nccl(p, s)) st_release(p, sig_cb(tab[s], R) + rank, signal_word(epoch, (u32)sm.tot[s]));
+                        if (!via_nccl(p, s) && !is_gone(gone, s)) st_release(p, sig_cb(tab[s], R) + rank, signal_word(epoch, (u32)sm.tot[s]));
             }
         }
         if (p.stage == 1) goto finish;  // pack stage: the reduction runs after the NCCL exchange
         // ---- receive: every owner's batch, then the reduction in k order
         bad = 0;
-        for (int d = tid; d < R && !all_local; d += NTHREADS)
-            // loom: not modelled itself; the same wait_signal as batched dispatch (model batched_two_senders_one_receiver).
-            if (!via_nccl(p, d)) bad |= wait_signal(p, sig_cb(me, R) + d, epoch, rank, d, PH_COMBINE_RECV) < 0;
+        for (int d = tid; d < R && !all_local; d += NTHREADS) {
+            if (via_nccl(p, d)) continue;
+            if (p.shrink) {
+                if (is_gone(gone, d)) continue;
+                const long long c = wait_peer_signals(peer_wait(p, me, KIND, DEC_RECV, rank, d, PH_COMBINE_RECV), sig_cb(me, R) + d, 0, 1, 0, epoch);
+                if (c == PEER_LOST) atomicOr(&s_gone, 1u << d);
+                else bad |= c < 0;
+            } else {
+                // loom: not modelled itself; the same wait_signal as batched dispatch (model batched_two_senders_one_receiver).
+                bad |= wait_signal(p, sig_cb(me, R) + d, epoch, rank, d, PH_COMBINE_RECV) < 0;
+            }
+        }
         if (__syncthreads_or(bad)) goto finish;
+        if (s_gone != gone0) {
+            // Owners lost in this call: their selections count as -1 in the reduction.
+            const u32 g = s_gone;
+            for (int i = tid; i < n * K; i += NTHREADS)
+                if (sm.sk[i] >= 0 && is_gone(g, sm.sk[i] / p.L)) sm.sk[i] = -1;
+            __syncthreads();
+        }
         PROF(3);
         reduce_tokens(p, io, n, sm.sk, bid, [&](int t, int k) -> const u8* { return (const u8*)sm.rowp[t * K + k]; });
     }
@@ -683,9 +745,10 @@ finish:
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
+            const u32 masked = masked_peers(p, me);  // shrink: no ack to a masked peer
             for (int d = 0; d < R; d++)
                 // loom: not modelled itself; the same ack as batched dispatch (model batched_consecutive_calls).
-                if (!via_nccl(p, d)) st_release(p, sig_cb_ack(tab[d], R) + rank, (u64)epoch);
+                if (!via_nccl(p, d) && !is_gone(masked, d)) st_release(p, sig_cb_ack(tab[d], R) + rank, (u64)epoch);
         }
     }
 }

@@ -36,24 +36,37 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
     __shared__ u64 s_epoch;
     __shared__ int s_n, s_cnt, s_bad;
     __shared__ IoPtrs s_io;
+    __shared__ u32 s_gone;  // shrink mode: masked peers, then the ones lost in this call
     if (tid == 0) {
         s_io = resolve_io(iot.r[rank - p.rank_base], me);
         s_epoch = ld_epoch(state, KIND) + 1ull;
         s_bad = 0;
         s_n = read_ntok(p, s_io, rank, &s_bad);
+        s_gone = masked_peers(p, me);
     }
     __syncthreads();
     const IoPtrs& io = s_io;
     const u64 epoch = s_epoch;
     PROF(0);
     const int n = s_n;
+    const u32 gone0 = s_gone;  // masked peers: their experts are neither sent to nor waited for
+    u32 gone = gone0;
     // loom: gpu_protocol::sender_wait_acks, model per_expert_consecutive_calls.
     // Bad routing (or token count) is caught here, before anything is written (see batched.cu).
     const int in_bad = load_topk(p, (const i64*)io.topk, n, sm.sk, sm.sdl, rank, true) | s_bad;
     int bad = in_bad;
-    if (!in_bad && tid < R && p.stage != 2 && !via_nccl(p, tid))
-        bad = !wait_ack(p, sig_pe_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_DISPATCH_SEND);
+    if (!in_bad && tid < R && p.stage != 2 && !via_nccl(p, tid)) {
+        if (!p.shrink) {
+            bad = !wait_ack(p, sig_pe_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_DISPATCH_SEND);
+        } else if (!is_gone(gone0, tid)) {
+            const int r = wait_peer_ack(peer_wait(p, me, KIND, DEC_ACK, rank, tid, PH_DISPATCH_SEND), sig_pe_ack(me, R) + tid,
+                                        epoch - 1ull, epoch);
+            if (r == PEER_LOST) atomicOr(&s_gone, 1u << tid);
+            else bad = !r;
+        }
+    }
     if (__syncthreads_or(bad)) goto finish;
+    gone = s_gone;  // masked, or lost at the acknowledgement: nothing is sent there
     PROF(1);
     // The device API's routing and token count, kept for this call's combine (its handle).
     if (bid == 0 && io.topk != me.topk) {
@@ -106,6 +119,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
         // ---- send: one message per selection, one signal per expert (stage 2: the receive half)
         for (int e = bid; e < E && p.stage != 2; e += p.blocks_per_rank) {
             const int d = e / L, l = e % L;
+            if (is_gone(gone, d)) continue;  // block-uniform
             const bool nc = via_nccl(p, d);
             // NVLink: d's region (l, me), slot = token; NCCL: this rank's staging, packed.
             u8* region = nc ? (u8*)me.snd_buf + ((u64)d * T * K + (sm.pw[e] - sm.pw[d * L])) * p.pe_entry_bytes
@@ -164,9 +178,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
                 // order), the entries packed from slot 0.
                 const bool nc = via_nccl(p, s);
                 if (tid == 0) {
-                    long long c = nc ? (long long)((const int*)me.rcv_hdr)[s * HDR_WORDS(L) + 2 + l]
-                                     : wait_signal(p, sig_pe(me, R) + (u64)l * R + s, epoch, rank, s, PH_DISPATCH_RECV);
-                    if ((nc || c >= 0) && peer_bad(p, rank, s, PF_PE_COUNT, c, T)) c = -1;
+                    long long c;
+                    if (nc) c = (long long)((const int*)me.rcv_hdr)[s * HDR_WORDS(L) + 2 + l];
+                    // Shrink mode: "arrived" is proposed once all L of s's signals are here, so
+                    // the blocks of the other local experts can rely on theirs.
+                    // loom: gpu_protocol::wait_peer_signals (agreement), models shrink_*.
+                    else if (p.shrink)
+                        c = is_gone(gone, s) ? PEER_LOST
+                                             : wait_peer_signals(peer_wait(p, me, KIND, DEC_RECV, rank, s, PH_DISPATCH_RECV),
+                                                                 sig_pe(me, R) + s, (u64)R, L, l, epoch);
+                    else c = wait_signal(p, sig_pe(me, R) + (u64)l * R + s, epoch, rank, s, PH_DISPATCH_RECV);
+                    if (c == PEER_LOST) {
+                        atomicOr(&s_gone, 1u << s);
+                        c = 0;  // sends nothing in this call
+                    } else if ((nc || c >= 0) && peer_bad(p, rank, s, PF_PE_COUNT, c, T)) c = -1;
                     s_cnt = (int)c;
                 }
                 __syncthreads();
@@ -241,8 +266,9 @@ finish:
         if (threadIdx.x == 0) {
             // loom: gpu_protocol::finish (the ack), model per_expert_consecutive_calls.
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
+            const u32 masked = masked_peers(p, me);  // shrink: no ack to a masked peer
             for (int s = 0; s < R; s++)
-                if (!via_nccl(p, s)) st_release(p, sig_pe_ack(tab[s], R) + rank, (u64)epoch);
+                if (!via_nccl(p, s) && !is_gone(masked, s)) st_release(p, sig_pe_ack(tab[s], R) + rank, (u64)epoch);
         }
     }
 }
@@ -265,22 +291,35 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
     __shared__ u64 s_epoch;
     __shared__ int s_n;
     __shared__ IoPtrs s_io;
+    __shared__ u32 s_gone;  // shrink mode: masked peers, then the ones lost in this call
     if (tid == 0) {
         s_io = resolve_io(iot.r[rank - p.rank_base], me);
         s_epoch = ld_epoch(state, KIND) + 1ull;
         s_n = ((const int*)me.meta)[0];  // the dispatch's count and routing (the handle)
+        s_gone = masked_peers(p, me);
     }
     __syncthreads();
     const IoPtrs& io = s_io;
     const u64 epoch = s_epoch;
     PROF(0);
     const int n = s_n;
+    const u32 gone0 = s_gone;
+    u32 gone = gone0;
     load_topk(p, (const i64*)me.topk, n, sm.sk, sm.sdl, rank, false);
     int bad = 0;
     // loom: not modelled itself; the same wait_ack as per-expert dispatch (model per_expert_consecutive_calls).
-    if (tid < R && p.stage != 2 && !via_nccl(p, tid))
-        bad = !wait_ack(p, sig_pc_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_COMBINE_SEND);
+    if (tid < R && p.stage != 2 && !via_nccl(p, tid)) {
+        if (!p.shrink) {
+            bad = !wait_ack(p, sig_pc_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_COMBINE_SEND);
+        } else if (!is_gone(gone0, tid)) {
+            const int r = wait_peer_ack(peer_wait(p, me, KIND, DEC_ACK, rank, tid, PH_COMBINE_SEND), sig_pc_ack(me, R) + tid,
+                                        epoch - 1ull, epoch);
+            if (r == PEER_LOST) atomicOr(&s_gone, 1u << tid);
+            else bad = !r;
+        }
+    }
     if (__syncthreads_or(bad)) goto finish;
+    gone = s_gone;  // masked, or lost at the acknowledgement: no row goes back there
     PROF(1);
     {
         const int G = (int)((rowb + SEGB - 1) / SEGB);
@@ -305,6 +344,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
                 const int i = u / G, g = u % G;
                 int s = 0;
                 while (s + 1 < R && i >= layout[(l * R + s + 1) * 2]) s++;
+                if (is_gone(gone, s)) continue;
                 const u64 row = (u64)l * RT + i;
                 const u64 tk = (u64)((const int*)me.row_tk)[row];
                 const u8* src = (const u8*)io.y + row * rowb + (u64)g * SEGB;
@@ -321,7 +361,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
             }
             __syncthreads();
             for (int s = tid; s < R; s += NTHREADS) {
-                if (via_nccl(p, s) || rank == p.fault_rank) continue;
+                if (via_nccl(p, s) || rank == p.fault_rank || is_gone(gone, s)) continue;
                 fence_rel(p);
                 // loom: not modelled itself; fence + release store after __syncthreads, as per-expert dispatch
                 // (model per_expert_two_senders_one_receiver).
@@ -332,10 +372,28 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(
         if (p.stage == 1) goto finish;  // send half only
         // ---- receive: every expert's signal, then the reduction in k order
         bad = 0;
-        for (int e = tid; e < E; e += NTHREADS)
-            // loom: not modelled itself; the same wait_signal as per-expert dispatch (model per_expert_two_senders_one_receiver).
-            if (!via_nccl(p, e / L)) bad |= wait_signal(p, sig_pc(me, R, L) + e, epoch, rank, e / L, PH_COMBINE_RECV) < 0;
+        if (p.shrink) {
+            // One thread per owner: "arrived" once all L of its experts' signals are here.
+            for (int d = tid; d < R; d += NTHREADS) {
+                if (via_nccl(p, d) || is_gone(gone, d)) continue;
+                const long long c = wait_peer_signals(peer_wait(p, me, KIND, DEC_RECV, rank, d, PH_COMBINE_RECV),
+                                                      sig_pc(me, R, L) + (u64)d * L, 1, L, -1, epoch);
+                if (c == PEER_LOST) atomicOr(&s_gone, 1u << d);
+                else bad |= c < 0;
+            }
+        } else {
+            for (int e = tid; e < E; e += NTHREADS)
+                // loom: not modelled itself; the same wait_signal as per-expert dispatch (model per_expert_two_senders_one_receiver).
+                if (!via_nccl(p, e / L)) bad |= wait_signal(p, sig_pc(me, R, L) + e, epoch, rank, e / L, PH_COMBINE_RECV) < 0;
+        }
         if (__syncthreads_or(bad)) goto finish;
+        if (s_gone != 0u) {
+            // Masked owners (before or in this call): their selections count as -1.
+            const u32 g = s_gone;
+            for (int i = tid; i < n * K; i += NTHREADS)
+                if (sm.sk[i] >= 0 && is_gone(g, sm.sk[i] / L)) sm.sk[i] = -1;
+            __syncthreads();
+        }
         PROF(3);
         const u8* cbuf = (const u8*)me.cmb_buf;
         const int* cpos = (const int*)me.comb_pos;
@@ -355,8 +413,9 @@ finish:
         if (threadIdx.x == 0) {
             // loom: not modelled itself; the same ack as per-expert dispatch (model per_expert_consecutive_calls).
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
+            const u32 masked = masked_peers(p, me);  // shrink: no ack to a masked peer
             for (int d = 0; d < R; d++)
-                if (!via_nccl(p, d)) st_release(p, sig_pc_ack(tab[d], R) + rank, (u64)epoch);
+                if (!via_nccl(p, d) && !is_gone(masked, d)) st_release(p, sig_pc_ack(tab[d], R) + rank, (u64)epoch);
         }
     }
 }

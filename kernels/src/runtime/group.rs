@@ -75,6 +75,7 @@ impl GpuGroup {
             masks[a] |= 1 << b;
         }
         let use_nccl = masks.iter().any(|&m| m != 0);
+        check_shrink(&opts, r, use_nccl)?;
         let comms = if use_nccl {
             for d in &devs {
                 d.bind()?;
@@ -220,6 +221,7 @@ impl GpuGroup {
         let all: Vec<Vec<u8>> = recs.into_iter().map(|(_, p)| p).collect();
         // [issue 12 item 4] Which peers share this node (IPC) and which do not (NCCL).
         let plan = crate::topology::plan(opts.transport, &nodes, rank)?;
+        check_shrink(&opts, r, plan.uses_nccl())?;
         if all.len() != r || all.iter().any(|b| b.len() < 64) {
             return Err(GpuError::Process(format!(
                 "handle exchange returned {} blobs, want {r} of at least 64 bytes",
@@ -308,6 +310,27 @@ impl GpuGroup {
     }
 }
 
+/// Shrink mode's limits: no NCCL peer (an NCCL receive is not bounded by the kernels, so a lost
+/// peer could not be detected and masked), and at most 32 ranks (the kernels keep a call's
+/// masked peers in one 32-bit word).
+fn check_shrink(opts: &GpuOptions, ranks: usize, nccl: bool) -> Result<(), GpuError> {
+    if !opts.enable_shrink {
+        return Ok(());
+    }
+    if nccl {
+        return Err(GpuError::Unsupported(
+            "shrink mode with NCCL peers: NCCL receives are not bounded by the kernels' waits,              so a lost peer cannot be masked (use CUDA IPC / peer access within a node)"
+                .into(),
+        ));
+    }
+    if ranks > 32 {
+        return Err(GpuError::Unsupported(format!(
+            "shrink mode with {ranks} ranks: at most 32"
+        )));
+    }
+    Ok(())
+}
+
 /// Uploads the rank address table to `dev` (the bound context) and allocates its error word.
 fn upload_table(dev: &mut Dev, ptrs: &[RankPtrs]) -> Result<(), GpuError> {
     let table = dev.alloc(std::mem::size_of_val(ptrs))?;
@@ -360,6 +383,7 @@ fn kparams(
         sys_scope: sys_scope as i32,
         zero_copy: opts.zero_copy_local as i32,
         trap: opts.trap_on_error as i32,
+        shrink: opts.enable_shrink as i32,
         ..Default::default()
     })
 }

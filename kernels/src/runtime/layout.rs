@@ -39,7 +39,15 @@ pub(crate) struct RankPtrs {
     pub(crate) snd_buf: u64,
     pub(crate) snd_hdr: u64,
     pub(crate) rcv_hdr: u64,
+    pub(crate) shrink: u64,
 }
+
+/// Buffers in one rank's allocation (the fields of [`RankPtrs`]).
+pub(crate) const NUM_BUFFERS: usize = 26;
+
+/// u64 decision words per peer in the shrink buffer: one per (kernel kind, recv or ack)
+/// (`shr_decide` in common.cuh); the rank mask (R i32) follows them.
+pub(crate) const SHRINK_DECISIONS: usize = 2 * NUM_KINDS;
 
 /// Ranks of one launch the device API can address (`MAX_LOCAL` in common.cuh).
 pub(crate) const MAX_LOCAL: usize = 32;
@@ -114,7 +122,8 @@ pub(crate) struct KParams {
     pub err_host: u64,
     /// 1: the kernels trap after recording an error ([`GpuOptions::trap_on_error`]).
     pub trap: i32,
-    pub pad2: i32,
+    /// 1: shrink mode ([`GpuOptions::enable_shrink`]).
+    pub shrink: i32,
 }
 
 /// `a * b * ...` for the size of `what`, or a typed error naming it (no silent wrap in release).
@@ -143,7 +152,7 @@ pub(crate) fn to_i32(what: &str, v: usize) -> Result<i32, GpuError> {
 }
 
 /// Byte sizes of one rank's buffers, in the order of [`RankPtrs`]; every product checked.
-pub(crate) fn rank_sizes(c: &Config, nccl: bool) -> Result<[usize; 25], GpuError> {
+pub(crate) fn rank_sizes(c: &Config, nccl: bool) -> Result<[usize; NUM_BUFFERS], GpuError> {
     let (r, e, l, t, h, k) = (
         c.num_ranks,
         c.num_experts,
@@ -203,6 +212,8 @@ pub(crate) fn rank_sizes(c: &Config, nccl: bool) -> Result<[usize; 25], GpuError
         },
         hdr,
         hdr,
+        // shrink: the decision words (u64) and the rank mask (i32 per peer)
+        prod("shrink", &[r, SHRINK_DECISIONS * 8 + 4])?,
     ];
     // Every buffer is 256-aligned inside the one allocation: the total must fit too.
     total_bytes(&sizes)?;
@@ -210,7 +221,7 @@ pub(crate) fn rank_sizes(c: &Config, nccl: bool) -> Result<[usize; 25], GpuError
 }
 
 /// The bytes of one rank's allocation: every buffer rounded up to 256.
-pub(crate) fn total_bytes(sizes: &[usize; 25]) -> Result<usize, GpuError> {
+pub(crate) fn total_bytes(sizes: &[usize; NUM_BUFFERS]) -> Result<usize, GpuError> {
     sizes
         .iter()
         .try_fold(0usize, |a, &s| {
@@ -279,8 +290,8 @@ pub(crate) fn smem_bytes(c: &Config) -> usize {
 }
 
 /// The addresses of one rank's buffers inside its one allocation at `base`.
-pub(crate) fn carve_rank(base: u64, sizes: &[usize; 25]) -> RankPtrs {
-    let mut f = [0u64; 25];
+pub(crate) fn carve_rank(base: u64, sizes: &[usize; NUM_BUFFERS]) -> RankPtrs {
+    let mut f = [0u64; NUM_BUFFERS];
     let mut off = 0u64;
     for (i, &s) in sizes.iter().enumerate() {
         f[i] = base + off;
@@ -312,6 +323,7 @@ pub(crate) fn carve_rank(base: u64, sizes: &[usize; 25]) -> RankPtrs {
         snd_buf: f[22],
         snd_hdr: f[23],
         rcv_hdr: f[24],
+        shrink: f[25],
     }
 }
 

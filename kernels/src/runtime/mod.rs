@@ -30,6 +30,7 @@ mod group;
 mod harness;
 mod launch;
 mod layout;
+mod mask;
 mod profile;
 
 pub use device::probe_devices;
@@ -136,6 +137,13 @@ pub struct GpuOptions {
     /// instead of leaving the kernel cleanly and raising at the next call. The error is still
     /// named: its host mirror survives the trap. Off by default (a trap poisons the context).
     pub trap_on_error: bool,
+    /// Shrink mode (DeepEP's `enable_shrink`): a wait for a peer that runs out masks that peer
+    /// on the waiting rank instead of failing the call; a masked peer is neither sent to nor
+    /// waited for, and the selections of its experts count as -1 (docs/contract.md, "Masked
+    /// ranks"). The mask: [`GpuGroup::mask_status`], [`GpuGroup::update_mask`],
+    /// [`GpuGroup::clean_mask`]. CUDA IPC and peer access only (not over NCCL, whose receives
+    /// the kernels cannot bound), at most 32 ranks.
+    pub enable_shrink: bool,
 }
 
 impl Default for GpuOptions {
@@ -148,6 +156,7 @@ impl Default for GpuOptions {
             transport: Transport::Auto,
             nccl_sizes: NcclSizes::default(),
             trap_on_error: false,
+            enable_shrink: false,
         }
     }
 }
