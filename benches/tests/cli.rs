@@ -167,6 +167,28 @@ fn a_huge_timeout_is_saturated_not_a_panic() {
     assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
 }
 
+/// `args` appended to the tiny point.
+fn tiny(args: &[&'static str]) -> Vec<&'static str> {
+    let mut a = TINY.to_vec();
+    a.extend(args);
+    a
+}
+
+#[test]
+fn absurd_worker_counts_are_refused_naming_the_flag() {
+    // usize::MAX panicked (exit 101), 10^6 failed spawning threads (101), 10^8 aborted (134).
+    for n in ["18446744073709551615", "100000000", "1000000", "257"] {
+        refused(
+            &tiny(&["--workers", n]),
+            2,
+            &["--workers", n, "at most 256"],
+        );
+    }
+    // The maximum itself runs.
+    let r = ep_bench(&tiny(&["--workers", "256"]));
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+}
+
 #[test]
 fn flags_that_do_not_apply_are_refused() {
     // `--nprocs 1 --transport nccl` ran the default group and dropped --transport.

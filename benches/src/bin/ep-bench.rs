@@ -132,8 +132,8 @@ struct Cli {
     #[arg(long, default_value_t = 0.05, value_parser = parse_fraction)]
     masked: f64,
     /// CPU backend: staging workers per rank (batched path); 0 = one per core the ranks leave
-    /// free (at least 1, at most 4).
-    #[arg(long, default_value_t = 0, value_parser = parse_count)]
+    /// free (at least 1, at most 4). At most 256 (ep_reference::path::MAX_STAGING_WORKERS).
+    #[arg(long, default_value_t = 0, value_parser = parse_workers)]
     workers: usize,
     /// Multi-process mode (GPU backend): start N processes, one rank each, torchrun style (CUDA
     /// IPC between them, or NCCL with --transport nccl). Under an external launcher (RANK and
@@ -216,6 +216,22 @@ fn parse_count(s: &str) -> Result<usize, String> {
     }
     s.parse()
         .map_err(|_| format!("{s:?} is not a whole number (0 or more)"))
+}
+
+/// Staging workers per rank: a count, at most `MAX_STAGING_WORKERS` (a thread each, per rank
+/// and call).
+fn parse_workers(s: &str) -> Result<usize, String> {
+    let max = ep_reference::path::MAX_STAGING_WORKERS;
+    let too_many =
+        || format!("{s} staging workers per rank: at most {max} (0 picks one per free core)");
+    if !s.trim_start().starts_with('-') && s.bytes().all(|b| b.is_ascii_digit()) && !s.is_empty() {
+        // All digits: a number too large for usize is still just too many.
+        return match s.parse::<usize>() {
+            Ok(n) if n <= max => Ok(n),
+            _ => Err(too_many()),
+        };
+    }
+    parse_count(s)
 }
 
 impl Cli {
