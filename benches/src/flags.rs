@@ -32,6 +32,8 @@ pub fn explain(e: &Error, cfg: &Config, flags: &Flags) -> String {
         "max_tokens_per_rank" => tf,
         "hidden" => "--hidden",
         "staging_workers" => "--workers",
+        "iters" => "--iters",
+        "warmup" => "--warmup",
         _ => "",
     };
     match e {
@@ -76,6 +78,8 @@ pub fn explain(e: &Error, cfg: &Config, flags: &Flags) -> String {
             if !flag.is_empty() {
                 let max = match *what {
                     "staging_workers" => MAX_STAGING_WORKERS,
+                    "iters" => crate::backend::MAX_ITERS,
+                    "warmup" => crate::backend::MAX_WARMUP,
                     "num_ranks" => MAX_RANKS,
                     "num_experts" => MAX_EXPERTS,
                     "max_tokens_per_rank" => MAX_TOKENS_PER_RANK,
@@ -170,6 +174,14 @@ mod tests {
         };
         let s = m(workers.check().unwrap_err());
         assert_eq!(s, "--workers 300 exceeds the supported maximum 256");
+        let s = m(Error::ZeroSize { what: "iters" });
+        assert_eq!(s, "--iters must be at least 1, got 0");
+        let s = m(Error::LimitExceeded {
+            what: "warmup",
+            value: 1 << 20,
+            limit: 100_000,
+        });
+        assert_eq!(s, "--warmup 1048576 exceeds the supported maximum 100000");
         let nprocs = Flags {
             ranks: "--nprocs",
             tokens: "--max-tokens",

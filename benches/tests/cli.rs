@@ -190,6 +190,35 @@ fn absurd_worker_counts_are_refused_naming_the_flag() {
 }
 
 #[test]
+fn absurd_iteration_counts_are_refused_naming_the_flag() {
+    // `--iters 2^64-1 --warmup 1` wrapped to 0 rounds: exit 0 with NaN latencies, 0 samples.
+    let max = "18446744073709551615";
+    refused(
+        &["--backend", "cpu", "--iters", max, "--warmup", "1"],
+        2,
+        &["--iters", max, "1..=100000"],
+    );
+    refused(
+        &["--backend", "cpu", "--iters", "1", "--warmup", max],
+        2,
+        &["--warmup", max, "at most 100000"],
+    );
+    refused(
+        &["--backend", "cpu", "--iters", "100001"],
+        2,
+        &["--iters", "100001"],
+    );
+    refused(
+        &["--backend", "cpu", "--warmup", "100001"],
+        2,
+        &["--warmup", "100001"],
+    );
+    refused(&["--backend", "cpu", "--iters", "0"], 2, &["--iters", "0"]);
+    // Multi-process mode takes --iters too, bounded alike.
+    refused(&["--nprocs", "2", "--iters", max], 2, &["--iters", max]);
+}
+
+#[test]
 fn flags_that_do_not_apply_are_refused() {
     // `--nprocs 1 --transport nccl` ran the default group and dropped --transport.
     let mut a = TINY.to_vec();

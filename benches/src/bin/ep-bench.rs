@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, ValueEnum};
-use ep_benches::backend::{self, Backend, BackendChoice, BenchError, BenchSpec};
+use ep_benches::backend::{self, Backend, BackendChoice, BenchError, BenchSpec, MAX_ITERS};
 use ep_benches::flags::{self, Flags};
 use ep_benches::memory::{self, MemInfo};
 use ep_benches::report::{self, PointResult};
@@ -119,11 +119,12 @@ struct Cli {
     /// FP8: pack scales as UE8M0 exponent bytes (requires --round-scale).
     #[arg(long)]
     ue8m0: bool,
-    /// Timed iterations [default: 20 on the CPU backend, 200 on the GPU backend].
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Timed iterations, 1..=100000 [default: 20 on the CPU backend, 200 on the GPU backend].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_ITERS as u64))]
     iters: Option<u64>,
-    /// Untimed warm-up iterations [default: 3 on the CPU backend, 20 on the GPU backend].
-    #[arg(long, value_parser = parse_count)]
+    /// Untimed warm-up iterations, at most 100000 [default: 3 on the CPU backend, 20 on the GPU
+    /// backend].
+    #[arg(long, value_parser = parse_warmup)]
     warmup: Option<usize>,
     /// Seed of the inputs (tokens, routing, weights, expert outputs).
     #[arg(long, default_value_t = 0)]
@@ -218,20 +219,35 @@ fn parse_count(s: &str) -> Result<usize, String> {
         .map_err(|_| format!("{s:?} is not a whole number (0 or more)"))
 }
 
-/// Staging workers per rank: a count, at most `MAX_STAGING_WORKERS` (a thread each, per rank
-/// and call).
-fn parse_workers(s: &str) -> Result<usize, String> {
-    let max = ep_reference::path::MAX_STAGING_WORKERS;
-    let too_many =
-        || format!("{s} staging workers per rank: at most {max} (0 picks one per free core)");
-    if !s.trim_start().starts_with('-') && s.bytes().all(|b| b.is_ascii_digit()) && !s.is_empty() {
-        // All digits: a number too large for usize is still just too many.
+/// A count of at most `max` (`what` says what is counted, for the message). A number of digits
+/// too large for a `usize` is simply above `max`.
+fn parse_at_most(s: &str, max: usize, what: &str) -> Result<usize, String> {
+    let too_many = || format!("{s} {what}: at most {max}");
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
         return match s.parse::<usize>() {
             Ok(n) if n <= max => Ok(n),
             _ => Err(too_many()),
         };
     }
-    parse_count(s)
+    let n = parse_count(s)?;
+    if n > max {
+        return Err(too_many());
+    }
+    Ok(n)
+}
+
+/// Staging workers per rank: at most `MAX_STAGING_WORKERS` (a thread each, per rank and call).
+fn parse_workers(s: &str) -> Result<usize, String> {
+    parse_at_most(
+        s,
+        ep_reference::path::MAX_STAGING_WORKERS,
+        "staging workers per rank (0 picks one per free core)",
+    )
+}
+
+/// Warm-up iterations: at most `MAX_WARMUP`.
+fn parse_warmup(s: &str) -> Result<usize, String> {
+    parse_at_most(s, ep_benches::backend::MAX_WARMUP, "warm-up iterations")
 }
 
 impl Cli {
