@@ -219,6 +219,34 @@ fn absurd_iteration_counts_are_refused_naming_the_flag() {
 }
 
 #[test]
+fn timeouts_that_are_no_bound_are_refused_naming_the_flag() {
+    // 1e-300 became 0 ns, and the run then blamed a rank for the timeout (exit 1); -inf was
+    // refused by clap as an unknown flag, without naming --timeout-secs.
+    for v in [
+        "1e-300", "-inf", "inf", "+inf", "nan", "-nan", "0", "-0", "0.0009", "-1e-300", "4.9e-324",
+    ] {
+        refused(
+            &tiny(&["--timeout-secs", v]),
+            2,
+            &["'--timeout-secs", v, "0.001"],
+        );
+    }
+    // The form with '=' too.
+    refused(
+        &tiny(&["--timeout-secs=-inf"]),
+        2,
+        &["'--timeout-secs", "-inf"],
+    );
+    // The minimum itself is a valid bound (not run: 1 ms may be too short on a busy machine).
+    let r = refused(
+        &["--timeout-secs", "0.001", "--tokens", "-1"],
+        2,
+        &["--tokens"],
+    );
+    assert!(!r.stderr.contains("--timeout-secs"), "{}", r.stderr);
+}
+
+#[test]
 fn flags_that_do_not_apply_are_refused() {
     // `--nprocs 1 --transport nccl` ran the default group and dropped --transport.
     let mut a = TINY.to_vec();

@@ -68,6 +68,9 @@ enum DispatchArg {
 /// Timeouts above this many seconds (about 11.6 days) are taken as this, so every deadline
 /// derived from one stays representable.
 const MAX_TIMEOUT_SECS: f64 = 1e6;
+/// The shortest timeout accepted (1 ms): below it a bound is no bound (1e-300 became 0 ns, and
+/// every first wait then "timed out", blaming an innocent rank).
+const MIN_TIMEOUT_SECS: f64 = 1e-3;
 
 /// Per-expert vs per-destination batched MoE dispatch/combine (DeepEP low-latency mode), side
 /// by side on the same inputs. The defaults are docs/contract.md's standard decode setting: 8 ranks,
@@ -161,9 +164,9 @@ struct Cli {
     /// GPU backend: GPUs to spread the ranks over (1: all ranks as virtual ranks on one GPU).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     gpus: u64,
-    /// CPU backend and multi-process mode: bound on every wait of one call, in seconds (values
-    /// above 1e6, about 11.6 days, are taken as 1e6).
-    #[arg(long, default_value_t = 30.0, value_parser = parse_positive)]
+    /// CPU backend and multi-process mode: bound on every wait of one call, in seconds: at
+    /// least 0.001 (1 ms), finite; values above 1e6, about 11.6 days, are taken as 1e6.
+    #[arg(long, default_value_t = 30.0, value_parser = parse_timeout, allow_hyphen_values = true)]
     timeout_secs: f64,
     /// Run one point per value of T (tokens per rank = T), e.g. 1,16,128,512.
     #[arg(long, value_delimiter = ',', num_args = 1.., value_parser = parse_count)]
@@ -199,14 +202,24 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
     }
 }
 
-fn parse_positive(s: &str) -> Result<f64, String> {
+/// A bound on a wait, in seconds: finite, at least `MIN_TIMEOUT_SECS`; above
+/// `MAX_TIMEOUT_SECS` it is taken as that.
+fn parse_timeout(s: &str) -> Result<f64, String> {
+    let range = format!("give {MIN_TIMEOUT_SECS} (1 ms) or more, e.g. 30");
     let v: f64 = s
+        .trim()
         .parse()
-        .map_err(|_| format!("{s:?} is not a number of seconds, e.g. 30"))?;
-    if v > 0.0 && !v.is_nan() {
-        Ok(v.min(MAX_TIMEOUT_SECS))
+        .map_err(|_| format!("{s:?} is not a number of seconds: {range}"))?;
+    if !v.is_finite() {
+        Err(format!("{s} is not a finite number of seconds: {range}"))
+    } else if v <= 0.0 {
+        Err(format!("{s} is not a positive number of seconds: {range}"))
+    } else if v < MIN_TIMEOUT_SECS {
+        Err(format!(
+            "{s} seconds is below the shortest bound on a wait: {range}"
+        ))
     } else {
-        Err(format!("{s} is not a positive number of seconds, e.g. 30"))
+        Ok(v.min(MAX_TIMEOUT_SECS))
     }
 }
 
