@@ -325,6 +325,22 @@ fn the_demo_launches_itself_with_nprocs_and_prefixes_lines() {
 }
 
 #[test]
+fn an_absurd_nprocs_is_refused_naming_the_flag() {
+    // `--nprocs 18446744073709551615` panicked inside spawn_local (exit 101).
+    for n in ["18446744073709551615", "1025", "0", "-1", "abc"] {
+        let (code, out, err) = run_bounded(
+            demo_without_launcher_env().args(["--nprocs", n]),
+            Duration::from_secs(30),
+        );
+        assert_eq!(code, Some(1), "--nprocs {n}: {out}{err}");
+        assert!(
+            err.contains("--nprocs") && err.contains(n) && !err.contains("panicked"),
+            "--nprocs {n}: {err}"
+        );
+    }
+}
+
+#[test]
 fn bad_environment_is_a_typed_error_naming_the_variable() {
     let cases: &[(&[(&str, &str)], &str)] = &[
         (
