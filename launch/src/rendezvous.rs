@@ -53,7 +53,10 @@ use std::time::{Duration, Instant};
 use crate::auth::{self, Claim, JobToken, Role, MAC_LEN, NONCE_LEN};
 use crate::time::{after, deadline as deadline_at};
 
+pub(crate) mod address;
 mod admission;
+
+use address::Host;
 
 const MAGIC: [u8; 4] = *b"EPRZ";
 /// Bumped whenever the wire format changes; a peer with another version is refused.
@@ -348,13 +351,7 @@ impl RendezvousConfig {
     /// may run without a token. Anything else, names included, counts as reachable from other
     /// hosts.
     pub fn is_loopback(&self) -> bool {
-        let a = self
-            .master_addr
-            .trim_start_matches('[')
-            .trim_end_matches(']');
-        a.eq_ignore_ascii_case("localhost")
-            || a.parse::<std::net::IpAddr>()
-                .is_ok_and(|ip| ip.is_loopback())
+        Host::parse(&self.master_addr).is_ok_and(|h| h.is_loopback())
     }
 
     fn validate(&self) -> Result<()> {
@@ -372,6 +369,9 @@ impl RendezvousConfig {
                 "rank {} >= world_size {}",
                 self.rank, self.world_size
             ));
+        }
+        if let Err(detail) = Host::parse(&self.master_addr) {
+            return bad(detail);
         }
         if self.connect_timeout.is_zero() || self.op_timeout.is_zero() {
             return bad("timeouts must be nonzero".into());
@@ -411,10 +411,13 @@ impl RendezvousConfig {
     }
 
     fn resolve(&self) -> std::result::Result<Vec<SocketAddr>, String> {
-        let addrs: Vec<SocketAddr> = (self.master_addr.as_str(), self.master_port)
-            .to_socket_addrs()
-            .map_err(|e| format!("cannot resolve {}: {e}", self.addr_string()))?
-            .collect();
+        let addrs: Vec<SocketAddr> = match Host::parse(&self.master_addr)? {
+            Host::Ip(ip) => vec![SocketAddr::new(ip, self.master_port)],
+            Host::Name(name) => (name, self.master_port)
+                .to_socket_addrs()
+                .map_err(|e| format!("cannot resolve {}: {e}", self.addr_string()))?
+                .collect(),
+        };
         if addrs.is_empty() {
             return Err(format!("{} resolves to no address", self.addr_string()));
         }
