@@ -50,11 +50,12 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::auth::{self, Claim, JobToken, Role, MAC_LEN, NONCE_LEN};
+use crate::auth::{self, JobToken, MAC_LEN, NONCE_LEN};
 use crate::time::{after, deadline as deadline_at};
 
 pub(crate) mod address;
 mod admission;
+mod join;
 
 use address::Host;
 
@@ -874,14 +875,6 @@ enum SendFault {
     Timeout,
 }
 
-/// How a handshake attempt with rank 0 failed.
-enum Handshake {
-    /// Before rank 0 answered the hello: connect again (until the deadline).
-    Retry(String),
-    /// Rank 0 refused this rank, or failed to prove itself: give up.
-    Fatal(RendezvousError),
-}
-
 // ---------------------------------------------------------------------------------------------
 // The group
 
@@ -1134,152 +1127,6 @@ impl Rendezvous {
         Ok(Self::from_links(cfg, links))
     }
 
-    /// Opens a TCP connection to rank 0 (any of its addresses), bounded by `deadline`.
-    fn dial(cfg: &RendezvousConfig, deadline: Instant) -> std::result::Result<Link, String> {
-        let addrs = cfg.resolve()?;
-        let mut err = String::new();
-        for a in addrs {
-            let budget = deadline
-                .saturating_duration_since(Instant::now())
-                .min(Duration::from_secs(2))
-                .max(Duration::from_millis(1));
-            match TcpStream::connect_timeout(&a, budget) {
-                Ok(s) => {
-                    let limits = FrameLimits {
-                        facing: Facing::RootUnproven,
-                        world: cfg.world_size,
-                        max_blob: cfg.limits.max_blob,
-                    };
-                    return Link::new(0, s, limits).map_err(|e| e.to_string());
-                }
-                Err(e) => err = format!("{a}: {e}"),
-            }
-        }
-        Err(err)
-    }
-
-    /// The handshake on a fresh connection to rank 0: its challenge, this rank's hello with its
-    /// proof, rank 0's admission with its proof. `Retry` when the connection fails before rank 0
-    /// has answered the hello (rank 0 not up yet, or it dropped this connection to make room).
-    fn handshake(
-        cfg: &RendezvousConfig,
-        link: &mut Link,
-        deadline: Instant,
-    ) -> std::result::Result<(), Handshake> {
-        let rank = cfg.rank;
-        let unauth = |peer: usize, detail: String| {
-            Handshake::Fatal(RendezvousError::Unauthenticated { rank, peer, detail })
-        };
-        let challenge_by = deadline.min(after(cfg.limits.handshake_timeout));
-        let ch = link
-            .next_frame(challenge_by)
-            .map_err(|c| Handshake::Retry(format!("no challenge from rank 0: {c}")))?;
-        match ch.kind {
-            Kind::Challenge if ch.payload.len() == CHALLENGE_LEN => {}
-            Kind::Abort => {
-                return Err(Handshake::Fatal(abort_error(
-                    rank,
-                    0,
-                    Op::Connect,
-                    0,
-                    &ch.payload,
-                )))
-            }
-            other => {
-                return Err(Handshake::Retry(format!(
-                    "expected a challenge from rank 0, got {other:?}"
-                )))
-            }
-        }
-        let wants_token = ch.payload[0] & FLAG_TOKEN != 0;
-        let mut server_nonce = [0u8; NONCE_LEN];
-        server_nonce.copy_from_slice(&ch.payload[1..]);
-        match (&cfg.token, wants_token) {
-            (Some(_), false) => {
-                return Err(unauth(
-                    0,
-                    "rank 0 runs without a job token but this rank has one: set the same \
-                     EP_JOB_TOKEN on every rank"
-                        .into(),
-                ))
-            }
-            (None, true) => {
-                return Err(unauth(
-                    rank,
-                    "rank 0 requires a job token and this rank has none: set the same \
-                     EP_JOB_TOKEN on every rank"
-                        .into(),
-                ))
-            }
-            _ => {}
-        }
-        let client_nonce: [u8; NONCE_LEN] = auth::random().map_err(|e| {
-            Handshake::Fatal(RendezvousError::InvalidConfig {
-                rank,
-                detail: e.to_string(),
-            })
-        })?;
-        let claim = Claim {
-            server_nonce: &server_nonce,
-            client_nonce: &client_nonce,
-            rank: rank as u32,
-            world: cfg.world_size as u32,
-            job_id: &cfg.job_id,
-        };
-        let proof = cfg
-            .token
-            .as_ref()
-            .map_or([0u8; MAC_LEN], |t| auth::prove(t, Role::Hello, &claim));
-        let mut payload = Vec::with_capacity(HELLO_LEN);
-        payload.extend_from_slice(&(cfg.world_size as u32).to_le_bytes());
-        payload.extend_from_slice(&client_nonce);
-        payload.extend_from_slice(&proof);
-        let hello = encode(Kind::Hello, Op::Connect, 0, rank, &payload);
-        link.send(&hello, challenge_by).map_err(|f| {
-            Handshake::Retry(match f {
-                SendFault::Lost(c) => c,
-                SendFault::Timeout => "sending the hello timed out".into(),
-            })
-        })?;
-        // Rank 0 answers a hello at once (admits or refuses); wait up to the connect deadline
-        // so a slow answer is never mistaken for a drop.
-        let ad = link
-            .next_frame(deadline)
-            .map_err(|c| Handshake::Retry(format!("rank 0 did not answer the hello: {c}")))?;
-        match ad.kind {
-            Kind::Admit if ad.payload.len() == ADMIT_LEN => {
-                if let Some(t) = &cfg.token {
-                    if !auth::check(t, Role::Admit, &claim, &ad.payload) {
-                        return Err(unauth(
-                            0,
-                            format!(
-                                "the process at {} did not prove it holds the job token: it is \
-                                 not this job's rank 0 (or rank 0 has another EP_JOB_TOKEN or \
-                                 EP_JOB_ID); nothing was sent to it",
-                                cfg.addr_string()
-                            ),
-                        ));
-                    }
-                }
-                Ok(())
-            }
-            Kind::Abort => Err(Handshake::Fatal(abort_error(
-                rank,
-                0,
-                Op::Connect,
-                0,
-                &ad.payload,
-            ))),
-            other => Err(Handshake::Fatal(RendezvousError::Protocol {
-                rank,
-                peer: 0,
-                op: Op::Connect,
-                seq: 0,
-                detail: format!("expected an admission, got {other:?}"),
-            })),
-        }
-    }
-
     fn connect_to_root(cfg: &RendezvousConfig) -> Result<Self> {
         let rank = cfg.rank;
         let start = Instant::now();
@@ -1296,15 +1143,15 @@ impl Rendezvous {
             if Instant::now() >= deadline {
                 return Err(connect_err(last_error));
             }
-            match Self::dial(cfg, deadline) {
-                Ok(mut link) => match Self::handshake(cfg, &mut link, deadline) {
+            match join::dial(cfg, deadline) {
+                Ok(mut link) => match join::handshake(cfg, &mut link, deadline) {
                     Ok(()) => {
                         // Rank 0 proved itself: from now on it may send collective results.
                         link.limits.facing = Facing::Root;
                         break link;
                     }
-                    Err(Handshake::Retry(cause)) => last_error = cause,
-                    Err(Handshake::Fatal(err)) => return Err(err),
+                    Err(join::Handshake::Retry(cause)) => last_error = cause,
+                    Err(join::Handshake::Fatal(err)) => return Err(err),
                 },
                 Err(e) => last_error = e,
             }
