@@ -482,6 +482,59 @@ fn a_rank_does_not_trust_a_stranger_listening_on_the_port() {
     });
 }
 
+/// A stranger on the port that sends a failure report (an `Abort` naming rank 2 as the culprit)
+/// instead of the challenge (`at_once`), or after reading the hello instead of an admission.
+fn impostor_reporting_rank_2(at_once: bool) -> (u16, JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let h = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        if !at_once {
+            let mut p = vec![1u8];
+            p.extend_from_slice(&[1u8; 32]);
+            s.write_all(&frame(2, CHALLENGE, 0, &p)).unwrap();
+            let (kind, _) = read_frame(&mut s).unwrap();
+            assert_eq!(kind, HELLO);
+        }
+        // Kind "lost", culprit rank 2, a plausible message.
+        let mut report = vec![1u8];
+        report.extend_from_slice(&2u32.to_le_bytes());
+        report.extend_from_slice(b"connection reset by peer");
+        let _ = s.write_all(&frame(2, ABORT, 0, &report));
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+    });
+    (port, h)
+}
+
+#[test]
+fn a_report_from_an_unproven_rank_0_blames_nobody_else() {
+    // Issue 20 item 7.5: a rank believed an Abort from the endpoint it dialled before that
+    // endpoint had proved it holds the job token, and blamed the rank the report named (exit
+    // 86: the launcher then blamed an innocent rank 2). Nothing an unproven peer says is
+    // believed: the rank fails, naming nobody but itself.
+    bounded(Duration::from_secs(60), || {
+        for at_once in [true, false] {
+            let (port, fake) = impostor_reporting_rank_2(at_once);
+            let c = RendezvousConfig {
+                connect_timeout: Duration::from_secs(3),
+                ..cfg(1, port)
+            };
+            let e = Rendezvous::connect(&c).unwrap_err();
+            assert!(
+                !e.is_caused_by_peer() && e.peer() != Some(2),
+                "at once {at_once}: {e}"
+            );
+            assert!(
+                e.to_string().contains("not proved"),
+                "at once {at_once}: {e}"
+            );
+            fake.join().unwrap();
+        }
+    });
+}
+
 #[test]
 fn a_rank_reads_an_admission_welcome_and_broadcast_sent_at_once() {
     // A rank 0 that holds the token (here: the test, computing the proof as the protocol

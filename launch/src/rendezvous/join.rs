@@ -62,15 +62,7 @@ pub(super) fn handshake(
         .map_err(|c| Handshake::Retry(format!("no challenge from rank 0: {c}")))?;
     match ch.kind {
         Kind::Challenge if ch.payload.len() == CHALLENGE_LEN => {}
-        Kind::Abort => {
-            return Err(Handshake::Fatal(abort_error(
-                rank,
-                0,
-                Op::Connect,
-                0,
-                &ch.payload,
-            )))
-        }
+        Kind::Abort => return Err(Handshake::Fatal(unproven_report(cfg, &ch.payload))),
         other => {
             return Err(Handshake::Retry(format!(
                 "expected a challenge from rank 0, got {other:?}"
@@ -149,13 +141,8 @@ pub(super) fn handshake(
             }
             Ok(())
         }
-        Kind::Abort => Err(Handshake::Fatal(abort_error(
-            rank,
-            0,
-            Op::Connect,
-            0,
-            &ad.payload,
-        ))),
+        // Refused (or the job failed) before rank 0 proved itself.
+        Kind::Abort => Err(Handshake::Fatal(unproven_report(cfg, &ad.payload))),
         other => Err(Handshake::Fatal(RendezvousError::Protocol {
             rank,
             peer: 0,
@@ -163,5 +150,36 @@ pub(super) fn handshake(
             seq: 0,
             detail: format!("expected an admission, got {other:?}"),
         })),
+    }
+}
+
+/// What a failure report (`Abort`) from the endpoint this rank dialled means before that
+/// endpoint has proved it holds the job token: nothing it says is believed. With a token, the
+/// rank it names is not blamed (a stranger on the port could name any rank, and a launcher
+/// would then blame that innocent rank); this rank fails naming itself, with the report's text
+/// kept and marked unverified. That is also right when the report is true: rank 0 refuses a
+/// rank before admitting it only for the rank's own fault (a wrong token, a world size or rank
+/// that cannot be right, a second process with its rank), and a rank with a wrong token cannot
+/// verify the real rank 0's proof either. Without a token nothing can be proved, and the
+/// report is taken as it is (such a job trusts everyone who can reach the port).
+fn unproven_report(cfg: &RendezvousConfig, payload: &[u8]) -> RendezvousError {
+    let rank = cfg.rank;
+    if cfg.token.is_none() {
+        return abort_error(rank, 0, Op::Connect, 0, payload);
+    }
+    let text = payload
+        .get(5..)
+        .map_or_else(|| "a malformed report".into(), String::from_utf8_lossy);
+    RendezvousError::Aborted {
+        rank,
+        peer: rank,
+        reporter: 0,
+        op: Op::Connect,
+        seq: 0,
+        detail: format!(
+            "the process at {} turned this rank away, and has not proved it holds the job \
+             token, so its report is not believed and blames no other rank: {text}",
+            cfg.addr_string()
+        ),
     }
 }
