@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use super::{
     abort_payload, encode, AbortKind, Facing, FrameLimits, Kind, Link, Op, RendezvousConfig,
-    RendezvousError, Result, ADMIT_LEN, FLAG_TOKEN, HELLO_LEN,
+    RendezvousError, Result, Seal, ADMIT_LEN, FLAG_TOKEN, HELLO_LEN,
 };
 use crate::auth::{self, Claim, Role, MAC_LEN, NONCE_LEN};
 use crate::time::deadline;
@@ -224,6 +224,10 @@ impl<'a> Door<'a> {
                     let bytes = encode(Kind::Admit, Op::Connect, 0, 0, &proof[..ADMIT_LEN]);
                     // A rank that cannot take its admission at once reconnects.
                     if p.link.send(&bytes, now).is_ok() {
+                        // Every later frame on this connection is tagged under its key.
+                        let claim = self.claim(&p.nonce, &client_nonce, rank);
+                        let key = auth::session_key(self.cfg.token.as_ref(), &claim);
+                        p.link.seal = Some(Seal::new(key, true));
                         p.link.peer = rank;
                         p.link.limits = FrameLimits {
                             facing: Facing::Member,

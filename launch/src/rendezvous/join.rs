@@ -45,13 +45,14 @@ pub(super) fn dial(cfg: &RendezvousConfig, deadline: Instant) -> std::result::Re
 }
 
 /// The handshake on a fresh connection to rank 0: its challenge, this rank's hello with its
-/// proof, rank 0's admission with its proof. `Retry` when the connection fails before rank 0
-/// has answered the hello (rank 0 not up yet, or it dropped this connection to make room).
+/// proof, rank 0's admission with its proof. Returns the connection's session key
+/// ([`auth::session_key`]); `Retry` when the connection fails before rank 0 has answered the
+/// hello (rank 0 not up yet, or it dropped this connection to make room).
 pub(super) fn handshake(
     cfg: &RendezvousConfig,
     link: &mut Link,
     deadline: Instant,
-) -> std::result::Result<(), Handshake> {
+) -> std::result::Result<[u8; MAC_LEN], Handshake> {
     let rank = cfg.rank;
     let unauth = |peer: usize, detail: String| {
         Handshake::Fatal(RendezvousError::Unauthenticated { rank, peer, detail })
@@ -139,7 +140,7 @@ pub(super) fn handshake(
                     ));
                 }
             }
-            Ok(())
+            Ok(auth::session_key(cfg.token.as_ref(), &claim))
         }
         // Refused (or the job failed) before rank 0 proved itself.
         Kind::Abort => Err(Handshake::Fatal(unproven_report(cfg, &ad.payload))),
