@@ -36,8 +36,10 @@
 //! proof, a silent client past the handshake deadline, a rank number out of range or taken, a
 //! wrong world size) are dropped without disturbing the job; only a connection that *proved* it
 //! holds the token and then disagrees (world size, rank taken) fails the job, since it is one of
-//! the job's own processes. Unidentified connections are capped ([`Limits::max_pending`]; the
-//! oldest is dropped for a new one) and each is bounded to a hello-sized buffer. Without a token
+//! the job's own processes. Unidentified connections are capped ([`Limits::max_pending`], and
+//! by rank 0's descriptors; when full, the oldest is dropped for a new one once it has had a
+//! round trip's time to answer, else the new one is closed at once) and each is bounded to a
+//! hello-sized buffer. Without a token
 //! (one host only, unless [`RendezvousConfig::open`]) anyone who can reach the port can take a
 //! free rank.
 //!
@@ -314,8 +316,9 @@ pub struct Limits {
     /// The largest blob one rank may contribute to a collective (and so the largest `Data`
     /// frame; rank 0's all-gather reply may hold `world_size` of them, up to [`MAX_PAYLOAD`]).
     pub max_blob: usize,
-    /// Rank 0: connections that have not yet proved who they are, at most; the oldest is
-    /// dropped to make room for a new one.
+    /// Rank 0: connections that have not yet proved who they are, at most (fewer where rank 0
+    /// runs out of descriptors); when full, the oldest is dropped to make room for a new one
+    /// once it has had 20 ms to answer, and the new one is closed otherwise.
     pub max_pending: usize,
     /// Rank 0: how long a new connection has to complete its handshake before it is dropped.
     /// Each rank: how long it waits for rank 0's challenge before reconnecting.
@@ -1229,6 +1232,10 @@ impl Rendezvous {
             if Instant::now() >= deadline {
                 return Err(connect_err(last_error));
             }
+            // Rank 0 may not be listening yet: the next try in a while. If it is up but closed
+            // this connection (its queue was full, under a flood), at once: each try is a
+            // chance at the next free place.
+            let mut pause = Duration::from_millis(20);
             match join::dial(cfg, deadline) {
                 Ok(mut link) => match join::handshake(cfg, &mut link, deadline) {
                     Ok(key) => {
@@ -1238,13 +1245,15 @@ impl Rendezvous {
                         link.seal = Some(Seal::new(key, false));
                         break link;
                     }
-                    Err(join::Handshake::Retry(cause)) => last_error = cause,
+                    Err(join::Handshake::Retry(cause)) => {
+                        last_error = cause;
+                        pause = Duration::from_millis(1);
+                    }
                     Err(join::Handshake::Fatal(err)) => return Err(err),
                 },
                 Err(e) => last_error = e,
             }
-            // Rank 0 may not be listening yet.
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(pause);
         };
 
         // Wait to be welcomed: rank 0 answers once every rank is in, so allow it the whole
