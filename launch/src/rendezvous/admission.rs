@@ -130,82 +130,101 @@ impl<'a> Door<'a> {
         }
         let mut progress = false;
         for _ in 0..ACCEPT_BATCH {
-            match listener.accept() {
+            let e = match listener.accept() {
                 Ok((stream, _)) => {
                     progress = true;
-                    self.starved_since = None;
-                    self.backoff = MIN_BACKOFF;
-                    if self.pending.len() >= self.cfg.limits.max_pending {
-                        self.make_room(stream, now);
-                    } else {
-                        self.challenge(stream, now);
-                    }
+                    self.arrived(stream, now, false);
+                    continue;
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) if is_out_of_descriptors(&e) && self.spare.is_some() => {
-                    // Free the reserve and look: is a connection waiting at all?
-                    self.spare = None;
-                    let taken = listener.accept();
-                    match taken {
-                        Ok((stream, _)) => {
-                            progress = true;
-                            self.starved_since = None;
-                            self.backoff = MIN_BACKOFF;
-                            if self.pending.is_empty() {
-                                // Nothing to make room with: it takes the reserve's place.
-                                self.challenge(stream, now);
-                            } else {
-                                self.make_room(stream, now);
-                            }
-                            self.spare = listener.try_clone().ok();
-                        }
-                        Err(e) => {
-                            self.spare = listener.try_clone().ok();
-                            if e.kind() != ErrorKind::WouldBlock {
-                                continue;
-                            }
-                            // Out of descriptors with nothing waiting: look again shortly.
-                            self.retry_at = Some(deadline(now, self.backoff));
-                            self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
-                            break;
-                        }
+                Err(e) => e,
+            };
+            // Out of descriptors: free the reserve and look again (is a connection waiting at
+            // all?), then take the reserve back.
+            let e = if is_out_of_descriptors(&e) && self.spare.take().is_some() {
+                let again = listener.accept();
+                let e = match again {
+                    Ok((stream, _)) => {
+                        progress = true;
+                        self.arrived(stream, now, true);
+                        None
                     }
+                    Err(e) => Some(e),
+                };
+                self.spare = listener.try_clone().ok();
+                match e {
+                    None => continue,
+                    Some(e) if e.kind() == ErrorKind::WouldBlock => {
+                        // Out of descriptors with nothing waiting: look again shortly.
+                        self.retry_at = Some(deadline(now, self.backoff));
+                        self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+                        break;
+                    }
+                    Some(e) => e,
                 }
-                Err(e) if is_exhaustion(&e) => {
-                    let since = *self.starved_since.get_or_insert(now);
-                    let shed_age = SHED_AGE.min(self.cfg.limits.handshake_timeout / 4);
-                    let oldest_silent = self
-                        .pending
-                        .front()
-                        .is_some_and(|p| now.saturating_duration_since(p.since) >= shed_age);
-                    if oldest_silent {
-                        // A descriptor freed: the next attempt can take the next connection.
-                        self.pending.pop_front();
-                        self.shed += 1;
-                    } else if self.pending.is_empty()
-                        && now.saturating_duration_since(since) >= ACCEPT_GIVE_UP
-                    {
-                        return Err(RendezvousError::Accept {
-                            rank: 0,
-                            addr: self.addr.clone(),
-                            cause: format!(
-                                "{e} for {:?} with no connection left to drop (raise the \
-                                 open-file limit, `ulimit -n`)",
-                                now.saturating_duration_since(since)
-                            ),
-                        });
-                    }
-                    self.retry_at = Some(deadline(now, self.backoff));
-                    self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+            } else {
+                e
+            };
+            match e.kind() {
+                ErrorKind::WouldBlock => break,
+                ErrorKind::Interrupted => {}
+                _ if is_exhaustion(&e) => {
+                    self.starved(&e, now)?;
                     break;
                 }
                 // The connection died between arrival and accept (ECONNABORTED, ...): only
                 // that one is affected; take the next.
-                Err(_) => {}
+                _ => {}
             }
         }
         Ok(progress)
+    }
+
+    /// A connection taken from the listener (`via_reserve`: with the descriptor freed from the
+    /// reserve, so one waiting connection must go for it to stay, unless none waits).
+    fn arrived(&mut self, stream: TcpStream, now: Instant, via_reserve: bool) {
+        self.starved_since = None;
+        self.backoff = MIN_BACKOFF;
+        let full = if via_reserve {
+            !self.pending.is_empty()
+        } else {
+            self.pending.len() >= self.cfg.limits.max_pending
+        };
+        if full {
+            self.make_room(stream, now);
+        } else {
+            self.challenge(stream, now);
+        }
+    }
+
+    /// `accept` failed for lack of resources (`e`) with no reserve to free: sheds the oldest
+    /// waiting connection if it has been silent for [`SHED_AGE`] and backs off; `Err` once it
+    /// has lasted [`ACCEPT_GIVE_UP`] with nothing left to shed.
+    fn starved(&mut self, e: &std::io::Error, now: Instant) -> Result<()> {
+        let since = *self.starved_since.get_or_insert(now);
+        let shed_age = SHED_AGE.min(self.cfg.limits.handshake_timeout / 4);
+        let oldest_silent = self
+            .pending
+            .front()
+            .is_some_and(|p| now.saturating_duration_since(p.since) >= shed_age);
+        if oldest_silent {
+            // A descriptor freed: the next attempt can take the next connection.
+            self.pending.pop_front();
+            self.shed += 1;
+        } else if self.pending.is_empty() && now.saturating_duration_since(since) >= ACCEPT_GIVE_UP
+        {
+            return Err(RendezvousError::Accept {
+                rank: 0,
+                addr: self.addr.clone(),
+                cause: format!(
+                    "{e} for {:?} with no connection left to drop (raise the open-file limit, \
+                     `ulimit -n`)",
+                    now.saturating_duration_since(since)
+                ),
+            });
+        }
+        self.retry_at = Some(deadline(now, self.backoff));
+        self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+        Ok(())
     }
 
     /// A new connection at a full queue: it pushes out the oldest waiting one if that one has
