@@ -85,7 +85,41 @@ pub struct BenchSpec {
     pub nccl: Option<ep_kernels::NcclSizes>,
 }
 
+/// The most timed iterations of one point (`--iters`). Each keeps one latency per rank, path
+/// and operation, so 10^5 already holds about 3 GB at the largest R (1024); more is a typo, not
+/// a benchmark.
+pub const MAX_ITERS: usize = 100_000;
+/// The most warm-up iterations of one point (`--warmup`).
+pub const MAX_WARMUP: usize = 100_000;
+
 impl BenchSpec {
+    /// Warm-up plus timed rounds of this point: `iters` in `1..=MAX_ITERS` and `warmup` at most
+    /// `MAX_WARMUP`, else a config error naming the count (`iters` or `warmup`).
+    pub fn rounds(&self) -> Result<usize, BenchError> {
+        let over = |what: &'static str, value: usize, limit: usize| {
+            BenchError::Config(ep_reference::Error::LimitExceeded {
+                what,
+                value: value as u128,
+                limit: limit as u128,
+            })
+        };
+        if self.iters == 0 {
+            return Err(BenchError::Config(ep_reference::Error::ZeroSize {
+                what: "iters",
+            }));
+        }
+        if self.iters > MAX_ITERS {
+            return Err(over("iters", self.iters, MAX_ITERS));
+        }
+        if self.warmup > MAX_WARMUP {
+            return Err(over("warmup", self.warmup, MAX_WARMUP));
+        }
+        // Both bounded above: cannot overflow; checked all the same.
+        self.warmup
+            .checked_add(self.iters)
+            .ok_or_else(|| over("warmup + iters", self.warmup, usize::MAX - self.iters))
+    }
+
     /// Every rank's inputs: random routing with `masked` -1 slots.
     pub fn workload(&self) -> Workload {
         Workload::uniform(
@@ -155,6 +189,7 @@ pub fn run_point(
     spec: &BenchSpec,
     progress: &dyn Fn(&str),
 ) -> Result<PointResult, BenchError> {
+    spec.rounds()?;
     match backend {
         Backend::Cpu => cpu::run(spec, progress),
         Backend::Gpu(device) => gpu::run(device, spec, progress),

@@ -373,6 +373,7 @@ pub fn load_average() -> Option<String> {
 /// slow spell of a shared machine hits both alike).
 pub fn run(spec: &BenchSpec, progress: &dyn Fn(&str)) -> Result<PointResult, BenchError> {
     let cfg = spec.cfg;
+    let total = spec.rounds()?;
     let load_average = load_average();
     progress("generating inputs, expert outputs and the oracle's results");
     let setup = Setup::new(spec.workload(), spec.seed)?;
@@ -401,7 +402,6 @@ pub fn run(spec: &BenchSpec, progress: &dyn Fn(&str)) -> Result<PointResult, Ben
             signals_total: 0,
         })
         .collect();
-    let total = spec.warmup + spec.iters;
     for i in 0..total {
         let phase = if i < spec.warmup { "warm-up" } else { "timing" };
         progress(&format!("{phase} round {}/{total}", i + 1));
@@ -578,6 +578,34 @@ mod tests {
             assert_eq!(p.paths[0].dispatch_traffic.messages, sel);
             assert_eq!(p.paths[0].combine_traffic.messages, sel);
             assert!(p.speedup.is_some());
+        }
+    }
+
+    /// Issue 20 item 7.2: warm-up + timed rounds wrapped (iters 2^64-1, warmup 1: 0 rounds,
+    /// a point of NaN latencies and 0 samples). A library caller gets a typed error naming the
+    /// count, before anything is generated.
+    #[test]
+    fn absurd_iteration_counts_are_config_errors() {
+        use ep_reference::Error;
+        for (iters, warmup, what) in [
+            (usize::MAX, 1, "iters"),
+            (1, usize::MAX, "warmup"),
+            (usize::MAX, usize::MAX, "iters"),
+            (0, 1, "iters"),
+        ] {
+            let spec = BenchSpec {
+                iters,
+                warmup,
+                ..small(Mode::FP8)
+            };
+            let e = run(&spec, &|_| {}).map(|_| ()).unwrap_err();
+            let named = match &e {
+                BenchError::Config(Error::LimitExceeded { what, .. }) => *what,
+                BenchError::Config(Error::ZeroSize { what }) => *what,
+                other => panic!("iters {iters} warmup {warmup}: {other}"),
+            };
+            assert_eq!(named, what, "iters {iters} warmup {warmup}: {e}");
+            assert_eq!(e.exit_code(), 2);
         }
     }
 

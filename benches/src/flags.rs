@@ -2,6 +2,7 @@
 //! the bad value and says what would be accepted, instead of the config field alone.
 
 use ep_reference::config::{MAX_EXPERTS, MAX_HIDDEN, MAX_RANKS, MAX_TOKENS_PER_RANK};
+use ep_reference::path::MAX_STAGING_WORKERS;
 use ep_reference::{Config, Error};
 
 /// Which flags set each field of one point's config.
@@ -30,6 +31,9 @@ pub fn explain(e: &Error, cfg: &Config, flags: &Flags) -> String {
         "num_experts" => "--experts",
         "max_tokens_per_rank" => tf,
         "hidden" => "--hidden",
+        "staging_workers" => "--workers",
+        "iters" => "--iters",
+        "warmup" => "--warmup",
         _ => "",
     };
     match e {
@@ -73,6 +77,9 @@ pub fn explain(e: &Error, cfg: &Config, flags: &Flags) -> String {
             let flag = field_flag(what);
             if !flag.is_empty() {
                 let max = match *what {
+                    "staging_workers" => MAX_STAGING_WORKERS,
+                    "iters" => crate::backend::MAX_ITERS,
+                    "warmup" => crate::backend::MAX_WARMUP,
                     "num_ranks" => MAX_RANKS,
                     "num_experts" => MAX_EXPERTS,
                     "max_tokens_per_rank" => MAX_TOKENS_PER_RANK,
@@ -161,6 +168,20 @@ mod tests {
         assert_eq!(s, "--tokens 100000 exceeds the supported maximum 65536");
         let s = m(Config::new(0, 256, 128, 7168, 8, Mode::FP8).unwrap_err());
         assert_eq!(s, "--ranks must be at least 1, got 0");
+        let workers = ep_reference::CpuOptions {
+            staging_workers: 300,
+            ..Default::default()
+        };
+        let s = m(workers.check().unwrap_err());
+        assert_eq!(s, "--workers 300 exceeds the supported maximum 256");
+        let s = m(Error::ZeroSize { what: "iters" });
+        assert_eq!(s, "--iters must be at least 1, got 0");
+        let s = m(Error::LimitExceeded {
+            what: "warmup",
+            value: 1 << 20,
+            limit: 100_000,
+        });
+        assert_eq!(s, "--warmup 1048576 exceeds the supported maximum 100000");
         let nprocs = Flags {
             ranks: "--nprocs",
             tokens: "--max-tokens",

@@ -167,6 +167,85 @@ fn a_huge_timeout_is_saturated_not_a_panic() {
     assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
 }
 
+/// `args` appended to the tiny point.
+fn tiny(args: &[&'static str]) -> Vec<&'static str> {
+    let mut a = TINY.to_vec();
+    a.extend(args);
+    a
+}
+
+#[test]
+fn absurd_worker_counts_are_refused_naming_the_flag() {
+    // usize::MAX panicked (exit 101), 10^6 failed spawning threads (101), 10^8 aborted (134).
+    for n in ["18446744073709551615", "100000000", "1000000", "257"] {
+        refused(
+            &tiny(&["--workers", n]),
+            2,
+            &["--workers", n, "at most 256"],
+        );
+    }
+    // The maximum itself runs.
+    let r = ep_bench(&tiny(&["--workers", "256"]));
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+}
+
+#[test]
+fn absurd_iteration_counts_are_refused_naming_the_flag() {
+    // `--iters 2^64-1 --warmup 1` wrapped to 0 rounds: exit 0 with NaN latencies, 0 samples.
+    let max = "18446744073709551615";
+    refused(
+        &["--backend", "cpu", "--iters", max, "--warmup", "1"],
+        2,
+        &["--iters", max, "1..=100000"],
+    );
+    refused(
+        &["--backend", "cpu", "--iters", "1", "--warmup", max],
+        2,
+        &["--warmup", max, "at most 100000"],
+    );
+    refused(
+        &["--backend", "cpu", "--iters", "100001"],
+        2,
+        &["--iters", "100001"],
+    );
+    refused(
+        &["--backend", "cpu", "--warmup", "100001"],
+        2,
+        &["--warmup", "100001"],
+    );
+    refused(&["--backend", "cpu", "--iters", "0"], 2, &["--iters", "0"]);
+    // Multi-process mode takes --iters too, bounded alike.
+    refused(&["--nprocs", "2", "--iters", max], 2, &["--iters", max]);
+}
+
+#[test]
+fn timeouts_that_are_no_bound_are_refused_naming_the_flag() {
+    // 1e-300 became 0 ns, and the run then blamed a rank for the timeout (exit 1); -inf was
+    // refused by clap as an unknown flag, without naming --timeout-secs.
+    for v in [
+        "1e-300", "-inf", "inf", "+inf", "nan", "-nan", "0", "-0", "0.0009", "-1e-300", "4.9e-324",
+    ] {
+        refused(
+            &tiny(&["--timeout-secs", v]),
+            2,
+            &["'--timeout-secs", v, "0.001"],
+        );
+    }
+    // The form with '=' too.
+    refused(
+        &tiny(&["--timeout-secs=-inf"]),
+        2,
+        &["'--timeout-secs", "-inf"],
+    );
+    // The minimum itself is a valid bound (not run: 1 ms may be too short on a busy machine).
+    let r = refused(
+        &["--timeout-secs", "0.001", "--tokens", "-1"],
+        2,
+        &["--tokens"],
+    );
+    assert!(!r.stderr.contains("--timeout-secs"), "{}", r.stderr);
+}
+
 #[test]
 fn flags_that_do_not_apply_are_refused() {
     // `--nprocs 1 --transport nccl` ran the default group and dropped --transport.

@@ -102,9 +102,12 @@ impl Shared {
     }
 }
 
-/// Builds the group: one endpoint per rank, sharing its buffers.
+/// Builds the group: one endpoint per rank, sharing its buffers. Options out of range
+/// ([`CpuOptions::check`]: more than `MAX_STAGING_WORKERS` staging workers) are refused with
+/// [`ep_reference::Error::LimitExceeded`].
 pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<BatchedRank>> {
     cfg.validate()?;
+    opts.check()?;
     memory::check(Shared::try_bytes_needed(cfg)? as u64, opts.memory_limit)?;
     let r = cfg.num_ranks;
     let region = |rows, bytes| Region {
@@ -520,6 +523,41 @@ mod tests {
     fn a_panicking_worker_fails_only_its_combine() {
         a_panicking_worker_fails_only_its_call(1, 2, Op::Combine);
         a_panicking_worker_fails_only_its_call(0, 1, Op::Combine);
+    }
+
+    /// Issue 20 item 7.1: `ep-bench --workers 18446744073709551615` panicked (a vector of that
+    /// many thread handles), 10^6 failed to spawn its threads, 10^8 aborted. A group asked for
+    /// more staging workers than the documented maximum is refused when it is built, with the
+    /// typed error naming the option; the maximum itself still works.
+    #[test]
+    fn absurd_staging_worker_counts_are_a_typed_error() {
+        let cfg = Config::new(2, 8, 8, 128, 3, Mode::FP8).unwrap();
+        for workers in [257, 1_000_000, 100_000_000, usize::MAX] {
+            let opts = CpuOptions {
+                staging_workers: workers,
+                ..CpuOptions::default()
+            };
+            match group(&cfg, opts).map(|_| ()) {
+                Err(Error::LimitExceeded { what, value, limit }) => {
+                    assert_eq!(
+                        (what, value, limit),
+                        (
+                            "staging_workers",
+                            workers as u128,
+                            ep_reference::path::MAX_STAGING_WORKERS as u128
+                        )
+                    );
+                }
+                other => panic!("{workers} workers: expected LimitExceeded, got {other:?}"),
+            }
+        }
+        let opts = CpuOptions {
+            staging_workers: 256,
+            ..CpuOptions::default()
+        };
+        let mut ranks = group(&cfg, opts).unwrap();
+        let w = Workload::uniform(&cfg, 8, Routing::Random { masked: 0.1 }, 3);
+        round_is_correct(&mut ranks, &w, 3);
     }
 
     #[test]

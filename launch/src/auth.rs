@@ -10,12 +10,18 @@
 //! without the token can do neither, and a recorded exchange cannot be replayed (fresh nonces on
 //! both sides).
 //!
+//! The connection is then bound to that exchange: both sides derive a *session key*,
+//! `HMAC-SHA256(token, "session" | server nonce | client nonce | rank | world size | job id)`
+//! ([`session_key`]), and every later frame in either direction carries an HMAC-SHA256 tag under
+//! it over its direction, its number on the connection and its bytes (see the rendezvous' wire
+//! format). A relay in the middle can neither alter, inject, replay, reorder nor reflect a frame
+//! (the NCCL unique id, CUDA IPC handles, failure reports) without the rank that reads it
+//! failing with an authentication error naming the peer. The frames are not encrypted: someone
+//! who can read the traffic can read the blobs, so the rendezvous still belongs on a network
+//! that only the cluster reads (a cluster's private fabric), as with NCCL itself.
+//!
 //! No cryptography of our own: HMAC and SHA-256 come from RustCrypto's `hmac` and `sha2` crates,
 //! MAC comparison is theirs (constant time), randomness is the OS's (`getrandom`).
-//!
-//! This authenticates the handshake only; the connection is not encrypted or integrity-protected
-//! afterwards, so the rendezvous must run on a network where nobody can inject into or read
-//! established TCP streams (a cluster's private fabric), as with NCCL itself.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -77,13 +83,15 @@ pub(crate) fn random<const N: usize>() -> Result<[u8; N], TokenError> {
 }
 
 /// Which side a proof is for: the same inputs under two labels, so one side's proof is never
-/// valid as the other's.
+/// valid as the other's (and a third label for the session key, which never travels).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Role {
     /// The connecting rank proves it holds the token.
     Hello,
     /// Rank 0 proves it holds the token.
     Admit,
+    /// The key that authenticates the connection's later frames.
+    Session,
 }
 
 /// What a proof binds: both nonces, the claimed rank and world size, and the job id.
@@ -96,14 +104,21 @@ pub(crate) struct Claim<'a> {
     pub job_id: &'a str,
 }
 
-fn mac(token: &JobToken, role: Role, c: &Claim<'_>) -> Hmac<Sha256> {
+/// HMAC-SHA256 under `key` (any length).
+pub(crate) fn hmac(key: &[u8]) -> Hmac<Sha256> {
     // HMAC accepts keys of any length; new_from_slice cannot fail for it.
-    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&token.0)
-        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
-    // Every field has a fixed length or a length prefix, so the input is unambiguous.
+    <Hmac<Sha256> as Mac>::new_from_slice(key)
+        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"))
+}
+
+fn mac(secret: &[u8], role: Role, c: &Claim<'_>) -> Hmac<Sha256> {
+    let mut m = hmac(secret);
+    // Every field has a fixed length or a length prefix, so the input is unambiguous. The
+    // labels name the protocol version: a proof of another version is never valid.
     m.update(match role {
-        Role::Hello => b"ep-launch rendezvous v2 hello\0",
-        Role::Admit => b"ep-launch rendezvous v2 admit\0",
+        Role::Hello => b"ep-launch rendezvous v3 hello\0",
+        Role::Admit => b"ep-launch rendezvous v3 admit\0",
+        Role::Session => b"ep-launch rendezvous v3 session\0",
     });
     m.update(c.server_nonce);
     m.update(c.client_nonce);
@@ -114,17 +129,30 @@ fn mac(token: &JobToken, role: Role, c: &Claim<'_>) -> Hmac<Sha256> {
     m
 }
 
-/// The proof for `role` over `claim`.
-pub(crate) fn prove(token: &JobToken, role: Role, claim: &Claim<'_>) -> [u8; MAC_LEN] {
-    let out = mac(token, role, claim).finalize().into_bytes();
+fn finish(m: Hmac<Sha256>) -> [u8; MAC_LEN] {
+    let out = m.finalize().into_bytes();
     let mut b = [0u8; MAC_LEN];
     b.copy_from_slice(&out);
     b
 }
 
+/// The proof for `role` over `claim`.
+pub(crate) fn prove(token: &JobToken, role: Role, claim: &Claim<'_>) -> [u8; MAC_LEN] {
+    finish(mac(&token.0, role, claim))
+}
+
 /// Whether `proof` is the proof for `role` over `claim` (constant-time comparison).
 pub(crate) fn check(token: &JobToken, role: Role, claim: &Claim<'_>, proof: &[u8]) -> bool {
-    mac(token, role, claim).verify_slice(proof).is_ok()
+    mac(&token.0, role, claim).verify_slice(proof).is_ok()
+}
+
+/// The key of one connection, derived from its handshake (HMAC-SHA256 as the KDF, under the
+/// token, over both nonces, the rank, the world size and the job id): fresh for every
+/// connection, known only to the two ends. Without a token (a job that trusts everyone who can
+/// reach the port) the key is derived from the handshake alone: the tags then catch corruption
+/// and confusion between connections, not an attacker.
+pub(crate) fn session_key(token: Option<&JobToken>, claim: &Claim<'_>) -> [u8; MAC_LEN] {
+    finish(mac(token.map_or(&[][..], |t| &t.0), Role::Session, claim))
 }
 
 #[cfg(test)]
@@ -145,6 +173,11 @@ mod tests {
         let p = prove(&t, Role::Hello, &c);
         assert!(check(&t, Role::Hello, &c, &p));
         assert!(!check(&t, Role::Admit, &c, &p), "roles must differ");
+        // The session key is neither proof, and depends on the token and the handshake.
+        let k = session_key(Some(&t), &c);
+        assert!(k != p && k != prove(&t, Role::Admit, &c));
+        assert_ne!(k, session_key(None, &c));
+        assert_ne!(k, session_key(Some(&t), &Claim { rank: 4, ..c }));
         let other = JobToken::new(*b"0123456789abcdeX").unwrap();
         assert!(!check(&other, Role::Hello, &c, &p));
         let (sn2, cn2) = ([9u8; NONCE_LEN], [9u8; NONCE_LEN]);

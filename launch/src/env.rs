@@ -10,7 +10,7 @@
 //! | `WORLD_SIZE`       | number of processes in the job, `>= 1`           | yes      |
 //! | `LOCAL_RANK`       | rank on this node (picks the GPU), `0..LOCAL_WORLD_SIZE` | yes |
 //! | `LOCAL_WORLD_SIZE` | processes on this node                           | no       |
-//! | `MASTER_ADDR`      | host (name or IP) where rank 0 listens           | yes      |
+//! | `MASTER_ADDR`      | host where rank 0 listens: a name, an IPv4 or IPv6 address (bare or in brackets, `[::1]`) | yes |
 //! | `MASTER_PORT`      | TCP port where rank 0 listens, `1..=65535`       | yes      |
 //!
 //! The rendezvous port is `EP_RDZV_PORT` when set; otherwise `MASTER_PORT + 1` under torchrun
@@ -170,6 +170,13 @@ impl ProcessConfig {
                 var: MASTER_ADDR,
                 value: master_addr,
                 reason: "expected a host name or an IP address".into(),
+            });
+        }
+        if let Err(reason) = crate::rendezvous::address::Host::parse(trimmed) {
+            return Err(EnvError::Invalid {
+                var: MASTER_ADDR,
+                value: master_addr,
+                reason,
             });
         }
         let master_addr = trimmed.to_string();
@@ -459,6 +466,8 @@ mod tests {
             (LOCAL_WORLD_SIZE, "9"),
             (MASTER_ADDR, ""),
             (MASTER_ADDR, "bad host"),
+            (MASTER_ADDR, "[::1"),
+            (MASTER_ADDR, "[127.0.0.1]"),
             (MASTER_PORT, "0"),
             (MASTER_PORT, "65536"),
             (MASTER_PORT, "http"),

@@ -29,6 +29,12 @@ use crate::auth::JobToken;
 use crate::env;
 use crate::time::{after, deadline as deadline_at};
 
+/// The most processes [`spawn_local`] starts: ep-dispatch's largest group (1024 ranks). Each
+/// costs the launcher three threads (two output readers and a waiter) besides the process, so
+/// an absurd count is refused up front ([`LaunchError::InvalidRequest`]) rather than left to
+/// fail (or panic) partway through.
+pub const MAX_NPROCS: usize = 1024;
+
 /// How the launcher behaves; [`Default`] suits `ep-bench`.
 #[derive(Debug, Clone)]
 pub struct LaunchOptions {
@@ -247,7 +253,7 @@ impl std::fmt::Debug for Launch {
 
 /// Starts `nprocs` copies of `program args...` with the torchrun variables set (see the module
 /// docs), with [`LaunchOptions::default`]. `extra_env` is set in every child after those
-/// variables.
+/// variables. `nprocs` outside `1..=MAX_NPROCS` is [`LaunchError::InvalidRequest`].
 pub fn spawn_local<I, S>(
     nprocs: usize,
     program: impl AsRef<OsStr>,
@@ -276,6 +282,13 @@ where
     if nprocs == 0 {
         return Err(LaunchError::InvalidRequest {
             detail: "nprocs must be at least 1".into(),
+        });
+    }
+    if nprocs > MAX_NPROCS {
+        return Err(LaunchError::InvalidRequest {
+            detail: format!(
+                "nprocs {nprocs} exceeds the maximum {MAX_NPROCS} processes one launcher starts"
+            ),
         });
     }
     if opts.rank_env.len() > nprocs {
@@ -895,6 +908,24 @@ mod tests {
         // Every child got the job's 64-character token.
         for out in &report.output {
             assert!(out.contains(&"token=64".to_string()), "{out:?}");
+        }
+    }
+
+    /// Issue 20 item 7.4: `spawn_local(usize::MAX, ..)` panicked (a vector of that many
+    /// output tails). Absurd process counts are a typed error naming nprocs, before anything
+    /// starts.
+    #[test]
+    fn absurd_process_counts_are_typed_errors() {
+        for n in [1025, 1 << 20, usize::MAX] {
+            match spawn_local_with(&quiet(), n, "/bin/true", [""; 0], &[]) {
+                Err(LaunchError::InvalidRequest { detail }) => {
+                    assert!(
+                        detail.contains(&format!("nprocs {n}")) && detail.contains("1024"),
+                        "{detail}"
+                    );
+                }
+                other => panic!("nprocs {n}: expected InvalidRequest, got {other:?}"),
+            }
         }
     }
 

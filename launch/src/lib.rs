@@ -24,7 +24,7 @@ pub use env::{is_launched_by_ep_launch, is_launched_externally, EnvError, Proces
 #[cfg(unix)]
 pub use launcher::{
     spawn_local, spawn_local_with, ExitHow, Launch, LaunchError, LaunchOptions, LaunchReport,
-    RankExit, EXIT_PEER_FAILURE,
+    RankExit, EXIT_PEER_FAILURE, MAX_NPROCS,
 };
 pub use rendezvous::{Op, Rendezvous, RendezvousConfig, RendezvousError};
 

@@ -13,13 +13,20 @@
 //!
 //! # Wire format
 //!
-//! Every frame is a 28-byte little-endian header followed by `len` payload bytes:
+//! Every frame is a 28-byte little-endian header followed by `len` bytes:
 //! `magic "EPRZ" | version u16 | kind u8 | op u8 | seq u64 | src rank u32 | len u64`.
 //! Kinds: `Challenge` (0 -> new connection: flags u8, nonce), `Hello` (rank -> 0: world size,
 //! nonce, proof), `Admit` (0 -> rank: rank 0's proof), `Welcome` (0 -> rank, once all ranks are
 //! in), `Data`, `Abort` (a failure report: kind u8, culprit rank u32, message), `Bye` (clean
 //! close). Each kind (and, for `Data`, each operation and direction) has its own payload limit,
 //! checked on the header before any payload is buffered.
+//!
+//! The handshake frames (`Challenge`, `Hello`, `Admit`, and a refusal's `Abort`) are the
+//! payload alone. Every frame after them, both ways, is sealed ([`seal`], protocol version 3):
+//! `len` counts the payload and a 32-byte tag after it, `HMAC-SHA256(session key, direction |
+//! frame number | header | payload)`, the key derived from the handshake
+//! ([`crate::auth::session_key`]). A frame that fails its tag (altered, injected, replayed,
+//! reordered) fails the connection with [`RendezvousError::Unauthenticated`] naming the peer.
 //!
 //! # Who may join
 //!
@@ -29,8 +36,10 @@
 //! proof, a silent client past the handshake deadline, a rank number out of range or taken, a
 //! wrong world size) are dropped without disturbing the job; only a connection that *proved* it
 //! holds the token and then disagrees (world size, rank taken) fails the job, since it is one of
-//! the job's own processes. Unidentified connections are capped ([`Limits::max_pending`]; the
-//! oldest is dropped for a new one) and each is bounded to a hello-sized buffer. Without a token
+//! the job's own processes. Unidentified connections are capped ([`Limits::max_pending`], and
+//! by rank 0's descriptors; when full, the oldest is dropped for a new one once it has had a
+//! round trip's time to answer, else the new one is closed at once) and each is bounded to a
+//! hello-sized buffer. Without a token
 //! (one host only, unless [`RendezvousConfig::open`]) anyone who can reach the port can take a
 //! free rank.
 //!
@@ -43,6 +52,8 @@
 //! When rank 0 sees a failure it relays it (an `Abort` frame naming the culprit) to every other
 //! rank, so they fail promptly with an error naming the rank that died, not merely rank 0. After
 //! a failure the group is broken: further calls fail at once with [`RendezvousError::Broken`].
+//! A rank believes such a report only once rank 0 has proved it holds the job token: one that
+//! comes before (from whatever answered at rank 0's address) blames nobody but the rank itself.
 
 use std::collections::VecDeque;
 use std::io::{ErrorKind, Read, Write};
@@ -50,14 +61,22 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::auth::{self, Claim, JobToken, Role, MAC_LEN, NONCE_LEN};
+use crate::auth::{self, JobToken, MAC_LEN, NONCE_LEN};
 use crate::time::{after, deadline as deadline_at};
 
+pub(crate) mod address;
 mod admission;
+mod join;
+mod seal;
+
+use seal::{Seal, TAG_LEN};
+
+use address::Host;
 
 const MAGIC: [u8; 4] = *b"EPRZ";
 /// Bumped whenever the wire format changes; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// Version 3: every frame after the handshake carries a tag ([`seal`]).
+pub const PROTOCOL_VERSION: u16 = 3;
 const HEADER_LEN: usize = 28;
 /// The largest payload one frame may carry (an all-gather result included). Far above what the
 /// control plane needs (an NCCL unique id is 128 bytes, a CUDA IPC handle 64), low enough that a
@@ -297,8 +316,9 @@ pub struct Limits {
     /// The largest blob one rank may contribute to a collective (and so the largest `Data`
     /// frame; rank 0's all-gather reply may hold `world_size` of them, up to [`MAX_PAYLOAD`]).
     pub max_blob: usize,
-    /// Rank 0: connections that have not yet proved who they are, at most; the oldest is
-    /// dropped to make room for a new one.
+    /// Rank 0: connections that have not yet proved who they are, at most (fewer where rank 0
+    /// runs out of descriptors); when full, the oldest is dropped to make room for a new one
+    /// once it has had 20 ms to answer, and the new one is closed otherwise.
     pub max_pending: usize,
     /// Rank 0: how long a new connection has to complete its handshake before it is dropped.
     /// Each rank: how long it waits for rank 0's challenge before reconnecting.
@@ -348,13 +368,7 @@ impl RendezvousConfig {
     /// may run without a token. Anything else, names included, counts as reachable from other
     /// hosts.
     pub fn is_loopback(&self) -> bool {
-        let a = self
-            .master_addr
-            .trim_start_matches('[')
-            .trim_end_matches(']');
-        a.eq_ignore_ascii_case("localhost")
-            || a.parse::<std::net::IpAddr>()
-                .is_ok_and(|ip| ip.is_loopback())
+        Host::parse(&self.master_addr).is_ok_and(|h| h.is_loopback())
     }
 
     fn validate(&self) -> Result<()> {
@@ -372,6 +386,9 @@ impl RendezvousConfig {
                 "rank {} >= world_size {}",
                 self.rank, self.world_size
             ));
+        }
+        if let Err(detail) = Host::parse(&self.master_addr) {
+            return bad(detail);
         }
         if self.connect_timeout.is_zero() || self.op_timeout.is_zero() {
             return bad("timeouts must be nonzero".into());
@@ -411,10 +428,13 @@ impl RendezvousConfig {
     }
 
     fn resolve(&self) -> std::result::Result<Vec<SocketAddr>, String> {
-        let addrs: Vec<SocketAddr> = (self.master_addr.as_str(), self.master_port)
-            .to_socket_addrs()
-            .map_err(|e| format!("cannot resolve {}: {e}", self.addr_string()))?
-            .collect();
+        let addrs: Vec<SocketAddr> = match Host::parse(&self.master_addr)? {
+            Host::Ip(ip) => vec![SocketAddr::new(ip, self.master_port)],
+            Host::Name(name) => (name, self.master_port)
+                .to_socket_addrs()
+                .map_err(|e| format!("cannot resolve {}: {e}", self.addr_string()))?
+                .collect(),
+        };
         if addrs.is_empty() {
             return Err(format!("{} resolves to no address", self.addr_string()));
         }
@@ -517,11 +537,12 @@ impl FrameLimits {
     /// The most bytes the link buffers (unparsed bytes plus parsed frames not yet consumed):
     /// one largest frame, so a peer cannot make it hold more than what it may legitimately send.
     fn read_budget(&self) -> usize {
+        // Past the handshake (a member, a proven rank 0) every frame carries its tag.
         let largest = match self.facing {
             Facing::Unidentified => HELLO_LEN as u64,
             Facing::RootUnproven => MAX_ABORT as u64,
-            Facing::Member => (self.max_blob.max(MAX_ABORT)) as u64,
-            Facing::Root => self.gathered().max(MAX_ABORT as u64),
+            Facing::Member => (self.max_blob.max(MAX_ABORT) + TAG_LEN) as u64,
+            Facing::Root => self.gathered().max(MAX_ABORT as u64) + TAG_LEN as u64,
         };
         HEADER_LEN + largest as usize
     }
@@ -550,7 +571,14 @@ fn encode(kind: Kind, op: Op, seq: u64, src: usize, payload: &[u8]) -> Vec<u8> {
 }
 
 /// Parses one frame from the front of `buf`: `Ok(None)` when more bytes are needed.
-fn parse(buf: &[u8], limits: &FrameLimits) -> std::result::Result<Option<(Frame, usize)>, String> {
+/// `trailer`: the bytes after the payload that the header's length counts too (the tag of a
+/// sealed link, [`TAG_LEN`]; 0 before the handshake is done). The frame's payload excludes them;
+/// the caller checks them, at `total - trailer..total`.
+fn parse(
+    buf: &[u8],
+    limits: &FrameLimits,
+    trailer: usize,
+) -> std::result::Result<Option<(Frame, usize)>, String> {
     if buf.len() < HEADER_LEN {
         // Reject a wrong magic as early as possible (a stray client, an HTTP probe, ...).
         let n = buf.len().min(4);
@@ -587,16 +615,21 @@ fn parse(buf: &[u8], limits: &FrameLimits) -> std::result::Result<Option<(Frame,
     let src = u32_at(16) as usize;
     let len = u64_at(20);
     let limit = limits.max_payload(kind, op)?.min(MAX_PAYLOAD);
-    if len > limit {
+    let Some(payload_len) = len.checked_sub(trailer as u64) else {
         return Err(format!(
-            "{kind:?} frame for {op} of {len} bytes exceeds the limit {limit}"
+            "{kind:?} frame for {op} of {len} bytes is too short for its {trailer}-byte tag"
+        ));
+    };
+    if payload_len > limit {
+        return Err(format!(
+            "{kind:?} frame for {op} of {payload_len} bytes exceeds the limit {limit}"
         ));
     }
     let total = HEADER_LEN + len as usize;
     if buf.len() < total {
         return Ok(None);
     }
-    let payload = buf[HEADER_LEN..total].to_vec();
+    let payload = buf[HEADER_LEN..total - trailer].to_vec();
     Ok(Some((
         Frame {
             kind,
@@ -692,6 +725,9 @@ enum Fault {
     Lost(String),
     /// The peer sent bytes that are not a valid frame.
     Bad(String),
+    /// A frame failed its integrity check (see [`seal`]): altered, injected, replayed or
+    /// reordered on the way.
+    Forged(String),
 }
 
 /// One connection to a peer: a nonblocking socket, the bytes read so far and the frames parsed.
@@ -702,6 +738,10 @@ struct Link {
     rbuf: Vec<u8>,
     inbox: VecDeque<Frame>,
     fault: Option<Fault>,
+    /// Once the handshake is done: the tags of what is sent and received.
+    seal: Option<Seal>,
+    /// A rank's link to rank 0: the admission has arrived (see [`Link::held`]).
+    admitted: bool,
 }
 
 impl Link {
@@ -715,6 +755,8 @@ impl Link {
             rbuf: Vec::new(),
             inbox: VecDeque::new(),
             fault: None,
+            seal: None,
+            admitted: false,
         })
     }
 
@@ -790,12 +832,12 @@ impl Link {
         progress
     }
 
-    /// Whether parsing waits: a rank has rank 0's admission in hand but has not checked its
-    /// proof yet. What follows it (the welcome, maybe a broadcast) is parsed under the limits
-    /// for a proven rank 0 once the proof is checked, and under none before.
+    /// Whether parsing waits: a rank has rank 0's admission in hand (or has taken it from the
+    /// inbox) but has not checked its proof yet. What follows it (the welcome, maybe a
+    /// broadcast) is parsed under the limits for a proven rank 0, and checked against its tag,
+    /// once the proof is checked and the link sealed; under none before.
     fn held(&self) -> bool {
-        self.limits.facing == Facing::RootUnproven
-            && self.inbox.iter().any(|f| f.kind == Kind::Admit)
+        self.limits.facing == Facing::RootUnproven && self.admitted
     }
 
     /// Moves every complete frame from the read buffer to the inbox; false (and a fault) on
@@ -806,9 +848,22 @@ impl Link {
             if self.held() {
                 break true;
             }
-            match parse(&self.rbuf[consumed..], &self.limits) {
+            let trailer = if self.seal.is_some() { TAG_LEN } else { 0 };
+            match parse(&self.rbuf[consumed..], &self.limits, trailer) {
                 Ok(Some((frame, n))) => {
+                    if let Some(seal) = self.seal.as_mut() {
+                        let bytes = &self.rbuf[consumed..consumed + n];
+                        let (head, rest) = bytes.split_at(HEADER_LEN);
+                        let (payload, tag) = rest.split_at(rest.len() - TAG_LEN);
+                        if let Err(detail) = seal.open_next(head, payload, tag) {
+                            self.fault = Some(Fault::Forged(detail));
+                            break false;
+                        }
+                    }
                     consumed += n;
+                    if self.limits.facing == Facing::RootUnproven && frame.kind == Kind::Admit {
+                        self.admitted = true;
+                    }
                     self.inbox.push_back(frame);
                 }
                 Ok(None) => break true,
@@ -831,7 +886,7 @@ impl Link {
             }
             match &self.fault {
                 Some(Fault::Clean) => return Err("the peer said goodbye".into()),
-                Some(Fault::Lost(c)) | Some(Fault::Bad(c)) => return Err(c.clone()),
+                Some(Fault::Lost(c) | Fault::Bad(c) | Fault::Forged(c)) => return Err(c.clone()),
                 None => {}
             }
             if Instant::now() >= until {
@@ -843,23 +898,53 @@ impl Link {
         }
     }
 
-    /// Writes one whole frame before `deadline`, reading meanwhile so neither side can block the
-    /// other on full buffers.
-    fn send(&mut self, bytes: &[u8], deadline: Instant) -> std::result::Result<(), SendFault> {
-        let mut off = 0;
-        while off < bytes.len() {
-            match self.stream.write(&bytes[off..]) {
-                Ok(0) => return Err(SendFault::Lost("connection closed (wrote 0 bytes)".into())),
-                Ok(n) => off += n,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        return Err(SendFault::Timeout);
+    /// Writes one whole frame (as [`encode`] made it) before `deadline`, reading meanwhile so
+    /// neither side can block the other on full buffers. On a sealed link the frame goes out
+    /// with its tag (the header's length counting it).
+    fn send(&mut self, frame: &[u8], deadline: Instant) -> std::result::Result<(), SendFault> {
+        let Some(seal) = self.seal.as_mut() else {
+            return self.write_parts(&[frame], deadline);
+        };
+        if frame.len() < HEADER_LEN {
+            return Err(SendFault::Lost(format!(
+                "internal error: a {}-byte frame is shorter than its header",
+                frame.len()
+            )));
+        }
+        let (head, payload) = frame.split_at(HEADER_LEN);
+        let mut head: [u8; HEADER_LEN] = head
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("split at HEADER_LEN"));
+        let len = (payload.len() + TAG_LEN) as u64;
+        head[20..28].copy_from_slice(&len.to_le_bytes());
+        let tag = seal.seal_next(&head, payload);
+        self.write_parts(&[&head, payload, &tag], deadline)
+    }
+
+    /// Writes `parts` one after the other, whole, before `deadline` (see [`Link::send`]).
+    fn write_parts(
+        &mut self,
+        parts: &[&[u8]],
+        deadline: Instant,
+    ) -> std::result::Result<(), SendFault> {
+        for part in parts {
+            let mut off = 0;
+            while off < part.len() {
+                match self.stream.write(&part[off..]) {
+                    Ok(0) => {
+                        return Err(SendFault::Lost("connection closed (wrote 0 bytes)".into()))
                     }
-                    self.pump();
-                    std::thread::sleep(POLL_SLEEP);
+                    Ok(n) => off += n,
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                        if Instant::now() >= deadline {
+                            return Err(SendFault::Timeout);
+                        }
+                        self.pump();
+                        std::thread::sleep(POLL_SLEEP);
+                    }
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) => return Err(SendFault::Lost(format!("send failed: {e}"))),
                 }
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(SendFault::Lost(format!("send failed: {e}"))),
             }
         }
         Ok(())
@@ -869,14 +954,6 @@ impl Link {
 enum SendFault {
     Lost(String),
     Timeout,
-}
-
-/// How a handshake attempt with rank 0 failed.
-enum Handshake {
-    /// Before rank 0 answered the hello: connect again (until the deadline).
-    Retry(String),
-    /// Rank 0 refused this rank, or failed to prove itself: give up.
-    Fatal(RendezvousError),
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1054,6 +1131,14 @@ impl Rendezvous {
             // Ranks already in must stay alive while we wait for the rest.
             for link in slots.iter_mut().flatten() {
                 progress |= link.pump();
+                if let Some(Fault::Forged(detail)) = &link.fault {
+                    let err = RendezvousError::Unauthenticated {
+                        rank,
+                        peer: link.peer,
+                        detail: detail.clone(),
+                    };
+                    return Err(fail(&mut slots, err));
+                }
                 if let Some(Fault::Lost(cause)) | Some(Fault::Bad(cause)) = &link.fault {
                     let err = RendezvousError::PeerLost {
                         rank,
@@ -1131,152 +1216,6 @@ impl Rendezvous {
         Ok(Self::from_links(cfg, links))
     }
 
-    /// Opens a TCP connection to rank 0 (any of its addresses), bounded by `deadline`.
-    fn dial(cfg: &RendezvousConfig, deadline: Instant) -> std::result::Result<Link, String> {
-        let addrs = cfg.resolve()?;
-        let mut err = String::new();
-        for a in addrs {
-            let budget = deadline
-                .saturating_duration_since(Instant::now())
-                .min(Duration::from_secs(2))
-                .max(Duration::from_millis(1));
-            match TcpStream::connect_timeout(&a, budget) {
-                Ok(s) => {
-                    let limits = FrameLimits {
-                        facing: Facing::RootUnproven,
-                        world: cfg.world_size,
-                        max_blob: cfg.limits.max_blob,
-                    };
-                    return Link::new(0, s, limits).map_err(|e| e.to_string());
-                }
-                Err(e) => err = format!("{a}: {e}"),
-            }
-        }
-        Err(err)
-    }
-
-    /// The handshake on a fresh connection to rank 0: its challenge, this rank's hello with its
-    /// proof, rank 0's admission with its proof. `Retry` when the connection fails before rank 0
-    /// has answered the hello (rank 0 not up yet, or it dropped this connection to make room).
-    fn handshake(
-        cfg: &RendezvousConfig,
-        link: &mut Link,
-        deadline: Instant,
-    ) -> std::result::Result<(), Handshake> {
-        let rank = cfg.rank;
-        let unauth = |peer: usize, detail: String| {
-            Handshake::Fatal(RendezvousError::Unauthenticated { rank, peer, detail })
-        };
-        let challenge_by = deadline.min(after(cfg.limits.handshake_timeout));
-        let ch = link
-            .next_frame(challenge_by)
-            .map_err(|c| Handshake::Retry(format!("no challenge from rank 0: {c}")))?;
-        match ch.kind {
-            Kind::Challenge if ch.payload.len() == CHALLENGE_LEN => {}
-            Kind::Abort => {
-                return Err(Handshake::Fatal(abort_error(
-                    rank,
-                    0,
-                    Op::Connect,
-                    0,
-                    &ch.payload,
-                )))
-            }
-            other => {
-                return Err(Handshake::Retry(format!(
-                    "expected a challenge from rank 0, got {other:?}"
-                )))
-            }
-        }
-        let wants_token = ch.payload[0] & FLAG_TOKEN != 0;
-        let mut server_nonce = [0u8; NONCE_LEN];
-        server_nonce.copy_from_slice(&ch.payload[1..]);
-        match (&cfg.token, wants_token) {
-            (Some(_), false) => {
-                return Err(unauth(
-                    0,
-                    "rank 0 runs without a job token but this rank has one: set the same \
-                     EP_JOB_TOKEN on every rank"
-                        .into(),
-                ))
-            }
-            (None, true) => {
-                return Err(unauth(
-                    rank,
-                    "rank 0 requires a job token and this rank has none: set the same \
-                     EP_JOB_TOKEN on every rank"
-                        .into(),
-                ))
-            }
-            _ => {}
-        }
-        let client_nonce: [u8; NONCE_LEN] = auth::random().map_err(|e| {
-            Handshake::Fatal(RendezvousError::InvalidConfig {
-                rank,
-                detail: e.to_string(),
-            })
-        })?;
-        let claim = Claim {
-            server_nonce: &server_nonce,
-            client_nonce: &client_nonce,
-            rank: rank as u32,
-            world: cfg.world_size as u32,
-            job_id: &cfg.job_id,
-        };
-        let proof = cfg
-            .token
-            .as_ref()
-            .map_or([0u8; MAC_LEN], |t| auth::prove(t, Role::Hello, &claim));
-        let mut payload = Vec::with_capacity(HELLO_LEN);
-        payload.extend_from_slice(&(cfg.world_size as u32).to_le_bytes());
-        payload.extend_from_slice(&client_nonce);
-        payload.extend_from_slice(&proof);
-        let hello = encode(Kind::Hello, Op::Connect, 0, rank, &payload);
-        link.send(&hello, challenge_by).map_err(|f| {
-            Handshake::Retry(match f {
-                SendFault::Lost(c) => c,
-                SendFault::Timeout => "sending the hello timed out".into(),
-            })
-        })?;
-        // Rank 0 answers a hello at once (admits or refuses); wait up to the connect deadline
-        // so a slow answer is never mistaken for a drop.
-        let ad = link
-            .next_frame(deadline)
-            .map_err(|c| Handshake::Retry(format!("rank 0 did not answer the hello: {c}")))?;
-        match ad.kind {
-            Kind::Admit if ad.payload.len() == ADMIT_LEN => {
-                if let Some(t) = &cfg.token {
-                    if !auth::check(t, Role::Admit, &claim, &ad.payload) {
-                        return Err(unauth(
-                            0,
-                            format!(
-                                "the process at {} did not prove it holds the job token: it is \
-                                 not this job's rank 0 (or rank 0 has another EP_JOB_TOKEN or \
-                                 EP_JOB_ID); nothing was sent to it",
-                                cfg.addr_string()
-                            ),
-                        ));
-                    }
-                }
-                Ok(())
-            }
-            Kind::Abort => Err(Handshake::Fatal(abort_error(
-                rank,
-                0,
-                Op::Connect,
-                0,
-                &ad.payload,
-            ))),
-            other => Err(Handshake::Fatal(RendezvousError::Protocol {
-                rank,
-                peer: 0,
-                op: Op::Connect,
-                seq: 0,
-                detail: format!("expected an admission, got {other:?}"),
-            })),
-        }
-    }
-
     fn connect_to_root(cfg: &RendezvousConfig) -> Result<Self> {
         let rank = cfg.rank;
         let start = Instant::now();
@@ -1293,20 +1232,28 @@ impl Rendezvous {
             if Instant::now() >= deadline {
                 return Err(connect_err(last_error));
             }
-            match Self::dial(cfg, deadline) {
-                Ok(mut link) => match Self::handshake(cfg, &mut link, deadline) {
-                    Ok(()) => {
-                        // Rank 0 proved itself: from now on it may send collective results.
+            // Rank 0 may not be listening yet: the next try in a while. If it is up but closed
+            // this connection (its queue was full, under a flood), at once: each try is a
+            // chance at the next free place.
+            let mut pause = Duration::from_millis(20);
+            match join::dial(cfg, deadline) {
+                Ok(mut link) => match join::handshake(cfg, &mut link, deadline) {
+                    Ok(key) => {
+                        // Rank 0 proved itself: from now on it may send collective results,
+                        // each frame (both ways) tagged under the connection's key.
                         link.limits.facing = Facing::Root;
+                        link.seal = Some(Seal::new(key, false));
                         break link;
                     }
-                    Err(Handshake::Retry(cause)) => last_error = cause,
-                    Err(Handshake::Fatal(err)) => return Err(err),
+                    Err(join::Handshake::Retry(cause)) => {
+                        last_error = cause;
+                        pause = Duration::from_millis(1);
+                    }
+                    Err(join::Handshake::Fatal(err)) => return Err(err),
                 },
                 Err(e) => last_error = e,
             }
-            // Rank 0 may not be listening yet.
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(pause);
         };
 
         // Wait to be welcomed: rank 0 answers once every rank is in, so allow it the whole
@@ -1336,6 +1283,13 @@ impl Rendezvous {
                         peer: 0,
                         op: Op::Connect,
                         seq: 0,
+                        detail: detail.clone(),
+                    })
+                }
+                Some(Fault::Forged(detail)) => {
+                    return Err(RendezvousError::Unauthenticated {
+                        rank,
+                        peer: 0,
                         detail: detail.clone(),
                     })
                 }
@@ -1637,6 +1591,11 @@ impl Rendezvous {
                 seq,
                 detail: detail.clone(),
             }),
+            Some(Fault::Forged(detail)) => Some(RendezvousError::Unauthenticated {
+                rank: self.rank,
+                peer: link.peer,
+                detail: format!("{op} #{seq}: {detail}"),
+            }),
         }
     }
 
@@ -1834,7 +1793,7 @@ mod tests {
     fn frames_round_trip_and_reject_garbage() {
         let member = limits(Facing::Member);
         let bytes = encode(Kind::Data, Op::Barrier, 7, 3, b"hello");
-        let (f, n) = parse(&bytes, &member).unwrap().unwrap();
+        let (f, n) = parse(&bytes, &member, 0).unwrap().unwrap();
         assert_eq!(n, bytes.len());
         assert_eq!(
             (f.kind, f.op, f.seq, f.src),
@@ -1842,18 +1801,20 @@ mod tests {
         );
         assert_eq!(f.payload, b"hello");
         // Incomplete: needs more bytes, not an error.
-        assert!(parse(&bytes[..bytes.len() - 1], &member).unwrap().is_none());
-        assert!(parse(&bytes[..3], &member).unwrap().is_none());
+        assert!(parse(&bytes[..bytes.len() - 1], &member, 0)
+            .unwrap()
+            .is_none());
+        assert!(parse(&bytes[..3], &member, 0).unwrap().is_none());
         // Wrong magic, wrong version, huge length.
-        assert!(parse(b"GET / HTTP/1.1\r\n", &member)
+        assert!(parse(b"GET / HTTP/1.1\r\n", &member, 0)
             .unwrap_err()
             .contains("magic"));
         let mut v = bytes.clone();
         v[4] = 99;
-        assert!(parse(&v, &member).unwrap_err().contains("version"));
+        assert!(parse(&v, &member, 0).unwrap_err().contains("version"));
         let mut v = bytes.clone();
         v[20..28].copy_from_slice(&(MAX_PAYLOAD + 1).to_le_bytes());
-        assert!(parse(&v, &member).unwrap_err().contains("exceeds"));
+        assert!(parse(&v, &member, 0).unwrap_err().contains("exceeds"));
     }
 
     #[test]
@@ -1870,16 +1831,16 @@ mod tests {
         );
         // A blob from a rank: max_blob; rank 0's gathered reply: world x (8 + max_blob) + 4.
         let blob = header_claiming(Kind::Data, Op::AllGather, 1000);
-        assert!(parse(&blob, &member).unwrap().is_none());
+        assert!(parse(&blob, &member, 0).unwrap().is_none());
         let over = header_claiming(Kind::Data, Op::AllGather, 1001);
-        assert!(parse(&over, &member).unwrap_err().contains("exceeds"));
-        assert!(parse(&over, &root).unwrap().is_none());
+        assert!(parse(&over, &member, 0).unwrap_err().contains("exceeds"));
+        assert!(parse(&over, &root, 0).unwrap().is_none());
         let gathered = header_claiming(Kind::Data, Op::AllGather, 4 * 1008 + 4);
-        assert!(parse(&gathered, &root).unwrap().is_none());
+        assert!(parse(&gathered, &root, 0).unwrap().is_none());
         let gathered = header_claiming(Kind::Data, Op::AllGather, 4 * 1008 + 5);
-        assert!(parse(&gathered, &root).unwrap_err().contains("exceeds"));
+        assert!(parse(&gathered, &root, 0).unwrap_err().contains("exceeds"));
         let bcast = header_claiming(Kind::Data, Op::Broadcast, 1001);
-        assert!(parse(&bcast, &root).unwrap_err().contains("exceeds"));
+        assert!(parse(&bcast, &root, 0).unwrap_err().contains("exceeds"));
         // Handshake frames: their exact sizes; data on connect: none.
         for (kind, len) in [
             (Kind::Hello, HELLO_LEN),
@@ -1890,25 +1851,40 @@ mod tests {
             (Kind::Abort, MAX_ABORT),
         ] {
             let ok = header_claiming(kind, Op::Connect, len as u64);
-            assert!(parse(&ok, &root).is_ok(), "{kind:?}");
+            assert!(parse(&ok, &root, 0).is_ok(), "{kind:?}");
             let big = header_claiming(kind, Op::Connect, len as u64 + 1);
-            assert!(parse(&big, &root).is_err(), "{kind:?}");
+            assert!(parse(&big, &root, 0).is_err(), "{kind:?}");
         }
-        assert!(parse(&header_claiming(Kind::Data, Op::Connect, 1), &member).is_err());
+        assert!(parse(&header_claiming(Kind::Data, Op::Connect, 1), &member, 0).is_err());
         // A new connection may only say hello, of hello size.
         assert!(parse(
             &header_claiming(Kind::Hello, Op::Connect, HELLO_LEN as u64),
-            &new
+            &new,
+            0
         )
         .unwrap()
         .is_none());
-        assert!(parse(&header_claiming(Kind::Data, Op::AllGather, 1), &new)
+        assert!(
+            parse(&header_claiming(Kind::Data, Op::AllGather, 1), &new, 0)
+                .unwrap_err()
+                .contains("must start with a hello")
+        );
+        assert!(parse(&header_claiming(Kind::Hello, Op::Connect, 1 << 30), &new, 0).is_err());
+        // On a sealed link the length counts the tag too: the limit is on what precedes it,
+        // and a frame too short to hold a tag is refused.
+        let tagged = header_claiming(Kind::Data, Op::AllGather, 1000 + TAG_LEN as u64);
+        assert!(parse(&tagged, &member, TAG_LEN).unwrap().is_none());
+        let tagged = header_claiming(Kind::Data, Op::AllGather, 1001 + TAG_LEN as u64);
+        assert!(parse(&tagged, &member, TAG_LEN)
             .unwrap_err()
-            .contains("must start with a hello"));
-        assert!(parse(&header_claiming(Kind::Hello, Op::Connect, 1 << 30), &new).is_err());
+            .contains("exceeds"));
+        let short = header_claiming(Kind::Bye, Op::Connect, TAG_LEN as u64 - 1);
+        assert!(parse(&short, &member, TAG_LEN)
+            .unwrap_err()
+            .contains("too short"));
         // And what a link buffers is one largest frame.
         assert_eq!(new.read_budget(), HEADER_LEN + HELLO_LEN);
-        assert_eq!(member.read_budget(), HEADER_LEN + MAX_ABORT);
+        assert_eq!(member.read_budget(), HEADER_LEN + MAX_ABORT + TAG_LEN);
     }
 
     #[test]

@@ -14,6 +14,8 @@ use ep_launch::rendezvous::Limits;
 use ep_launch::{Op, Rendezvous, RendezvousConfig, RendezvousError};
 
 const WORLD: usize = 3;
+/// The rendezvous protocol version (3: frames after the handshake carry a tag).
+const VERSION: u16 = 3;
 const HEADER: usize = 28;
 const HELLO_LEN: usize = 4 + 32 + 32;
 // Frame kinds on the wire.
@@ -100,7 +102,7 @@ fn forged_hello(rank: u32, world: u32) -> Vec<u8> {
     p.extend_from_slice(&[0x5a; 32]); // client nonce
     p.extend_from_slice(&[0xa5; 32]); // "proof"
     assert_eq!(p.len(), HELLO_LEN);
-    frame(2, HELLO, rank, &p)
+    frame(VERSION, HELLO, rank, &p)
 }
 
 fn connect(port: u16) -> TcpStream {
@@ -216,7 +218,7 @@ fn garbage_and_oversized_frames_are_dropped() {
         // A well-formed header announcing a 1 GiB hello, then a stream of bytes: rank 0 must
         // close on the header, not buffer the stream.
         let mut huge = connect(port);
-        let mut h = frame(2, HELLO, 1, &[]);
+        let mut h = frame(VERSION, HELLO, 1, &[]);
         h[20..28].copy_from_slice(&(1u64 << 30).to_le_bytes());
         huge.write_all(&h).unwrap();
         let mut sent = 0usize;
@@ -230,7 +232,7 @@ fn garbage_and_oversized_frames_are_dropped() {
         }
         // A data frame before any hello.
         let mut early = connect(port);
-        early.write_all(&frame(2, DATA, 1, b"x")).unwrap();
+        early.write_all(&frame(VERSION, DATA, 1, b"x")).unwrap();
         for (s, what) in [
             (&mut http, "http"),
             (&mut noise, "noise"),
@@ -440,7 +442,7 @@ fn impostor(flags: u8, admit: Vec<u8>) -> (u16, JoinHandle<Vec<u8>>) {
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let mut p = vec![flags];
         p.extend_from_slice(&[1u8; 32]);
-        s.write_all(&frame(2, CHALLENGE, 0, &p)).unwrap();
+        s.write_all(&frame(VERSION, CHALLENGE, 0, &p)).unwrap();
         let mut after = Vec::new();
         if flags & 1 == 0 {
             // A rank with a token refuses an open rank 0 before saying hello.
@@ -449,8 +451,8 @@ fn impostor(flags: u8, admit: Vec<u8>) -> (u16, JoinHandle<Vec<u8>>) {
         }
         let (kind, hello) = read_frame(&mut s).unwrap();
         assert_eq!((kind, hello.len()), (HELLO, HELLO_LEN));
-        s.write_all(&frame(2, ADMIT, 0, &admit)).unwrap();
-        s.write_all(&frame(2, WELCOME, 0, &(WORLD as u32).to_le_bytes()))
+        s.write_all(&frame(VERSION, ADMIT, 0, &admit)).unwrap();
+        s.write_all(&frame(VERSION, WELCOME, 0, &(WORLD as u32).to_le_bytes()))
             .unwrap();
         let _ = s.read_to_end(&mut after);
         after
@@ -482,13 +484,91 @@ fn a_rank_does_not_trust_a_stranger_listening_on_the_port() {
     });
 }
 
+/// A stranger on the port that sends a failure report (an `Abort` naming rank 2 as the culprit)
+/// instead of the challenge (`at_once`), or after reading the hello instead of an admission.
+fn impostor_reporting_rank_2(at_once: bool) -> (u16, JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let h = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        if !at_once {
+            let mut p = vec![1u8];
+            p.extend_from_slice(&[1u8; 32]);
+            s.write_all(&frame(VERSION, CHALLENGE, 0, &p)).unwrap();
+            let (kind, _) = read_frame(&mut s).unwrap();
+            assert_eq!(kind, HELLO);
+        }
+        // Kind "lost", culprit rank 2, a plausible message.
+        let mut report = vec![1u8];
+        report.extend_from_slice(&2u32.to_le_bytes());
+        report.extend_from_slice(b"connection reset by peer");
+        let _ = s.write_all(&frame(VERSION, ABORT, 0, &report));
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+    });
+    (port, h)
+}
+
+#[test]
+fn a_report_from_an_unproven_rank_0_blames_nobody_else() {
+    // Issue 20 item 7.5: a rank believed an Abort from the endpoint it dialled before that
+    // endpoint had proved it holds the job token, and blamed the rank the report named (exit
+    // 86: the launcher then blamed an innocent rank 2). Nothing an unproven peer says is
+    // believed: the rank fails, naming nobody but itself.
+    bounded(Duration::from_secs(60), || {
+        for at_once in [true, false] {
+            let (port, fake) = impostor_reporting_rank_2(at_once);
+            let c = RendezvousConfig {
+                connect_timeout: Duration::from_secs(3),
+                ..cfg(1, port)
+            };
+            let e = Rendezvous::connect(&c).unwrap_err();
+            assert!(
+                !e.is_caused_by_peer() && e.peer() != Some(2),
+                "at once {at_once}: {e}"
+            );
+            assert!(
+                e.to_string().contains("not proved"),
+                "at once {at_once}: {e}"
+            );
+            fake.join().unwrap();
+        }
+    });
+}
+
 #[test]
 fn a_rank_reads_an_admission_welcome_and_broadcast_sent_at_once() {
-    // A rank 0 that holds the token (here: the test, computing the proof as the protocol
-    // defines it) may send the admission, the welcome and a first broadcast back to back; the
-    // rank must check the proof and then take the rest under the limits of a proven rank 0.
+    // A rank 0 that holds the token (here: the test, computing the proofs and tags as the
+    // protocol defines them) may send the admission, the welcome and a first broadcast back to
+    // back; the rank must check the proof and then take the rest under the limits of a proven
+    // rank 0, each frame checked against its tag.
     use hmac::{Hmac, Mac};
-    bounded(Duration::from_secs(60), || {
+    let secret = b"the-real-job-token-0123456789";
+    // HMAC-SHA256(token, label | server nonce | client nonce | rank 1 | world 2 | empty job id).
+    let proof = |label: &[u8], server_nonce: &[u8], client_nonce: &[u8]| {
+        let mut m = <Hmac<sha2::Sha256> as Mac>::new_from_slice(secret).unwrap();
+        m.update(label);
+        m.update(server_nonce);
+        m.update(client_nonce);
+        m.update(&1u32.to_le_bytes());
+        m.update(&2u32.to_le_bytes());
+        m.update(&0u64.to_le_bytes());
+        m.finalize().into_bytes().to_vec()
+    };
+    // Frame `n` from rank 0 on a sealed connection: the length counts the tag, which is
+    // HMAC-SHA256(key, direction 0 | n | header | payload).
+    let sealed = |key: &[u8], n: u64, mut f: Vec<u8>| {
+        let len = u64::from_le_bytes(f[20..28].try_into().unwrap()) + 32;
+        f[20..28].copy_from_slice(&len.to_le_bytes());
+        let mut m = <Hmac<sha2::Sha256> as Mac>::new_from_slice(key).unwrap();
+        m.update(&[0]);
+        m.update(&n.to_le_bytes());
+        m.update(&f);
+        f.extend_from_slice(&m.finalize().into_bytes());
+        f
+    };
+    bounded(Duration::from_secs(60), move || {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = l.local_addr().unwrap().port();
         let blob: Vec<u8> = (0..100_000u32).map(|i| i as u8).collect();
@@ -499,25 +579,27 @@ fn a_rank_reads_an_admission_welcome_and_broadcast_sent_at_once() {
             let server_nonce = [3u8; 32];
             let mut p = vec![1u8];
             p.extend_from_slice(&server_nonce);
-            s.write_all(&frame(2, CHALLENGE, 0, &p)).unwrap();
+            s.write_all(&frame(VERSION, CHALLENGE, 0, &p)).unwrap();
             let (kind, hello) = read_frame(&mut s).unwrap();
             assert_eq!(kind, HELLO);
-            let mut m =
-                <Hmac<sha2::Sha256> as Mac>::new_from_slice(b"the-real-job-token-0123456789")
-                    .unwrap();
-            m.update(b"ep-launch rendezvous v2 admit\0");
-            m.update(&server_nonce);
-            m.update(&hello[4..36]);
-            m.update(&1u32.to_le_bytes());
-            m.update(&2u32.to_le_bytes());
-            m.update(&0u64.to_le_bytes()); // empty job id
-            let proof = m.finalize().into_bytes();
-            let mut all = frame(2, ADMIT, 0, &proof);
-            all.extend_from_slice(&frame(2, WELCOME, 0, &2u32.to_le_bytes()));
-            let mut data = frame(2, DATA, 0, &sent);
+            let client_nonce = &hello[4..36];
+            let admit = proof(
+                b"ep-launch rendezvous v3 admit\0",
+                &server_nonce,
+                client_nonce,
+            );
+            let key = proof(
+                b"ep-launch rendezvous v3 session\0",
+                &server_nonce,
+                client_nonce,
+            );
+            let mut all = frame(VERSION, ADMIT, 0, &admit);
+            let welcome = frame(VERSION, WELCOME, 0, &2u32.to_le_bytes());
+            all.extend_from_slice(&sealed(&key, 0, welcome));
+            let mut data = frame(VERSION, DATA, 0, &sent);
             data[7] = 2; // op: broadcast
             data[8..16].copy_from_slice(&1u64.to_le_bytes()); // seq 1
-            all.extend_from_slice(&data);
+            all.extend_from_slice(&sealed(&key, 1, data));
             s.write_all(&all).unwrap();
             let mut rest = Vec::new();
             let _ = s.read_to_end(&mut rest);
@@ -527,5 +609,139 @@ fn a_rank_reads_an_admission_welcome_and_broadcast_sent_at_once() {
         assert_eq!(r.broadcast(&[]).unwrap(), blob);
         drop(r);
         server.join().unwrap();
+    });
+}
+
+/// What a relay between rank 1 and rank 0 does to the first `Data` frame it forwards one way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tamper {
+    /// Flip a bit of the payload going to the rank (rank 0's broadcast: the NCCL unique id).
+    FlipToRank,
+    /// Flip a bit of the payload going to rank 0 (the rank's all_gather contribution).
+    FlipToRoot,
+    /// Forward the frame going to the rank twice.
+    ReplayToRank,
+}
+
+/// Copies whole frames from `from` to `to` (the framing is the header's length: it covers
+/// whatever follows the header), doing `alter` to the first `Data` frame.
+fn forward_frames(mut from: TcpStream, mut to: TcpStream, alter: Option<Tamper>) {
+    let mut done = false;
+    loop {
+        let mut h = [0u8; HEADER];
+        if from.read_exact(&mut h).is_err() {
+            let _ = to.shutdown(Shutdown::Write);
+            return;
+        }
+        let len = u64::from_le_bytes(h[20..28].try_into().unwrap()) as usize;
+        let mut p = vec![0u8; len];
+        if from.read_exact(&mut p).is_err() {
+            let _ = to.shutdown(Shutdown::Write);
+            return;
+        }
+        let mut copies = 1;
+        if h[6] == DATA && !done {
+            done = true;
+            match alter {
+                Some(Tamper::FlipToRank | Tamper::FlipToRoot) => p[0] ^= 1,
+                Some(Tamper::ReplayToRank) => copies = 2,
+                None => {}
+            }
+        }
+        for _ in 0..copies {
+            if to.write_all(&h).and_then(|()| to.write_all(&p)).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// A relay in the middle: listens on a port of its own for one rank, connects it to rank 0 at
+/// `root_port`, and forwards both ways, tampering as told.
+fn relay(root_port: u16, tamper: Tamper) -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let Ok((rank, _)) = l.accept() else { return };
+        let root = TcpStream::connect(("127.0.0.1", root_port)).unwrap();
+        let (down, up) = match tamper {
+            Tamper::FlipToRoot => (None, Some(tamper)),
+            _ => (Some(tamper), None),
+        };
+        let (r2, root2) = (rank.try_clone().unwrap(), root.try_clone().unwrap());
+        let a = std::thread::spawn(move || forward_frames(root2, r2, down));
+        forward_frames(rank, root, up);
+        let _ = a.join();
+    });
+    port
+}
+
+#[test]
+fn a_relay_that_alters_or_replays_a_later_frame_is_caught_naming_the_peer() {
+    // Issue 20 item 7.7: after the HMAC exchange frames were neither authenticated nor
+    // integrity-checked, so a relay in the middle could alter what they carry (the NCCL
+    // unique id, CUDA IPC handles) and the ranks took it. Every later frame now carries a tag
+    // under a key derived from the exchange; an altered, replayed or reordered frame is
+    // refused with an authentication error naming the peer it came from.
+    bounded(Duration::from_secs(60), || {
+        let id = b"nccl-unique-id: 0123456789abcdef".to_vec();
+        for tamper in [Tamper::FlipToRank, Tamper::FlipToRoot, Tamper::ReplayToRank] {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            let port = l.local_addr().unwrap().port();
+            let via = relay(port, tamper);
+            let sent = id.clone();
+            let run = move |rank: usize, c: RendezvousConfig, l: Option<TcpListener>| {
+                let id = sent.clone();
+                std::thread::spawn(move || {
+                    let r = match l {
+                        Some(l) => Rendezvous::with_listener(&c, l)?,
+                        None => Rendezvous::connect(&c)?,
+                    };
+                    let mine = if rank == 0 { id.as_slice() } else { &[] };
+                    let mut got = vec![r.broadcast(mine)];
+                    if tamper == Tamper::ReplayToRank {
+                        got.push(r.broadcast(mine));
+                    }
+                    if tamper == Tamper::FlipToRoot {
+                        got = vec![r.all_gather(&[rank as u8; 8]).map(|v| v.concat())];
+                    }
+                    got.into_iter().collect::<Result<Vec<_>, _>>()
+                })
+            };
+            let ranks = [
+                run(0, cfg(0, port), Some(l)),
+                run(1, cfg(1, via), None),
+                run(2, cfg(2, port), None),
+            ];
+            let res: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+            let (victim, peer) = match tamper {
+                Tamper::FlipToRoot => (0, 1),
+                _ => (1, 0),
+            };
+            match &res[victim] {
+                Err(
+                    e @ RendezvousError::Unauthenticated {
+                        rank,
+                        peer: p,
+                        detail,
+                    },
+                ) if *rank == victim && *p == peer => {
+                    assert!(detail.contains("integrity"), "{tamper:?}: {e}");
+                }
+                other => panic!("{tamper:?}: rank {victim} got {other:?}"),
+            }
+            // Nobody took altered bytes for real ones: what any rank returned is genuine.
+            for (rank, r) in res.iter().enumerate() {
+                if let Ok(got) = r {
+                    for blob in got {
+                        let genuine = match tamper {
+                            Tamper::FlipToRoot => (0..WORLD as u8).flat_map(|b| [b; 8]).collect(),
+                            _ => id.clone(),
+                        };
+                        assert_eq!(blob, &genuine, "{tamper:?}: rank {rank}");
+                    }
+                }
+            }
+        }
     });
 }

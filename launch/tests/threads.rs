@@ -602,3 +602,49 @@ fn blobs_above_the_limit_fail_naming_the_sender() {
         assert_eq!(r1.join().unwrap().unwrap_err().peer(), Some(1));
     });
 }
+
+#[test]
+fn a_bracketed_ipv6_master_addr_resolves_and_the_group_forms() {
+    // Issue 20 item 7.8: `MASTER_ADDR=[::1]` passed the loopback check, then could not be
+    // resolved ("cannot resolve [::1]:port"), on rank 0 (bind) and on the others (connect).
+    bounded(Duration::from_secs(60), || {
+        let port = match TcpListener::bind("[::1]:0") {
+            Ok(l) => l.local_addr().unwrap().port(),
+            Err(e) => {
+                println!("SKIPPED: no IPv6 loopback here ({e})");
+                return;
+            }
+        };
+        let t = Duration::from_secs(20);
+        let v6 = |rank| RendezvousConfig {
+            master_addr: "[::1]".into(),
+            ..cfg(rank, 2, port, t)
+        };
+        let c1 = v6(1);
+        let r1 = std::thread::spawn(move || {
+            let r = Rendezvous::connect(&c1)?;
+            r.all_gather(b"one")
+        });
+        let c0 = v6(0);
+        assert!(c0.is_loopback());
+        let r0 = Rendezvous::connect(&c0).unwrap_or_else(|e| panic!("rank 0: {e}"));
+        let want = vec![b"zero".to_vec(), b"one".to_vec()];
+        assert_eq!(r0.all_gather(b"zero").unwrap(), want);
+        assert_eq!(
+            r1.join().unwrap().unwrap_or_else(|e| panic!("rank 1: {e}")),
+            want
+        );
+        // Brackets around anything but an IPv6 literal are refused up front, naming the address.
+        for bad in ["[127.0.0.1]", "[localhost]", "[::1", "::1]", "[]"] {
+            let c = RendezvousConfig {
+                master_addr: bad.into(),
+                ..cfg(1, 2, port, t)
+            };
+            let e = Rendezvous::connect(&c).unwrap_err();
+            assert!(
+                matches!(&e, RendezvousError::InvalidConfig { rank: 1, detail } if detail.contains(bad)),
+                "{bad}: {e}"
+            );
+        }
+    });
+}

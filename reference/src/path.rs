@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::config::Config;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::output::{DispatchOutput, Handle};
 use crate::transport::CallStats;
 use half::bf16;
@@ -54,7 +54,8 @@ pub struct CpuOptions {
     /// Bound on every wait of one call.
     pub timeout: Duration,
     /// Staging workers per rank (batched path only); 0 picks one per core the ranks leave
-    /// free, at least 1 and at most 4 ([`CpuOptions::workers_for`]).
+    /// free, at least 1 and at most 4 ([`CpuOptions::workers_for`]). At most
+    /// [`MAX_STAGING_WORKERS`]: a group asked for more is refused ([`CpuOptions::check`]).
     pub staging_workers: usize,
     /// Communication memory allowed; `None` means what the OS reports available.
     pub memory_limit: Option<u64>,
@@ -70,7 +71,28 @@ impl Default for CpuOptions {
     }
 }
 
+/// The most staging workers a rank may be given ([`CpuOptions::staging_workers`]). Each worker
+/// is a thread of its rank for every call, so past the machine's cores they only contend; 256
+/// is above the cores of any machine the CPU backend runs on, and low enough that the OS is
+/// never asked for an absurd number of threads (`usize::MAX` overflowed a vector, 10^6 failed
+/// to spawn). A fixed number, not one derived from the cores, so a command line that works on
+/// one machine is accepted on every other.
+pub const MAX_STAGING_WORKERS: usize = 256;
+
 impl CpuOptions {
+    /// Checks the options every group checks before it is built: `staging_workers` at most
+    /// [`MAX_STAGING_WORKERS`], else [`Error::LimitExceeded`] naming `staging_workers`.
+    pub fn check(&self) -> Result<()> {
+        if self.staging_workers > MAX_STAGING_WORKERS {
+            return Err(Error::LimitExceeded {
+                what: "staging_workers",
+                value: self.staging_workers as u128,
+                limit: MAX_STAGING_WORKERS as u128,
+            });
+        }
+        Ok(())
+    }
+
     /// The staging workers each of `ranks` ranks gets: `staging_workers`, or where that is 0,
     /// the cores per rank (each call starts its workers as threads, and on a machine with fewer
     /// cores than ranks an extra thread costs more than it saves).

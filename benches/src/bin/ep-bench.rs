@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, ValueEnum};
-use ep_benches::backend::{self, Backend, BackendChoice, BenchError, BenchSpec};
+use ep_benches::backend::{self, Backend, BackendChoice, BenchError, BenchSpec, MAX_ITERS};
 use ep_benches::flags::{self, Flags};
 use ep_benches::memory::{self, MemInfo};
 use ep_benches::report::{self, PointResult};
@@ -68,6 +68,9 @@ enum DispatchArg {
 /// Timeouts above this many seconds (about 11.6 days) are taken as this, so every deadline
 /// derived from one stays representable.
 const MAX_TIMEOUT_SECS: f64 = 1e6;
+/// The shortest timeout accepted (1 ms): below it a bound is no bound (1e-300 became 0 ns, and
+/// every first wait then "timed out", blaming an innocent rank).
+const MIN_TIMEOUT_SECS: f64 = 1e-3;
 
 /// Per-expert vs per-destination batched MoE dispatch/combine (DeepEP low-latency mode), side
 /// by side on the same inputs. The defaults are docs/contract.md's standard decode setting: 8 ranks,
@@ -119,11 +122,12 @@ struct Cli {
     /// FP8: pack scales as UE8M0 exponent bytes (requires --round-scale).
     #[arg(long)]
     ue8m0: bool,
-    /// Timed iterations [default: 20 on the CPU backend, 200 on the GPU backend].
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Timed iterations, 1..=100000 [default: 20 on the CPU backend, 200 on the GPU backend].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_ITERS as u64))]
     iters: Option<u64>,
-    /// Untimed warm-up iterations [default: 3 on the CPU backend, 20 on the GPU backend].
-    #[arg(long, value_parser = parse_count)]
+    /// Untimed warm-up iterations, at most 100000 [default: 3 on the CPU backend, 20 on the GPU
+    /// backend].
+    #[arg(long, value_parser = parse_warmup)]
     warmup: Option<usize>,
     /// Seed of the inputs (tokens, routing, weights, expert outputs).
     #[arg(long, default_value_t = 0)]
@@ -132,8 +136,8 @@ struct Cli {
     #[arg(long, default_value_t = 0.05, value_parser = parse_fraction)]
     masked: f64,
     /// CPU backend: staging workers per rank (batched path); 0 = one per core the ranks leave
-    /// free (at least 1, at most 4).
-    #[arg(long, default_value_t = 0, value_parser = parse_count)]
+    /// free (at least 1, at most 4). At most 256 (ep_reference::path::MAX_STAGING_WORKERS).
+    #[arg(long, default_value_t = 0, value_parser = parse_workers)]
     workers: usize,
     /// Multi-process mode (GPU backend): start N processes, one rank each, torchrun style (CUDA
     /// IPC between them, or NCCL with --transport nccl). Under an external launcher (RANK and
@@ -160,9 +164,9 @@ struct Cli {
     /// GPU backend: GPUs to spread the ranks over (1: all ranks as virtual ranks on one GPU).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     gpus: u64,
-    /// CPU backend and multi-process mode: bound on every wait of one call, in seconds (values
-    /// above 1e6, about 11.6 days, are taken as 1e6).
-    #[arg(long, default_value_t = 30.0, value_parser = parse_positive)]
+    /// CPU backend and multi-process mode: bound on every wait of one call, in seconds: at
+    /// least 0.001 (1 ms), finite; values above 1e6, about 11.6 days, are taken as 1e6.
+    #[arg(long, default_value_t = 30.0, value_parser = parse_timeout, allow_hyphen_values = true)]
     timeout_secs: f64,
     /// Run one point per value of T (tokens per rank = T), e.g. 1,16,128,512.
     #[arg(long, value_delimiter = ',', num_args = 1.., value_parser = parse_count)]
@@ -198,14 +202,24 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
     }
 }
 
-fn parse_positive(s: &str) -> Result<f64, String> {
+/// A bound on a wait, in seconds: finite, at least `MIN_TIMEOUT_SECS`; above
+/// `MAX_TIMEOUT_SECS` it is taken as that.
+fn parse_timeout(s: &str) -> Result<f64, String> {
+    let range = format!("give {MIN_TIMEOUT_SECS} (1 ms) or more, e.g. 30");
     let v: f64 = s
+        .trim()
         .parse()
-        .map_err(|_| format!("{s:?} is not a number of seconds, e.g. 30"))?;
-    if v > 0.0 && !v.is_nan() {
-        Ok(v.min(MAX_TIMEOUT_SECS))
+        .map_err(|_| format!("{s:?} is not a number of seconds: {range}"))?;
+    if !v.is_finite() {
+        Err(format!("{s} is not a finite number of seconds: {range}"))
+    } else if v <= 0.0 {
+        Err(format!("{s} is not a positive number of seconds: {range}"))
+    } else if v < MIN_TIMEOUT_SECS {
+        Err(format!(
+            "{s} seconds is below the shortest bound on a wait: {range}"
+        ))
     } else {
-        Err(format!("{s} is not a positive number of seconds, e.g. 30"))
+        Ok(v.min(MAX_TIMEOUT_SECS))
     }
 }
 
@@ -216,6 +230,37 @@ fn parse_count(s: &str) -> Result<usize, String> {
     }
     s.parse()
         .map_err(|_| format!("{s:?} is not a whole number (0 or more)"))
+}
+
+/// A count of at most `max` (`what` says what is counted, for the message). A number of digits
+/// too large for a `usize` is simply above `max`.
+fn parse_at_most(s: &str, max: usize, what: &str) -> Result<usize, String> {
+    let too_many = || format!("{s} {what}: at most {max}");
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
+        return match s.parse::<usize>() {
+            Ok(n) if n <= max => Ok(n),
+            _ => Err(too_many()),
+        };
+    }
+    let n = parse_count(s)?;
+    if n > max {
+        return Err(too_many());
+    }
+    Ok(n)
+}
+
+/// Staging workers per rank: at most `MAX_STAGING_WORKERS` (a thread each, per rank and call).
+fn parse_workers(s: &str) -> Result<usize, String> {
+    parse_at_most(
+        s,
+        ep_reference::path::MAX_STAGING_WORKERS,
+        "staging workers per rank (0 picks one per free core)",
+    )
+}
+
+/// Warm-up iterations: at most `MAX_WARMUP`.
+fn parse_warmup(s: &str) -> Result<usize, String> {
+    parse_at_most(s, ep_benches::backend::MAX_WARMUP, "warm-up iterations")
 }
 
 impl Cli {

@@ -40,10 +40,14 @@ impl Args {
             .and_then(|i| self.all.get(i + 1).cloned())
             .unwrap_or_else(|| d.to_string())
     }
+    /// The whole number after `name` (`d` without it). A bad one is a usage error: exit 2
+    /// naming the flag (this runs before anything is started, so there is nothing to clean up).
     fn num(&self, name: &str, d: usize) -> usize {
         let v = self.get(name, &d.to_string());
-        v.parse()
-            .unwrap_or_else(|_| panic!("{name}: not a number: {v}"))
+        v.parse().unwrap_or_else(|_| {
+            eprintln!("ep-gpu-mp: {name} {v:?}: expected a whole number, 0 or more");
+            std::process::exit(2)
+        })
     }
 }
 
@@ -70,7 +74,16 @@ fn main() -> ExitCode {
 
 fn parent(args: &Args) -> ExitCode {
     let n = args.num("--nprocs", 2);
+    if !(1..=ep_launch::MAX_NPROCS).contains(&n) {
+        eprintln!(
+            "ep-gpu-mp: --nprocs {n}: give 1 to {} local processes",
+            ep_launch::MAX_NPROCS
+        );
+        return ExitCode::from(2);
+    }
     let nodes = args.num("--nodes", 1);
+    // Read before any process starts (a bad value exits at once).
+    let launch_timeout = Duration::from_secs(args.num("--launch-timeout-s", 240) as u64);
     let given_transport = args.all.iter().any(|a| a == "--transport");
     let mut child = Vec::new();
     let mut skip = false;
@@ -117,9 +130,7 @@ fn parent(args: &Args) -> ExitCode {
         }
     };
     let t0 = Instant::now();
-    match launch.wait(Duration::from_secs(
-        args.num("--launch-timeout-s", 240) as u64
-    )) {
+    match launch.wait(launch_timeout) {
         Ok(rep) => {
             println!(
                 "ep-gpu-mp: all {n} ranks exited 0 ({:.1} s)",

@@ -52,7 +52,18 @@ fn parse_args() -> Result<(Args, Vec<String>), String> {
                 .map_err(|e| format!("{name} {v:?}: expected a non-negative integer ({e})"))
         };
         match flag.as_str() {
-            "--nprocs" => a.nprocs = Some(value("--nprocs")? as usize),
+            "--nprocs" => {
+                let n = value("--nprocs")?;
+                match usize::try_from(n) {
+                    Ok(n @ 1..=ep_launch::MAX_NPROCS) => a.nprocs = Some(n),
+                    _ => {
+                        return Err(format!(
+                            "--nprocs {n}: give 1 to {} local processes",
+                            ep_launch::MAX_NPROCS
+                        ))
+                    }
+                }
+            }
             "--die-after-barrier" => a.die_after_barrier = Some(value(&flag)? as usize),
             "--abort-after-barrier" => a.abort_after_barrier = Some(value(&flag)? as usize),
             "--exhaust-fds" => a.exhaust_fds = Some(value(&flag)? as usize),

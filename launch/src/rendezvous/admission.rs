@@ -5,18 +5,25 @@
 //!   hello within [`Limits::handshake_timeout`](super::Limits::handshake_timeout); its buffer is
 //!   bounded to one hello (`FrameLimits` of `Facing::Unidentified`).
 //! - At most [`Limits::max_pending`](super::Limits::max_pending) connections wait in the
-//!   handshake; a new one pushes out the oldest, so a flood cannot lock real ranks out (a real
-//!   rank answers within a round trip, and reconnects if it was pushed out).
+//!   handshake, and never more than rank 0 has descriptors for. When full, a new connection
+//!   pushes out the oldest one if that one has had [`ANSWER_WINDOW`] to answer (a real rank
+//!   answers within a round trip); otherwise the new one is closed at once. Either way the
+//!   queue of connections waiting in the kernel drains as fast as they come, so a flood cannot
+//!   keep a real rank waiting behind it: each try of a real rank is either taken (and answered
+//!   within the window) or closed at once, and the rank reconnects.
 //! - A hello that fails (garbage, a wrong or missing proof, a world size, rank or rank number
 //!   that cannot be right) is refused: that connection gets a short report and is closed; the
 //!   job goes on. Only a connection that proved it holds the job token and still disagrees is
 //!   one of the job's own processes gone wrong: that fails the job.
-//! - `accept` failing for lack of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM) sheds
-//!   the oldest unidentified connection if it has been silent for [`SHED_AGE`] (Linux reports
-//!   EMFILE whether or not a connection waits, so a real rank in the middle of its handshake
-//!   must not be shed for it), and backs off (1 ms doubling to 100 ms) instead of spinning; if
-//!   no connection is in the handshake at all and it lasts [`ACCEPT_GIVE_UP`], it is an error
-//!   naming the cause.
+//! - Out of descriptors: rank 0 keeps one in reserve (a duplicate of the listener). When
+//!   `accept` fails for lack of descriptors (EMFILE, ENFILE), it frees the reserve and accepts
+//!   again: nothing waiting means nothing to do (Linux reports EMFILE whether or not a
+//!   connection waits, so a real rank in the middle of its handshake is not shed for it); a
+//!   connection waiting is handled as at a full queue above, and the reserve is taken back.
+//!   Without a reserve (or for lack of memory: ENOBUFS, ENOMEM), it sheds the oldest
+//!   unidentified connection if it has been silent for [`SHED_AGE`], and backs off (1 ms
+//!   doubling to 100 ms) instead of spinning; if no connection is in the handshake at all and
+//!   it lasts [`ACCEPT_GIVE_UP`], it is an error naming the cause.
 
 use std::collections::VecDeque;
 use std::io::ErrorKind;
@@ -25,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use super::{
     abort_payload, encode, AbortKind, Facing, FrameLimits, Kind, Link, Op, RendezvousConfig,
-    RendezvousError, Result, ADMIT_LEN, FLAG_TOKEN, HELLO_LEN,
+    RendezvousError, Result, Seal, ADMIT_LEN, FLAG_TOKEN, HELLO_LEN,
 };
 use crate::auth::{self, Claim, Role, MAC_LEN, NONCE_LEN};
 use crate::time::deadline;
@@ -41,6 +48,10 @@ pub(crate) const ACCEPT_GIVE_UP: Duration = Duration::from_secs(5);
 /// descriptors (a real rank answers its challenge within a round trip). At most a quarter of
 /// the handshake timeout.
 pub(crate) const SHED_AGE: Duration = Duration::from_millis(250);
+/// How long a new connection has to answer its challenge before a newer one may push it out of
+/// a full queue: a round trip and a scheduling delay, with room to spare. At most a quarter of
+/// the handshake timeout.
+pub(crate) const ANSWER_WINDOW: Duration = Duration::from_millis(20);
 
 /// A connection in the handshake.
 struct Pending {
@@ -70,9 +81,18 @@ pub(super) struct Door<'a> {
     starved_since: Option<Instant>,
     retry_at: Option<Instant>,
     backoff: Duration,
+    /// The descriptor held in reserve (a duplicate of the listener): freed to accept a
+    /// connection when there is no other, taken back afterwards.
+    spare: Option<TcpListener>,
     /// Counters, for tests and diagnostics.
     pub(super) refused: usize,
     pub(super) shed: usize,
+}
+
+/// Whether an `accept` error means this process or the system is out of descriptors (EMFILE
+/// 24, ENFILE 23).
+fn is_out_of_descriptors(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(24 | 23))
 }
 
 /// Whether an `accept` error means this process or the system is out of descriptors or memory.
@@ -90,6 +110,7 @@ impl<'a> Door<'a> {
             starved_since: None,
             retry_at: None,
             backoff: MIN_BACKOFF,
+            spare: None,
             refused: 0,
             shed: 0,
         }
@@ -103,55 +124,126 @@ impl<'a> Door<'a> {
             return Ok(false);
         }
         self.retry_at = None;
+        if self.spare.is_none() {
+            // Taken (back) whenever a descriptor is free, before any connection takes it.
+            self.spare = listener.try_clone().ok();
+        }
         let mut progress = false;
         for _ in 0..ACCEPT_BATCH {
-            match listener.accept() {
+            let e = match listener.accept() {
                 Ok((stream, _)) => {
                     progress = true;
-                    self.starved_since = None;
-                    self.backoff = MIN_BACKOFF;
-                    if self.pending.len() >= self.cfg.limits.max_pending {
-                        self.pending.pop_front();
-                        self.shed += 1;
-                    }
-                    self.challenge(stream, now);
+                    self.arrived(stream, now, false);
+                    continue;
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) if is_exhaustion(&e) => {
-                    let since = *self.starved_since.get_or_insert(now);
-                    let shed_age = SHED_AGE.min(self.cfg.limits.handshake_timeout / 4);
-                    let oldest_silent = self
-                        .pending
-                        .front()
-                        .is_some_and(|p| now.saturating_duration_since(p.since) >= shed_age);
-                    if oldest_silent {
-                        // A descriptor freed: the next attempt can take the next connection.
-                        self.pending.pop_front();
-                        self.shed += 1;
-                    } else if self.pending.is_empty()
-                        && now.saturating_duration_since(since) >= ACCEPT_GIVE_UP
-                    {
-                        return Err(RendezvousError::Accept {
-                            rank: 0,
-                            addr: self.addr.clone(),
-                            cause: format!(
-                                "{e} for {:?} with no connection left to drop (raise the \
-                                 open-file limit, `ulimit -n`)",
-                                now.saturating_duration_since(since)
-                            ),
-                        });
+                Err(e) => e,
+            };
+            // Out of descriptors: free the reserve and look again (is a connection waiting at
+            // all?), then take the reserve back.
+            let e = if is_out_of_descriptors(&e) && self.spare.take().is_some() {
+                let again = listener.accept();
+                let e = match again {
+                    Ok((stream, _)) => {
+                        progress = true;
+                        self.arrived(stream, now, true);
+                        None
                     }
-                    self.retry_at = Some(deadline(now, self.backoff));
-                    self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+                    Err(e) => Some(e),
+                };
+                self.spare = listener.try_clone().ok();
+                match e {
+                    None => continue,
+                    Some(e) if e.kind() == ErrorKind::WouldBlock => {
+                        // Out of descriptors with nothing waiting: look again shortly.
+                        self.retry_at = Some(deadline(now, self.backoff));
+                        self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+                        break;
+                    }
+                    Some(e) => e,
+                }
+            } else {
+                e
+            };
+            match e.kind() {
+                ErrorKind::WouldBlock => break,
+                ErrorKind::Interrupted => {}
+                _ if is_exhaustion(&e) => {
+                    self.starved(&e, now)?;
                     break;
                 }
                 // The connection died between arrival and accept (ECONNABORTED, ...): only
                 // that one is affected; take the next.
-                Err(_) => {}
+                _ => {}
             }
         }
         Ok(progress)
+    }
+
+    /// A connection taken from the listener (`via_reserve`: with the descriptor freed from the
+    /// reserve, so one waiting connection must go for it to stay, unless none waits).
+    fn arrived(&mut self, stream: TcpStream, now: Instant, via_reserve: bool) {
+        self.starved_since = None;
+        self.backoff = MIN_BACKOFF;
+        let full = if via_reserve {
+            !self.pending.is_empty()
+        } else {
+            self.pending.len() >= self.cfg.limits.max_pending
+        };
+        if full {
+            self.make_room(stream, now);
+        } else {
+            self.challenge(stream, now);
+        }
+    }
+
+    /// `accept` failed for lack of resources (`e`) with no reserve to free: sheds the oldest
+    /// waiting connection if it has been silent for [`SHED_AGE`] and backs off; `Err` once it
+    /// has lasted [`ACCEPT_GIVE_UP`] with nothing left to shed.
+    fn starved(&mut self, e: &std::io::Error, now: Instant) -> Result<()> {
+        let since = *self.starved_since.get_or_insert(now);
+        let shed_age = SHED_AGE.min(self.cfg.limits.handshake_timeout / 4);
+        let oldest_silent = self
+            .pending
+            .front()
+            .is_some_and(|p| now.saturating_duration_since(p.since) >= shed_age);
+        if oldest_silent {
+            // A descriptor freed: the next attempt can take the next connection.
+            self.pending.pop_front();
+            self.shed += 1;
+        } else if self.pending.is_empty() && now.saturating_duration_since(since) >= ACCEPT_GIVE_UP
+        {
+            return Err(RendezvousError::Accept {
+                rank: 0,
+                addr: self.addr.clone(),
+                cause: format!(
+                    "{e} for {:?} with no connection left to drop (raise the open-file limit, \
+                     `ulimit -n`)",
+                    now.saturating_duration_since(since)
+                ),
+            });
+        }
+        self.retry_at = Some(deadline(now, self.backoff));
+        self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+        Ok(())
+    }
+
+    /// A new connection at a full queue: it pushes out the oldest waiting one if that one has
+    /// had [`ANSWER_WINDOW`] to answer, and is closed at once otherwise.
+    fn make_room(&mut self, stream: TcpStream, now: Instant) {
+        let window = ANSWER_WINDOW.min(self.cfg.limits.handshake_timeout / 4);
+        let oldest_had_its_chance = self
+            .pending
+            .front()
+            .is_some_and(|p| now.saturating_duration_since(p.since) >= window);
+        if oldest_had_its_chance {
+            self.pending.pop_front();
+            self.shed += 1;
+            self.challenge(stream, now);
+        } else {
+            // Closed before it is challenged: a real rank reconnects.
+            drop(stream);
+            self.shed += 1;
+        }
     }
 
     /// Challenges a new connection; one that cannot take the challenge at once is dropped.
@@ -224,6 +316,10 @@ impl<'a> Door<'a> {
                     let bytes = encode(Kind::Admit, Op::Connect, 0, 0, &proof[..ADMIT_LEN]);
                     // A rank that cannot take its admission at once reconnects.
                     if p.link.send(&bytes, now).is_ok() {
+                        // Every later frame on this connection is tagged under its key.
+                        let claim = self.claim(&p.nonce, &client_nonce, rank);
+                        let key = auth::session_key(self.cfg.token.as_ref(), &claim);
+                        p.link.seal = Some(Seal::new(key, true));
                         p.link.peer = rank;
                         p.link.limits = FrameLimits {
                             facing: Facing::Member,

@@ -97,6 +97,8 @@ pub struct PerExpertRank {
 /// Builds the group: one endpoint per rank, sharing its buffers.
 pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<PerExpertRank>> {
     cfg.validate()?;
+    // This path has no staging workers, but the options are checked alike on every path.
+    opts.check()?;
     memory::check(Shared::try_bytes_needed(cfg)? as u64, opts.memory_limit)?;
     let (r, e, t) = (cfg.num_ranks, cfg.num_experts, cfg.max_tokens_per_rank);
     let shared = Arc::new(Shared {
