@@ -170,7 +170,7 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
     let trace = Trace::new();
     trace.step("joining the rendezvous");
     let host_wait = o.timeout.min(MAX_HOST_WAIT);
-    let rdzv = Rendezvous::from_env(
+    let mut rdzv = Rendezvous::from_env(
         Duration::from_secs(60),
         host_wait.max(Duration::from_secs(30)),
     )
@@ -204,6 +204,11 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
     .map_err(|e| gpu_err(rank, "group", e))?;
     let _releasing = TraceOnDrop(&trace, "releasing the group");
     trace.step("group formed");
+    // [issue 20 item 4] From here every host wait is bounded by the job's own wait bound (the
+    // set-up above may take longer: kernels compile, NCCL connects): a peer stopped while this
+    // rank is at a barrier is reported within it, as a peer stopped mid-call is by the kernels.
+    rdzv.set_op_timeout(host_wait.max(Duration::from_millis(1)))
+        .map_err(|e| fail(format!("rank {rank}: {e}"), false))?;
     let device = format!("GPU {ordinal} ({})", g.describe_devices());
     let mask = g.nccl_mask();
     let nccl_peers: Vec<usize> = (0..world).filter(|&d| (mask >> d) & 1 == 1).collect();

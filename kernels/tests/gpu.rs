@@ -139,6 +139,11 @@ const TESTS: &[(&str, usize, fn())] = &[
         1,
         gpu_trap_on_error_ends_the_context_and_still_names_the_error,
     ),
+    (
+        "gpu_shrink_masks_a_lost_peer_and_the_group_goes_on",
+        1,
+        gpu_shrink_masks_a_lost_peer_and_the_group_goes_on,
+    ),
 ];
 
 fn main() {
@@ -1837,4 +1842,103 @@ fn gpu_trap_on_error_ends_the_context_and_still_names_the_error() {
     eprint!("{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "trap child: {:?}", out.status);
     assert!(text.contains("trapped=true named=true"));
+}
+
+/// [issue 20 item 3] Shrink mode (DeepEP's `enable_shrink`), 4 virtual ranks, both paths, BF16
+/// and FP8: rank 2 stops signalling (in dispatch, then separately in combine): its peers mask
+/// it instead of failing, and every survivor's outputs equal the oracle on the masked routing,
+/// in the call that lost it and after; every survivor's mask names it. A later call skips it
+/// without waiting. `clean_mask` brings every rank back; `update_mask` masks by hand.
+fn gpu_shrink_masks_a_lost_peer_and_the_group_goes_on() {
+    use ep_kernels::testing::verify_masked;
+    let mut rng = Rng::new(33);
+    let none = [false; 4];
+    let lost2 = [false, false, true, false];
+    for mode in [Mode::Bf16, Mode::FP8] {
+        for path in [Path::Batched, Path::PerExpert] {
+            for fail_in in [Op::Dispatch, Op::Combine] {
+                let cfg = Config::new(4, 8, 8, 256, 3, mode).unwrap();
+                let mut g = GpuGroup::new(
+                    &cfg,
+                    GpuOptions {
+                        enable_shrink: true,
+                        zero_copy_local: false,
+                        timeout_ns: 50_000_000,
+                        ..test_opts()
+                    },
+                )
+                .unwrap();
+                let what = format!("{} {} fail in {fail_in:?}", mode.name(), path.name());
+                let call = |g: &mut GpuGroup, masked: &[bool; 4], rng: &mut Rng| {
+                    let tokens: Vec<usize> = (0..4).map(|_| rng.below(9)).collect();
+                    let data = random_inputs(&cfg, &tokens, Routing::Random { masked: 0.1 }, rng);
+                    let y = random_y(&cfg, rng);
+                    verify_masked(g, path, &data, &y, masked)
+                        .unwrap_or_else(|e| panic!("{what}: {e}"))
+                };
+                call(&mut g, &none, &mut rng);
+                let survivors = [0usize, 1, 3];
+                for r in 0..4 {
+                    assert_eq!(g.mask_status(r).unwrap(), none.to_vec());
+                }
+                match fail_in {
+                    Op::Dispatch => g.set_fault_rank(Some(2)),
+                    Op::Combine => {
+                        // The dispatch of this call is whole; rank 2 stops in its combine.
+                        let tokens = [8usize; 4];
+                        let data = random_inputs(&cfg, &tokens, Routing::Random { masked: 0.0 }, &mut rng);
+                        let y = random_y(&cfg, &mut rng);
+                        let x: Vec<_> = data.iter().map(|d| d.x.clone()).collect();
+                        let idx: Vec<_> = data.iter().map(|d| d.topk_idx.clone()).collect();
+                        let w: Vec<_> = data.iter().map(|d| d.topk_weights.clone()).collect();
+                        g.dispatch(path, &x, &idx).unwrap();
+                        g.set_fault_rank(Some(2));
+                        let got = g.combine(path, &y, &w).unwrap();
+                        let eff: Vec<Vec<i64>> = (0..4)
+                            .map(|r| ep_kernels::testing::masked_routing(&cfg, r, &idx[r], &lost2))
+                            .collect();
+                        let cin: Vec<CombineInput> = (0..4)
+                            .map(|r| CombineInput {
+                                y: &y[r],
+                                topk_idx: &eff[r],
+                                topk_weights: &w[r],
+                            })
+                            .collect();
+                        let want = oracle::combine(&cfg, &cin).unwrap();
+                        for &r in &survivors {
+                            if let Some(d) = ep_reference::output::combine_diff(&got[r], &want[r], cfg.hidden) {
+                                panic!("{what}: combine that lost rank 2, rank {r}: {d}");
+                            }
+                        }
+                    }
+                }
+                // The call that loses rank 2 (dispatch case), then one with rank 2 masked.
+                let t0 = std::time::Instant::now();
+                let checked = call(&mut g, &lost2, &mut rng);
+                let first = t0.elapsed();
+                let t1 = std::time::Instant::now();
+                call(&mut g, &lost2, &mut rng);
+                let later = t1.elapsed();
+                assert_eq!(checked, 3);
+                g.poll().unwrap();
+                for &r in &survivors {
+                    assert_eq!(g.mask_status(r).unwrap(), lost2.to_vec(), "{what}: rank {r}'s mask");
+                }
+                println!("ok: {what}: survivors equal the masked oracle; calls after the loss took {first:?} and {later:?} (wait bound 50 ms)");
+                // Everyone back: clean on every rank (one process here), rank 2 signals again.
+                g.clean_mask(None).unwrap();
+                g.set_fault_rank(None);
+                call(&mut g, &none, &mut rng);
+                for r in 0..4 {
+                    assert_eq!(g.mask_status(r).unwrap(), none.to_vec(), "{what}: cleaned");
+                }
+                // By hand: rank 1 masked on every rank (rank 1 too: its outputs carry no meaning).
+                g.update_mask(None, 1, true).unwrap();
+                call(&mut g, &[false, true, false, false], &mut rng);
+                g.clean_mask(None).unwrap();
+                call(&mut g, &none, &mut rng);
+                g.poll().unwrap();
+            }
+        }
+    }
 }

@@ -1060,6 +1060,26 @@ impl Rendezvous {
         self.world_size
     }
 
+    /// Sets the bound of every later collective call: e.g. a generous one while a group forms
+    /// (kernels compile, NCCL connects), then the job's own wait bound once it runs, so that a
+    /// peer lost at a barrier is reported within that bound rather than the set-up's. Zero is
+    /// refused ([`RendezvousError::InvalidConfig`]).
+    pub fn set_op_timeout(&mut self, timeout: Duration) -> Result<()> {
+        if timeout.is_zero() {
+            return Err(RendezvousError::InvalidConfig {
+                rank: self.rank,
+                detail: "op_timeout must be nonzero".into(),
+            });
+        }
+        self.op_timeout = timeout;
+        Ok(())
+    }
+
+    /// The bound of every collective call.
+    pub fn op_timeout(&self) -> Duration {
+        self.op_timeout
+    }
+
     /// The sequence number the next collective call will carry.
     pub fn next_seq(&self) -> u64 {
         self.lock().seq + 1

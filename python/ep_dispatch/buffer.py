@@ -105,8 +105,14 @@ class Buffer:
             shape ``(T, H, E, K)`` when the first dispatch fixes it (see
             ``get_low_latency_rdma_size_hint`` for how much memory that is).
         low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl,
-        use_fabric, enable_shrink: accepted and ignored (this Buffer only has the low-latency
-            mode; there are no RDMA queue pairs, no fabric memory, no rank masking).
+        use_fabric: accepted and ignored (this Buffer only has the low-latency mode; there are
+            no RDMA queue pairs, no fabric memory).
+        enable_shrink: DeepEP's shrink mode: a wait for a peer that runs out masks that peer on
+            this rank instead of raising; later calls neither send to a masked rank nor wait
+            for it, and the selections of its experts count as -1 (on every unmasked rank the
+            outputs equal the same call with those slots set to -1 and the masked ranks sending
+            nothing). The mask: ``low_latency_query_mask_buffer``, ``..._update_...``,
+            ``..._clean_...``. CUDA IPC only (transport='auto'), at most 32 ranks.
         explicitly_destroy: accepted; ``destroy()`` works either way, and buffers are freed
             when the Buffer is garbage-collected.
 
@@ -201,6 +207,7 @@ class Buffer:
         self.path, self.transport, self.timeout_s = path, transport, float(timeout_s)
         self.check_routing = check_routing
         self.trap_on_error = trap_on_error
+        self.enable_shrink = enable_shrink
         self._ranks = {}
         self._combine_buffers = {}
         self._held = {}  # the tensors of send halves whose receive half is still due
@@ -278,6 +285,46 @@ class Buffer:
         _checks.integer("hidden", hidden)
         _checks.integer("num_experts", num_experts)
 
+    # ---- shrink mode's mask (DeepEP's three calls) -------------------------------------------
+
+    def _shrink_groups(self, what):
+        if not self.enable_shrink:
+            from .errors import UnsupportedError
+
+            raise UnsupportedError(f"{what} needs Buffer(..., enable_shrink=True)")
+        return list(self._ranks.values())
+
+    def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
+        """Masks (``mask=True``) or unmasks ``rank_to_mask`` on this rank, in stream order, as
+        DeepEP's. Unmasking a rank that missed calls needs ``low_latency_clean_mask_buffer`` on
+        every rank instead (the ranks' call counts differ by the calls it missed)."""
+        _checks.integer("rank_to_mask", rank_to_mask, 0, self.group_size - 1)
+        _checks.flag("mask", mask)
+        for g in self._shrink_groups("low_latency_update_mask_buffer"):
+            g.update_mask(self._stream(), rank_to_mask, mask)
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        """Writes this rank's mask into ``mask_status`` (``int32 [R]`` on this device; 1:
+        masked), in stream order, as DeepEP's. With groups of several shapes, a rank masked in
+        any of them is reported masked."""
+        torch = self._torch
+        _checks.tensor("mask_status", mask_status, self._dt.i32, (self.group_size,), self._dev)
+        groups = self._shrink_groups("low_latency_query_mask_buffer")
+        mask_status.zero_()
+        part = torch.empty_like(mask_status) if len(groups) > 1 else mask_status
+        for g in groups:
+            g.query_mask(self._stream(), (part.data_ptr(), part.numel()))
+            if part is not mask_status:
+                mask_status.bitwise_or_(part)
+
+    def low_latency_clean_mask_buffer(self):
+        """Unmasks every rank on this rank and resets its protocol state, in stream order.
+        Unlike DeepEP's, it brings a rank that missed calls back: call it on every rank of the
+        group with no call in flight, and let no rank call again before all have cleaned
+        (e.g. ``torch.cuda.synchronize(); torch.distributed.barrier()`` after it)."""
+        for g in self._shrink_groups("low_latency_clean_mask_buffer"):
+            g.clean_mask(self._stream())
+
     def poll(self):
         """Raises what the kernels recorded so far (as ``check()`` does), without waiting for
         them: it reads host memory the kernels write, synchronises nothing, and may be called
@@ -319,7 +366,8 @@ class Buffer:
             _native.validate_config(self.group_size, E, T, H, K, use_fp8, round_scale, use_ue8m0)
             g = _native.GpuRank(self.rank, self.group_size, E, T, H, K, use_fp8, round_scale,
                                 use_ue8m0, self._device, self.path, self.transport,
-                                self.timeout_s, self._all_gather, self.trap_on_error)
+                                self.timeout_s, self._all_gather, self.trap_on_error,
+                                self.enable_shrink)
             self._ranks[key] = g
             s = self._shape
             s.tokens, s.hidden, s.experts, s.top_k = T, H, E, K

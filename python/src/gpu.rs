@@ -165,6 +165,7 @@ pub fn options(transport: Transport, timeout: Duration, trap_on_error: bool) -> 
         timeout_ns: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
         transport,
         trap_on_error,
+        enable_shrink: false,
         nccl_sizes: if has_staging(transport) {
             NcclSizes::Capacity
         } else {
@@ -335,6 +336,7 @@ impl RankGroup {
         transport: Transport,
         timeout: Duration,
         trap_on_error: bool,
+        enable_shrink: bool,
         rank: usize,
         ordinal: usize,
         all_gather: &mut AllGather<'_>,
@@ -343,7 +345,10 @@ impl RankGroup {
         check_dims(cfg)?;
         check_path_on(path, transport)?;
         probe_transport(transport)?;
-        let opts = options(transport, timeout, trap_on_error);
+        let opts = GpuOptions {
+            enable_shrink,
+            ..options(transport, timeout, trap_on_error)
+        };
         let group = GpuGroup::new_process(cfg, opts, rank, ordinal, all_gather)?;
         let ctx = CudaContext::new(ordinal).map_err(|e| {
             GpuError::Cuda(format!(
@@ -400,6 +405,29 @@ impl RankGroup {
     /// Test hook: `Some(r)`: rank r never signals (its peers' waits run out).
     pub fn set_fault_rank(&mut self, rank: Option<usize>) {
         self.group.set_fault_rank(rank);
+    }
+
+    /// Copies this rank's mask (i32 [R], 1: masked) into the caller's buffer `out` on `stream`.
+    pub fn query_mask(&self, stream: u64, out: Ptr) -> Result<()> {
+        let s = self.stream(stream);
+        // SAFETY: the Python side checked `out` (int32, [R], on this device, contiguous) and
+        // keeps it alive; the copy is ordered on the caller's stream.
+        let mut o = unsafe { Borrowed::<i32>::new(&s, out) };
+        let own = self.group.own_rank().unwrap_or(0);
+        Ok(self.group.query_mask_device(&s, own, &mut o.view_mut())?)
+    }
+
+    /// Masks or unmasks `peer` in this rank's mask, on `stream`.
+    pub fn update_mask(&mut self, stream: u64, peer: usize, masked: bool) -> Result<()> {
+        let s = self.stream(stream);
+        Ok(self.group.update_mask(Some(&[&s]), peer, masked)?)
+    }
+
+    /// Clears this rank's mask and resets its protocol state, on `stream` (every rank must
+    /// clean before any calls again: `GpuGroup::clean_mask`).
+    pub fn clean_mask(&mut self, stream: u64) -> Result<()> {
+        let s = self.stream(stream);
+        Ok(self.group.clean_mask(Some(&[&s]))?)
     }
 
     /// The id of the dispatch whose send half waits for its receive half, if any.

@@ -668,7 +668,7 @@ impl GpuRank {
     /// Forms the group; collective. `all_gather(blob: bytes) -> list[bytes]` exchanges one
     /// blob per rank in rank order.
     #[new]
-    #[pyo3(signature = (rank, num_ranks, num_experts, num_max_dispatch_tokens_per_rank, hidden, top_k, use_fp8, round_scale, use_ue8m0, ordinal, path, transport, timeout_s, all_gather, trap_on_error=false))]
+    #[pyo3(signature = (rank, num_ranks, num_experts, num_max_dispatch_tokens_per_rank, hidden, top_k, use_fp8, round_scale, use_ue8m0, ordinal, path, transport, timeout_s, all_gather, trap_on_error=false, enable_shrink=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -687,6 +687,7 @@ impl GpuRank {
         timeout_s: f64,
         all_gather: Bound<'_, PyAny>,
         trap_on_error: bool,
+        enable_shrink: bool,
     ) -> PyResult<GpuRank> {
         let cfg = config(
             num_ranks,
@@ -708,8 +709,18 @@ impl GpuRank {
             got.extract::<Vec<Vec<u8>>>()
                 .map_err(|e| format!("all_gather did not return a list of bytes: {e}"))
         };
-        let inner = RankGroup::new(&cfg, p, t, timeout, trap_on_error, rank, ordinal, &mut gather)
-            .py_err()?;
+        let inner = RankGroup::new(
+            &cfg,
+            p,
+            t,
+            timeout,
+            trap_on_error,
+            enable_shrink,
+            rank,
+            ordinal,
+            &mut gather,
+        )
+        .py_err()?;
         Ok(GpuRank { inner })
     }
 
@@ -733,6 +744,21 @@ impl GpuRank {
     /// dispatch and combine makes the same check at its entry).
     fn poll(&self) -> PyResult<()> {
         self.inner.poll().py_err()
+    }
+
+    /// Copies this rank's mask (int32 [R] at `(data_ptr, numel)`, 1: masked) on `stream`.
+    fn query_mask(&self, stream: u64, out: gpu::Ptr) -> PyResult<()> {
+        self.inner.query_mask(stream, out).py_err()
+    }
+
+    /// Masks (`masked`) or unmasks `peer` in this rank's mask, on `stream`.
+    fn update_mask(&mut self, stream: u64, peer: usize, masked: bool) -> PyResult<()> {
+        self.inner.update_mask(stream, peer, masked).py_err()
+    }
+
+    /// Clears this rank's mask and resets its protocol state, on `stream`.
+    fn clean_mask(&mut self, stream: u64) -> PyResult<()> {
+        self.inner.clean_mask(stream).py_err()
     }
 
     /// Test hook: rank `rank` (None: no rank) never signals, so its peers' waits run out.

@@ -41,7 +41,8 @@ class World:
         self.created = []
 
     def rank(self, rank, num_ranks, num_experts, T, H, K, use_fp8, round_scale, use_ue8m0,
-             ordinal, path, transport, timeout_s, all_gather, trap_on_error=False):
+             ordinal, path, transport, timeout_s, all_gather, trap_on_error=False,
+             enable_shrink=False):
         assert num_ranks == self.R and callable(all_gather)
         assert trap_on_error in (True, False)
         self.created.append((rank, path, transport, timeout_s))

@@ -467,3 +467,72 @@ def test_a_lost_hook_leaves_the_buffer_usable(group, R, E):
     assert oracle.diff(got_of(recv_x, recv_count, h2), want[rank]) is None
     assert oracle.combine_diff(combined, want_c[rank]) is None
     b.destroy()
+
+
+def _masked(ins, R, E, masked):
+    """Every rank's inputs with the routing a rank mask leaves (docs/contract.md, "Masked
+    ranks"): a masked rank sends nothing, a slot naming a masked rank's expert is -1."""
+    L = E // R
+    out = []
+    for r, (x, topk, w, y) in enumerate(ins):
+        t = topk.clone()
+        if r in masked:
+            t[:] = -1
+        else:
+            for m in masked:
+                t[(t >= 0) & (t // L == m)] = -1
+        out.append((x, t, w, y))
+    return out
+
+
+@pytest.mark.parametrize("path", ["batched", "per_expert"])
+def test_shrink_masks_a_lost_peer_and_cleans_back(group, R, E, path):
+    """[issue 20 item 3] DeepEP's shrink mode: the last rank stops signalling (the test hook);
+    every other rank masks it instead of raising, its outputs equal the oracle on the masked
+    routing, and its mask (low_latency_query_mask_buffer) names the lost rank. A clean on
+    every rank, then a barrier, brings the group back whole."""
+    if R == 1:
+        pytest.skip("one rank: no peer to lose")
+    import torch.distributed as dist
+
+    rank, lost = group.rank(), R - 1
+    b = make_buffer(group, R, E, timeout_s=0.2, path=path, enable_shrink=True)
+    ins = inputs(13, R, E)
+    x, topk, w, y = (on_gpu(t) for t in ins[rank])
+    _, _, h, _, _ = b.low_latency_dispatch(x, topk, T, E, use_fp8=False)
+    b.low_latency_combine(y, topk, w, h)
+    torch.cuda.synchronize()
+    mask = torch.ones(R, dtype=torch.int32, device=x.device)
+    b.low_latency_query_mask_buffer(mask)
+    assert mask.tolist() == [0] * R
+    (g,) = b._ranks.values()
+    g._set_fault_rank(lost)
+    ins = inputs(14, R, E)
+    want, want_c = expect(_masked(ins, R, E, {lost}), E, MODES["bf16"])
+    x, topk, w, y = (on_gpu(t) for t in ins[rank])
+    recv_x, count, h, _, _ = b.low_latency_dispatch(x, topk, T, E, use_fp8=False)
+    combined, _, _ = b.low_latency_combine(y, topk, w, h)
+    b.low_latency_query_mask_buffer(mask)
+    torch.cuda.synchronize()
+    b.poll()  # a lost peer is masked, not an error
+    if rank != lost:
+        assert mask.tolist() == [0] * (R - 1) + [1]
+        assert oracle.diff(got_of(recv_x, count, h), want[rank]) is None
+        assert oracle.combine_diff(combined, want_c[rank]) is None
+    # Back to a whole group: every rank cleans, then a barrier, then a call of everyone.
+    g._set_fault_rank(None)
+    b.low_latency_clean_mask_buffer()
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    ins = inputs(15, R, E)
+    want, want_c = expect(ins, E, MODES["fp8"])
+    x, topk, w, y = (on_gpu(t) for t in ins[rank])
+    recv_x, count, h, _, _ = b.low_latency_dispatch(x, topk, T, E)
+    combined, _, _ = b.low_latency_combine(y, topk, w, h)
+    b.low_latency_query_mask_buffer(mask)
+    torch.cuda.synchronize()
+    b.check()
+    assert mask.tolist() == [0] * R
+    assert oracle.diff(got_of(recv_x, count, h), want[rank]) is None
+    assert oracle.combine_diff(combined, want_c[rank]) is None
+    b.destroy()
