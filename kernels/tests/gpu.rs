@@ -1894,14 +1894,24 @@ fn gpu_shrink_masks_a_lost_peer_and_the_group_goes_on() {
                         g.dispatch(path, &x, &idx).unwrap();
                         g.set_fault_rank(Some(2));
                         let got = g.combine(path, &y, &w).unwrap();
-                        let eff: Vec<Vec<i64>> = (0..4)
-                            .map(|r| ep_kernels::testing::masked_routing(&cfg, r, &idx[r], &lost2))
+                        // The rows are where this call's (whole) dispatch put them; the slots of
+                        // rank 2's experts drop out of the sums. A zero weight drops a slot bit
+                        // for bit (fmaf(0, y, acc) == acc for finite y: acc starts at +0 and an
+                        // fmaf onto +0 never yields -0).
+                        let l = cfg.num_local_experts() as i64;
+                        let w0: Vec<Vec<f32>> = (0..4)
+                            .map(|r| {
+                                w[r].iter()
+                                    .zip(&idx[r])
+                                    .map(|(&wt, &e)| if e >= 0 && e / l == 2 { 0.0 } else { wt })
+                                    .collect()
+                            })
                             .collect();
                         let cin: Vec<CombineInput> = (0..4)
                             .map(|r| CombineInput {
                                 y: &y[r],
-                                topk_idx: &eff[r],
-                                topk_weights: &w[r],
+                                topk_idx: &idx[r],
+                                topk_weights: &w0[r],
                             })
                             .collect();
                         let want = oracle::combine(&cfg, &cin).unwrap();
