@@ -21,9 +21,9 @@
 # nccl (needs one rank per GPU, so two GPUs; skipped with a reason on one).
 #
 # Environment: FAULT_TRIALS (10 per transport x fault), FAULT_TIMEOUT_MS (the GPU wait bound,
-# 1500), FAULT_DETECT_LIMIT_S (how long a survivor may take, 40: ep_kernels::mp bounds
-# rendezvous operations at max(timeout, 30 s), so a fault that lands while the survivor waits in
-# a barrier takes up to 30 s), FAULT_BUDGET_S (the whole script, 150: trials that no longer fit
+# 1500), FAULT_DETECT_LIMIT_S (how long a survivor may take, whole seconds; default the wait
+# bound + 1 s rounded up: since issue 20 ep_kernels::mp bounds every host wait after the group
+# forms by the job's wait bound, barriers included), FAULT_BUDGET_S (the whole script, 150: trials that no longer fit
 # are skipped and counted), FAULT_ITERS (timed calls per path and op; default 100 on one GPU,
 # where time-sliced processes take ~4.4 ms a call, 3000 on two), FAULT_SEED (bash RANDOM seed),
 # FAULT_TRANSPORTS (default "ipc nccl"), FAULT_KINDS (default "kill stall"), FAULT_LOGDIR
@@ -42,7 +42,8 @@ fi
 MP=$(cd "$BIN" && pwd)/ep-gpu-mp
 TRIALS=${FAULT_TRIALS:-10}
 TMO=${FAULT_TIMEOUT_MS:-1500}
-LIMIT=${FAULT_DETECT_LIMIT_S:-40}
+LIMIT=${FAULT_DETECT_LIMIT_S:-$(( (TMO + 1999) / 1000 ))}
+case "$LIMIT" in ''|*[!0-9]*) echo "FAULT_DETECT_LIMIT_S: whole seconds, got '$LIMIT'" >&2; exit 2 ;; esac
 BUDGET=${FAULT_BUDGET_S:-150}
 TRANSPORTS=${FAULT_TRANSPORTS:-ipc nccl}
 KINDS=${FAULT_KINDS:-kill stall}
