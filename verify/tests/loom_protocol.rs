@@ -29,6 +29,7 @@ fn opts(workers: usize) -> CpuOptions {
         timeout: FOREVER,
         staging_workers: workers,
         memory_limit: Some(1 << 30),
+        enable_shrink: false,
     }
 }
 
