@@ -25,8 +25,8 @@ pub mod workload;
 
 pub use config::{Config, Mode};
 pub use error::{Error, Op, Phase, Result, Side};
-pub use mask::RankMask;
 pub use half::bf16;
+pub use mask::RankMask;
 pub use numerics::bf16::{from_f32_rne as bf16_from_f32, to_f32 as bf16_to_f32};
 pub use output::{DispatchOutput, Handle, RecvScales, RecvX};
 pub use path::{CpuOptions, EpRank};

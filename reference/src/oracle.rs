@@ -299,7 +299,9 @@ mod tests {
         }
         assert!(got[2].recv_count.iter().all(|&c| c == 0));
         // It is the plain oracle of the masked routing, which differs from the plain one here.
-        let idx: Vec<Vec<i64>> = (0..4).map(|r| mask.apply(&cfg, r, &w.topk_idx[r])).collect();
+        let idx: Vec<Vec<i64>> = (0..4)
+            .map(|r| mask.apply(&cfg, r, &w.topk_idx[r]))
+            .collect();
         let inputs: Vec<RankInput<'_>> = (0..4)
             .map(|r| RankInput {
                 x: &w.x[r],

@@ -250,7 +250,11 @@ impl Handle {
     /// # Panics
     /// When `mask` is not of this handle's group size.
     pub fn with_mask(mut self, mask: RankMask) -> Handle {
-        assert_eq!(mask.num_ranks(), self.config.num_ranks, "mask of another group size");
+        assert_eq!(
+            mask.num_ranks(),
+            self.config.num_ranks,
+            "mask of another group size"
+        );
         self.mask = mask;
         self
     }

@@ -88,7 +88,8 @@ pub fn check_against_oracle_masked<R: EpRank>(
     if !mask.is_empty() {
         let mut handles = Vec::new();
         for (r, g) in dispatch_all(ranks, w).into_iter().enumerate() {
-            handles.push(g.map_err(|e| format!("{name} warm-up dispatch rank {r}: {e}"))?.1);
+            let (_, h) = g.map_err(|e| format!("{name} warm-up dispatch rank {r}: {e}"))?;
+            handles.push(h);
         }
         for (r, g) in combine_all(ranks, w, ys, &handles).into_iter().enumerate() {
             g.map_err(|e| format!("{name} warm-up combine rank {r}: {e}"))?;

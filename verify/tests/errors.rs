@@ -7,9 +7,7 @@ use std::time::{Duration, Instant};
 use ep_reference::error::{Op, Phase, Side};
 use ep_reference::path::run_ranks;
 use ep_reference::workload::{Routing, Workload};
-use ep_reference::{
-    bf16, oracle, per_expert, Config, CpuOptions, EpRank, Error, Mode, RankMask,
-};
+use ep_reference::{bf16, oracle, per_expert, Config, CpuOptions, EpRank, Error, Mode, RankMask};
 
 fn cfg() -> Config {
     Config::new(2, 8, 4, 128, 2, Mode::FP8).unwrap()
@@ -521,7 +519,9 @@ fn absent_rank_is_masked_in_shrink_mode<R: EpRank>(mut ranks: Vec<R>, timeout: D
     };
     assert_eq!(present[0].clean_mask(), Err(behind.clone()));
     assert_eq!(present[0].update_mask(2, false), Err(behind));
-    assert!(behind_msg_names_the_rule(&present[1].clean_mask().unwrap_err()));
+    assert!(behind_msg_names_the_rule(
+        &present[1].clean_mask().unwrap_err()
+    ));
     assert_eq!(present[0].query_mask(), mask);
     // Its calls catch up at once (its outputs are undefined and not compared).
     let start = Instant::now();

@@ -259,10 +259,7 @@ mod tests {
         t.mask(0);
         t.mask(64);
         t.mask(129);
-        assert_eq!(
-            t.snapshot().masked().collect::<Vec<_>>(),
-            vec![0, 64, 129]
-        );
+        assert_eq!(t.snapshot().masked().collect::<Vec<_>>(), vec![0, 64, 129]);
         assert!(t.either_masked(1, 129) && t.either_masked(64, 65) && !t.either_masked(1, 2));
         t.update(5, 64, false).unwrap();
         assert_eq!(t.snapshot().masked().collect::<Vec<_>>(), vec![0, 129]);
@@ -321,13 +318,24 @@ mod tests {
         let t = MaskTable::new(3);
         let short = Duration::from_millis(20);
         let mut d = Deadline::after(short);
-        assert_eq!(t.wait(waiter(0, false), 1, Side::Recv, &mut d, || Some(7)), Ok(Some(7)));
+        assert_eq!(
+            t.wait(waiter(0, false), 1, Side::Recv, &mut d, || Some(7)),
+            Ok(Some(7))
+        );
         // Without shrink a wait that runs out is the timeout, and masks nothing.
         let e = t
             .wait(waiter(0, false), 1, Side::Recv, &mut d, || None::<u32>)
             .unwrap_err();
         assert!(
-            matches!(e, Error::Timeout { rank: 0, peer: 1, call: 3, .. }),
+            matches!(
+                e,
+                Error::Timeout {
+                    rank: 0,
+                    peer: 1,
+                    call: 3,
+                    ..
+                }
+            ),
             "{e}"
         );
         assert!(t.snapshot().is_empty());
@@ -339,10 +347,19 @@ mod tests {
         assert!(t.is_masked(2) && d.waited_ms() < 100, "{}", d.waited_ms());
         // A masked peer's wait ends at once, unless its word is there.
         let mut d = Deadline::after(Duration::from_secs(3600));
-        assert_eq!(t.wait(waiter(0, false), 2, Side::Recv, &mut d, || None::<u32>), Ok(None));
-        assert_eq!(t.wait(waiter(0, false), 2, Side::Recv, &mut d, || Some(1)), Ok(Some(1)));
+        assert_eq!(
+            t.wait(waiter(0, false), 2, Side::Recv, &mut d, || None::<u32>),
+            Ok(None)
+        );
+        assert_eq!(
+            t.wait(waiter(0, false), 2, Side::Recv, &mut d, || Some(1)),
+            Ok(Some(1))
+        );
         // A waiting rank that is itself masked waits for nobody and masks nobody.
-        assert_eq!(t.wait(waiter(2, true), 0, Side::Recv, &mut d, || None::<u32>), Ok(None));
+        assert_eq!(
+            t.wait(waiter(2, true), 0, Side::Recv, &mut d, || None::<u32>),
+            Ok(None)
+        );
         assert!(!t.is_masked(0));
         // Its own staging is never masked: that wait still fails.
         t.clean(0).unwrap();
@@ -350,7 +367,17 @@ mod tests {
         let e = t
             .wait(waiter(1, true), 1, Side::Send, &mut d, || None::<u32>)
             .unwrap_err();
-        assert!(matches!(e, Error::Timeout { rank: 1, peer: 1, .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                Error::Timeout {
+                    rank: 1,
+                    peer: 1,
+                    ..
+                }
+            ),
+            "{e}"
+        );
         assert!(t.snapshot().is_empty());
     }
 }

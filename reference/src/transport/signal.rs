@@ -164,7 +164,9 @@ impl CreditTable {
                 continue;
             }
             let credit = self.get(dst, w.rank);
-            let got = mask.wait(w, dst, crate::Side::Send, deadline, || credit.writable(epoch))?;
+            let got = mask.wait(w, dst, crate::Side::Send, deadline, || {
+                credit.writable(epoch)
+            })?;
             if got.is_none() {
                 skip.set(dst, true);
             }
