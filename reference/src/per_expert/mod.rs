@@ -1,7 +1,8 @@
 //! The per-expert protocol on the CPU backend: every selection is its own message, written into
 //! the owning rank's region for (local expert, source rank); one signal per expert per source.
 //! Combine sends every expert row back on its own. Simple, obviously right, slow: the
-//! executable form of docs/contract.md's "Per-expert (the reference)".
+//! executable form of docs/contract.md's "Per-expert (the reference)". Masked ranks (DeepEP's
+//! shrink mode) are skipped as [`crate::transport::mask`] describes.
 
 mod combine;
 mod dispatch;
