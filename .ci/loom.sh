@@ -24,6 +24,8 @@ mutants=(
   "signal_relaxed:loom_protocol:payload_then_signal"
   "finish_relaxed:loom_protocol:staging_workers_then_sender"
   "credit_relaxed:loom_protocol:consecutive_dispatches"
+  # shrink mode: a masked destination's credit is skipped, so its region must not be written
+  "masked_peer_written:loom_protocol:masked_peer_is_skipped"
   "gpu_counter_release:loom_gpu_protocol:batched_two_senders_one_receiver"
   "gpu_counter_acquire:loom_gpu_protocol:batched_two_senders_one_receiver"
   "gpu_signal_relaxed:loom_gpu_protocol:batched_two_senders_one_receiver"

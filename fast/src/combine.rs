@@ -7,13 +7,15 @@ use ep_reference::error::{Error, Op, Phase, Side};
 use ep_reference::numerics::reduce::fma_bf16_row;
 use ep_reference::payload::bf16_bytes;
 use ep_reference::sync::{Arc, Deadline};
-use ep_reference::{bf16, bf16_from_f32, CallStats, Handle, Result};
+use ep_reference::transport::Waiter;
+use ep_reference::{bf16, bf16_from_f32, CallStats, Handle, RankMask, Result};
 
 use crate::Shared;
 
 /// One rank's combine call in flight. `stage` may run on several threads at once.
 pub struct CombineCall<'a> {
     sh: Arc<Shared>,
+    w: Waiter,
     rank: usize,
     epoch: u64,
     y: &'a [bf16],
@@ -22,32 +24,47 @@ pub struct CombineCall<'a> {
     /// Per destination s: (local expert, first row in the layout, rows, offset in the batch).
     segments: Vec<Vec<(usize, usize, usize, usize)>>,
     totals: Vec<usize>,
+    /// The ranks this call neither writes to nor waits for: those of the handle's mask, those
+    /// masked when it started, and those masked while it waited for their credits.
+    skip: RankMask,
+    /// This rank was masked (in its dispatch, or when this call started): it sends nothing,
+    /// waits for nobody, and its output is undefined.
+    masked: bool,
     deadline: Deadline,
 }
 
 impl<'a> CombineCall<'a> {
     pub(crate) fn begin(
         sh: Arc<Shared>,
-        rank: usize,
-        epoch: u64,
-        deadline: Deadline,
+        w: Waiter,
+        mut deadline: Deadline,
         y: &'a [bf16],
         topk_weights: &'a [f32],
         handle: &'a Handle,
     ) -> Result<CombineCall<'a>> {
         let cfg = sh.cfg;
-        let (r, l_n) = (cfg.num_ranks, cfg.num_local_experts());
-        crate::open_call(
-            &sh.combine_credit,
-            &sh.combine_finish[rank * r..(rank + 1) * r],
-            rank,
-            epoch,
-            &deadline,
-            Op::Combine,
-        )?;
+        let (r, l_n, rank) = (cfg.num_ranks, cfg.num_local_experts(), w.rank);
+        sh.mask.begin_call(rank, Op::Combine, w.call);
+        // The dispatch's mask as well as today's: never wait for rows it did not send.
+        let mut skip = handle.mask.clone();
+        skip.union_with(&sh.mask.snapshot());
+        let masked = skip.is_masked(rank);
+        if !masked {
+            crate::open_call(
+                &sh,
+                &sh.combine_credit,
+                &sh.combine_finish[rank * r..(rank + 1) * r],
+                w,
+                &mut deadline,
+                &mut skip,
+            )?;
+        }
         let mut segments = vec![Vec::new(); r];
         let mut totals = vec![0usize; r];
         for (s, segs) in segments.iter_mut().enumerate() {
+            if masked || skip.is_masked(s) {
+                continue;
+            }
             for l in 0..l_n {
                 let (begin, count) = handle.range(l, s);
                 if count > 0 {
@@ -58,13 +75,16 @@ impl<'a> CombineCall<'a> {
         }
         Ok(CombineCall {
             sh,
+            w,
             rank,
-            epoch,
+            epoch: w.call,
             y,
             topk_weights,
             handle,
             segments,
             totals,
+            skip,
+            masked,
             deadline,
         })
     }
@@ -82,6 +102,9 @@ impl<'a> CombineCall<'a> {
         let per = cfg.rows_per_expert();
         let finish = &sh.combine_finish[self.rank * r..(self.rank + 1) * r];
         sh.maybe_panic(self.rank, worker);
+        if self.masked {
+            return Ok(());
+        }
         let all = self
             .segments
             .iter()
@@ -94,7 +117,8 @@ impl<'a> CombineCall<'a> {
                 let src = bf16_bytes(&self.y[row * h..(row + 1) * h]);
                 // SAFETY: batch row offset + i of region (s, rank) is this segment's alone and
                 // the segment is this worker's alone; `begin` acquired s's credit for the
-                // previous call; s reads after our signal, which follows the finish counter.
+                // previous call (s is not masked: masked ranks have no segments); s reads
+                // after our signal, which follows the finish counter.
                 unsafe {
                     region
                         .rows
@@ -119,9 +143,11 @@ impl<'a> CombineCall<'a> {
                     &self.deadline,
                 )
             })?;
-            sh.combine[s * r + self.rank]
-                .signal
-                .post(self.epoch, total as u32);
+            if !self.skip.is_masked(s) {
+                sh.combine[s * r + self.rank]
+                    .signal
+                    .post(self.epoch, total as u32);
+            }
         }
         Ok(())
     }
@@ -137,9 +163,32 @@ impl<'a> CombineCall<'a> {
             cfg.hidden,
             cfg.top_k,
         );
-        let topk = &self.handle.topk_idx;
-        // Where each (token, slot) row sits in its batch: rows of expert e from this rank are in
-        // token order, after the rows of the same rank's lower local experts.
+        let n = self.handle.num_tokens();
+        if self.masked {
+            sh.combine_credit.grant_all(self.rank, self.epoch);
+            return Ok(vec![bf16::ZERO; n * h]);
+        }
+        // Wait for every experts' rank not masked; one masked, or given up in shrink mode,
+        // while we waited sends nothing we read.
+        let mut skip = self.skip.clone();
+        let mut got = vec![0usize; r];
+        let mut deadline = self.deadline;
+        for (d, g) in got.iter_mut().enumerate() {
+            if skip.is_masked(d) {
+                continue;
+            }
+            let signal = &sh.combine[self.rank * r + d].signal;
+            match sh.mask.wait(self.w, d, Side::Recv, &mut deadline, || {
+                signal.poll(self.epoch)
+            })? {
+                Some(c) => *g = c as usize,
+                None => skip.set(d, true),
+            }
+        }
+        // The routing without the masked ranks' experts. Where each (token, slot) row sits in
+        // its batch: rows of expert e from this rank are in token order, after the rows of the
+        // same rank's lower local experts.
+        let topk = &skip.apply(cfg, self.rank, &self.handle.topk_idx);
         let mut per_expert = vec![0usize; e_n];
         let mut row_of = vec![usize::MAX; topk.len()];
         for (i, &e) in topk.iter().enumerate() {
@@ -155,19 +204,10 @@ impl<'a> CombineCall<'a> {
             expected[e / l_n] += per_expert[e];
         }
         for (d, &want) in expected.iter().enumerate() {
-            let got = sh.combine[self.rank * r + d]
-                .signal
-                .wait(self.epoch, &self.deadline)
-                .ok_or_else(|| {
-                    Error::timeout(
-                        self.rank,
-                        d,
-                        Op::Combine,
-                        Side::Recv,
-                        self.epoch,
-                        &self.deadline,
-                    )
-                })? as usize;
+            if skip.is_masked(d) {
+                continue;
+            }
+            let got = got[d];
             if got != want {
                 return Err(Error::PeerMismatch {
                     rank: self.rank,
@@ -182,7 +222,6 @@ impl<'a> CombineCall<'a> {
                 });
             }
         }
-        let n = self.handle.num_tokens();
         let mut out = vec![bf16::ZERO; n * h];
         let mut acc = vec![0f32; h];
         for t in 0..n {
@@ -197,7 +236,8 @@ impl<'a> CombineCall<'a> {
                 let w = self.topk_weights[i];
                 let region = &sh.combine[self.rank * r + e / l_n];
                 // SAFETY: the signal's acquire above synchronized with the experts' rank's
-                // release post, which followed every write of its batch; it is not rewritten
+                // release post, which followed every write of its batch (its rank is not
+                // masked: the masked routing names none of its experts); it is not rewritten
                 // before our credit below.
                 unsafe {
                     region.rows.with_rows(offset[e] + row_of[i], 1, |row| {
@@ -220,9 +260,14 @@ impl<'a> CombineCall<'a> {
         for f in &sh.combine_finish[self.rank * r..(self.rank + 1) * r] {
             f.reset();
         }
+        let signals = if self.masked {
+            0
+        } else {
+            (0..r).filter(|&s| !self.skip.is_masked(s)).count() as u64
+        };
         let stats = CallStats {
             messages: self.totals.iter().filter(|&&c| c > 0).count() as u64,
-            signals: r as u64,
+            signals,
             wire_bytes: self
                 .totals
                 .iter()

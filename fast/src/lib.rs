@@ -7,7 +7,9 @@
 //!
 //! On the CPU backend each rank stages with several workers that follow the finish-counter
 //! protocol ([`finish`]); the buffers are allocated once per group and reused call after call,
-//! with epoch-tagged signals and credits (`ep_reference::transport`).
+//! with epoch-tagged signals and credits (`ep_reference::transport`). DeepEP's shrink mode (a
+//! rank mask, `EpRank::update_mask`, `CpuOptions::enable_shrink`) works as
+//! `ep_reference::transport::mask` describes for both CPU paths.
 //!
 //! Under `--cfg ep_loom` the staging workers cannot be spawned as scoped threads (loom has no
 //! scope): drive [`DispatchCall`] / [`CombineCall`] from loom threads instead, or use one worker.
@@ -24,8 +26,10 @@ use ep_reference::bf16;
 use ep_reference::config::{checked_product, checked_sum};
 use ep_reference::path::next_group_id;
 use ep_reference::sync::{Arc, Deadline, SharedRows};
-use ep_reference::transport::{memory, CreditTable, Signal};
-use ep_reference::{CallStats, Config, CpuOptions, DispatchOutput, EpRank, Handle, Result};
+use ep_reference::transport::{memory, CreditTable, MaskTable, Signal, Waiter};
+use ep_reference::{
+    CallStats, Config, CpuOptions, DispatchOutput, EpRank, Handle, RankMask, Result,
+};
 
 use finish::FinishCounter;
 
@@ -50,6 +54,8 @@ pub struct Shared {
     pub(crate) combine: Vec<Region>,
     pub(crate) combine_credit: CreditTable,
     pub(crate) combine_finish: Vec<FinishCounter>,
+    /// The group's rank mask and every rank's call counts (`ep_reference::transport::mask`).
+    pub(crate) mask: MaskTable,
     /// Unit tests' fault injection: (rank, worker) whose next staging panics.
     #[cfg(test)]
     pub(crate) panic_at: std::sync::Mutex<Option<(usize, usize)>>,
@@ -131,6 +137,7 @@ pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<BatchedRank>> {
             .collect(),
         combine_credit: CreditTable::new(r),
         combine_finish: (0..r * r).map(|_| FinishCounter::new()).collect(),
+        mask: MaskTable::new(r),
         #[cfg(test)]
         panic_at: std::sync::Mutex::new(None),
     });
@@ -139,6 +146,7 @@ pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<BatchedRank>> {
             shared: shared.clone(),
             rank,
             timeout: opts.timeout,
+            shrink: opts.enable_shrink,
             dispatch_calls: 0,
             combine_calls: 0,
             stats: CallStats::default(),
@@ -151,6 +159,7 @@ pub struct BatchedRank {
     shared: Arc<Shared>,
     rank: usize,
     timeout: std::time::Duration,
+    shrink: bool,
     dispatch_calls: u64,
     combine_calls: u64,
     stats: CallStats,
@@ -164,6 +173,15 @@ impl BatchedRank {
     /// The bound on every wait of this rank's next calls (initially `CpuOptions::timeout`).
     pub fn set_timeout(&mut self, timeout: std::time::Duration) {
         self.timeout = timeout;
+    }
+
+    fn waiter(&self, op: ep_reference::Op, call: u64) -> Waiter {
+        Waiter {
+            rank: self.rank,
+            shrink: self.shrink,
+            op,
+            call,
+        }
     }
 
     /// Starts a dispatch: checks the inputs, advances the call number, waits until every
@@ -180,8 +198,7 @@ impl BatchedRank {
         self.dispatch_calls += 1;
         DispatchCall::begin(
             self.shared.clone(),
-            self.rank,
-            self.dispatch_calls,
+            self.waiter(ep_reference::Op::Dispatch, self.dispatch_calls),
             Deadline::after(self.timeout),
             x,
             topk_idx,
@@ -209,8 +226,7 @@ impl BatchedRank {
         self.combine_calls += 1;
         CombineCall::begin(
             sh.clone(),
-            self.rank,
-            self.combine_calls,
+            self.waiter(ep_reference::Op::Combine, self.combine_calls),
             Deadline::after(self.timeout),
             y,
             topk_weights,
@@ -219,27 +235,22 @@ impl BatchedRank {
     }
 }
 
-/// Opens call `epoch` of `rank` on one side (dispatch or combine): every destination must have
-/// released our previous batch before staging writes into it (on timeout the call is given up,
-/// see [`CreditTable::grant_all`]), then the finish counters are opened.
+/// Opens call `w.call` of `w.rank` on one side (dispatch or combine): every destination not in
+/// `skip` must have released our previous batch before staging writes into it (a destination
+/// masked meanwhile joins `skip`, and is not written; on a timeout the call is given up, see
+/// [`CreditTable::grant_all`]), then the finish counters are opened. `deadline` is restarted
+/// where shrink masked a peer (`MaskTable::wait`).
 pub(crate) fn open_call(
+    sh: &Shared,
     credits: &CreditTable,
     finish: &[FinishCounter],
-    rank: usize,
-    epoch: u64,
-    deadline: &Deadline,
-    op: ep_reference::Op,
+    w: Waiter,
+    deadline: &mut Deadline,
+    skip: &mut RankMask,
 ) -> Result<()> {
-    if let Err(peer) = credits.wait_all_writable(rank, epoch, deadline) {
-        credits.grant_all(rank, epoch);
-        return Err(ep_reference::Error::timeout(
-            rank,
-            peer,
-            op,
-            ep_reference::Side::Send,
-            epoch,
-            deadline,
-        ));
+    if let Err(e) = credits.wait_unmasked_writable(&sh.mask, w, w.call, deadline, skip) {
+        credits.grant_all(w.rank, w.call);
+        return Err(e);
     }
     for f in finish {
         f.open();
@@ -391,6 +402,18 @@ impl EpRank for BatchedRank {
     fn last_stats(&self) -> CallStats {
         self.stats
     }
+
+    fn update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
+        self.shared.mask.update(self.rank, rank, masked)
+    }
+
+    fn query_mask(&self) -> RankMask {
+        self.shared.mask.snapshot()
+    }
+
+    fn clean_mask(&mut self) -> Result<()> {
+        self.shared.mask.clean(self.rank)
+    }
 }
 
 #[cfg(test)]
@@ -441,6 +464,7 @@ mod tests {
             timeout: Duration::from_millis(300),
             staging_workers: workers,
             memory_limit: None,
+            enable_shrink: false,
         };
         let mut ranks = group(&cfg, opts).unwrap();
         let w = Workload::uniform(&cfg, 8, Routing::Random { masked: 0.0 }, 1);

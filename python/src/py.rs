@@ -69,6 +69,25 @@ fn classify(e: &BindError) -> (&'static str, &'static str, Vec<(&'static str, Fi
                 "RankOutOfRange",
                 vec![("rank", us(*rank)), ("ranks", us(*ranks))],
             ),
+            E::UnmaskOutOfStep {
+                rank,
+                peer,
+                other,
+                op,
+                calls,
+                other_calls,
+            } => (
+                "InputError",
+                "UnmaskOutOfStep",
+                vec![
+                    ("rank", us(*rank)),
+                    ("peer", us(*peer)),
+                    ("other", us(*other)),
+                    ("op", Field::Str(op.to_string())),
+                    ("calls", int(*calls)),
+                    ("other_calls", int(*other_calls)),
+                ],
+            ),
             E::WrongRankCount { expected, got } => (
                 "InputError",
                 "WrongRankCount",

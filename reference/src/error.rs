@@ -149,6 +149,21 @@ pub enum Error {
         call: u64,
         message: String,
     },
+    /// Unmasking a rank ([`crate::EpRank::update_mask`] with `false`, or
+    /// [`crate::EpRank::clean_mask`]) is valid only while every rank of the group is between
+    /// calls and all have made the same calls; rank `other` has made `other_calls` calls of `op`,
+    /// the unmasking rank `calls`. Nothing was unmasked.
+    #[error(
+        "rank {rank}: cannot unmask rank {peer}: rank {other} has made {other_calls} {op} calls, this rank {calls} (unmask only when every rank has made the same calls and none is in one)"
+    )]
+    UnmaskOutOfStep {
+        rank: usize,
+        peer: usize,
+        other: usize,
+        op: Op,
+        calls: u64,
+        other_calls: u64,
+    },
     #[error(
         "rank {rank} timed out after {waited_ms} ms waiting for rank {peer} in {phase} (call {call})"
     )]

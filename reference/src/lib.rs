@@ -4,13 +4,15 @@
 //! - the types every path shares: [`Config`], the inputs' checks, [`DispatchOutput`], [`Handle`],
 //!   [`Error`];
 //! - the contract's numerics, bit for bit: [`bf16`] rounding and the FP8 cast ([`numerics::fp8`]);
-//! - the [`oracle`]: every rank's outputs computed directly from the contract;
+//! - the [`oracle`]: every rank's outputs computed directly from the contract, with or without a
+//!   [`RankMask`] (DeepEP's shrink mode, [`mask`]);
 //! - the CPU backend's transport ([`transport`], on the [`sync`] shim that loom swaps in);
 //! - the **per-expert** protocol on that backend ([`per_expert`]): one message per selection.
 
 pub mod config;
 pub mod error;
 pub mod input;
+pub mod mask;
 pub mod numerics;
 pub mod oracle;
 pub mod output;
@@ -24,6 +26,7 @@ pub mod workload;
 pub use config::{Config, Mode};
 pub use error::{Error, Op, Phase, Result, Side};
 pub use half::bf16;
+pub use mask::RankMask;
 pub use numerics::bf16::{from_f32_rne as bf16_from_f32, to_f32 as bf16_to_f32};
 pub use output::{DispatchOutput, Handle, RecvScales, RecvX};
 pub use path::{CpuOptions, EpRank};

@@ -4,6 +4,7 @@
 use crate::config::{Config, Mode};
 use crate::error::{Error, Result};
 use crate::input::{check_combine_inputs, check_dispatch_inputs};
+use crate::mask::RankMask;
 use crate::numerics::bf16::{from_f32_rne, to_f32};
 use crate::numerics::fp8;
 use crate::output::{DispatchOutput, RecvScales, RecvX};
@@ -122,6 +123,57 @@ pub fn dispatch(cfg: &Config, inputs: &[RankInput<'_>]) -> Result<Vec<DispatchOu
     Ok(outs)
 }
 
+/// Fails unless `mask` is of a group of `cfg.num_ranks` ranks ([`Error::WrongRankCount`]).
+fn check_mask(cfg: &Config, mask: &RankMask) -> Result<()> {
+    if mask.num_ranks() != cfg.num_ranks {
+        return Err(Error::WrongRankCount {
+            expected: cfg.num_ranks,
+            got: mask.num_ranks(),
+        });
+    }
+    Ok(())
+}
+
+/// Every rank's routing under `mask` ([`RankMask::apply`]).
+fn masked_routing(cfg: &Config, mask: &RankMask, topk: &[&[i64]]) -> Vec<Vec<i64>> {
+    topk.iter()
+        .enumerate()
+        .map(|(r, idx)| mask.apply(cfg, r, idx))
+        .collect()
+}
+
+/// Every rank's dispatch output under `mask` (DeepEP's shrink mode, docs/contract.md "Masked
+/// ranks"): [`dispatch`] of the same inputs with every slot that names an expert of a masked
+/// rank set to -1, and every slot of a masked rank set to -1 (a masked rank sends nothing).
+///
+/// The inputs are checked as given, before the mask is applied, so bad input is an error
+/// whatever the mask; a mask of another group size is [`Error::WrongRankCount`]. The outputs
+/// of masked ranks carry no meaning (the contract leaves them undefined and the tests never
+/// compare them; here they are simply empty). With an empty mask this is [`dispatch`].
+pub fn dispatch_masked(
+    cfg: &Config,
+    inputs: &[RankInput<'_>],
+    mask: &RankMask,
+) -> Result<Vec<DispatchOutput>> {
+    cfg.validate()?;
+    check_rank_count(cfg, inputs.len())?;
+    for (s, inp) in inputs.iter().enumerate() {
+        check_dispatch_inputs(cfg, s, inp.x.len(), inp.topk_idx)?;
+    }
+    check_mask(cfg, mask)?;
+    let topk: Vec<&[i64]> = inputs.iter().map(|i| i.topk_idx).collect();
+    let routing = masked_routing(cfg, mask, &topk);
+    let masked: Vec<RankInput<'_>> = inputs
+        .iter()
+        .zip(&routing)
+        .map(|(inp, idx)| RankInput {
+            x: inp.x,
+            topk_idx: idx,
+        })
+        .collect();
+    dispatch(cfg, &masked)
+}
+
 /// One rank's combine inputs: `y` (L x (R*T) x H, this rank's expert outputs), and the routing
 /// of this rank's own tokens.
 #[derive(Debug, Clone, Copy)]
@@ -165,4 +217,153 @@ pub fn combine(cfg: &Config, inputs: &[CombineInput<'_>]) -> Result<Vec<Vec<bf16
         outs.push(out);
     }
     Ok(outs)
+}
+
+/// Every rank's combine output under `mask`: [`combine`] with the routing of
+/// [`dispatch_masked`] (slots of masked ranks' experts, and every slot of a masked rank, set to
+/// -1), the expert outputs `y` read in the layout that [`dispatch_masked`] gives.
+///
+/// The inputs are checked as given, before the mask is applied; a mask of another group size is
+/// [`Error::WrongRankCount`]. The outputs of masked ranks carry no meaning (here: zeros). With
+/// an empty mask this is [`combine`].
+pub fn combine_masked(
+    cfg: &Config,
+    inputs: &[CombineInput<'_>],
+    mask: &RankMask,
+) -> Result<Vec<Vec<bf16>>> {
+    cfg.validate()?;
+    check_rank_count(cfg, inputs.len())?;
+    for (s, inp) in inputs.iter().enumerate() {
+        check_combine_inputs(cfg, s, inp.y.len(), inp.topk_idx, inp.topk_weights.len())?;
+    }
+    check_mask(cfg, mask)?;
+    let topk: Vec<&[i64]> = inputs.iter().map(|i| i.topk_idx).collect();
+    let routing = masked_routing(cfg, mask, &topk);
+    let masked: Vec<CombineInput<'_>> = inputs
+        .iter()
+        .zip(&routing)
+        .map(|(inp, idx)| CombineInput {
+            y: inp.y,
+            topk_idx: idx,
+            topk_weights: inp.topk_weights,
+        })
+        .collect();
+    combine(cfg, &masked)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workload::{Routing, Workload};
+    use crate::Mode;
+
+    fn workload() -> Workload {
+        let cfg = Config::new(4, 8, 6, 128, 3, Mode::FP8).unwrap();
+        Workload::generate(&cfg, &[6, 0, 4, 5], Routing::Random { masked: 0.1 }, 11)
+    }
+
+    #[test]
+    fn an_empty_mask_is_the_plain_oracle() {
+        let w = workload();
+        let cfg = w.config;
+        let none = RankMask::none(4);
+        assert_eq!(
+            dispatch_masked(&cfg, &w.dispatch_inputs(), &none).unwrap(),
+            dispatch(&cfg, &w.dispatch_inputs()).unwrap()
+        );
+        let ys = w.expert_outputs(3);
+        assert_eq!(
+            combine_masked(&cfg, &w.combine_inputs(&ys), &none).unwrap(),
+            combine(&cfg, &w.combine_inputs(&ys)).unwrap()
+        );
+    }
+
+    #[test]
+    fn a_mask_drops_the_masked_ranks_rows_both_ways() {
+        let w = workload();
+        let cfg = w.config;
+        let mask = RankMask::from_ranks(4, &[2]).unwrap();
+        let plain = dispatch(&cfg, &w.dispatch_inputs()).unwrap();
+        let got = dispatch_masked(&cfg, &w.dispatch_inputs(), &mask).unwrap();
+        // Nothing comes from rank 2, nothing goes to it; the rows from the others are the
+        // plain oracle's, packed without rank 2's.
+        for (d, out) in got.iter().enumerate() {
+            for l in 0..cfg.num_local_experts() {
+                let (_, c2) = out.range(l, 2);
+                assert_eq!(c2, 0, "rank {d} expert {l}");
+                for s in [0, 1, 3] {
+                    let want = if d == 2 { 0 } else { plain[d].range(l, s).1 };
+                    assert_eq!(out.range(l, s).1, want, "rank {d} expert {l} source {s}");
+                }
+            }
+        }
+        assert!(got[2].recv_count.iter().all(|&c| c == 0));
+        // It is the plain oracle of the masked routing, which differs from the plain one here.
+        let idx: Vec<Vec<i64>> = (0..4)
+            .map(|r| mask.apply(&cfg, r, &w.topk_idx[r]))
+            .collect();
+        let inputs: Vec<RankInput<'_>> = (0..4)
+            .map(|r| RankInput {
+                x: &w.x[r],
+                topk_idx: &idx[r],
+            })
+            .collect();
+        assert_eq!(got, dispatch(&cfg, &inputs).unwrap());
+        assert_ne!(got, plain);
+        // Combine: a token's slots on rank 2's experts no longer count.
+        let ys = w.expert_outputs(5);
+        let got = combine_masked(&cfg, &w.combine_inputs(&ys), &mask).unwrap();
+        assert_ne!(got, combine(&cfg, &w.combine_inputs(&ys)).unwrap());
+        let masked_inputs: Vec<CombineInput<'_>> = (0..4)
+            .map(|r| CombineInput {
+                y: &ys[r],
+                topk_idx: &idx[r],
+                topk_weights: &w.topk_weights[r],
+            })
+            .collect();
+        assert_eq!(got, combine(&cfg, &masked_inputs).unwrap());
+    }
+
+    #[test]
+    fn inputs_are_checked_before_the_mask() {
+        let w = workload();
+        let cfg = w.config;
+        // Rank 2 is masked, and its bad routing is still an error.
+        let mask = RankMask::from_ranks(4, &[2]).unwrap();
+        let mut bad = w.topk_idx.clone();
+        bad[2][1] = 99;
+        let inputs: Vec<RankInput<'_>> = (0..4)
+            .map(|r| RankInput {
+                x: &w.x[r],
+                topk_idx: &bad[r],
+            })
+            .collect();
+        assert!(matches!(
+            dispatch_masked(&cfg, &inputs, &mask),
+            Err(Error::ExpertOutOfRange {
+                rank: 2,
+                expert: 99,
+                ..
+            })
+        ));
+        let ys = w.expert_outputs(1);
+        let cin: Vec<CombineInput<'_>> = (0..4)
+            .map(|r| CombineInput {
+                y: &ys[r],
+                topk_idx: &bad[r],
+                topk_weights: &w.topk_weights[r],
+            })
+            .collect();
+        assert!(matches!(
+            combine_masked(&cfg, &cin, &mask),
+            Err(Error::ExpertOutOfRange { rank: 2, .. })
+        ));
+        assert_eq!(
+            dispatch_masked(&cfg, &w.dispatch_inputs(), &RankMask::none(3)),
+            Err(Error::WrongRankCount {
+                expected: 4,
+                got: 3
+            })
+        );
+    }
 }

@@ -2,6 +2,7 @@
 
 use crate::config::{Config, Mode};
 use crate::error::{Error, Result};
+use crate::mask::RankMask;
 use half::bf16;
 
 /// `recv_x`: L x (R*T) x H.
@@ -223,6 +224,11 @@ pub struct Handle {
     pub layout_range: Vec<(i32, i32)>,
     pub recv_count: Vec<i32>,
     pub src_info: Vec<i32>,
+    /// The ranks masked for this dispatch: those it skipped and those masked by its end (see
+    /// [`crate::mask`]). Its combine treats them as masked too, whatever the mask is then, so
+    /// that it never waits for rows its dispatch did not send. None for a dispatch without a
+    /// mask; this rank among them when it was masked itself (then its combine does nothing).
+    pub mask: RankMask,
 }
 
 impl Handle {
@@ -235,7 +241,22 @@ impl Handle {
             layout_range: out.layout_range.clone(),
             recv_count: out.recv_count.clone(),
             src_info: out.src_info.clone(),
+            mask: RankMask::none(out.config.num_ranks),
         }
+    }
+
+    /// The handle with `mask` as the ranks its dispatch treated as masked.
+    ///
+    /// # Panics
+    /// When `mask` is not of this handle's group size.
+    pub fn with_mask(mut self, mask: RankMask) -> Handle {
+        assert_eq!(
+            mask.num_ranks(),
+            self.config.num_ranks,
+            "mask of another group size"
+        );
+        self.mask = mask;
+        self
     }
 
     pub fn num_tokens(&self) -> usize {

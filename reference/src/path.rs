@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::mask::RankMask;
 use crate::output::{DispatchOutput, Handle};
 use crate::transport::CallStats;
 use half::bf16;
@@ -46,6 +47,29 @@ pub trait EpRank: Send {
 
     /// What the last successful call put on the wire.
     fn last_stats(&self) -> CallStats;
+
+    /// DeepEP's `update_mask_buffer(rank, mask)`: masks (`true`) or unmasks (`false`) rank
+    /// `rank` (docs/contract.md, "Masked ranks"). Later calls neither send to a masked rank nor
+    /// wait for it, and a call of a masked rank sends nothing, waits for nobody, still counts as
+    /// a call, and returns outputs the contract leaves undefined.
+    ///
+    /// Masking is valid at any time. Unmasking is valid only while every rank of the group is
+    /// between calls and all have made the same number of dispatch calls and of combine calls,
+    /// and every rank's next call starts after it; a group whose counts differ is refused with
+    /// [`Error::UnmaskOutOfStep`](crate::Error::UnmaskOutOfStep), and nothing changes. A rank
+    /// outside the group is [`Error::RankOutOfRange`](crate::Error::RankOutOfRange).
+    ///
+    /// On the CPU backend the ranks share one mask: masking a rank on one endpoint masks it
+    /// for all (calling it on every endpoint, as DeepEP's users do, changes nothing more).
+    fn update_mask(&mut self, rank: usize, masked: bool) -> Result<()>;
+
+    /// DeepEP's `query_mask_buffer`: the ranks masked now, by a caller or by a wait that ran
+    /// out in shrink mode ([`CpuOptions::enable_shrink`]).
+    fn query_mask(&self) -> RankMask;
+
+    /// DeepEP's `clean_mask_buffer`: unmasks every rank, under the rule of
+    /// [`EpRank::update_mask`]'s unmasking.
+    fn clean_mask(&mut self) -> Result<()>;
 }
 
 /// Knobs of the CPU backend.
@@ -59,6 +83,13 @@ pub struct CpuOptions {
     pub staging_workers: usize,
     /// Communication memory allowed; `None` means what the OS reports available.
     pub memory_limit: Option<u64>,
+    /// DeepEP's shrink mode: a wait for a peer that runs out masks that peer (see
+    /// [`EpRank::update_mask`]) instead of failing the call, and the call completes as the
+    /// masked contract says; the waiting rank's outputs then equal the masked oracle's
+    /// (`oracle::dispatch_masked`) with that peer masked. Off (the default), such a wait fails
+    /// the call with [`Error::Timeout`](crate::Error::Timeout) and masks nothing. A wait for the
+    /// rank's own staging never masks.
+    pub enable_shrink: bool,
 }
 
 impl Default for CpuOptions {
@@ -67,6 +98,7 @@ impl Default for CpuOptions {
             timeout: Duration::from_secs(10),
             staging_workers: 0,
             memory_limit: None,
+            enable_shrink: false,
         }
     }
 }

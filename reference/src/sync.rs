@@ -45,6 +45,13 @@ impl Deadline {
         }
     }
 
+    /// A deadline with the same timeout, starting now: what a call's later waits get after
+    /// a wait that ran out was resolved by masking its peer (`transport::mask`), so that each
+    /// of them still has a whole timeout. Under loom every wait has its own polls anyway.
+    pub fn restarted(&self) -> Deadline {
+        Deadline::after(self.timeout)
+    }
+
     /// Milliseconds since the deadline was set (under loom: the timeout itself), saturating at
     /// `u64::MAX`.
     ///

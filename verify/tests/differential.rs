@@ -1,5 +1,6 @@
 //! The differential run (`ep_verify::differential`): `EP_DIFF_CASES` random small configs
-//! (3,000 by default: CI), both CPU paths bitwise against the oracle.
+//! (3,000 by default: CI), both CPU paths bitwise against the oracle, about a quarter of the
+//! multi-rank cases with masked ranks (against the masked oracle on the unmasked ranks).
 //!
 //! - `EP_DIFF_CASES=100000` runs the deep version (a night).
 //! - `EP_DIFF_BASE=<n>` shifts the seeds (case i has seed n + i; default 0).
@@ -43,6 +44,7 @@ fn differential_random_configs() {
     let base = env_u64("EP_DIFF_BASE").unwrap_or(0);
     let t0 = Instant::now();
     let (mut modes, mut special, mut empty, mut skewed, mut masked) = ([0u64; 4], 0, 0, 0, 0);
+    let mut masked_ranks = 0u64;
     let mut failures = Vec::new();
     let mut ran = 0u64;
     for i in 0..n {
@@ -59,6 +61,7 @@ fn differential_random_configs() {
             c.routing,
             Routing::Random { masked } | Routing::Skewed { masked, .. } if masked > 0.0
         ) as u64;
+        masked_ranks += u64::from(!c.mask.is_empty());
         if let Err(msg) = c.run() {
             say(&format!(
                 "differential: FAILED {}\n  {msg}\n  replay: EP_DIFF_SEED={} cargo test --release -p ep-verify --test differential",
@@ -73,7 +76,8 @@ fn differential_random_configs() {
     }
     say(&format!(
         "differential: {ran} cases (seeds {base}..{}) in {:.1} s: modes bf16/fp8/fp8+round/fp8+ue8m0 {modes:?}, \
-         special values {special}, an empty rank {empty}, skewed {skewed}, masked slots {masked}",
+         special values {special}, an empty rank {empty}, skewed {skewed}, masked slots {masked}, \
+         masked ranks {masked_ranks}",
         base.wrapping_add(ran),
         t0.elapsed().as_secs_f64()
     ));

@@ -1,9 +1,11 @@
-//! fast == per-expert == oracle, bit for bit, on every output, over random configs and routings.
-//! proptest prints the failing case (config, token counts, routing, seed) and shrinks it.
+//! fast == per-expert == oracle, bit for bit, on every output, over random configs and routings,
+//! a quarter of the multi-rank cases with masked ranks (DeepEP's shrink mode: then the unmasked
+//! ranks equal the masked oracle). proptest prints the failing case (config, token counts,
+//! routing, mask, seed) and shrinks it.
 
 use ep_reference::workload::{Routing, Workload};
-use ep_reference::{per_expert, Config, CpuOptions, Mode};
-use ep_verify::check_against_oracle;
+use ep_reference::{per_expert, Config, CpuOptions, Mode, RankMask};
+use ep_verify::{check_against_oracle, check_against_oracle_masked};
 use proptest::prelude::*;
 
 /// Elements of all ranks' dispatch outputs (E x R*T x H) allowed per case, to bound memory.
@@ -18,6 +20,8 @@ struct Case {
     routing: Routing,
     workers: usize,
     seed: u64,
+    /// The masked ranks (never all).
+    mask: Vec<usize>,
 }
 
 fn mode() -> impl Strategy<Value = Mode> {
@@ -27,6 +31,18 @@ fn mode() -> impl Strategy<Value = Mode> {
         Just(Mode::FP8_ROUND),
         Just(Mode::FP8_UE8M0)
     ]
+}
+
+/// No rank masked in three cases of four; else 1..R-1 distinct ranks.
+fn mask_of(r: usize) -> BoxedStrategy<Vec<usize>> {
+    if r < 2 {
+        return Just(Vec::new()).boxed();
+    }
+    prop_oneof![
+        3 => Just(Vec::new()),
+        1 => prop::sample::subsequence((0..r).collect::<Vec<_>>(), 1..r),
+    ]
+    .boxed()
 }
 
 fn case() -> impl Strategy<Value = Case> {
@@ -71,14 +87,16 @@ fn case() -> impl Strategy<Value = Case> {
                     r,
                 ),
                 Just((cfg, routing, workers, seed)),
+                mask_of(r),
             )
         })
-        .prop_map(|(tokens, (cfg, routing, workers, seed))| Case {
+        .prop_map(|(tokens, (cfg, routing, workers, seed), mask)| Case {
             cfg,
             tokens,
             routing,
             workers,
             seed,
+            mask,
         })
 }
 
@@ -88,10 +106,12 @@ fn run_case(c: &Case) -> Result<(), String> {
         staging_workers: c.workers,
         ..CpuOptions::default()
     };
+    let mask = RankMask::from_ranks(c.cfg.num_ranks, &c.mask).map_err(|e| e.to_string())?;
+    let ys = w.expert_outputs(c.seed);
     let mut reference = per_expert::group(&c.cfg, opts).map_err(|e| e.to_string())?;
-    check_against_oracle("per-expert", &mut reference, &w, c.seed)?;
+    check_against_oracle_masked("per-expert", &mut reference, &w, &ys, &mask)?;
     let mut fast = ep_fast::group(&c.cfg, opts).map_err(|e| e.to_string())?;
-    check_against_oracle("batched", &mut fast, &w, c.seed)
+    check_against_oracle_masked("batched", &mut fast, &w, &ys, &mask)
 }
 
 proptest! {
@@ -100,8 +120,8 @@ proptest! {
     #[test]
     fn batched_equals_per_expert_equals_oracle(c in case()) {
         if let Err(msg) = run_case(&c) {
-            prop_assert!(false, "{msg}\ncase: {} tokens {:?} routing {:?} workers {} seed {}",
-                c.cfg.describe(), c.tokens, c.routing, c.workers, c.seed);
+            prop_assert!(false, "{msg}\ncase: {} tokens {:?} routing {:?} workers {} seed {} masked {:?}",
+                c.cfg.describe(), c.tokens, c.routing, c.workers, c.seed, c.mask);
         }
     }
 }
@@ -207,4 +227,66 @@ fn dispatch_into_reuses_outputs() {
         &cfg,
     );
     run(ep_fast::group(&cfg, CpuOptions::default()).unwrap(), &cfg);
+}
+
+/// The mask changes from call to call on the same buffers (set, called, cleaned: the unmask
+/// rule holds each time): a rank masked in one call and back in the next never has an earlier
+/// call's signal taken for the current one, and every unmasked rank equals the masked oracle.
+#[test]
+fn masks_that_change_between_calls_reuse_buffers() {
+    let cfg = Config::new(4, 16, 8, 128, 4, Mode::FP8).unwrap();
+    let opts = CpuOptions {
+        staging_workers: 2,
+        ..CpuOptions::default()
+    };
+    let masks: [&[usize]; 8] = [&[], &[1], &[1], &[], &[0, 3], &[2], &[], &[1, 2, 3]];
+    let mut a = per_expert::group(&cfg, opts).unwrap();
+    let mut b = ep_fast::group(&cfg, opts).unwrap();
+    for call in 0..24u64 {
+        let m = masks[call as usize % masks.len()];
+        let mask = RankMask::from_ranks(4, m).unwrap();
+        let tokens: Vec<usize> = (0..4).map(|r| (call as usize * 5 + r * 3) % 9).collect();
+        let w = Workload::generate(&cfg, &tokens, Routing::Random { masked: 0.1 }, call);
+        let ys = w.expert_outputs(call);
+        check_against_oracle_masked("per-expert", &mut a, &w, &ys, &mask).unwrap();
+        check_against_oracle_masked("batched", &mut b, &w, &ys, &mask).unwrap();
+    }
+}
+
+/// A combine treats as masked every rank its dispatch did: unmasking between the two (every
+/// rank in step) changes nothing for that combine, which equals the masked oracle of its
+/// dispatch's mask; the next calls are whole again.
+#[test]
+fn unmask_between_dispatch_and_combine_keeps_the_dispatch_mask() {
+    use ep_reference::oracle;
+    use ep_reference::output::combine_diff;
+    use ep_reference::EpRank;
+
+    fn run<R: EpRank>(mut ranks: Vec<R>) {
+        let cfg = *ranks[0].config();
+        let w = Workload::uniform(&cfg, 6, Routing::EveryRank, 20);
+        check_against_oracle("first", &mut ranks, &w, 20).unwrap();
+        let w = Workload::uniform(&cfg, 6, Routing::EveryRank, 21);
+        let ys = w.expert_outputs(21);
+        let mask = RankMask::from_ranks(3, &[2]).unwrap();
+        ranks[1].update_mask(2, true).unwrap();
+        let handles: Vec<_> = ep_verify::dispatch_all(&mut ranks, &w)
+            .into_iter()
+            .map(|r| r.unwrap().1)
+            .collect();
+        assert_eq!(handles[0].mask, mask);
+        ranks[0].clean_mask().unwrap();
+        let got = ep_verify::combine_all(&mut ranks, &w, &ys, &handles);
+        let want = oracle::combine_masked(&cfg, &w.combine_inputs(&ys), &mask).unwrap();
+        for r in 0..2 {
+            let out = got[r].as_ref().unwrap();
+            assert_eq!(combine_diff(out, &want[r], cfg.hidden), None, "rank {r}");
+        }
+        assert!(got[2].is_ok());
+        let w = Workload::uniform(&cfg, 6, Routing::EveryRank, 22);
+        check_against_oracle("after the unmask", &mut ranks, &w, 22).unwrap();
+    }
+    let cfg = Config::new(3, 6, 6, 128, 3, Mode::Bf16).unwrap();
+    run(per_expert::group(&cfg, CpuOptions::default()).unwrap());
+    run(ep_fast::group(&cfg, CpuOptions::default()).unwrap());
 }

@@ -1,12 +1,13 @@
 //! Every bad input of docs/contract.md gets its own typed error, on both paths, before anything moves;
-//! a rank that never shows up makes the others fail with a timeout that names it, not hang.
+//! a rank that never shows up makes the others fail with a timeout that names it, not hang, or
+//! in shrink mode gets masked by them, who go on without it.
 
 use std::time::{Duration, Instant};
 
 use ep_reference::error::{Op, Phase, Side};
 use ep_reference::path::run_ranks;
 use ep_reference::workload::{Routing, Workload};
-use ep_reference::{bf16, oracle, per_expert, Config, CpuOptions, EpRank, Error, Mode};
+use ep_reference::{bf16, oracle, per_expert, Config, CpuOptions, EpRank, Error, Mode, RankMask};
 
 fn cfg() -> Config {
     Config::new(2, 8, 4, 128, 2, Mode::FP8).unwrap()
@@ -312,6 +313,10 @@ fn missing_rank_times_out<R: EpRank>(mut ranks: Vec<R>) {
             other => panic!("rank {me}: expected a timeout naming rank 2, got {other:?}"),
         }
     }
+    // Without shrink a wait that runs out masks nobody.
+    for r in present.iter().chain(absent.iter()) {
+        assert!(r.query_mask().is_empty(), "rank {}", r.rank());
+    }
     // The late rank finds its peers' call-1 batches and completes call 1 on its own.
     let late = absent[0].dispatch(&w.x[2], &w.topk_idx[2]);
     let want = oracle::dispatch(&c, &w.dispatch_inputs()).unwrap();
@@ -428,4 +433,186 @@ fn the_largest_timeouts_work_on_both_paths() {
     let d = ep_reference::sync::Deadline::after(Duration::MAX);
     assert!(d.waited_ms() < 60_000);
     assert_eq!(d.spin_until(|| Some(7)), Some(7));
+}
+
+fn shrink(timeout: Duration) -> CpuOptions {
+    CpuOptions {
+        timeout,
+        enable_shrink: true,
+        ..CpuOptions::default()
+    }
+}
+
+/// Dispatch then combine on `present` (the ranks that call), each compared with the masked
+/// oracle under `mask` on every rank that is not masked; returns how long the two calls took.
+fn masked_round<R: EpRank>(
+    present: &mut [R],
+    w: &Workload,
+    ys: &[Vec<bf16>],
+    mask: &RankMask,
+) -> Duration {
+    let c = w.config;
+    let start = Instant::now();
+    let got = run_ranks(present, |r| {
+        let me = r.rank();
+        r.dispatch(&w.x[me], &w.topk_idx[me])
+    });
+    let want = oracle::dispatch_masked(&c, &w.dispatch_inputs(), mask).unwrap();
+    let mut handles = Vec::new();
+    for (me, g) in got.into_iter().enumerate() {
+        let (out, h) = g.unwrap_or_else(|e| panic!("rank {me} dispatch: {e}"));
+        assert_eq!(out.diff(&want[me]), None, "rank {me} dispatch");
+        assert_eq!(h.mask, *mask, "rank {me}'s handle");
+        handles.push(h);
+    }
+    let got = run_ranks(present, |r| {
+        let me = r.rank();
+        r.combine(&ys[me], &w.topk_idx[me], &w.topk_weights[me], &handles[me])
+    });
+    let want = oracle::combine_masked(&c, &w.combine_inputs(ys), mask).unwrap();
+    for (me, g) in got.into_iter().enumerate() {
+        let out = g.unwrap_or_else(|e| panic!("rank {me} combine: {e}"));
+        assert_eq!(
+            ep_reference::output::combine_diff(&out, &want[me], c.hidden),
+            None,
+            "rank {me} combine"
+        );
+    }
+    start.elapsed()
+}
+
+/// Shrink mode: after a first call of all three, rank 2 of 3 stops calling. Ranks 0 and 1 mask
+/// it when their wait for it runs out, instead of failing, and their call completes with the
+/// masked oracle's outputs (rank 2's regions still hold its first call's rows and signals); the
+/// group's mask says so on every endpoint; the next calls skip rank 2 at once (well under the
+/// timeout). Unmasking it is refused while it is behind; once it has made its calls (masked,
+/// they return at once) the mask can be cleaned and the whole group is correct again.
+fn absent_rank_is_masked_in_shrink_mode<R: EpRank>(mut ranks: Vec<R>, timeout: Duration) {
+    let c = *ranks[0].config();
+    let w = Workload::uniform(&c, 4, Routing::EveryRank, 2);
+    ep_verify::check_against_oracle("all three", &mut ranks, &w, 2).unwrap();
+    let mask = RankMask::from_ranks(3, &[2]).unwrap();
+    let w = Workload::uniform(&c, 4, Routing::EveryRank, 3);
+    let ys = w.expert_outputs(3);
+    let (present, absent) = ranks.split_at_mut(2);
+    let took = masked_round(present, &w, &ys, &mask);
+    assert!(took >= timeout, "a wait ran out, yet it took {took:?}");
+    assert!(took < 4 * timeout, "took {took:?}");
+    for r in present.iter().chain(absent.iter()) {
+        assert_eq!(r.query_mask(), mask, "rank {}", r.rank());
+    }
+    // Later calls with the mask never wait for rank 2.
+    for seed in 4..6 {
+        let w = Workload::uniform(&c, 4, Routing::Random { masked: 0.1 }, seed);
+        let ys = w.expert_outputs(seed);
+        let took = masked_round(present, &w, &ys, &mask);
+        assert!(took < timeout / 2, "a masked peer cost {took:?}");
+    }
+    // Rank 2 is 3 dispatches and 3 combines behind: no unmask.
+    let behind = Error::UnmaskOutOfStep {
+        rank: 0,
+        peer: 2,
+        other: 2,
+        op: Op::Dispatch,
+        calls: 4,
+        other_calls: 1,
+    };
+    assert_eq!(present[0].clean_mask(), Err(behind.clone()));
+    assert_eq!(present[0].update_mask(2, false), Err(behind));
+    assert!(behind_msg_names_the_rule(
+        &present[1].clean_mask().unwrap_err()
+    ));
+    assert_eq!(present[0].query_mask(), mask);
+    // Its calls catch up at once (its outputs are undefined and not compared).
+    let start = Instant::now();
+    let late = &mut absent[0];
+    for _ in 0..3 {
+        let (_, h) = late.dispatch(&w.x[2], &w.topk_idx[2]).unwrap();
+        late.combine(&ys[2], &w.topk_idx[2], &w.topk_weights[2], &h)
+            .unwrap();
+    }
+    assert!(start.elapsed() < timeout / 2, "took {:?}", start.elapsed());
+    present[1].clean_mask().unwrap();
+    assert!(ranks.iter().all(|r| r.query_mask().is_empty()));
+    let w = Workload::uniform(&c, 4, Routing::EveryRank, 9);
+    ep_verify::check_against_oracle("unmasked again", &mut ranks, &w, 9).unwrap();
+}
+
+fn behind_msg_names_the_rule(e: &Error) -> bool {
+    let msg = e.to_string();
+    msg.contains("cannot unmask rank 2") && msg.contains("rank 2 has made 1 dispatch calls")
+}
+
+#[test]
+fn per_expert_rank_that_never_sends_is_masked_in_shrink_mode() {
+    let c = Config::new(3, 6, 4, 128, 3, Mode::FP8).unwrap();
+    let t = Duration::from_millis(400);
+    absent_rank_is_masked_in_shrink_mode(per_expert::group(&c, shrink(t)).unwrap(), t);
+}
+
+#[test]
+fn batched_rank_that_never_sends_is_masked_in_shrink_mode() {
+    let c = Config::new(3, 6, 4, 128, 3, Mode::FP8).unwrap();
+    let t = Duration::from_millis(400);
+    absent_rank_is_masked_in_shrink_mode(ep_fast::group(&c, shrink(t)).unwrap(), t);
+}
+
+/// Shrink mode masks a peer that is late for a combine as well (rank 2 dispatched, then never
+/// combines): ranks 0 and 1 finish with the masked oracle's combine. (Rank 2 was not masked at
+/// dispatch, so its rows are in the layout; as the highest source they come after every other
+/// source's rows, so the layout of ranks 0 and 1's rows is the masked oracle's.)
+fn late_combine_is_masked_in_shrink_mode<R: EpRank>(mut ranks: Vec<R>, timeout: Duration) {
+    let c = *ranks[0].config();
+    let w = Workload::uniform(&c, 4, Routing::EveryRank, 5);
+    let handles: Vec<_> = ep_verify::dispatch_all(&mut ranks, &w)
+        .into_iter()
+        .map(|r| r.unwrap().1)
+        .collect();
+    let ys = w.expert_outputs(5);
+    let (present, _) = ranks.split_at_mut(2);
+    let start = Instant::now();
+    let got = run_ranks(present, |r| {
+        let me = r.rank();
+        r.combine(&ys[me], &w.topk_idx[me], &w.topk_weights[me], &handles[me])
+    });
+    let took = start.elapsed();
+    assert!(took >= timeout && took < 4 * timeout, "took {took:?}");
+    let mask = RankMask::from_ranks(3, &[2]).unwrap();
+    let want = oracle::combine_masked(&c, &w.combine_inputs(&ys), &mask).unwrap();
+    let plain = oracle::combine(&c, &w.combine_inputs(&ys)).unwrap();
+    for (me, g) in got.into_iter().enumerate() {
+        let out = g.unwrap_or_else(|e| panic!("rank {me}: {e}"));
+        assert_eq!(
+            ep_reference::output::combine_diff(&out, &want[me], c.hidden),
+            None,
+            "rank {me}"
+        );
+        assert_ne!(out, plain[me], "rank {me}: rank 2's rows were counted");
+    }
+    assert_eq!(ranks[0].query_mask(), mask);
+}
+
+#[test]
+fn late_combine_is_masked_in_shrink_mode_on_both_paths() {
+    let c = Config::new(3, 6, 4, 128, 3, Mode::Bf16).unwrap();
+    let t = Duration::from_millis(300);
+    late_combine_is_masked_in_shrink_mode(per_expert::group(&c, shrink(t)).unwrap(), t);
+    late_combine_is_masked_in_shrink_mode(ep_fast::group(&c, shrink(t)).unwrap(), t);
+}
+
+/// A rank outside the group cannot be masked, on either path, and a group whose calls are in
+/// step unmasks at once.
+#[test]
+fn mask_updates_name_a_rank_outside_the_group() {
+    let c = cfg();
+    let mut a = per_expert::group(&c, CpuOptions::default()).unwrap();
+    let mut b = ep_fast::group(&c, CpuOptions::default()).unwrap();
+    let want = Err(Error::RankOutOfRange { rank: 2, ranks: 2 });
+    assert_eq!(a[0].update_mask(2, true), want);
+    assert_eq!(b[1].update_mask(2, false), want);
+    a[1].update_mask(0, true).unwrap();
+    assert_eq!(a[0].query_mask(), RankMask::from_ranks(2, &[0]).unwrap());
+    assert!(b[0].query_mask().is_empty(), "another group's mask");
+    a[0].update_mask(0, false).unwrap();
+    assert!(a[1].query_mask().is_empty());
 }

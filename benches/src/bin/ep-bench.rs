@@ -670,6 +670,7 @@ fn main() -> ExitCode {
                 timeout: cli.timeout(),
                 staging_workers: cli.workers,
                 memory_limit: None,
+                enable_shrink: false,
             },
             gpus: cli.gpus as usize,
             graph: match cli.timing {

@@ -2,25 +2,29 @@
 //! the token's rank reduces in the contract's order.
 
 use super::{wait_credits, Shared};
-use crate::error::{Error, Op, Result, Side};
+use crate::error::{Result, Side};
+use crate::mask::RankMask;
 use crate::numerics::bf16::from_f32_rne;
 use crate::numerics::reduce::fma_bf16_row;
 use crate::output::Handle;
 use crate::payload::bf16_bytes;
 use crate::sync::Deadline;
-use crate::transport::CallStats;
+use crate::transport::{CallStats, Waiter};
 use half::bf16;
 
+/// Runs call `w.call` of rank `w.rank`; `skip` as in `dispatch::run` (it starts with the
+/// handle's mask as well as the mask when the call started).
 pub(super) fn run(
     sh: &Shared,
-    rank: usize,
-    epoch: u64,
+    w: Waiter,
     timeout: std::time::Duration,
     y: &[bf16],
     topk_weights: &[f32],
     handle: &Handle,
+    skip: &mut RankMask,
 ) -> Result<(Vec<bf16>, CallStats)> {
     let cfg = &sh.cfg;
+    let (rank, epoch) = (w.rank, w.call);
     let (r, e_n, l_n, h, k) = (
         cfg.num_ranks,
         cfg.num_experts,
@@ -29,22 +33,26 @@ pub(super) fn run(
         cfg.top_k,
     );
     let per = cfg.rows_per_expert();
-    let deadline = Deadline::after(timeout);
+    let mut deadline = Deadline::after(timeout);
     let mut stats = CallStats::default();
 
     // Send every received row of every local expert back to its token's rank, at the token's
-    // index in the (destination, expert) region.
-    wait_credits(&sh.combine_credit, rank, epoch, &deadline, Op::Combine)?;
+    // index in the (destination, expert) region; nothing to a masked rank.
+    wait_credits(&sh.combine_credit, &sh.mask, w, &mut deadline, skip)?;
     for l in 0..l_n {
         let e = rank * l_n + l;
         for s in 0..r {
+            if skip.is_masked(s) {
+                continue;
+            }
             let (begin, count) = handle.range(l, s);
             let region = &sh.combine[s * e_n + e];
             for row in begin..begin + count {
                 let t = handle.src_info[l * per + row] as usize;
                 let src = bf16_bytes(&y[(l * per + row) * h..(l * per + row + 1) * h]);
                 // SAFETY: this rank alone writes region (s, e); the credit wait ordered the
-                // previous call's reads before this write; s reads after our signal.
+                // previous call's reads before this write (s is not masked); s reads after our
+                // signal.
                 unsafe { region.rows.with_row_mut(t, |m| m.copy_from_slice(src)) };
                 stats.messages += 1;
                 stats.wire_bytes += 2 * h as u64;
@@ -54,37 +62,41 @@ pub(super) fn run(
         }
     }
 
-    // Receive one signal per global expert, then reduce in slot order with one fma each.
-    for e in 0..e_n {
-        if sh.combine[rank * e_n + e]
-            .signal
-            .wait(epoch, &deadline)
-            .is_none()
-        {
-            return Err(Error::timeout(
-                rank,
-                e / l_n,
-                Op::Combine,
-                Side::Recv,
-                epoch,
-                &deadline,
-            ));
+    // Receive one signal per global expert, a rank's L experts whole or not at all (masked, or
+    // given up in shrink mode), then reduce in slot order with one fma each, skipping the
+    // slots of masked ranks' experts.
+    for q in 0..r {
+        if skip.is_masked(q) {
+            continue;
+        }
+        for e in q * l_n..(q + 1) * l_n {
+            let signal = &sh.combine[rank * e_n + e].signal;
+            if sh
+                .mask
+                .wait(w, q, Side::Recv, &mut deadline, || signal.poll(epoch))?
+                .is_none()
+            {
+                skip.set(q, true);
+                break;
+            }
         }
     }
+    let routing = skip.apply(cfg, rank, &handle.topk_idx);
     let n = handle.num_tokens();
     let mut out = vec![bf16::ZERO; n * h];
     let mut acc = vec![0f32; h];
     for t in 0..n {
         acc.fill(0.0);
         for slot in 0..k {
-            let e = handle.topk_idx[t * k + slot];
+            let e = routing[t * k + slot];
             if e < 0 {
                 continue;
             }
             let w = topk_weights[t * k + slot];
             let region = &sh.combine[rank * e_n + e as usize];
-            // SAFETY: the signal wait above acquired the expert rank's release post, which
-            // followed its write of this row; it is not rewritten before our credit below.
+            // SAFETY: the signal poll above acquired the expert rank's release post, which
+            // followed its write of this row (its rank is not masked: the masked routing names
+            // none of its experts); it is not rewritten before our credit below.
             unsafe {
                 region
                     .rows

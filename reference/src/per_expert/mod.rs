@@ -1,17 +1,19 @@
 //! The per-expert protocol on the CPU backend: every selection is its own message, written into
 //! the owning rank's region for (local expert, source rank); one signal per expert per source.
 //! Combine sends every expert row back on its own. Simple, obviously right, slow: the
-//! executable form of docs/contract.md's "Per-expert (the reference)".
+//! executable form of docs/contract.md's "Per-expert (the reference)". Masked ranks (DeepEP's
+//! shrink mode) are skipped as [`crate::transport::mask`] describes.
 
 mod combine;
 mod dispatch;
 
 use crate::config::{checked_product, checked_sum, Config};
-use crate::error::{Error, Result};
+use crate::error::{Op, Result};
+use crate::mask::RankMask;
 use crate::output::{DispatchOutput, Handle};
 use crate::path::{next_group_id, CpuOptions, EpRank};
 use crate::sync::{Arc, SharedRows};
-use crate::transport::{memory, CallStats, CreditTable, Signal};
+use crate::transport::{memory, CallStats, CreditTable, MaskTable, Signal, Waiter};
 use half::bf16;
 
 /// Bytes of metadata in front of each per-expert dispatch message (the source token index,
@@ -45,6 +47,8 @@ pub(crate) struct Shared {
     pub combine: Vec<Region>,
     /// Combine credits (src: the experts' rank, dst: the tokens' rank).
     pub combine_credit: CreditTable,
+    /// The group's rank mask and every rank's call counts (`transport::mask`).
+    pub mask: MaskTable,
 }
 
 impl Shared {
@@ -53,8 +57,9 @@ impl Shared {
     }
 
     /// Communication memory of the whole group, in bytes: R x E regions of T dispatch
-    /// messages and T combine rows. Fails with [`Error::LimitExceeded`] where that does not
-    /// fit in a `usize`.
+    /// messages and T combine rows. Fails with
+    /// [`Error::LimitExceeded`](crate::Error::LimitExceeded) where that does not fit in a
+    /// `usize`.
     pub fn try_bytes_needed(cfg: &Config) -> Result<usize> {
         let row = checked_sum(
             "bytes of one per-expert message and combine row",
@@ -79,7 +84,7 @@ pub fn bytes_needed(cfg: &Config) -> u64 {
 }
 
 /// Communication memory the per-expert path needs for `cfg`, in bytes, or
-/// [`Error::LimitExceeded`] where it does not fit in a `usize`.
+/// [`Error::LimitExceeded`](crate::Error::LimitExceeded) where it does not fit in a `usize`.
 pub fn try_bytes_needed(cfg: &Config) -> Result<usize> {
     Shared::try_bytes_needed(cfg)
 }
@@ -89,6 +94,7 @@ pub struct PerExpertRank {
     shared: Arc<Shared>,
     rank: usize,
     timeout: std::time::Duration,
+    shrink: bool,
     dispatch_calls: u64,
     combine_calls: u64,
     stats: CallStats,
@@ -110,12 +116,14 @@ pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<PerExpertRank>> {
         dispatch_credit: CreditTable::new(r),
         combine: (0..r * e).map(|_| Region::new(t, 2 * cfg.hidden)).collect(),
         combine_credit: CreditTable::new(r),
+        mask: MaskTable::new(r),
     });
     Ok((0..r)
         .map(|rank| PerExpertRank {
             shared: shared.clone(),
             rank,
             timeout: opts.timeout,
+            shrink: opts.enable_shrink,
             dispatch_calls: 0,
             combine_calls: 0,
             stats: CallStats::default(),
@@ -127,6 +135,15 @@ impl PerExpertRank {
     /// The bound on every wait of this rank's next calls (initially `CpuOptions::timeout`).
     pub fn set_timeout(&mut self, timeout: std::time::Duration) {
         self.timeout = timeout;
+    }
+
+    fn waiter(&self, op: Op, call: u64) -> Waiter {
+        Waiter {
+            rank: self.rank,
+            shrink: self.shrink,
+            op,
+            call,
+        }
     }
 }
 
@@ -151,11 +168,23 @@ impl EpRank for PerExpertRank {
         self.dispatch_calls += 1;
         let epoch = self.dispatch_calls;
         let sh = &*self.shared;
-        let res = dispatch::run(sh, self.rank, epoch, self.timeout, n, x, topk_idx, out);
+        sh.mask.begin_call(self.rank, Op::Dispatch, epoch);
+        let mut skip = sh.mask.snapshot();
+        if skip.is_masked(self.rank) {
+            // A masked rank sends nothing and waits for nobody; its outputs are undefined
+            // (here: nothing received). It read nothing, so peers may reuse its buffers.
+            sh.dispatch_credit.grant_all(self.rank, epoch);
+            out.set_layout(&vec![0; sh.cfg.num_local_experts() * sh.cfg.num_ranks]);
+            self.stats = CallStats::default();
+            return Ok(Handle::new(sh.group_id, self.rank, topk_idx, out).with_mask(skip));
+        }
+        let w = self.waiter(Op::Dispatch, epoch);
+        let res = dispatch::run(sh, w, self.timeout, n, x, topk_idx, &mut skip, out);
         match res {
             Ok(stats) => {
                 self.stats = stats;
-                Ok(Handle::new(sh.group_id, self.rank, topk_idx, out))
+                skip.union_with(&sh.mask.snapshot());
+                Ok(Handle::new(sh.group_id, self.rank, topk_idx, out).with_mask(skip))
             }
             Err(e) => {
                 // Give the call up: peers may reuse our buffers (see `transport::signal`).
@@ -183,7 +212,17 @@ impl EpRank for PerExpertRank {
         handle.check(sh.group_id, self.rank, &sh.cfg, topk_idx)?;
         self.combine_calls += 1;
         let epoch = self.combine_calls;
-        match combine::run(sh, self.rank, epoch, self.timeout, y, topk_weights, handle) {
+        sh.mask.begin_call(self.rank, Op::Combine, epoch);
+        // The dispatch's mask as well as today's: never wait for rows it did not send.
+        let mut skip = handle.mask.clone();
+        skip.union_with(&sh.mask.snapshot());
+        if skip.is_masked(self.rank) {
+            sh.combine_credit.grant_all(self.rank, epoch);
+            self.stats = CallStats::default();
+            return Ok(vec![bf16::ZERO; handle.num_tokens() * sh.cfg.hidden]);
+        }
+        let w = self.waiter(Op::Combine, epoch);
+        match combine::run(sh, w, self.timeout, y, topk_weights, handle, &mut skip) {
             Ok((out, stats)) => {
                 self.stats = stats;
                 Ok(out)
@@ -195,20 +234,31 @@ impl EpRank for PerExpertRank {
         }
     }
 
+    fn update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
+        self.shared.mask.update(self.rank, rank, masked)
+    }
+
+    fn query_mask(&self) -> RankMask {
+        self.shared.mask.snapshot()
+    }
+
+    fn clean_mask(&mut self) -> Result<()> {
+        self.shared.mask.clean(self.rank)
+    }
+
     fn last_stats(&self) -> CallStats {
         self.stats
     }
 }
 
-/// Waits for every destination's credit for call `epoch`.
+/// Waits for the credit of call `w.call - 1` of every destination not in `skip` (masked ones
+/// join `skip`).
 pub(crate) fn wait_credits(
     credits: &CreditTable,
-    src: usize,
-    epoch: u64,
-    deadline: &crate::sync::Deadline,
-    op: crate::error::Op,
+    mask: &MaskTable,
+    w: Waiter,
+    deadline: &mut crate::sync::Deadline,
+    skip: &mut RankMask,
 ) -> Result<()> {
-    credits
-        .wait_all_writable(src, epoch, deadline)
-        .map_err(|d| Error::timeout(src, d, op, crate::error::Side::Send, epoch, deadline))
+    credits.wait_unmasked_writable(mask, w, w.call, deadline, skip)
 }

@@ -66,11 +66,15 @@ impl Signal {
     /// Waits for call `epoch`'s signal and returns its count, or `None` past the deadline.
     /// After `Some`, the payload written before the post is visible.
     pub fn wait(&self, epoch: u64, deadline: &Deadline) -> Option<u32> {
+        deadline.spin_until(|| self.poll(epoch))
+    }
+
+    /// One look for call `epoch`'s signal: its count if it is there (and then the payload
+    /// written before the post is visible).
+    pub fn poll(&self, epoch: u64) -> Option<u32> {
         let want = epoch & 0xFFFF_FFFF;
-        deadline.spin_until(|| {
-            let w = self.0.load(Ordering::Acquire);
-            (w >> 32 == want).then_some(w as u32)
-        })
+        let w = self.0.load(Ordering::Acquire);
+        (w >> 32 == want).then_some(w as u32)
     }
 }
 
@@ -97,9 +101,13 @@ impl Credit {
     /// The sender of call `epoch` waits until call `epoch - 1` was released. Returns `false`
     /// past the deadline.
     pub fn wait_writable(&self, epoch: u64, deadline: &Deadline) -> bool {
-        deadline
-            .spin_until(|| (self.0.load(CREDIT_LOAD) + 1 >= epoch).then_some(()))
-            .is_some()
+        deadline.spin_until(|| self.writable(epoch)).is_some()
+    }
+
+    /// One look: `Some` when call `epoch - 1` was released (and then the receiver's reads of
+    /// it happen-before whatever the sender does next).
+    pub fn writable(&self, epoch: u64) -> Option<()> {
+        (self.0.load(CREDIT_LOAD) + 1 >= epoch).then_some(())
     }
 }
 
@@ -130,6 +138,37 @@ impl CreditTable {
         for dst in 0..self.ranks {
             if !self.credits[dst * self.ranks + src].wait_writable(epoch, deadline) {
                 return Err(dst);
+            }
+        }
+        Ok(())
+    }
+
+    /// `dst`'s permission for `src` to overwrite `src`'s region in `dst`'s memory.
+    pub fn get(&self, dst: usize, src: usize) -> &Credit {
+        &self.credits[dst * self.ranks + src]
+    }
+
+    /// Sender `src` waits until every destination not masked has released call `epoch - 1`,
+    /// through `mask` (see [`MaskTable::wait`](super::MaskTable::wait)); `skip` holds the
+    /// destinations masked when the call started, and gets those masked while it waited.
+    pub fn wait_unmasked_writable(
+        &self,
+        mask: &super::MaskTable,
+        w: super::Waiter,
+        epoch: u64,
+        deadline: &mut Deadline,
+        skip: &mut crate::RankMask,
+    ) -> crate::Result<()> {
+        for dst in 0..self.ranks {
+            if skip.is_masked(dst) {
+                continue;
+            }
+            let credit = self.get(dst, w.rank);
+            let got = mask.wait(w, dst, crate::Side::Send, deadline, || {
+                credit.writable(epoch)
+            })?;
+            if got.is_none() {
+                skip.set(dst, true);
             }
         }
         Ok(())
