@@ -23,6 +23,9 @@ class EventOverlap:
 
     def current_stream_wait(self):
         if self.event is not None:
+            if hasattr(self.event, "current_stream_wait"):  # an EventHandle, as DeepEP's
+                self.event.current_stream_wait()
+                return
             import torch
 
             torch.cuda.current_stream().wait_event(self.event)
@@ -397,8 +400,9 @@ class Buffer:
         ``int32 [L]``. Rows at or past ``recv_count[l]`` carry no meaning. With
         ``return_recv_hook=True`` only the send half is enqueued, and calling ``hook()``
         enqueues the receive half (on the then-current stream). ``cumulative_local_expert_recv_stats``
-        (``int32 [L]``) is incremented by ``recv_count``; ``dispatch_wait_recv_cost_stats`` is
-        accepted and left untouched (we do not measure per-peer waits).
+        (``int32 [L]``) is incremented by ``recv_count``; ``dispatch_wait_recv_cost_stats``
+        (``int64 [R]``, DeepEP's cycles spent waiting for each source) is checked as DeepEP
+        checks it and left untouched: the kernels do not measure per-source waits.
         """
         torch, dt = self._torch, self._dt
         for name, v in (("use_fp8", use_fp8), ("round_scale", round_scale),
@@ -413,7 +417,7 @@ class Buffer:
         _checks.stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                       dt.i32, (L,), self._dev)
         _checks.stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, dt.i64,
-                      (R, R), self._dev)
+                      (R,), self._dev)
         _native.validate_config(R, E, T, H, K, use_fp8, round_scale, use_ue8m0)
         if self.check_routing:
             host = topk_idx.detach().to("cpu").contiguous().numpy().tobytes()
@@ -480,8 +484,9 @@ class Buffer:
         ``combined_x``: ``bfloat16 [n, H]`` (written into ``out`` when given).
 
         ``zero_copy=True`` combines the tensor ``get_next_low_latency_combine_buffer`` returned
-        instead of ``x``. ``use_logfmt`` and ``combine_wait_recv_cost_stats`` are accepted and
-        ignored (see the class docstring).
+        instead of ``x``. ``use_logfmt`` is accepted and ignored (see the class docstring);
+        ``combine_wait_recv_cost_stats`` (``int64 [R]``) is checked as DeepEP checks it and left
+        untouched, as in dispatch.
         """
         torch, dt = self._torch, self._dt
         for name, v in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy),
@@ -501,7 +506,7 @@ class Buffer:
                                               "was filled for this shape")
         _checks.combine_args(y, topk_idx, topk_weights, out, L, RT, H, n, K, self._dev, dt)
         _checks.stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, dt.i64,
-                      (R, R), self._dev)
+                      (R,), self._dev)
         if out is None:
             out = torch.empty((n, H), dtype=dt.bf16, device=self._dev)
         ptrs = (handle._id, (y.data_ptr(), y.numel()), (topk_idx.data_ptr(), topk_idx.numel()),

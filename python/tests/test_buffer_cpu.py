@@ -339,3 +339,55 @@ def test_exceptions_derive_from_the_builtins_a_caller_expects():
     assert issubclass(ep.ArgumentError, ep.InputError) and issubclass(ep.InputError, ValueError)
     for cls in (ep.ConfigError, ep.PeerError, ep.DeviceError, ep.UnsupportedError):
         assert issubclass(cls, ep.EpError)
+
+
+def test_deepeps_other_names():
+    """[issue 21 item 5] topk_idx_t, Config and EventHandle exist under DeepEP's names; Config
+    checks what DeepEP's asserts."""
+    import ep_dispatch as ep
+
+    assert {"Config", "EventHandle", "topk_idx_t"} <= set(ep.__all__)
+    c = ep.Config(20, 6, 256, 6, 128)
+    assert (c.num_sms, c.num_max_rdma_chunked_recv_tokens) == (20, 128)
+    assert c.get_nvl_buffer_size_hint(7168 * 2, 8) == 0
+    assert ep.Config(20, 6, 256, 6, 20).num_max_rdma_chunked_recv_tokens == 24  # rounded up
+    with pytest.raises(ep.ArgumentError) as e:
+        ep.Config(20, 256, 256, 6, 128)
+    assert e.value.argument == "num_max_nvl_chunked_send_tokens"
+    with pytest.raises(ep.ArgumentError) as e:
+        ep.Config(20, 6, 256, 100, 128)
+    assert e.value.argument == "num_max_rdma_chunked_send_tokens"
+    with pytest.raises(ep.ArgumentError):
+        ep.Config(-1, 6, 256, 6, 128)
+    try:
+        import torch
+    except ImportError:
+        with pytest.raises(ImportError):
+            ep.topk_idx_t
+    else:
+        assert ep.topk_idx_t is torch.int64
+
+
+def test_native_stubs_match_the_module():
+    """[issue 21 item 7] The wheel ships _ep_dispatch.pyi and py.typed; the stub names exactly
+    what the native module and its GpuRank define."""
+    import ast
+    import pathlib
+
+    here = pathlib.Path(ep.__file__).parent
+    assert (here / "py.typed").exists()
+    tree = ast.parse((here / "_ep_dispatch.pyi").read_text())
+    top, methods = set(), set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            top.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            top.add(node.name)
+            methods |= {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+        elif isinstance(node, ast.AnnAssign):
+            top.add(node.target.id)
+    top.discard("Ptr")
+    native = {n for n in dir(ep._native) if not n.startswith("__")}
+    assert top == native, (top ^ native)
+    gpu = {n for n in dir(ep._native.GpuRank) if not n.startswith("__")}
+    assert methods - {"__init__"} == gpu, ((methods - {"__init__"}) ^ gpu)
