@@ -151,9 +151,14 @@ class Buffer:
           the exact weighted sum of the contract.
         - One group is formed per (shape, FP8 mode); the first call with a new one is collective
           and must not be inside CUDA graph capture (warm up eagerly first).
-        - Combine takes the handle of the latest dispatch of that shape and mode (the kernels
-          keep one dispatch's routing state, not two), with the same ``topk_idx`` tensor that
-          was dispatched; an older handle raises ``InputError``.
+        - Two operations in flight, as DeepEP's double buffer: a dispatch whose predecessor of
+          the same shape is still to be combined runs on a second buffer set (formed at its
+          first use; twice the memory of ``get_low_latency_rdma_size_hint`` from then on), so
+          dispatch A, dispatch B (hooks or not), then combine A and combine B, in any order of
+          the hooks, works. Combine takes the handle of either; a third overlapping dispatch
+          reuses the older set, and that set's earlier handle then raises ``InputError``
+          (stale). Combine reduces with its dispatch's routing: its ``topk_idx`` is checked for
+          shape, and may be a copy of the dispatched values at another address.
         - Errors the kernels find (a timed-out wait, bad routing in ``topk_idx``, bad peer
           data) stop the kernels without trapping (unless ``trap_on_error=True``) and are
           raised at the entry of the next dispatch or combine on this Buffer (read from host
@@ -214,6 +219,8 @@ class Buffer:
         self._ranks = {}
         self._combine_buffers = {}
         self._held = {}  # the tensors of send halves whose receive half is still due
+        self._due = {}  # per shape, per buffer set: the dispatch (sequence no.) still to combine
+        self._seq = 0  # dispatches so far (orders the buffer sets' due dispatches)
 
         # Then the GPU: a clear NoDeviceError where there is none, NotBuiltError where this
         # build cannot run on it. torch is imported only now.
@@ -352,6 +359,8 @@ class Buffer:
             self._torch.cuda.synchronize(self._dev)
         self._ranks.clear()
         self._combine_buffers.clear()
+        self._due.clear()
+        self._held.clear()
 
     # ---- the group ------------------------------------------------------------------------
 
@@ -363,7 +372,23 @@ class Buffer:
         return [bytes(b) for b in objs]
 
     def _rank_group(self, T, H, E, K, use_fp8, round_scale, use_ue8m0):
-        key = (T, H, E, K, use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0)
+        """The group (buffer set) the next dispatch of this shape uses, and its key.
+
+        A group keeps the state of its latest dispatch (the handle combine needs), so two
+        dispatches whose combines are both still due need two groups, as DeepEP's double
+        buffer: a dispatch takes set 0 unless set 0's latest dispatch is still to be combined,
+        then set 1 (formed at its first use, collectively: every rank makes the same calls);
+        with both still due, the older one's handle becomes stale (combining it raises). A
+        Buffer that never overlaps two dispatches keeps one set."""
+        shape = (T, H, E, K, use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0)
+        due = self._due.setdefault(shape, [None, None])  # per set: the dispatch to combine
+        if due[0] is None or (shape, 0) not in self._ranks:
+            i = 0
+        elif due[1] is None:
+            i = 1
+        else:
+            i = 0 if due[0] < due[1] else 1
+        key = (shape, i)
         g = self._ranks.get(key)
         if g is None:
             _native.validate_config(self.group_size, E, T, H, K, use_fp8, round_scale, use_ue8m0)
@@ -470,9 +495,11 @@ class Buffer:
             hook = None
         # The kernels write (begin, count) int32 pairs; the handle packs DeepEP's view on demand.
         pairs = layout_range.view(dt.i32).view(L, R, 2)
+        self._seq += 1
+        self._due[key[0]][key[1]] = self._seq
         handle = Handle(src_info, None, T, H, E, layout_pairs=pairs, recv_count=recv_count,
                         num_tokens=n, top_k=K, use_fp8=use_fp8, path=self.path, _key=key,
-                        _buffer=id(self), _id=hid, _topk_idx=topk_idx)
+                        _buffer=id(self), _id=hid, _seq=self._seq, _topk_idx=topk_idx)
         out = (recv_x, scales) if use_fp8 else recv_x
         return out, recv_count, handle, self._event(async_finish, tensors), hook
 
@@ -527,6 +554,9 @@ class Buffer:
         else:
             g.combine(self._stream(), "both", *ptrs)
             hook = None
+        due = self._due.get(handle._key[0])
+        if due is not None and due[handle._key[1]] == handle._seq:
+            due[handle._key[1]] = None  # this set is free for the next dispatch
         return out, self._event(async_finish, tensors), hook
 
     def get_next_low_latency_combine_buffer(self, handle):

@@ -291,3 +291,39 @@ def test_per_expert_over_nccl_never_reaches_the_native_rank(monkeypatch, transpo
     with pytest.raises(ep.UnsupportedError, match="exact sizes"):
         ep.Buffer(Group(0, R), path="per_expert", transport=transport)
     assert world.created == []
+
+
+def test_two_dispatches_in_flight(buffers):
+    """[issue 21 item 2] dispatch A and dispatch B with hooks, hook A, hook B, combine A,
+    combine B (with a copy of topk_idx at another address, as vLLM's EPLB passes): B runs on a
+    second buffer set (formed at its first use), every output equals the oracle, and a later
+    dispatch goes back to the first set (A was combined) without forming a third."""
+    world, bufs = buffers
+    ins_a, ins_b = make_inputs(4), make_inputs(5)
+
+    def want(ins):
+        return (oracle.dispatch([i[0] for i in ins], [i[1] for i in ins], T, E),
+                oracle.combine([i[3] for i in ins], [i[1] for i in ins], [i[2] for i in ins],
+                               T, E))
+
+    (wa, wca), (wb, wcb) = want(ins_a), want(ins_b)
+    ra = [b.low_latency_dispatch(i[0], i[1], T, E, return_recv_hook=True)
+          for b, i in zip(bufs, ins_a)]
+    assert len(world.created) == R
+    rb = [b.low_latency_dispatch(i[0], i[1], T, E, return_recv_hook=True)
+          for b, i in zip(bufs, ins_b)]
+    assert len(world.created) == 2 * R, "B needs a second buffer set"
+    for rr in ra + rb:
+        rr[4]()
+    for r in range(R):
+        assert oracle.diff(got_of(ra[r][0], ra[r][1], ra[r][2]), wa[r]) is None
+        assert oracle.diff(got_of(rb[r][0], rb[r][1], rb[r][2]), wb[r]) is None
+    ca = [b.low_latency_combine(i[3], i[1].clone(), i[2], rr[2])[0]
+          for b, i, rr in zip(bufs, ins_a, ra)]
+    cb = [b.low_latency_combine(i[3], i[1], i[2], rr[2])[0] for b, i, rr in zip(bufs, ins_b, rb)]
+    for r in range(R):
+        assert oracle.combine_diff(ca[r], wca[r]) is None
+        assert oracle.combine_diff(cb[r], wcb[r]) is None
+    for b, i in zip(bufs, make_inputs(6)):
+        b.low_latency_dispatch(i[0], i[1], T, E)
+    assert len(world.created) == 2 * R, "the first set was free again"

@@ -23,7 +23,8 @@
 //!   the latter a captured graph serves any count up to T.
 //! - The handle: combine uses the routing and token count of the dispatch whose
 //!   [`DeviceHandle`] it gets; that must be the latest dispatch on that path (the group keeps one
-//!   handle's state), and combine's topk_idx must be the dispatched tensor (same address).
+//!   handle's state). Combine reduces with the routing its dispatch kept, so its topk_idx is
+//!   checked for shape only: the dispatched tensor or a copy of its values at any address.
 //! - Receive hook: `dispatch_send` / `dispatch_recv` (and `combine_send` / `combine_recv`) are the
 //!   two halves of the fused call (the same kernel, stage 1: send and signal; stage 2: wait,
 //!   receive), so other kernels may run on the stream in between. Same bits as the fused call.
@@ -562,13 +563,11 @@ impl GpuGroup {
             self.same_ctx(r, "y", inp.y)?;
             self.same_ctx(r, "topk_weights", inp.topk_weights)?;
             self.same_ctx(r, "out", &outs[i])?;
-            let (p, _g) = inp.topk_idx.device_ptr(streams[self.dev_of(r)]);
-            if p != handle.topk[i] {
-                return Err(GpuError::Handle(format!(
-                    "rank {r}: combine's topk_idx is not the dispatched tensor (address {p:#x}, dispatched {:#x})",
-                    handle.topk[i]
-                )));
-            }
+            // The routing combine reduces with is its dispatch's (the group keeps it with the
+            // handle): topk_idx is checked for its shape only, so a copy of the dispatched
+            // values at another address (vLLM's EPLB passes one) is accepted.
+            at_least(r, "topk_idx", n_max.min(t) * k, inp.topk_idx.len())?;
+            self.same_ctx(r, "topk_idx", inp.topk_idx)?;
         }
         let mut io = vec![IoTable::default(); self.devs.len()];
         let mut guards = Vec::new();
