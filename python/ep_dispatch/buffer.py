@@ -430,10 +430,13 @@ class Buffer:
         checks it and left untouched: the kernels do not measure per-source waits.
         """
         torch, dt = self._torch, self._dt
-        for name, v in (("use_fp8", use_fp8), ("round_scale", round_scale),
-                        ("use_ue8m0", use_ue8m0), ("async_finish", async_finish),
-                        ("return_recv_hook", return_recv_hook)):
-            _checks.flag(name, v)
+        if not (use_fp8.__class__ is bool and round_scale.__class__ is bool
+                and use_ue8m0.__class__ is bool and async_finish.__class__ is bool
+                and return_recv_hook.__class__ is bool):  # one test on the hot path
+            for name, v in (("use_fp8", use_fp8), ("round_scale", round_scale),
+                            ("use_ue8m0", use_ue8m0), ("async_finish", async_finish),
+                            ("return_recv_hook", return_recv_hook)):
+                _checks.flag(name, v)
         R = self.group_size
         n, H, K = _checks.dispatch_args(x, topk_idx, num_max_dispatch_tokens_per_rank,
                                         num_experts, self._shape, R, self._dev, dt)
@@ -443,7 +446,8 @@ class Buffer:
                       dt.i32, (L,), self._dev)
         _checks.stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, dt.i64,
                       (R,), self._dev)
-        _native.validate_config(R, E, T, H, K, use_fp8, round_scale, use_ue8m0)
+        # The config (E % R, H % 128 in FP8, UE8M0 needs round_scale, ...) is validated when
+        # the group of this shape and mode forms (`_rank_group`), once per shape.
         if self.check_routing:
             host = topk_idx.detach().to("cpu").contiguous().numpy().tobytes()
             _native.check_routing(self.rank, R, E, T, H, K, host)
@@ -516,9 +520,11 @@ class Buffer:
         untouched, as in dispatch.
         """
         torch, dt = self._torch, self._dt
-        for name, v in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy),
-                        ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
-            _checks.flag(name, v)
+        if not (use_logfmt.__class__ is bool and zero_copy.__class__ is bool
+                and async_finish.__class__ is bool and return_recv_hook.__class__ is bool):
+            for name, v in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy),
+                            ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
+                _checks.flag(name, v)
         if not isinstance(handle, Handle) or getattr(handle, "_buffer", None) != id(self):
             raise InputError("argument `handle`: not a handle returned by this Buffer's "
                              "low_latency_dispatch")
