@@ -348,14 +348,14 @@ def test_deepeps_other_names():
 
     assert {"Config", "EventHandle", "topk_idx_t"} <= set(ep.__all__)
     c = ep.Config(20, 6, 256, 6, 128)
-    assert (c.num_sms, c.num_max_rdma_chunked_recv_tokens) == (20, 128)
+    assert (c.num_sms, c.num_max_rdma_chunked_recv_tokens) == (20, 132)  # 128 rounded up to 6s
     assert c.get_nvl_buffer_size_hint(7168 * 2, 8) == 0
     assert ep.Config(20, 6, 256, 6, 20).num_max_rdma_chunked_recv_tokens == 24  # rounded up
     with pytest.raises(ep.ArgumentError) as e:
         ep.Config(20, 256, 256, 6, 128)
     assert e.value.argument == "num_max_nvl_chunked_send_tokens"
     with pytest.raises(ep.ArgumentError) as e:
-        ep.Config(20, 6, 256, 100, 128)
+        ep.Config(20, 6, 256, 100, 50)  # 50 rounds up to 100: not twice the send chunk
     assert e.value.argument == "num_max_rdma_chunked_send_tokens"
     with pytest.raises(ep.ArgumentError):
         ep.Config(-1, 6, 256, 6, 128)
