@@ -29,6 +29,20 @@ def flag(name, v):
 def tensor(name, t, dtype, shape, device):
     """`t` is a tensor of `dtype`, `shape` (None entries match any size), on `device` (the
     Buffer's ``torch.device``), contiguous. Returns its shape as a tuple."""
+    # The hot path: one attribute read each, no loop; anything off goes to the naming path.
+    try:
+        got = tuple(t.shape)
+        if (t.dtype == dtype and len(got) == len(shape) and t.device == device
+                and all(w is None or g == w for g, w in zip(got, shape)) and t.is_contiguous()
+                and hasattr(t, "data_ptr")):
+            return got
+    except AttributeError:
+        pass
+    return _tensor_error(name, t, dtype, shape, device)
+
+
+def _tensor_error(name, t, dtype, shape, device):
+    """Names what `tensor` found wrong (the slow path)."""
     for attr in ("shape", "dtype", "device", "is_contiguous", "data_ptr"):
         if not hasattr(t, attr):
             raise argument_error(name, f"expected a torch.Tensor, got {type(t).__name__}")

@@ -37,6 +37,10 @@ class EventOverlap:
         self.current_stream_wait()
 
 
+# What a call without async_finish returns as its event (immutable: shared by every call).
+_NO_EVENT = EventOverlap(None)
+
+
 class Handle(tuple):
     """What ``low_latency_combine`` needs from a dispatch.
 
@@ -406,7 +410,7 @@ class Buffer:
 
     def _event(self, async_finish, tensors):
         if not async_finish:
-            return EventOverlap(None)
+            return _NO_EVENT
         ev = self._torch.cuda.Event()
         ev.record(self._torch.cuda.current_stream(self._device))
         return EventOverlap(ev, tensors)
@@ -466,12 +470,14 @@ class Buffer:
         recv_count = torch.empty((L,), dtype=dt.i32, device=dev)
         src_info = torch.empty((L, RT), dtype=dt.i32, device=dev)
         layout_range = torch.empty((L, R), dtype=dt.i64, device=dev)
-        def ref(t, nbytes=False):
-            return (t.data_ptr(), t.numel() * (t.element_size() if nbytes else 1))
-
-        ptrs = (ref(x), ref(topk_idx), n, ref(recv_x, True),
-                None if scales is None else ref(scales, True), ref(recv_count), ref(src_info),
-                ref(layout_range))
+        # (data_ptr, elements) of each tensor; bytes for recv_x and its scales. The element
+        # counts follow from the checked shapes: (n, H), (n, K), (L, RT, H), ...
+        xrow = H if use_fp8 else 2 * H
+        ptrs = ((x.data_ptr(), n * H), (topk_idx.data_ptr(), n * K), n,
+                (recv_x.data_ptr(), L * RT * xrow),
+                None if scales is None else (scales.data_ptr(), scales.numel() * 4),
+                (recv_count.data_ptr(), L), (src_info.data_ptr(), L * RT),
+                (layout_range.data_ptr(), L * R))
         stats = cumulative_local_expert_recv_stats
 
         tensors = (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range, stats)
@@ -531,7 +537,8 @@ class Buffer:
         g = self._ranks.get(handle._key)
         if g is None:
             raise InputError("argument `handle`: its group was destroyed")
-        R, T, H, E = self.group_size, handle[2], handle[3], handle[4]
+        R, T = self.group_size, handle.num_max_dispatch_tokens_per_rank
+        H, E = handle.hidden, handle.num_experts
         L, RT, n, K = E // R, R * T, handle.num_tokens, handle.top_k
         y = self._combine_buffers.get(handle._key) if zero_copy else x
         if y is None:
@@ -542,8 +549,8 @@ class Buffer:
                       (R,), self._dev)
         if out is None:
             out = torch.empty((n, H), dtype=dt.bf16, device=self._dev)
-        ptrs = (handle._id, (y.data_ptr(), y.numel()), (topk_idx.data_ptr(), topk_idx.numel()),
-                (topk_weights.data_ptr(), topk_weights.numel()), (out.data_ptr(), out.numel()))
+        ptrs = (handle._id, (y.data_ptr(), L * RT * H), (topk_idx.data_ptr(), n * K),
+                (topk_weights.data_ptr(), n * K), (out.data_ptr(), n * H))
         tensors = (y, topk_idx, topk_weights, handle.src_info, out)
         if return_recv_hook:
             cid = g.combine(self._stream(), "send", *ptrs)
