@@ -9,6 +9,16 @@ Prints, per rank and implementation, DeepEP's lines:
     [rank r] Dispatch bandwidth: ... GB/s, avg_t=... us | Combine bandwidth: ... GB/s, avg_t=... us
     [rank r] Dispatch send/recv time: ... + ... us | Combine send/recv time: ... + ... us
 
+and what an engine sees of one dispatch+combine pair (median over --pairs pairs each):
+
+    [rank r] Host enqueue per pair: ... us (hooks: ... us) | Event time per eager pair: ... us |
+             Graph replay per pair: ... us
+
+host enqueue: ``time.perf_counter`` around the two calls (and their hooks), no synchronisation,
+on a stream kept busy ahead of them so that launches never wait for the GPU; event time: CUDA
+events around each eager pair, one pair at a time; graph replay: one pair captured in a CUDA
+graph, replayed back to back, CUDA events around the replays.
+
 ``deep_ep`` is imported only if installed (never vendored); ``--impl both`` times the two side by
 side on the same inputs. Message bytes as DeepEP counts them: FP8 dispatch ``H + H/128*4 + 16``,
 BF16 combine ``2H``, per selection (``topk_idx != -1``).
@@ -36,6 +46,8 @@ def parse():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--masked", type=int, default=10, help="top-k slots set to -1 at random")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pairs", type=int, default=300,
+                   help="pairs for the host enqueue, event and graph replay figures (0: none)")
     return p.parse_args()
 
 
@@ -91,6 +103,65 @@ def bench(torch, dist, fn, iters, warmup, per_period):
     return kernel_times(prof, ("dispatch", "combine"), per_period)
 
 
+def median(v):
+    v = sorted(v)
+    return v[len(v) // 2]
+
+
+def engine_view(torch, dist, step, pairs):
+    """(host enqueue us, with hooks us, event time per eager pair us, graph replay per pair
+    us): what an engine calling the Buffer sees, beside the kernels' own time."""
+    import time
+
+    eager, hooked = step(False), step(True)
+    stream = torch.cuda.current_stream()
+    # Host time: the stream is kept busy (a long sleep kernel ahead of every batch of calls),
+    # so no launch waits for the GPU and the figure is the host's own.
+    host = {}
+    for name, fn in (("eager", eager), ("hooks", hooked)):
+        times = []
+        for chunk in range(0, pairs, 50):
+            torch.cuda.synchronize()
+            dist.barrier()
+            torch.cuda._sleep(int(2e8))  # ~0.1 s of cycles ahead of the calls
+            for _ in range(min(50, pairs - chunk)):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+        host[name] = median(times)
+    # Event time of one eager pair at a time.
+    ev = []
+    for _ in range(pairs):
+        torch.cuda.synchronize()
+        dist.barrier()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(stream)
+        eager()
+        b.record(stream)
+        b.synchronize()
+        ev.append(a.elapsed_time(b) * 1e3)
+    # Graph replay: one pair captured (after the eager calls above formed every group).
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        eager()
+    torch.cuda.synchronize()
+    dist.barrier()
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(stream)
+    for _ in range(pairs):
+        graph.replay()
+    b.record(stream)
+    b.synchronize()
+    return host["eager"], host["hooks"], median(ev), a.elapsed_time(b) * 1e3 / pairs
+
+
 def run(torch, dist, module, a, x, topk_idx, topk_weights, rank, R):
     T, H, E = a.tokens, a.hidden, a.experts
     use_fp8 = not a.no_fp8
@@ -122,6 +193,11 @@ def run(torch, dist, module, a, x, topk_idx, topk_weights, rank, R):
     (ds, dr), (cs, cr) = bench(torch, dist, step(True), a.iters, a.warmup, 2)
     print(f"[rank {rank}] Dispatch send/recv time: {ds * 1e6:.2f} + {dr * 1e6:.2f} us | "
           f"Combine send/recv time: {cs * 1e6:.2f} + {cr * 1e6:.2f} us", flush=True)
+    if a.pairs > 0:
+        host, host_hook, event, replay = engine_view(torch, dist, step, a.pairs)
+        print(f"[rank {rank}] Host enqueue per pair: {host:.2f} us (hooks: {host_hook:.2f} us) | "
+              f"Event time per eager pair: {event:.2f} us | Graph replay per pair: "
+              f"{replay:.2f} us", flush=True)
     if hasattr(buf, "check"):
         buf.check()  # ours: raise anything the kernels recorded (timeouts, bad routing)
     if hasattr(buf, "destroy") and getattr(buf, "explicitly_destroy", True):
