@@ -40,6 +40,15 @@ class EventOverlap:
 # What a call without async_finish returns as its event (immutable: shared by every call).
 _NO_EVENT = EventOverlap(None)
 
+# Groups of Buffers collected during a CUDA graph capture (Buffer.__del__), released by the next
+# call made outside capture.
+_DEFERRED = []
+
+
+def _release_deferred(torch):
+    if _DEFERRED and not torch.cuda.is_current_stream_capturing():
+        _DEFERRED.clear()
+
 
 class Handle(tuple):
     """What ``low_latency_combine`` needs from a dispatch.
@@ -366,6 +375,23 @@ class Buffer:
         self._due.clear()
         self._held.clear()
 
+    def __del__(self):
+        # A Buffer caught in a reference cycle is freed by Python's cyclic collector, which may
+        # run in the middle of another Buffer's CUDA graph capture; releasing the groups then
+        # (their drop synchronises the context and frees device memory) would invalidate that
+        # capture. They wait in _DEFERRED until a call outside capture (or the process's end).
+        ranks = getattr(self, "_ranks", None)
+        torch = getattr(self, "_torch", None)
+        if not ranks or torch is None:
+            return
+        try:
+            capturing = torch.cuda.is_current_stream_capturing()
+        except Exception:  # interpreter shutdown: nothing is captured any more
+            capturing = False
+        if capturing:
+            _DEFERRED.extend(ranks.values())
+            ranks.clear()
+
     # ---- the group ------------------------------------------------------------------------
 
     def _all_gather(self, blob):
@@ -393,6 +419,8 @@ class Buffer:
         else:
             i = 0 if due[0] < due[1] else 1
         key = (shape, i)
+        if _DEFERRED:
+            _release_deferred(self._torch)
         g = self._ranks.get(key)
         if g is None:
             _native.validate_config(self.group_size, E, T, H, K, use_fp8, round_scale, use_ue8m0)

@@ -327,3 +327,26 @@ def test_two_dispatches_in_flight(buffers):
     # (The results are kept: the stand-in world writes rank 0's outputs when rank 1 calls.)
     rc = [b.low_latency_dispatch(i[0], i[1], T, E) for b, i in zip(bufs, make_inputs(6))]
     assert len(rc) == R and len(world.created) == 2 * R, "the first set was free again"
+
+
+def test_a_buffer_collected_during_capture_releases_its_groups_later(monkeypatch):
+    """A Buffer freed while a CUDA graph is being captured (e.g. by the cyclic collector) must
+    not release its groups then (their drop synchronises and frees, which invalidates the
+    capture): they wait for the next call made outside capture."""
+    import gc
+
+    from ep_dispatch import buffer as bufmod
+
+    world, bufs = make_buffers(monkeypatch)
+    ins = make_inputs(7)
+    res = [b.low_latency_dispatch(i[0], i[1], T, E) for b, i in zip(bufs, ins)]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    victim = bufs.pop()
+    victim.self_cycle = victim  # freed by the cyclic collector, as in a test fixture's closure
+    del victim
+    gc.collect()
+    assert len(bufmod._DEFERRED) == 1, "the group waits"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    bufs[0]._rank_group(T, H, E, K, True, False, False)
+    assert bufmod._DEFERRED == [], "released by the next call outside capture"
+    assert len(res) == R
