@@ -68,6 +68,7 @@ fn bounded(polls: u64) -> Launch {
         timeout: Duration::from_millis(polls),
         fault_rank: None,
         bad_input: None,
+        shrink: false,
     }
 }
 
@@ -325,6 +326,7 @@ fn fault_timeout_stops_every_waiter() {
             timeout: Duration::from_millis(2),
             fault_rank: Some(0),
             bad_input: None,
+            shrink: false,
         };
         let c1 = input(1, 0, 0);
         let blocks: Vec<_> = [(0, 0), (1, 1)]
@@ -415,6 +417,7 @@ fn bad_input_sender(same_device: bool) {
             timeout,
             fault_rank: None,
             bad_input: Some(0),
+            shrink: false,
         };
         let c1 = input(1, 0, 0);
         let tx = {
