@@ -54,6 +54,13 @@ mutants=(
   # not an ordering: the host's poisoning of the NCCL send headers (capacity mode) is gone, and
   # the peer must be caught taking the previous call's header and rows as this call's
   "gpu_no_hdr_poison:loom_gpu_protocol:capacity_bad_input_sender_header_poisoned:took a stale header"
+  # shrink mode (the rank mask), not orderings either: blocks that go on with their own verdicts
+  # on a peer lost at the timeout's edge, a receive that waits for a masked peer (whose signal
+  # carries this call's tag), a clean that leaves the signal words (whose tags come round again)
+  "gpu_no_agreement:loom_gpu_protocol:shrink_two_blocks_agree_at_the_timeout_edge:disagree on the lost peers"
+  "gpu_no_agreement:loom_gpu_protocol:shrink_per_expert_two_blocks_agree_at_the_timeout_edge:disagree on the lost peers"
+  "gpu_masked_peer_waited:loom_gpu_protocol:shrink_masked_peer_signals_ignored:read a masked peer's entries"
+  "gpu_clean_keeps_signals:loom_gpu_protocol:shrink_unmask_with_clean"
 )
 killed=0
 log=$(mktemp)

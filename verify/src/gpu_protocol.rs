@@ -42,6 +42,25 @@
 //! - **Bounded waits.** `%globaltimer` is a [`Deadline`]: under loom a timeout of N ms is N polls
 //!   and one of an hour or more never expires. The kernels look at the error word and the clock
 //!   every 64 polls, the model on every poll.
+//! - **Shrink mode** ([`Launch::shrink`]; common.cuh, "shrink mode (the rank mask)"). Each
+//!   rank's mask words (`int`: `ld.volatile` reads, `atomicExch`) and decision words (u64, one
+//!   per (recv | ack, peer) of the model's kernel kind: a volatile read, then `atomicCAS`) are
+//!   relaxed atomics of its [`Rank`]. A block reads the mask at its start (`masked_peers`:
+//!   `gone0`); a masked peer is neither waited for nor sent to nor read (no count, no entry),
+//!   and the last block out acks no peer masked by then. Any other peer's wait
+//!   (`wait_peer_signals`, `wait_peer_ack`) proposes "arrived" once every word the peer owes is
+//!   there, "lost" when the peer turns out masked or the [`Deadline`] runs out, and `agree`
+//!   installs the call's first verdict for every block (a lost one masks the peer; a block that
+//!   ran out under "arrived" waits again, bounded). A model loses a rank at the timeout's edge
+//!   (a wait of one poll that its signal may or may not beat), by never signalling
+//!   (`fault_rank`), or by the host's [`update_mask`] before a launch. [`clean_mask`] is the
+//!   host's zeroing (runtime/mask.rs `GpuGroup::clean_mask`), run with every launch joined:
+//!   every rank restarts from epoch 0. Not modelled: combine's shrink path (the same
+//!   `wait_peer_signals` / `wait_peer_ack` and the same no-ack rule, on the combine words),
+//!   the routing's "a masked owner's selection counts as -1" and the peer-written row counts
+//!   and headers it then leaves unread (computation on data the model has no words for: only
+//!   the signal's count and the entries), NCCL peers (shrink mode is CUDA IPC / peer access
+//!   only), and the host's barrier after a clean (the joins).
 //! - **Input checks.** Batched dispatch checks its routing in its one routing pass (the `route`
 //!   lambda, "`v < -1 || v >= (i64)E`": `ERR_EXPERT_RANGE`; then the repeats, `ERR_DUP_EXPERT`),
 //!   per-expert dispatch in common.cuh `load_topk(..., true)`, both the token count in
@@ -68,6 +87,12 @@
 //! `gpu_no_hdr_poison` is not an ordering: it drops the host's poisoning of the NCCL send
 //! headers, and the model `capacity_bad_input_sender_header_poisoned` must see the peer take the
 //! previous call's header as this call's (an assertion, not a causality violation).
+//! Shrink mode's mutants are not orderings either, and only the `shrink_*` models kill them:
+//! `gpu_no_agreement` (each block goes on with its own verdict; `shrink_*two_blocks_agree_at_the_timeout_edge`:
+//! the blocks of a rank disagree), `gpu_masked_peer_waited` (the receive ignores the mask;
+//! `shrink_masked_peer_signals_ignored`: a masked peer's entries are read) and
+//! `gpu_clean_keeps_signals` (the clean leaves the signal and ack words; `shrink_unmask_with_clean`:
+//! a call-1 signal is taken for call 2's, a causality violation).
 //!
 //! # What the model found in the kernels
 //! Checked against the kernels after the device-API change (u64 epochs, tagged signals, input
@@ -122,6 +147,25 @@
 //!   thing in launch.rs `launch_inner` and `sync`) is what keeps this from happening: it is
 //!   needed, not just prudent. Back to back `launch`es without a sync (benchmarks, graph
 //!   replay) after an error give garbage until the next sync reports it.
+//! - Shrink mode's agreement orders nothing: `agree_at` is a relaxed CAS (and the mask a
+//!   relaxed `atomicExch`), so a block that ran out while another block's "arrived" was agreed
+//!   has no happens-before with that block's acquire of the signal. What makes its reads safe
+//!   is its own wait again ("Agreed "arrived" after this block ran out"), an acquire load of
+//!   the same words: without it the block would read the entries unordered after their writes.
+//!   That wait is bounded and reports a timeout when it runs out, which would need the store,
+//!   already seen by a block of the same rank, to stay invisible for a whole timeout. loom's
+//!   own progress rule (a load after a yield does not return again a value the thread saw
+//!   before it, when a newer one exists) makes it succeed at its first poll in the models,
+//!   which accept a reported timeout all the same; `shrink_*two_blocks_agree_at_the_timeout_edge`
+//!   requires some interleaving where a block waited again and then read its entries.
+//! - Shrink mode's "no ack to a masked peer" is read from the mask by the last block out
+//!   ("`const u32 masked = masked_peers(p, me)`"), not from its own `gone`: a peer lost by
+//!   another block is in it, because every block's `atomicExch` of the mask comes before that
+//!   block's `last_block_out` fence and exit count, which the last block acquires. A peer that
+//!   is masked here without knowing it (lost at the timeout's edge, or masked by the host)
+//!   learns it at its next call's ack wait for this rank (every pair runs, count 0 too), which
+//!   runs out and masks this rank in turn (model `shrink_masked_peer_signals_ignored`): the
+//!   masks end up symmetric with no message of their own.
 //! - NCCL transport, exact sizes (`NcclSizes::Exact`, not modelled): a rank with bad input also
 //!   skips, in its pack stage (`p.stage` 1), the writes of `snd_hdr` and the staged batches, so
 //!   what sits there is an earlier call's, valid-looking. launch.rs `nccl_dispatch_exchange`
@@ -312,6 +356,13 @@ pub struct Rank {
     snd_buf: SharedRows,
     /// NCCL capacity mode: `rcv_hdr` word 0 (tokens) of source s's header, row s (i32).
     rcv_hdr: SharedRows,
+    /// Shrink mode: the rank mask, `shr_mask(me, R)[d]` (an int: `mask[d] != 0`, peer d is
+    /// masked on this rank; read with `ld_volatile_u32`, set with `atomicExch`).
+    mask: Vec<AtomicU64>,
+    /// Shrink mode: `shr_decide(me, R, KIND, which)[peer]` at `which * R + peer` (`which`:
+    /// [`DEC_RECV`] or [`DEC_ACK`]; the model runs one kernel kind): the verdict of the latest
+    /// call that decided on the peer, `(epoch << 1) | lost`.
+    decide: Vec<AtomicU64>,
 }
 
 /// One device's error word (common.cuh, the comment above `ERR_TIMEOUT`: `err[0]` code, `err[1..7]` details, `err[7]`
@@ -344,13 +395,18 @@ pub struct Launch {
     /// `route` lambda; per-expert: `load_topk`) reports it (`ERR_EXPERT_RANGE`) and the rank
     /// takes the `in_bad` path.
     pub bad_input: Option<usize>,
+    /// `shrink`: shrink mode (the rank mask; common.cuh, "shrink mode"). A wait for a peer that
+    /// runs out masks the peer instead of reporting an error.
+    pub shrink: bool,
 }
 
 /// One call's inputs: `route[s][t]` = the (destination rank, local expert) of every valid slot of
 /// token t on rank s (`topk_idx` after the routing check).
 #[derive(Debug, Clone)]
 pub struct Input {
-    /// 1, 2, ...: this call's index in the model; its epoch is [`Group::base`] + `call`.
+    /// 1, 2, ...: this call's index in the model, which tags its payloads ([`payload`]); its
+    /// epoch is [`Group::base`] + `call`, less the calls made before the last [`clean_mask`]
+    /// (which restarts every rank from epoch 0).
     pub call: u64,
     pub route: Vec<Vec<Vec<(usize, usize)>>>,
 }
@@ -392,6 +448,13 @@ pub struct BlockReport {
     pub bad_input: bool,
     /// This block was the last out: it published the epoch and the acks.
     pub last_out: bool,
+    /// Shrink mode: bit d set for every peer this block left out: masked at its start (`gone0`,
+    /// common.cuh `masked_peers`) and lost in this call (`s_gone`, agreed by every block that
+    /// waited for the peer).
+    pub gone: u32,
+    /// Shrink mode: this block's own wait for a peer ran out while the agreed verdict was
+    /// "arrived", and it waited again (`wait_peer_signals` / `wait_peer_ack` after `agree_at`).
+    pub waited_again: bool,
 }
 
 impl Group {
@@ -425,6 +488,8 @@ impl Group {
                     snd_hdr: SharedRows::new(r_n, 4),
                     snd_buf: SharedRows::new(r_n * t_n, ROW_BYTES),
                     rcv_hdr: SharedRows::new(r_n, 4),
+                    mask: (0..r_n).map(|_| AtomicU64::new(0)).collect(),
+                    decide: (0..2 * r_n).map(|_| AtomicU64::new(0)).collect(),
                 }
             })
             .collect();
@@ -680,6 +745,272 @@ fn wait_ack(
     })
 }
 
+// ---------------------------------------------------------------- shrink mode (the rank mask)
+
+/// common.cuh `DEC_RECV`, `DEC_ACK`: the decision word of a receive wait, of an ack wait.
+pub const DEC_RECV: usize = 0;
+pub const DEC_ACK: usize = 1;
+
+/// common.cuh `is_gone`: whether peer d is in the bit set `gone`.
+pub fn is_gone(gone: u32, d: usize) -> bool {
+    gone != 0 && (gone >> d) & 1 != 0
+}
+
+/// common.cuh `masked_peers`: bit d set for every peer masked on this rank (0 without shrink).
+fn masked_peers(kp: &Launch, me: &Rank) -> u32 {
+    // if (!p.shrink) return 0u;
+    if !kp.shrink {
+        return 0;
+    }
+    // for (int d = 0; d < p.R; d++) if (ld_volatile_u32((const u32*)shr_mask(me, p.R) + d) != 0u) m |= 1u << d;
+    (0..me.mask.len())
+        .filter(|&d| me.mask[d].load(RELAXED) != 0)
+        .fold(0, |m, d| m | 1 << d)
+}
+
+/// The receive's skip of a peer already gone (batched "`c = is_gone(gone, tid) ? PEER_LOST :
+/// wait_peer_signals(...)`", per-expert "`c = is_gone(gone, s) ? PEER_LOST : ...`").
+#[inline]
+fn receive_skips(gone: u32, s: usize) -> bool {
+    #[cfg(not(ep_mutant = "gpu_masked_peer_waited"))]
+    return is_gone(gone, s);
+    // Mutant (with `receive_sees_mask`): the receive ignores the mask and waits for a masked
+    // source as for any other.
+    #[cfg(ep_mutant = "gpu_masked_peer_waited")]
+    return {
+        let _ = (gone, s);
+        false
+    };
+}
+
+/// `wait_peer_signals`' looks at the mask, before it waits and while it waits: "`int lost =
+/// ld_volatile_u32((const u32*)w.mask_word) != 0u`" and "`if (ld_volatile_u32((const
+/// u32*)w.mask_word) != 0u || globaltimer() - t0 > w.timeout_ns)`".
+#[inline]
+fn receive_sees_mask(me: &Rank, peer: usize) -> bool {
+    #[cfg(not(ep_mutant = "gpu_masked_peer_waited"))]
+    return me.mask[peer].load(RELAXED) != 0;
+    #[cfg(ep_mutant = "gpu_masked_peer_waited")]
+    return {
+        let _ = (me, peer);
+        false
+    };
+}
+
+/// How a shrink-mode wait for a peer ended when it reported nothing (common.cuh: a count, or
+/// `PEER_LOST`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Peer {
+    /// Agreed "arrived": the count of this block's signal word (`wait_peer_ack`: 0).
+    Arrived(u32),
+    /// Agreed "lost" (`PEER_LOST`): the peer is masked now and sends nothing in this call.
+    Lost,
+}
+
+/// What one poll of a shrink-mode wait saw.
+enum Poll {
+    /// The word is there (a signal: its count; an ack: 0).
+    Here(u32),
+    /// The device's error word is raised: "`return -1`" / "`return 0`".
+    Error,
+    /// The peer is masked (another block agreed "lost"): "`lost = 1`".
+    Masked,
+}
+
+/// common.cuh `agree` (`agree_at`): this call's verdict on `peer`, one decision word per
+/// (rank, kernel kind, `which`, peer). The first verdict installed for the call wins: a CAS
+/// loop from any older call's value ("`(old >> 1) < epoch`") to `(epoch << 1) | lost`; then
+/// every block uses the installed verdict, whatever it proposed. A lost verdict masks the peer
+/// (`atomicExch`) before the block goes on. Returns whether the peer is lost.
+fn agree(me: &Rank, which: usize, peer: usize, epoch: u64, lost: bool) -> bool {
+    let word = &me.decide[which * me.mask.len() + peer];
+    // const u64 mine = (epoch << 1) | (u64)lost;
+    let mine = (epoch << 1) | lost as u64;
+    // u64 old = *(volatile u64*)w;
+    let mut old = word.load(RELAXED);
+    // while ((old >> 1) < epoch)
+    while (old >> 1) < epoch {
+        // const u64 prev = atomicCAS(w, old, mine); if (prev == old) { old = mine; break; } old = prev;
+        match word.compare_exchange(old, mine, RELAXED, RELAXED) {
+            Ok(_) => {
+                old = mine;
+                break;
+            }
+            Err(prev) => old = prev,
+        }
+    }
+    // const int final_lost = (int)(old & 1ull);
+    #[cfg(not(ep_mutant = "gpu_no_agreement"))]
+    let final_lost = old & 1 == 1;
+    // Mutant: the word is still written, but each block goes on with its own verdict.
+    #[cfg(ep_mutant = "gpu_no_agreement")]
+    let final_lost = {
+        let _ = old;
+        lost
+    };
+    // if (final_lost) atomicExch((int*)mask_word, 1);
+    if final_lost {
+        me.mask[peer].swap(1, RELAXED);
+    }
+    final_lost
+}
+
+/// common.cuh `wait_peer_signals`, shrink mode's receive wait (batched "`wait_peer_signals(
+/// peer_wait(p, me, KIND, DEC_RECV, rank, tid, PH_DISPATCH_RECV), sig_bat(me) + tid, 0, 1, 0,
+/// epoch)`"; per-expert over the L words of source s, "`sig_pe(me, R) + s, (u64)R, L, l,
+/// epoch`"): waits for every word of `words` (this rank's signal words) to carry this call's
+/// tag, looking at the error word, the mask and the clock. It proposes "arrived" only when every
+/// word is there, "lost" when the peer is masked or the time ran out, then [`agree`]s. A block
+/// that ran out while "arrived" was agreed waits again (another block saw every word: they are
+/// in memory), bounded, and reports a timeout if that runs out. Returns the count of word
+/// `mine`, [`Peer::Lost`], or how the wait failed.
+#[allow(clippy::too_many_arguments)]
+fn wait_peer_signals(
+    g: &Group,
+    kp: &Launch,
+    rank: usize,
+    peer: usize,
+    words: &[usize],
+    mine: usize,
+    epoch: u64,
+    rep: &mut BlockReport,
+) -> Result<Peer, WaitEnd> {
+    let me = &g.ranks[rank];
+    let e = g.err(rank);
+    // const u64 tag = sig_tag(epoch);
+    let tag = sig_tag(epoch);
+    let poll = |w: usize, mask_too: bool| {
+        // const u64 v = pw_load(w, a);
+        let v = me.sig[w].load(SIGNAL_LOAD);
+        // if ((v >> SIG_COUNT_BITS) == tag) { if (i == mine) cmine = (long long)(v & SIG_COUNT_MASK); break; }
+        if tag_matches(v >> SIG_COUNT_BITS, tag) {
+            return Some(Poll::Here((v & SIG_COUNT_MASK) as u32));
+        }
+        // if ((++spins & 63u) == 0u) { if (ld_volatile_u32((const u32*)w.err) != 0u) return -1;
+        if failed(e) {
+            return Some(Poll::Error);
+        }
+        // if (ld_volatile_u32((const u32*)w.mask_word) != 0u || globaltimer() - t0 > w.timeout_ns) { lost = 1; break; }
+        if mask_too && receive_sees_mask(me, peer) {
+            return Some(Poll::Masked);
+        }
+        None
+    };
+    // int lost = ld_volatile_u32((const u32*)w.mask_word) != 0u;
+    let mut lost = receive_sees_mask(me, peer);
+    // const u64 t0 = globaltimer();
+    let deadline = Deadline::after(kp.timeout);
+    let mut cmine = 0;
+    // for (int i = 0; i < nw && !lost; i++)
+    for (i, &w) in words.iter().enumerate() {
+        if lost {
+            break;
+        }
+        match deadline.spin_until(|| poll(w, true)) {
+            Some(Poll::Here(c)) => {
+                if i == mine {
+                    cmine = c;
+                }
+            }
+            Some(Poll::Error) => return Err(WaitEnd::SawError),
+            Some(Poll::Masked) | None => lost = true,
+        }
+    }
+    // if (agree_at(w.decide_word, w.mask_word, epoch, lost)) return PEER_LOST;
+    if agree(me, DEC_RECV, peer, epoch, lost) {
+        return Ok(Peer::Lost);
+    }
+    // Agreed "arrived" after this block ran out: every word is in memory (bounded all the same).
+    // for (int i = 0; i < nw && lost; i++)
+    if lost {
+        rep.waited_again = true;
+        for (i, &w) in words.iter().enumerate() {
+            // const u64 t1 = globaltimer();
+            let deadline = Deadline::after(kp.timeout);
+            match deadline.spin_until(|| poll(w, false)) {
+                Some(Poll::Here(c)) => {
+                    if i == mine {
+                        cmine = c;
+                    }
+                }
+                Some(_) => return Err(WaitEnd::SawError),
+                None => {
+                    // report_error_at(w.err, ..., ERR_TIMEOUT, rank, peer, phase, epoch, ...); return -1;
+                    report_timeout(e, rank, peer, PH_DISPATCH_RECV, epoch, deadline.waited_ms());
+                    return Err(WaitEnd::TimedOut);
+                }
+            }
+        }
+    }
+    Ok(Peer::Arrived(cmine))
+}
+
+/// common.cuh `wait_peer_ack`, shrink mode's ack wait: as [`wait_ack`] (the ack word at least
+/// `need`), but a wait that runs out, or finds the peer masked, proposes "lost" and reports
+/// nothing; then [`agree`]s on the `DEC_ACK` word, and waits again (bounded, reported) if it ran
+/// out while "arrived" was agreed.
+fn wait_peer_ack(
+    g: &Group,
+    kp: &Launch,
+    rank: usize,
+    peer: usize,
+    need: u64,
+    call: u64,
+    rep: &mut BlockReport,
+) -> Result<Peer, WaitEnd> {
+    let me = &g.ranks[rank];
+    let e = g.err(rank);
+    let addr = &me.ack[peer];
+    // int lost = ld_volatile_u32((const u32*)w.mask_word) != 0u;
+    let mut lost = me.mask[peer].load(RELAXED) != 0;
+    // while (!lost) { if (pw_load(w, addr) >= need) break; ...
+    if !lost {
+        let deadline = Deadline::after(kp.timeout);
+        let got = deadline.spin_until(|| {
+            if addr.load(ACK_LOAD) >= need {
+                return Some(Poll::Here(0));
+            }
+            // if (ld_volatile_u32((const u32*)w.err) != 0u) return 0;
+            if failed(e) {
+                return Some(Poll::Error);
+            }
+            // if (ld_volatile_u32((const u32*)w.mask_word) != 0u || globaltimer() - t0 > w.timeout_ns) lost = 1;
+            if me.mask[peer].load(RELAXED) != 0 {
+                return Some(Poll::Masked);
+            }
+            None
+        });
+        match got {
+            Some(Poll::Here(_)) => {}
+            Some(Poll::Error) => return Err(WaitEnd::SawError),
+            Some(Poll::Masked) | None => lost = true,
+        }
+    }
+    // if (agree_at(w.decide_word, w.mask_word, call, lost)) return PEER_LOST;
+    if agree(me, DEC_ACK, peer, call, lost) {
+        return Ok(Peer::Lost);
+    }
+    // while (lost && pw_load(w, addr) < need) { ... report_error_at(..., ERR_TIMEOUT, ...); return 0; }
+    if lost {
+        rep.waited_again = true;
+        let deadline = Deadline::after(kp.timeout);
+        let got = deadline.spin_until(|| {
+            if addr.load(ACK_LOAD) >= need {
+                return Some(Ok(()));
+            }
+            if failed(e) {
+                return Some(Err(WaitEnd::SawError));
+            }
+            None
+        });
+        got.unwrap_or_else(|| {
+            report_timeout(e, rank, peer, PH_DISPATCH_SEND, call, deadline.waited_ms());
+            Err(WaitEnd::TimedOut)
+        })?;
+    }
+    Ok(Peer::Arrived(0))
+}
+
 // ---------------------------------------------------------------- the roles
 
 /// Role: the start of every block (thread 0: "`s_epoch = ld_epoch(state, KIND) + 1ull`"): this call's epoch.
@@ -727,16 +1058,38 @@ fn preload_acks(g: &Group, rank: usize) -> Vec<u64> {
 /// wbad = !wait_ack(...)`", then "`if (__syncthreads_or(wbad) || in_bad) goto finish;`".
 /// Per-expert (`ack0` none): threads `tid < R` after `load_topk`, "`if (!in_bad && tid < R &&
 /// p.stage != 2 && !via_nccl(p, tid)) bad = !wait_ack(...)`".
+/// Shrink mode (both kernels; `ack0` unused): a destination masked at the block's start
+/// (`gone0`) is not waited for, the others with [`wait_peer_ack`]; one agreed lost joins `gone`
+/// (batched "`if (r == PEER_LOST) atomicOr(&s_gone, 1u << ackd); else wbad = !r;`").
+#[allow(clippy::too_many_arguments)]
 fn sender_wait_acks(
     g: &Group,
     kp: &Launch,
     rank: usize,
     epoch: u64,
     ack0: Option<&[u64]>,
+    gone0: u32,
+    gone: &mut u32,
+    rep: &mut BlockReport,
 ) -> Option<WaitEnd> {
     let mut bad = None;
     #[cfg(not(ep_mutant = "gpu_no_ack_wait"))]
     for (i, d) in g.dests(rank).enumerate() {
+        // if (!in_bad && acker && p.shrink) { if (!is_gone(gone0, ackd)) { r = wait_peer_ack(...); ... } }
+        if kp.shrink {
+            if is_gone(gone0, d) {
+                continue;
+            }
+            // wait_peer_ack(peer_wait(p, me, KIND, DEC_ACK, rank, ackd, PH_DISPATCH_SEND), sig_bat_ack(me, R) + ackd, epoch - 1ull, epoch)
+            match wait_peer_ack(g, kp, rank, d, epoch - 1, epoch, rep) {
+                Ok(Peer::Lost) => *gone |= 1 << d,
+                Ok(Peer::Arrived(_)) => {}
+                Err(e) => {
+                    bad.get_or_insert(e);
+                }
+            }
+            continue;
+        }
         // ack0 < epoch - 1ull: the pre-load (an acquire) did not see the ack yet.
         if ack0.is_some_and(|a| a[i] >= epoch - 1) {
             continue;
@@ -756,18 +1109,30 @@ fn sender_wait_acks(
         }
     }
     #[cfg(ep_mutant = "gpu_no_ack_wait")]
-    let _ = (g, kp, rank, epoch, ack0);
+    let _ = (g, kp, rank, epoch, ack0, gone0, gone, rep);
     bad
 }
 
 /// Role: a batched sender block writes its share of every batch, then counts itself out; the
 /// block that completes the count stores every destination's signal with the call's tag
-/// (batched dispatch, "`---- send`" under "`if (p.stage != 2 && !direct)`").
-fn batched_send(g: &Group, kp: &Launch, input: &Input, rank: usize, bid: usize, epoch: u64) {
+/// (batched dispatch, "`---- send`" under "`if (p.stage != 2 && !direct)`"). Nothing goes to
+/// a destination in `gone` (shrink mode: masked, or lost at the ack wait): a masked one's
+/// selections count as -1 in the routing, then "`mask &= ~gone`" and the signal's "`if
+/// (!via_nccl(p, d) && !is_gone(gone, d))`".
+#[allow(clippy::too_many_arguments)]
+fn batched_send(
+    g: &Group,
+    kp: &Launch,
+    input: &Input,
+    rank: usize,
+    bid: usize,
+    epoch: u64,
+    gone: u32,
+) {
     let me = &g.ranks[rank];
     let t_n = g.setup.max_tokens;
     let mut counts = Vec::new();
-    for d in g.dests(rank) {
+    for d in g.dests(rank).filter(|&d| !is_gone(gone, d)) {
         let batch = g.batch(input, rank, d);
         // for (int u = u_first; u < n * segs; u += stride), u_first = bid * NWARPS + warp; u < n * segs; u += blocks_per_rank * NWARPS)
         for (pos, &t) in batch.iter().enumerate() {
@@ -807,13 +1172,16 @@ fn batched_send(g: &Group, kp: &Launch, input: &Input, rank: usize, bid: usize, 
 
 /// Role: a batched receiver block waits for every source's signal (acquire, bounded, stopped
 /// by the error word), bounds the count, then reads its share of the entries
-/// (batched dispatch, the block under "`if (p.stage != 1 && !direct)`").
+/// (batched dispatch, the block under "`if (p.stage != 1 && !direct)`"). Shrink mode: a source
+/// in `gone` is not waited for, the others with [`wait_peer_signals`]; one agreed lost joins
+/// `rep.gone` ("`atomicOr(&s_gone, 1u << tid); c = 0;`"): nothing of either is read.
 fn batched_receive(
     g: &Group,
     kp: &Launch,
     rank: usize,
     bid: usize,
     epoch: u64,
+    gone: u32,
     rep: &mut BlockReport,
 ) {
     let me = &g.ranks[rank];
@@ -821,9 +1189,21 @@ fn batched_receive(
     let mut counts = Vec::new();
     // if (tid < R) (not via_nccl(p, tid): NVLink source)
     for s in g.sources(rank) {
-        // c = wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
-        match wait_signal(g, kp, &me.sig[s], epoch, rank, s, PH_DISPATCH_RECV) {
-            Ok(c) => {
+        let got = if kp.shrink {
+            // else if (p.shrink) c = is_gone(gone, tid) ? PEER_LOST : wait_peer_signals(..., sig_bat(me) + tid, 0, 1, 0, epoch);
+            if receive_skips(gone, s) {
+                Ok(Peer::Lost)
+            } else {
+                wait_peer_signals(g, kp, rank, s, &[s], 0, epoch, rep)
+            }
+        } else {
+            // c = wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
+            wait_signal(g, kp, &me.sig[s], epoch, rank, s, PH_DISPATCH_RECV).map(Peer::Arrived)
+        };
+        match got {
+            // if (c == PEER_LOST) { atomicOr(&s_gone, 1u << tid); c = 0; }
+            Ok(Peer::Lost) => rep.gone |= 1 << s,
+            Ok(Peer::Arrived(c)) => {
                 // bad = c < 0 || peer_bad(p, rank, tid, PF_BATCH_TOKENS, c, T);
                 if peer_bad(g.err(rank), rank, s, PF_BATCH_TOKENS, c as i64, t_n as i64) {
                     rep.failed_wait.get_or_insert(WaitEnd::SawError);
@@ -863,7 +1243,17 @@ fn batched_receive(
 
 /// Role: a per-expert sender block writes one message per selection of each expert it owns,
 /// stamped with the u64 epoch, and signals each expert itself (per-expert dispatch, "`---- send`").
-fn per_expert_send(g: &Group, kp: &Launch, input: &Input, rank: usize, bid: usize, epoch: u64) {
+/// Shrink mode: nothing goes to a destination in `gone` ("`if (is_gone(gone, d)) continue;`").
+#[allow(clippy::too_many_arguments)]
+fn per_expert_send(
+    g: &Group,
+    kp: &Launch,
+    input: &Input,
+    rank: usize,
+    bid: usize,
+    epoch: u64,
+    gone: u32,
+) {
     let me = &g.ranks[rank];
     let (r_n, t_n, l_n) = (g.ranks.len(), g.setup.max_tokens, g.setup.local_experts);
     let dests: Vec<usize> = g.dests(rank).collect();
@@ -871,7 +1261,8 @@ fn per_expert_send(g: &Group, kp: &Launch, input: &Input, rank: usize, bid: usiz
     for e in (bid..r_n * l_n).step_by(me.blocks) {
         // const int d = e / L, l = e % L;
         let (d, l) = (e / l_n, e % l_n);
-        if !dests.contains(&d) {
+        // if (is_gone(gone, d)) continue;  // block-uniform
+        if !dests.contains(&d) || is_gone(gone, d) {
             continue;
         }
         let region = (l * r_n + rank) * t_n;
@@ -901,13 +1292,18 @@ fn per_expert_send(g: &Group, kp: &Launch, input: &Input, rank: usize, bid: usiz
 
 /// Role: a per-expert receiver block, per local expert it owns and per source in order, waits
 /// for the (l, s) signal, then finds this call's messages by their epoch stamp
-/// (per-expert dispatch, "`---- receive`").
+/// (per-expert dispatch, "`---- receive`"). Shrink mode: a source in `gone` is not waited for,
+/// the others with [`wait_peer_signals`] over all L of the source's words (`mine` = l: "arrived"
+/// is proposed once every expert's signal is there); one agreed lost joins `rep.gone` and
+/// counts 0 (`gone` itself is not refreshed in the loop, as in the kernel: the next wait for it
+/// sees the mask).
 fn per_expert_receive(
     g: &Group,
     kp: &Launch,
     rank: usize,
     bid: usize,
     epoch: u64,
+    gone: u32,
     rep: &mut BlockReport,
 ) {
     let me = &g.ranks[rank];
@@ -916,22 +1312,40 @@ fn per_expert_receive(
     // for (int l = bid; l < L && p.stage != 1; l += p.blocks_per_rank)
     for l in (bid..l_n).step_by(me.blocks) {
         for &s in &sources {
-            // tid 0: c = wait_signal(p, sig_pe(me, R) + (u64)l * R + s, epoch, rank, s, PH_DISPATCH_RECV);
-            let got = wait_signal(
-                g,
-                kp,
-                &me.sig[l * r_n + s],
-                epoch,
-                rank,
-                s,
-                PH_DISPATCH_RECV,
-            );
-            // if ((nc || c >= 0) && peer_bad(p, rank, s, PF_PE_COUNT, c, T)) c = -1;
-            let got = got.and_then(|c| {
-                if peer_bad(g.err(rank), rank, s, PF_PE_COUNT, c as i64, t_n as i64) {
-                    Err(WaitEnd::SawError)
+            let got = if kp.shrink {
+                // else if (p.shrink) c = is_gone(gone, s) ? PEER_LOST : wait_peer_signals(..., sig_pe(me, R) + s, (u64)R, L, l, epoch);
+                if receive_skips(gone, s) {
+                    Ok(Peer::Lost)
                 } else {
-                    Ok(c as usize)
+                    let words: Vec<usize> = (0..l_n).map(|i| i * r_n + s).collect();
+                    wait_peer_signals(g, kp, rank, s, &words, l, epoch, rep)
+                }
+            } else {
+                // tid 0: c = wait_signal(p, sig_pe(me, R) + (u64)l * R + s, epoch, rank, s, PH_DISPATCH_RECV);
+                wait_signal(
+                    g,
+                    kp,
+                    &me.sig[l * r_n + s],
+                    epoch,
+                    rank,
+                    s,
+                    PH_DISPATCH_RECV,
+                )
+                .map(Peer::Arrived)
+            };
+            // if (c == PEER_LOST) { atomicOr(&s_gone, 1u << s); c = 0; }
+            // else if ((nc || c >= 0) && peer_bad(p, rank, s, PF_PE_COUNT, c, T)) c = -1;
+            let got = got.and_then(|c| match c {
+                Peer::Lost => {
+                    rep.gone |= 1 << s;
+                    Ok(0)
+                }
+                Peer::Arrived(c) => {
+                    if peer_bad(g.err(rank), rank, s, PF_PE_COUNT, c as i64, t_n as i64) {
+                        Err(WaitEnd::SawError)
+                    } else {
+                        Ok(c as usize)
+                    }
                 }
             });
             let cnt = match got {
@@ -988,7 +1402,9 @@ fn last_block_out(me: &Rank) -> bool {
 /// consumed the call (`finish:` of both dispatch kernels). `stage` 0: the whole call; 1 (pack):
 /// neither epoch nor acks ("`if (last_out && p.stage != 1)`"); 2 (unpack): the epoch, and no
 /// ack to its sources, which the model's stage 2 only has over NCCL ("`if (!via_nccl(p, s))`").
-fn finish(g: &Group, rank: usize, epoch: u64, rep: &mut BlockReport, stage: u8) {
+/// Shrink mode: no ack to a source masked now (the mask read again by the last block out,
+/// "`const u32 masked = masked_peers(p, me)`": masked before the call or lost in it).
+fn finish(g: &Group, kp: &Launch, rank: usize, epoch: u64, rep: &mut BlockReport, stage: u8) {
     let me = &g.ranks[rank];
     rep.last_out = last_block_out(me);
     // if (last_out && p.stage != 1)
@@ -1000,9 +1416,13 @@ fn finish(g: &Group, rank: usize, epoch: u64, rep: &mut BlockReport, stage: u8) 
             me.epoch
                 .with_row_mut(0, |b| b.copy_from_slice(&epoch.to_le_bytes()))
         };
+        // const u32 masked = masked_peers(p, me);  // shrink: no ack to a masked peer
+        let masked = masked_peers(kp, me);
         for s in g.sources(rank).filter(|_| stage == 0) {
-            // if (!via_nccl(p, s)) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
-            g.ranks[s].ack[rank].store(epoch, ACK_STORE);
+            // if (!via_nccl(p, s) && !is_gone(masked, s)) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
+            if !is_gone(masked, s) {
+                g.ranks[s].ack[rank].store(epoch, ACK_STORE);
+            }
         }
     }
 }
@@ -1020,30 +1440,45 @@ pub fn dispatch_block(
     // Batched: thread 32 + d's first ld_acquire of the ack, before anything else.
     let ack0 = (g.setup.kind == Kind::Batched).then(|| preload_acks(g, rank));
     let epoch = block_epoch(me);
+    // s_gone = masked_peers(p, me); ... const u32 gone0 = s_gone;
+    let gone0 = masked_peers(kp, me);
     let mut rep = BlockReport {
         epoch,
+        gone: gone0,
         ..BlockReport::default()
     };
     // batched: in_bad = __syncthreads_or(bad) | s_bad; per-expert: load_topk(...) | s_bad
     rep.bad_input = input_check(g, kp, rank);
     // if (!in_bad && acker && ack0 < epoch - 1ull) wbad = !wait_ack(...) (per-expert: tid < R)
+    let mut gone = gone0;
     if !rep.bad_input {
-        rep.failed_wait = sender_wait_acks(g, kp, rank, epoch, ack0.as_deref());
+        rep.failed_wait = sender_wait_acks(
+            g,
+            kp,
+            rank,
+            epoch,
+            ack0.as_deref(),
+            gone0,
+            &mut gone,
+            &mut rep,
+        );
     }
+    // gone = s_gone;  // masked, or lost at the acknowledgement: nothing is sent there
+    rep.gone = gone;
     // if (__syncthreads_or(wbad) || in_bad) goto finish; (per-expert: __syncthreads_or(bad))
     if !rep.bad_input && rep.failed_wait.is_none() {
         match g.setup.kind {
             Kind::Batched => {
-                batched_send(g, kp, input, rank, bid, epoch);
-                batched_receive(g, kp, rank, bid, epoch, &mut rep);
+                batched_send(g, kp, input, rank, bid, epoch, gone);
+                batched_receive(g, kp, rank, bid, epoch, gone, &mut rep);
             }
             Kind::PerExpert => {
-                per_expert_send(g, kp, input, rank, bid, epoch);
-                per_expert_receive(g, kp, rank, bid, epoch, &mut rep);
+                per_expert_send(g, kp, input, rank, bid, epoch, gone);
+                per_expert_receive(g, kp, rank, bid, epoch, gone, &mut rep);
             }
         }
     }
-    finish(g, rank, epoch, &mut rep, 0);
+    finish(g, kp, rank, epoch, &mut rep, 0);
     rep
 }
 
@@ -1132,7 +1567,7 @@ pub fn batched_pack_block(
             // for (d ...) if (!via_nccl(p, d)) st_release(...): every destination is NCCL here.
         }
     }
-    finish(g, rank, epoch, &mut rep, 1);
+    finish(g, kp, rank, epoch, &mut rep, 1);
     rep
 }
 
@@ -1198,7 +1633,7 @@ pub fn batched_unpack_block(g: &Group, kp: &Launch, rank: usize, bid: usize) -> 
             }
         }
     }
-    finish(g, rank, epoch, &mut rep, 2);
+    finish(g, kp, rank, epoch, &mut rep, 2);
     rep
 }
 
@@ -1306,6 +1741,73 @@ pub fn device_error(g: &Group, dev: usize) -> Option<DeviceError> {
     })
 }
 
+// ---------------------------------------------------------------- the host: the rank mask
+
+/// Host: runtime/mask.rs `GpuGroup::update_mask` in `rank`'s process ("`cuMemsetD32Async(
+/// self.ptrs[rank].shrink + mask_offset(r) + 4 * peer as u64, masked as u32, 1, raw[di])`"):
+/// masks or unmasks `peer` on `rank` only (the model runs one rank per process), in stream
+/// order before `rank`'s next launch (the caller runs it before that launch's blocks).
+pub fn update_mask(g: &Group, rank: usize, peer: usize, masked: bool) {
+    g.ranks[rank].mask[peer].store(masked as u64, RELAXED);
+}
+
+/// Host: runtime/mask.rs `GpuGroup::clean_mask` on every rank, with no call in flight anywhere
+/// (the caller joined every block) and before any rank's next call (the caller's barrier: it
+/// spawns the next launches after this returns). Zeroes, as its `cuMemsetD32Async`s do, the
+/// `signals` buffer (every signal and ack word), the `state` buffer (the epoch, the `ST_SENT`
+/// and `ST_EXIT` counters) and the `shrink` buffer (the decision words and the mask), and the
+/// first 16 bytes of every per-expert entry (`cuMemsetD2D32Async(p.pe_buf, peb, 0, 4, ...)`:
+/// the epoch stamps). Every rank then starts again from epoch 0.
+pub fn clean_mask(g: &Group) {
+    for me in &g.ranks {
+        // ("signals", p.sig, sig). Mutant: this memset is left out; a signal or ack of a call
+        // before the clean stays in its word while the epochs start again, so that its tag is
+        // that of a call to come.
+        #[cfg(not(ep_mutant = "gpu_clean_keeps_signals"))]
+        for w in me.sig.iter().chain(&me.ack) {
+            w.store(0, RELAXED);
+        }
+        // ("state", p.state, state)
+        // SAFETY: no block of any launch runs (the caller joined them all).
+        unsafe { me.epoch.with_row_mut(0, |b| b.fill(0)) };
+        me.sent.store(0, RELAXED);
+        me.exit.store(0, RELAXED);
+        // ("shrink", p.shrink, shrink)
+        for w in me.decide.iter().chain(&me.mask) {
+            w.store(0, RELAXED);
+        }
+        // "per-expert headers": the batched entries carry no stamp, and are not cleaned.
+        if g.setup.kind == Kind::PerExpert {
+            for row in 0..me.buf.rows() {
+                // SAFETY: as above.
+                unsafe { me.buf.with_row_mut(row, |b| b[..16].fill(0)) };
+            }
+        }
+    }
+}
+
+/// Host: runtime/mask.rs `GpuGroup::mask_status(rank)` once the stream synchronised (the
+/// caller joined every block): true for every peer masked on `rank`.
+pub fn mask_status(g: &Group, rank: usize) -> Vec<bool> {
+    g.ranks[rank]
+        .mask
+        .iter()
+        .map(|w| w.load(RELAXED) != 0)
+        .collect()
+}
+
+/// `rank`'s ack word of destination `d` (`sig_bat_ack(rank)[d]` / `sig_pe_ack`: the last call
+/// `d` acknowledged to `rank`), read by the host once every block ended (the caller joined them).
+pub fn ack_word(g: &Group, rank: usize, d: usize) -> u64 {
+    g.ranks[rank].ack[d].load(RELAXED)
+}
+
+/// Entry `row` of `rank`'s receive buffer (`bat_buf` / `pe_buf`) as the host reads it once
+/// every block ended (the caller joined them): its header words and payload.
+pub fn entry_at(g: &Group, rank: usize, row: usize) -> ([u32; 4], u64) {
+    read_entry(&g.ranks[rank].buf, row)
+}
+
 #[cfg(all(test, not(ep_loom)))]
 mod tests {
     //! The model on std threads: not a proof (loom's tests are), but it shows the functions run
@@ -1327,6 +1829,7 @@ mod tests {
             timeout: Duration::from_secs(10),
             fault_rank: None,
             bad_input: None,
+            shrink: false,
         };
         let inputs: Vec<Input> = (1..=3)
             .map(|c| Input {
@@ -1385,6 +1888,7 @@ mod tests {
             timeout: Duration::from_millis(50),
             fault_rank: Some(0),
             bad_input: None,
+            shrink: false,
         };
         let input = Input {
             call: 1,
@@ -1445,6 +1949,7 @@ mod tests {
             timeout: Duration::from_millis(50),
             fault_rank: None,
             bad_input: Some(1),
+            shrink: false,
         };
         let input = Input {
             call: 1,
@@ -1467,6 +1972,61 @@ mod tests {
         let mut host = Host::default();
         assert_eq!(host.sync(&g), Err(DeviceError::BadInput { rank: 1 }));
         assert_eq!(host.check_usable(), Err(DeviceError::BadInput { rank: 1 }));
+    }
+
+    #[test]
+    fn shrink_lost_rank_is_masked_not_reported_and_clean_takes_it_back() {
+        let setup = Setup {
+            kind: Kind::Batched,
+            ranks: vec![(0, 1), (1, 2)],
+            links: vec![(0, 1)],
+            max_tokens: 2,
+            local_experts: 1,
+        };
+        let g = Arc::new(Group::new(setup));
+        let input = |call| Input {
+            call,
+            route: vec![vec![vec![(1, 0)], vec![(1, 0)]], vec![]],
+        };
+        let run = |kp: Launch, input: &Input| -> Vec<BlockReport> {
+            let blocks: Vec<_> = [(0, 0), (1, 0), (1, 1)]
+                .into_iter()
+                .map(|(r, b)| {
+                    let (g, input) = (g.clone(), input.clone());
+                    thread::spawn(move || dispatch_block(&g, &kp, &input, r, b))
+                })
+                .collect();
+            blocks.into_iter().map(|b| b.join().unwrap()).collect()
+        };
+        // Call 1: rank 0 never signals; rank 1's blocks run out and agree that it is lost.
+        let lossy = Launch {
+            timeout: Duration::from_millis(50),
+            fault_rank: Some(0),
+            bad_input: None,
+            shrink: true,
+        };
+        let reps = run(lossy, &input(1));
+        for r in &reps[1..] {
+            assert_eq!((r.gone, r.failed_wait), (0b01, None));
+            assert!(r.read.is_empty());
+        }
+        assert_eq!(Host::default().sync(&g), Ok(()), "a lost peer is no error");
+        assert_eq!(mask_status(&g, 1), [true, false]);
+        assert_eq!(ack_word(&g, 0, 1), 0, "no ack to a masked peer");
+        // Every rank cleans; call 2 starts from epoch 0 again and takes rank 0 back.
+        clean_mask(&g);
+        let good = Launch {
+            timeout: Duration::from_secs(10),
+            fault_rank: None,
+            ..lossy
+        };
+        let c2 = input(2);
+        let reps = run(good, &c2);
+        for r in &reps {
+            assert_eq!((r.epoch, r.gone, r.failed_wait), (1, 0, None));
+        }
+        assert_eq!(merged(&reps[1..]), g.expected(&c2, 1));
+        assert_eq!(ack_word(&g, 0, 1), 1);
     }
 
     /// One capacity-mode call, blocks one after the other (the loom model runs them at once).
@@ -1497,6 +2057,7 @@ mod tests {
             timeout: Duration::from_secs(10),
             fault_rank: None,
             bad_input: None,
+            shrink: false,
         };
         let c1 = Input {
             call: 1,

@@ -341,7 +341,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KP
             if (via_nccl(p, tid)) c = ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L)];
             // Shrink mode: a masked source is not waited for, one whose wait runs out is masked
             // now (agreed by every block); either sends nothing in this call.
-            // loom: gpu_protocol::wait_peer_signals (agreement), models shrink_*.
+            // loom: gpu_protocol::wait_peer_signals (agreement), models shrink_* (mutants gpu_no_agreement, gpu_masked_peer_waited).
             else if (p.shrink)
                 c = is_gone(gone, tid) ? PEER_LOST
                                        : wait_peer_signals(peer_wait(p, me, KIND, DEC_RECV, rank, tid, PH_DISPATCH_RECV), sig_bat(me) + tid, 0, 1, 0, epoch);
@@ -525,7 +525,7 @@ finish:
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
             const u32 masked = masked_peers(p, me);  // shrink: no ack to a masked peer
             for (int s = 0; s < R; s++)
-                // loom: gpu_protocol::finish (the ack), models batched_consecutive_calls, batched_one_sender_two_receivers.
+                // loom: gpu_protocol::finish (the ack), models batched_consecutive_calls, batched_one_sender_two_receivers; shrink_* (no ack to a masked peer).
                 if (!via_nccl(p, s) && !is_gone(masked, s)) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
         }
     }

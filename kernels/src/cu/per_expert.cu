@@ -182,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch
                     if (nc) c = (long long)((const int*)me.rcv_hdr)[s * HDR_WORDS(L) + 2 + l];
                     // Shrink mode: "arrived" is proposed once all L of s's signals are here, so
                     // the blocks of the other local experts can rely on theirs.
-                    // loom: gpu_protocol::wait_peer_signals (agreement), models shrink_*.
+                    // loom: gpu_protocol::wait_peer_signals (agreement), models shrink_* (mutants gpu_no_agreement, gpu_masked_peer_waited).
                     else if (p.shrink)
                         c = is_gone(gone, s) ? PEER_LOST
                                              : wait_peer_signals(peer_wait(p, me, KIND, DEC_RECV, rank, s, PH_DISPATCH_RECV),
@@ -264,7 +264,7 @@ finish:
     if (last_out && p.stage != 1 && failed(p)) fail_dispatch_outputs(p, io, me);
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
-            // loom: gpu_protocol::finish (the ack), model per_expert_consecutive_calls.
+            // loom: gpu_protocol::finish (the ack), model per_expert_consecutive_calls; shrink_* (no ack to a masked peer).
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
             const u32 masked = masked_peers(p, me);  // shrink: no ack to a masked peer
             for (int s = 0; s < R; s++)

@@ -176,7 +176,9 @@ impl GpuGroup {
     /// and acknowledgement words, epochs, the shrink decisions, the per-expert message tags), in
     /// stream order (DeepEP's `low_latency_clean_mask_buffer`). Every rank of the group calls
     /// it with no call in flight, and none calls again before all have cleaned (module docs).
-    /// A combine then needs a new dispatch first.
+    /// A combine then needs a new dispatch first. loom model: ep-verify's
+    /// `gpu_protocol::clean_mask`, model `shrink_unmask_with_clean` (mutant
+    /// `gpu_clean_keeps_signals`).
     pub fn clean_mask(&mut self, streams: Option<&[&CudaStream]>) -> Result<(), GpuError> {
         self.check_shrink_call()?;
         let sizes = rank_sizes(&self.cfg, self.comms.is_some())?;
