@@ -2,7 +2,8 @@
 # Builds the GPU verification binaries here (no GPU needed) and copies them, stripped, into a
 # folder that travels to the GPU machine:
 #
-#   bash scripts/gpu/pack.sh [DEST]      (DEST default .gpu, git-ignored; run from the checkout)
+#   bash scripts/gpu/pack.sh [DEST]      (DEST default .gpu, git-ignored; a relative DEST is taken
+#                                         from the checkout's root, an absolute one as it is)
 #
 # DEST gets the test binaries gpu, gpu_fuzz, gpu_soak, gpu_process (custom runners; paths from
 # `cargo test --no-run --message-format=json`), ep-gpu-mp, ep-bench, and BUILD-INFO (the commit
@@ -12,6 +13,9 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 DEST=${1:-.gpu}
 mkdir -p "$DEST"
+# Absolute from here on (a relative DEST is relative to the checkout): the wheel is built from
+# python/, where a relative "../$DEST" would name the wrong folder for an absolute DEST.
+DEST=$(cd "$DEST" && pwd)
 command -v jq > /dev/null || { echo "pack.sh: jq is needed to read cargo's JSON" >&2; exit 2; }
 
 cargo build --release -p ep-kernels --bin ep-gpu-mp
@@ -35,7 +39,7 @@ strip -o "$DEST/moe_layer" target/release/examples/moe_layer
 # python/gpu.sh runs beside it (its tests and bench.py).
 if [ "${PACK_WHEEL:-0}" = 1 ]; then
   rm -rf "$DEST/python" "$DEST"/ep_dispatch-*.whl
-  (cd python && maturin build --release --strip --out "../$DEST")
+  (cd python && maturin build --release --strip --out "$DEST")
   mkdir -p "$DEST/python"
   cp -r python/gpu.sh python/bench.py python/faults.py python/tests "$DEST/python/"
 fi
