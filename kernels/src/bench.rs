@@ -353,7 +353,7 @@ pub fn run_with(
 }
 
 /// Per-launch time of the empty kernel (same grid), stream launches: the fixed overhead.
-pub fn time_empty(g: &mut GpuGroup, iters: usize) -> Result<Vec<f64>, crate::GpuError> {
+pub fn time_empty(g: &mut GpuGroup, iters: usize) -> Result<Vec<f64>, crate::error::GpuError> {
     use cudarc::driver::result;
     let streams = g.streams();
     let (ctx, s) = &streams[0];
@@ -395,14 +395,14 @@ pub fn time_path(
     iters: usize,
     warmup: usize,
     graph: bool,
-) -> Result<(Vec<f64>, Vec<f64>), crate::GpuError> {
+) -> Result<(Vec<f64>, Vec<f64>), crate::error::GpuError> {
     time_loop(g, iters, warmup, graph, &mut |g, op| g.launch(op, path))
 }
 
-type Launch<'a> = dyn FnMut(&mut GpuGroup, Op) -> Result<(), crate::GpuError> + 'a;
+type Launch<'a> = dyn FnMut(&mut GpuGroup, Op) -> Result<(), crate::error::GpuError> + 'a;
 
-fn cuda_err(what: &str, e: cudarc::driver::result::DriverError) -> crate::GpuError {
-    crate::GpuError::Cuda(format!("{what}: {e:?}"))
+fn cuda_err(what: &str, e: cudarc::driver::result::DriverError) -> crate::error::GpuError {
+    crate::error::GpuError::Cuda(format!("{what}: {e:?}"))
 }
 
 /// Timing events of every device, destroyed on drop (also when timing fails half-way).
@@ -420,7 +420,7 @@ impl Events {
             cudarc::driver::sys::CUstream,
         )],
         n: usize,
-    ) -> Result<Events, crate::GpuError> {
+    ) -> Result<Events, crate::error::GpuError> {
         use cudarc::driver::{result, sys};
         let mut ev = Events {
             per_dev: Vec::new(),
@@ -466,7 +466,7 @@ impl Capture {
     fn begin(
         ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
         stream: cudarc::driver::sys::CUstream,
-    ) -> Result<Capture, crate::GpuError> {
+    ) -> Result<Capture, crate::error::GpuError> {
         use cudarc::driver::{result, sys};
         ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
@@ -481,7 +481,7 @@ impl Capture {
     }
 
     /// Ends the capture: the captured graph, destroyed when the returned guard drops.
-    fn end(mut self) -> Result<Graph, crate::GpuError> {
+    fn end(mut self) -> Result<Graph, crate::error::GpuError> {
         self.open = false;
         self.ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
         // SAFETY: ends the capture begun in `begin` on the same stream and context.
@@ -521,7 +521,7 @@ impl Graph {
     fn replay_once(
         &mut self,
         stream: cudarc::driver::sys::CUstream,
-    ) -> Result<(), crate::GpuError> {
+    ) -> Result<(), crate::error::GpuError> {
         use cudarc::driver::{result, sys};
         // SAFETY: `graph` is a complete captured graph of the bound context.
         let exec =
@@ -561,7 +561,7 @@ fn time_loop(
     warmup: usize,
     graph: bool,
     launch: &mut Launch<'_>,
-) -> Result<(Vec<f64>, Vec<f64>), crate::GpuError> {
+) -> Result<(Vec<f64>, Vec<f64>), crate::error::GpuError> {
     use cudarc::driver::{result, sys};
     // Dispatch must precede combine on the same path (the handle lives on the device).
     for _ in 0..warmup {
@@ -573,10 +573,10 @@ fn time_loop(
     // Three events per iteration per device: before dispatch, between, after combine.
     let n_ev = iters
         .checked_mul(3)
-        .ok_or_else(|| crate::GpuError::Unsupported(format!("{iters} timed calls")))?;
+        .ok_or_else(|| crate::error::GpuError::Unsupported(format!("{iters} timed calls")))?;
     let evs = Events::new(&streams, n_ev)?;
     let graph = graph && streams.len() == 1;
-    let record = |i: usize| -> Result<(), crate::GpuError> {
+    let record = |i: usize| -> Result<(), crate::error::GpuError> {
         for (d, (ctx, s)) in streams.iter().enumerate() {
             ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
             let flags = if graph {
@@ -718,7 +718,7 @@ pub enum HookError {
     #[error("{0}")]
     Mismatch(String),
     #[error(transparent)]
-    Gpu(#[from] crate::GpuError),
+    Gpu(#[from] crate::error::GpuError),
 }
 
 /// The CUPTI records of kernel `name` launched twice per call (send, then receive), split into
@@ -875,8 +875,8 @@ pub fn hook_split(
     // One split pair; `mark(i)` records event i of the pair (0..5) when timing.
     let pair = |g: &mut GpuGroup,
                 ov: &mut [cudarc::driver::CudaViewMut<'_, bf16>],
-                mark: &mut dyn FnMut(usize) -> Result<(), crate::GpuError>|
-     -> Result<(), crate::GpuError> {
+                mark: &mut dyn FnMut(usize) -> Result<(), crate::error::GpuError>|
+     -> Result<(), crate::error::GpuError> {
         mark(0)?;
         let hk = g.dispatch_send(path, &sref, &dins, None)?;
         mark(1)?;
@@ -912,7 +912,7 @@ pub fn hook_split(
         let mut ov = bf16_views(&mut outbufs);
         let n_ev = iters
             .checked_mul(5)
-            .ok_or_else(|| crate::GpuError::Unsupported(format!("{iters} timed calls")))?;
+            .ok_or_else(|| crate::error::GpuError::Unsupported(format!("{iters} timed calls")))?;
         let evs = Events::new(&raw, n_ev)?;
         for it in 0..iters {
             pair(g, &mut ov, &mut |i| {
@@ -1086,12 +1086,12 @@ mod tests {
         let r = time_loop(&mut g, 4, 0, true, &mut |g, op| {
             n += 1;
             if n == 3 {
-                return Err(crate::GpuError::Cuda("injected failure".into()));
+                return Err(crate::error::GpuError::Cuda("injected failure".into()));
             }
             g.launch(op, Path::Batched)
         });
         assert!(
-            matches!(&r, Err(crate::GpuError::Cuda(m)) if m == "injected failure"),
+            matches!(&r, Err(crate::error::GpuError::Cuda(m)) if m == "injected failure"),
             "{r:?}"
         );
         for (ctx, s) in g.streams() {

@@ -28,9 +28,10 @@
 //! share this rank's node (CUDA IPC) and which do not (NCCL, `Transport::TwoTier`). Its source
 //! must be the same on every rank (ids of different kinds are never compared).
 
+use crate::error::GpuError;
 use crate::runtime::AllGather;
+use crate::runtime::{GpuOptions, NcclSizes, Transport};
 use crate::topology::{NodeId, NodeSource, MAX_NODE_ID_LEN};
-use crate::{GpuError, GpuOptions, NcclSizes, Transport};
 use ep_reference::{Config, Mode};
 
 /// First bytes of every record.

@@ -10,8 +10,9 @@
 //! barriers). A path the transport does not support (the group answers `Unsupported` before
 //! anything is launched, on every rank alike) is reported as such and left out, not failed.
 
+use crate::error::GpuError;
+use crate::runtime::{GpuGroup, GpuOptions, NcclSizes, Path, Transport};
 use crate::testing::{random_inputs, random_y, Rng, Routing};
-use crate::{GpuError, GpuGroup, GpuOptions, NcclSizes, Path, Transport};
 use ep_launch::Rendezvous;
 use ep_reference::oracle::{self, CombineInput, RankInput};
 use ep_reference::{Config, Error, Mode, Op};

@@ -30,7 +30,8 @@
 //! GPU detected", `src/init.cc`), ranks with different host hashes count as different nodes and
 //! talk over NCCL's network transport (sockets here), as across real nodes.
 
-use crate::{GpuError, Transport};
+use crate::error::GpuError;
+use crate::runtime::Transport;
 
 /// The variable that names this process's node (first choice).
 pub const EP_NODE_ID: &str = "EP_NODE_ID";

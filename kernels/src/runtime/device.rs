@@ -1,7 +1,11 @@
 //! One GPU: the CUDA context, the group's stream, the loaded kernel modules, and the plain
 //! `cuMemAlloc` allocations peers may reach; plus the driver probe.
 
-use super::*;
+use crate::compile::{self, Family};
+use crate::error::GpuError;
+use crate::runtime::layout::{ERR_WORDS, NTHREADS};
+use cudarc::driver::{result, sys, CudaContext};
+use std::sync::Arc;
 
 pub(crate) fn cuda<T>(what: &str, r: Result<T, result::DriverError>) -> Result<T, GpuError> {
     r.map_err(|e| GpuError::Cuda(format!("{what}: {e:?}")))
@@ -277,8 +281,10 @@ impl HostMirror {
         let bytes = 4 * ERR_WORDS;
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
         // SAFETY: a plain pinned allocation of `bytes` bytes; zeroed below before any use.
-        let host = cuda("cuMemHostAlloc", unsafe { result::malloc_host(bytes, flags) })?
-            .cast::<u32>();
+        let host = cuda("cuMemHostAlloc", unsafe {
+            result::malloc_host(bytes, flags)
+        })?
+        .cast::<u32>();
         // SAFETY: `host` holds ERR_WORDS u32, just allocated and not yet shared.
         unsafe { std::ptr::write_bytes(host, 0, ERR_WORDS) };
         let mut dev: sys::CUdeviceptr = 0;

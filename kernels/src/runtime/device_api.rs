@@ -45,16 +45,15 @@
 //! refused: the harness does not hold that routing). Two groups must not run on one GPU at the
 //! same time (see the crate docs).
 
-use super::*;
+use crate::error::GpuError;
+use crate::runtime::device::cuda;
+use crate::runtime::group::{kind, GpuGroup};
+use crate::runtime::layout::IoTable;
+use crate::runtime::options::{NcclSizes, Path};
+use cudarc::driver::sys;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
-use std::sync::atomic::{AtomicU64, Ordering};
-
-static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
-
-/// A fresh id for a group (handles name the group they came from).
-pub(crate) fn next_group_id() -> u64 {
-    NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed)
-}
+use ep_reference::{Error, Op};
+use half::bf16;
 
 /// A rank's token count for a device-API dispatch.
 #[derive(Debug, Clone, Copy)]

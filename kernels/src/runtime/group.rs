@@ -1,6 +1,244 @@
-//! Building a group: every rank in this process (`GpuGroup::new`, ranks spread over the GPUs,
-//! peer access) or one rank per process (`GpuGroup::new_process`, CUDA IPC or NCCL).
-use super::*;
+//! The group: its state ([`GpuGroup`]: devices, buffers, the address table, the NCCL
+//! communicators, call counts), its release, and building it: every rank in this process
+//! (`GpuGroup::new`, ranks spread over the GPUs, peer access) or one rank per process
+//! (`GpuGroup::new_process`, CUDA IPC or NCCL).
+use crate::error::GpuError;
+use crate::runtime::device::{cuda, probe_devices, Dev, HostMirror};
+use crate::runtime::layout::{
+    all_peers, bytes_per_rank_with, carve_rank, entry_bytes_checked, pe_entry_bytes_checked,
+    rank_sizes, smem_bytes, to_i32, total_bytes, KParams, RankPtrs, ERR_WORDS, MAX_RANKS,
+};
+use crate::runtime::options::{AllGather, GpuOptions, NcclSizes, Path, Transport};
+use crate::runtime::streams::{drain_streams, Drain};
+use cudarc::driver::{result, sys, CudaContext};
+use ep_reference::{Config, Error, Mode, Op};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// R ranks on one or more GPUs: the communication buffers, and dispatch/combine on both paths.
+pub struct GpuGroup {
+    /// Unique per group in this process (device-API handles name their group).
+    pub(crate) id: u64,
+    pub(crate) cfg: Config,
+    pub(crate) devs: Vec<Dev>,
+    pub(crate) ptrs: Vec<RankPtrs>,
+    pub(crate) params: KParams,
+    pub(crate) blocks_per_rank: usize,
+    pub(crate) smem: usize,
+    pub(crate) n_tokens: Vec<usize>,
+    pub(crate) topk: Vec<Vec<i64>>,
+    pub(crate) last_dispatch: Option<Path>,
+    pub(crate) calls: [u64; 4],
+    pub(crate) broken: Option<GpuError>,
+    /// Per device: bit d set when its rank reaches peer d through NCCL.
+    pub(crate) masks: Vec<u32>,
+    /// The NCCL communicators (one per device) when any mask is nonzero.
+    pub(crate) comms: Option<crate::runtime::nccl::Comms>,
+    /// Per device, from the last dispatch's headers: selections sent to each peer (rows that
+    /// come back in combine) and received from each peer (rows that go back).
+    pub(crate) sels: Vec<(Vec<usize>, Vec<usize>)>,
+    /// Process mode: the one rank this process runs (its table holds the peers' IPC addresses).
+    pub(crate) own: Option<usize>,
+    /// Peer allocations opened through CUDA IPC (closed on drop).
+    /// Held for its Drop (closes the mappings).
+    #[allow(dead_code)]
+    pub(crate) ipc_opened: IpcMappings,
+    pub(crate) last_op: Option<Op>,
+    /// NCCL sizing mode and the last exact dispatch's headers (per device).
+    pub(crate) nx: NcclState,
+}
+
+/// The NCCL transport's host state: the sizing mode, and per device the headers of the last
+/// exact-size dispatch (sent, received: R * (2 + L) words each), which size the per-expert
+/// combine's messages.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct NcclState {
+    pub(crate) sizes: NcclSizes,
+    /// The sizing of the last dispatch whose exchange was queued (combine follows it).
+    pub(crate) dispatch_sizes: Option<NcclSizes>,
+    pub(crate) hdrs: Vec<(Vec<i32>, Vec<i32>)>,
+}
+
+impl NcclState {
+    pub(crate) fn new(sizes: NcclSizes, devices: usize) -> NcclState {
+        NcclState {
+            sizes,
+            dispatch_sizes: None,
+            hdrs: vec![(Vec::new(), Vec::new()); devices],
+        }
+    }
+}
+
+impl Drop for GpuGroup {
+    fn drop(&mut self) {
+        // [issue 10 item 5] Communicators go before the streams and memory they use: a bounded
+        // wait for the streams, then destroy (idle, healthy) or abort (busy, failed).
+        let t = std::time::Duration::from_nanos(self.params.timeout_ns);
+        if let Some(c) = self.comms.take() {
+            c.release(&self.streams(), t, self.broken.is_none());
+        }
+        // Then a bounded wait for every stream: our kernels end within their own wait bound, so
+        // twice the group's bound (at least 1 s) suffices for anything that can finish. A stream
+        // still busy after that waits on a peer that stopped (an NCCL receive the abort did not
+        // end: run 12's NCCL stall trial hung here, in an unbounded synchronize). Freeing memory
+        // under it would block as well (cuMemFree synchronises), so the devices and the peers'
+        // mappings are then leaked, not freed: the caller gets to report its error instead of
+        // hanging, and the process's exit reclaims them.
+        let bound = t.saturating_mul(2).max(std::time::Duration::from_secs(1));
+        if drain_streams(&self.streams(), bound) == Drain::Busy {
+            std::mem::forget(std::mem::take(&mut self.devs));
+            std::mem::forget(std::mem::replace(
+                &mut self.ipc_opened,
+                IpcMappings {
+                    ctx: None,
+                    ptrs: Vec::new(),
+                },
+            ));
+        }
+        // Otherwise the fields: the devices synchronise (idle now) and free their allocations,
+        // `ipc_opened` closes the peers' mappings (its own Drop, which also runs when
+        // `new_process` fails half-way).
+    }
+}
+
+/// Peer allocations opened through CUDA IPC, closed on drop (also on an error path of
+/// `new_process`, before the group exists).
+pub(crate) struct IpcMappings {
+    pub(crate) ctx: Option<Arc<CudaContext>>,
+    pub(crate) ptrs: Vec<sys::CUdeviceptr>,
+}
+
+impl Drop for IpcMappings {
+    fn drop(&mut self) {
+        if let Some(ctx) = &self.ctx {
+            let _ = ctx.bind_to_thread();
+            for &p in &self.ptrs {
+                // SAFETY: `p` was opened with cuIpcOpenMemHandle on this context; the work that
+                // used it is finished (the group's Drop synchronised its streams first).
+                let _ = unsafe { sys::cuIpcCloseMemHandle(p) };
+            }
+        }
+    }
+}
+
+pub(crate) fn kind(op: Op, path: Path) -> usize {
+    match (op, path) {
+        (Op::Dispatch, Path::Batched) => 0,
+        (Op::Dispatch, Path::PerExpert) => 1,
+        (Op::Combine, Path::Batched) => 2,
+        (Op::Combine, Path::PerExpert) => 3,
+    }
+}
+
+impl GpuGroup {
+    /// Process mode: this process's rank.
+    pub fn own_rank(&self) -> Option<usize> {
+        self.own
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn num_gpus(&self) -> usize {
+        self.devs.len()
+    }
+
+    pub fn blocks_per_rank(&self) -> usize {
+        self.blocks_per_rank
+    }
+
+    /// "NVIDIA H200 (sm_90, 132 SMs) x 1".
+    pub fn describe_devices(&self) -> String {
+        let d = &self.devs[0];
+        let name = d.ctx.name().unwrap_or_else(|_| "?".into());
+        let (a, b) = d.ctx.compute_capability().unwrap_or((0, 0));
+        format!("{name} (sm_{a}{b}, {} SMs) x {}", d.sms, self.devs.len())
+    }
+
+    /// Test hook: `Some(r)` makes rank r never signal, in dispatch and in combine (its peers'
+    /// waits time out).
+    #[doc(hidden)]
+    pub fn set_fault_rank(&mut self, rank: Option<usize>) {
+        self.params.fault_rank = rank.map(|r| r as i32).unwrap_or(-1);
+    }
+
+    /// The NCCL transport's sizing mode (see [`NcclSizes`]).
+    pub fn nccl_sizes(&self) -> NcclSizes {
+        self.nx.sizes
+    }
+
+    /// Changes the NCCL sizing mode for later calls. In process mode every rank must make the
+    /// same change before the same call (the two sides of a message must agree on its size):
+    /// the handshake compares the modes the ranks start with, a later divergence is not
+    /// detected.
+    pub fn set_nccl_sizes(&mut self, sizes: NcclSizes) {
+        self.nx.sizes = sizes;
+    }
+
+    /// Whether the group reaches any peer through NCCL.
+    pub fn uses_nccl(&self) -> bool {
+        self.comms.is_some()
+    }
+
+    /// The bound of every wait.
+    pub fn set_timeout_ns(&mut self, ns: u64) {
+        self.params.timeout_ns = ns;
+    }
+
+    /// What the kernels have recorded so far, without waiting for them: `Ok` while nothing
+    /// failed, else the error the next call would raise (naming rank, peer, phase and call for
+    /// a timeout). Reads the error words' host mirrors only: no stream is synchronised, so it
+    /// may be called while kernels run, e.g. to bound a caller's own wait. Unlike [`check`],
+    /// it does not need the calls to have finished, and an error it sees is raised again by
+    /// every later call.
+    ///
+    /// [`check`]: GpuGroup::check
+    pub fn poll(&self) -> Result<(), GpuError> {
+        self.check_usable()
+    }
+
+    /// Refuses a call on a group that failed: an error `check` or `sync` already returned, or
+    /// one the kernels recorded since (read from the error words' host mirrors: no stream is
+    /// synchronised, so a call enqueued behind a failed one raises at its entry).
+    pub(crate) fn check_usable(&self) -> Result<(), GpuError> {
+        if let Some(e) = &self.broken {
+            return Err(e.clone());
+        }
+        match self.recorded_error() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    pub(crate) fn dev_of(&self, rank: usize) -> usize {
+        if self.own.is_some() {
+            return 0;
+        }
+        rank / (self.cfg.num_ranks / self.devs.len())
+    }
+
+    /// Calls launched so far per (op, path): [batched dispatch, per-expert dispatch, batched
+    /// combine, per-expert combine].
+    pub fn calls(&self) -> [u64; 4] {
+        self.calls
+    }
+
+    /// The streams and contexts, for event timing (crate-internal).
+    pub(crate) fn streams(&self) -> Vec<(Arc<CudaContext>, sys::CUstream)> {
+        self.devs
+            .iter()
+            .map(|d| (d.ctx.clone(), d.stream))
+            .collect()
+    }
+}
+
+static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A fresh id for a group (handles name the group they came from).
+pub(crate) fn next_group_id() -> u64 {
+    NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed)
+}
 
 impl GpuGroup {
     /// Allocates every rank's buffers (R / num_gpus ranks per device), enables peer access,
@@ -80,7 +318,7 @@ impl GpuGroup {
             for d in &devs {
                 d.bind()?;
             }
-            Some(crate::nccl::Comms::init_all(g)?)
+            Some(crate::runtime::nccl::Comms::init_all(g)?)
         } else {
             None
         };
@@ -123,7 +361,7 @@ impl GpuGroup {
         }
         let params = kparams(cfg, &opts, bpr, 0, per, g > 1)?;
         Ok(GpuGroup {
-            id: device_api::next_group_id(),
+            id: next_group_id(),
             cfg: *cfg,
             devs,
             ptrs,
@@ -209,8 +447,8 @@ impl GpuGroup {
         }
         // Rank 0's NCCL unique id: always under Nccl; under TwoTier when libnccl is here (whether
         // any rank needs it is known after the exchange; a missing id is reported then).
-        if rank == 0 && (nccl || (staging && crate::nccl::nccl_present())) {
-            blob.extend(crate::nccl::unique_id()?);
+        if rank == 0 && (nccl || (staging && crate::runtime::nccl::nccl_present())) {
+            blob.extend(crate::runtime::nccl::unique_id()?);
         }
         // [issue 10 item 4] Versions, config, transport and allocation size travel with the
         // handle; every peer is checked before anything is mapped.
@@ -272,14 +510,19 @@ impl GpuGroup {
             // of the group joins the one communicator (NCCL rank = group rank); only the pairs
             // in the mask ever connect (NCCL connects a pair on its first send/receive).
             let t = std::time::Duration::from_nanos(opts.timeout_ns);
-            Some(crate::nccl::Comms::init_rank(r, rank, &all[0][64..], t)?)
+            Some(crate::runtime::nccl::Comms::init_rank(
+                r,
+                rank,
+                &all[0][64..],
+                t,
+            )?)
         } else {
             None
         };
         upload_table(&mut dev, &ptrs)?;
         let params = kparams(cfg, &opts, bpr, rank, 1, true)?;
         Ok(GpuGroup {
-            id: device_api::next_group_id(),
+            id: next_group_id(),
             cfg: *cfg,
             devs: vec![dev],
             ptrs,

@@ -1,6 +1,15 @@
 //! Launching the kernels (one launch per device and call, or the NCCL pack / exchange / unpack
 //! stages), the bounded host waits, and `sync`, which turns the device error word into a typed error.
-use super::*;
+use crate::error::GpuError;
+use crate::runtime::device::cuda;
+use crate::runtime::group::{kind, GpuGroup};
+use crate::runtime::layout::{
+    combine_capacity_rows, pe_messages, prod, IoTable, KParams, NTHREADS,
+};
+use crate::runtime::options::{NcclSizes, Path};
+use cudarc::driver::{result, sys};
+use ep_reference::{Error, Op, Phase, Side};
+use std::ffi::c_void;
 
 /// What capacity mode writes into every send header word before the pack stage (i32::MAX: a
 /// token count no peer accepts, see `poison_send_headers`).
@@ -20,12 +29,12 @@ pub(crate) fn experts_per_group(r: usize, devices: usize) -> usize {
 
 /// Runs tagged operation lists (tag = local expert) as consecutive groups of `chunk` experts.
 fn by_expert_chunks(
-    ops: Vec<Vec<(usize, crate::nccl::P2p)>>,
+    ops: Vec<Vec<(usize, crate::runtime::nccl::P2p)>>,
     l: usize,
     chunk: usize,
-) -> Vec<Vec<Vec<crate::nccl::P2p>>> {
+) -> Vec<Vec<Vec<crate::runtime::nccl::P2p>>> {
     let rounds = l.div_ceil(chunk.max(1)).max(1);
-    let mut out: Vec<Vec<Vec<crate::nccl::P2p>>> = (0..rounds)
+    let mut out: Vec<Vec<Vec<crate::runtime::nccl::P2p>>> = (0..rounds)
         .map(|_| (0..ops.len()).map(|_| Vec::new()).collect())
         .collect();
     for (di, list) in ops.into_iter().enumerate() {
@@ -268,12 +277,12 @@ impl GpuGroup {
             let p = self.ptrs[self.devs[di].first_rank];
             let mut v = Vec::new();
             for &d in &peers {
-                v.push(crate::nccl::P2p::Send {
+                v.push(crate::runtime::nccl::P2p::Send {
                     buf: p.snd_hdr + (d * hb) as u64,
                     bytes: hb,
                     peer: d,
                 });
-                v.push(crate::nccl::P2p::Recv {
+                v.push(crate::runtime::nccl::P2p::Recv {
                     buf: p.rcv_hdr + (d * hb) as u64,
                     bytes: hb,
                     peer: d,
@@ -282,12 +291,12 @@ impl GpuGroup {
                     // Batched only (check_nccl_mode): the whole region, T entries.
                     let region = prod("a batch region", &[d, t, eb])? as u64;
                     let bytes = prod("a capacity batch", &[t, eb])?;
-                    v.push(crate::nccl::P2p::Send {
+                    v.push(crate::runtime::nccl::P2p::Send {
                         buf: p.snd_buf + region,
                         bytes,
                         peer: d,
                     });
-                    v.push(crate::nccl::P2p::Recv {
+                    v.push(crate::runtime::nccl::P2p::Recv {
                         buf: p.bat_buf + region,
                         bytes,
                         peer: d,
@@ -307,7 +316,7 @@ impl GpuGroup {
         // of this call is sent, so no peer takes that data for this call's (the loom model
         // `verify/src/gpu_protocol.rs` found this); the peers' own waits then end bounded.
         self.check()?;
-        let mut ops: Vec<Vec<(usize, crate::nccl::P2p)>> = Vec::new();
+        let mut ops: Vec<Vec<(usize, crate::runtime::nccl::P2p)>> = Vec::new();
         for di in 0..self.devs.len() {
             let (r, peers) = self.nccl_peers(di);
             let p = self.ptrs[r];
@@ -331,7 +340,7 @@ impl GpuGroup {
                 // <= T, selections within tokens..=tokens*K, per-expert rows summing to the
                 // selections) before it sizes a transfer; a bad one marks the group broken.
                 let (sw, rw) = (&sh[d * hw..][..hw], &rh[d * hw..][..hw]);
-                let (mine, theirs) = crate::nccl::check_pair(r, d, sw, rw, t, k)
+                let (mine, theirs) = crate::runtime::nccl::check_pair(r, d, sw, rw, t, k)
                     .inspect_err(|e| self.broken = Some(e.clone()))?;
                 self.sels[di].0[d] = mine.selections;
                 self.sels[di].1[d] = theirs.selections;
@@ -339,7 +348,7 @@ impl GpuGroup {
                     Path::Batched => {
                         v.push((
                             0,
-                            crate::nccl::P2p::Send {
+                            crate::runtime::nccl::P2p::Send {
                                 buf: p.snd_buf + (d * t * eb) as u64,
                                 bytes: mine.tokens * eb,
                                 peer: d,
@@ -347,7 +356,7 @@ impl GpuGroup {
                         ));
                         v.push((
                             0,
-                            crate::nccl::P2p::Recv {
+                            crate::runtime::nccl::P2p::Recv {
                                 buf: p.bat_buf + (d * t * eb) as u64,
                                 bytes: theirs.tokens * eb,
                                 peer: d,
@@ -363,7 +372,7 @@ impl GpuGroup {
                         for (le, (at, n)) in out.into_iter().enumerate() {
                             v.push((
                                 le,
-                                crate::nccl::P2p::Send {
+                                crate::runtime::nccl::P2p::Send {
                                     buf: p.snd_buf + ((d * t * k + at) * peb) as u64,
                                     bytes: n * peb,
                                     peer: d,
@@ -375,7 +384,7 @@ impl GpuGroup {
                         for (le, (_, n)) in inn.into_iter().enumerate() {
                             v.push((
                                 le,
-                                crate::nccl::P2p::Recv {
+                                crate::runtime::nccl::P2p::Recv {
                                     buf: p.pe_buf + (((le * r_all + d) * t) * peb) as u64,
                                     bytes: n * peb,
                                     peer: d,
@@ -394,7 +403,7 @@ impl GpuGroup {
     /// The tagged payload operations, in groups of [`experts_per_group`] local experts.
     fn nccl_rounds(
         &mut self,
-        ops: Vec<Vec<(usize, crate::nccl::P2p)>>,
+        ops: Vec<Vec<(usize, crate::runtime::nccl::P2p)>>,
         streams: &[sys::CUstream],
     ) -> Result<(), GpuError> {
         let chunk = experts_per_group(self.cfg.num_ranks, self.devs.len());
@@ -420,7 +429,7 @@ impl GpuGroup {
         let rowb = 2 * self.cfg.hidden;
         let cap = combine_capacity_rows(&self.cfg)?;
         let hw = 2 + self.cfg.num_local_experts();
-        let mut ops: Vec<Vec<(usize, crate::nccl::P2p)>> = Vec::new();
+        let mut ops: Vec<Vec<(usize, crate::runtime::nccl::P2p)>> = Vec::new();
         for di in 0..self.devs.len() {
             let (r, peers) = self.nccl_peers(di);
             let p = self.ptrs[r];
@@ -435,7 +444,7 @@ impl GpuGroup {
                         let bytes = prod("a capacity combine message", &[cap, rowb])?;
                         v.push((
                             0,
-                            crate::nccl::P2p::Send {
+                            crate::runtime::nccl::P2p::Send {
                                 buf: p.snd_buf + region,
                                 bytes,
                                 peer: d,
@@ -443,7 +452,7 @@ impl GpuGroup {
                         ));
                         v.push((
                             0,
-                            crate::nccl::P2p::Recv {
+                            crate::runtime::nccl::P2p::Recv {
                                 buf: p.cmb_buf + region,
                                 bytes,
                                 peer: d,
@@ -453,7 +462,7 @@ impl GpuGroup {
                     (NcclSizes::Exact, Path::Batched) => {
                         v.push((
                             0,
-                            crate::nccl::P2p::Send {
+                            crate::runtime::nccl::P2p::Send {
                                 buf: p.snd_buf + region,
                                 bytes: self.sels[di].1[d] * rowb,
                                 peer: d,
@@ -461,7 +470,7 @@ impl GpuGroup {
                         ));
                         v.push((
                             0,
-                            crate::nccl::P2p::Recv {
+                            crate::runtime::nccl::P2p::Recv {
                                 buf: p.cmb_buf + region,
                                 bytes: self.sels[di].0[d] * rowb,
                                 peer: d,
@@ -480,7 +489,7 @@ impl GpuGroup {
                         for (le, (at, n)) in out.into_iter().enumerate() {
                             v.push((
                                 le,
-                                crate::nccl::P2p::Send {
+                                crate::runtime::nccl::P2p::Send {
                                     buf: p.snd_buf + ((d * t * k + at) * rowb) as u64,
                                     bytes: n * rowb,
                                     peer: d,
@@ -492,7 +501,7 @@ impl GpuGroup {
                         for (le, (at, n)) in inn.into_iter().enumerate() {
                             v.push((
                                 le,
-                                crate::nccl::P2p::Recv {
+                                crate::runtime::nccl::P2p::Recv {
                                     buf: p.cmb_buf + ((nbase + at) * rowb) as u64,
                                     bytes: n * rowb,
                                     peer: d,
@@ -517,7 +526,7 @@ impl GpuGroup {
     /// The grouped send/recv `ops` (one list per device) on `streams` (one per device).
     pub(crate) fn nccl_group_on(
         &mut self,
-        ops: &[Vec<crate::nccl::P2p>],
+        ops: &[Vec<crate::runtime::nccl::P2p>],
         streams: &[sys::CUstream],
     ) -> Result<(), GpuError> {
         let comms = self.comms.as_ref().ok_or_else(|| {
@@ -528,7 +537,7 @@ impl GpuGroup {
         for d in &self.devs {
             d.bind()?;
         }
-        let r = crate::nccl::grouped(comms, streams, ops);
+        let r = crate::runtime::nccl::grouped(comms, streams, ops);
         if let Err(e) = &r {
             self.broken = Some(e.clone());
         }
@@ -641,7 +650,7 @@ mod tests {
         // Never 0, even past the limit with one expert.
         assert_eq!(experts_per_group(1024, 64), 1);
         assert_eq!(experts_per_group(0, 0), MAX_GROUP_OPS / 2);
-        let op = |peer| crate::nccl::P2p::Send {
+        let op = |peer| crate::runtime::nccl::P2p::Send {
             buf: 0,
             bytes: 1,
             peer,
@@ -652,12 +661,11 @@ mod tests {
             vec![(4, op(9))],
         ];
         let r = by_expert_chunks(ops, 5, 2);
-        let peers = |v: &Vec<crate::nccl::P2p>| {
+        let peers = |v: &Vec<crate::runtime::nccl::P2p>| {
             v.iter()
                 .map(|o| match o {
-                    crate::nccl::P2p::Send { peer, .. } | crate::nccl::P2p::Recv { peer, .. } => {
-                        *peer
-                    }
+                    crate::runtime::nccl::P2p::Send { peer, .. }
+                    | crate::runtime::nccl::P2p::Recv { peer, .. } => *peer,
                 })
                 .collect::<Vec<_>>()
         };

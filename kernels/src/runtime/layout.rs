@@ -2,7 +2,8 @@
 //! kernel parameters (`KParams`), every buffer's byte size (checked arithmetic), and the carving
 //! of one rank's single allocation into its buffers.
 
-use super::*;
+use crate::error::GpuError;
+use ep_reference::Config;
 
 /// Threads per block (NTHREADS in common.cuh).
 pub const NTHREADS: u32 = 512;
@@ -380,6 +381,7 @@ pub(crate) fn all_peers(r: usize) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ep_reference::Mode;
 
     fn cfg(r: usize, e: usize, t: usize, h: usize, k: usize) -> Config {
         // Built directly: the sizes must be checked here whatever Config::validate accepts.

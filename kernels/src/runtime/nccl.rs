@@ -21,7 +21,7 @@
 //! **Peer counts.** `check_header` bounds every count of a batch header a peer sent before it
 //! sizes a transfer.
 
-use crate::GpuError;
+use crate::error::GpuError;
 use cudarc::driver::sys::CUstream;
 use cudarc::nccl::sys;
 use std::cell::Cell;
@@ -346,7 +346,9 @@ impl Comms {
             self.abort();
             return;
         }
-        if crate::runtime::drain_streams(streams, timeout) != crate::runtime::Drain::Idle {
+        if crate::runtime::streams::drain_streams(streams, timeout)
+            != crate::runtime::streams::Drain::Idle
+        {
             self.abort();
         }
         // Drop destroys what was not aborted.
