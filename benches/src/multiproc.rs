@@ -119,7 +119,7 @@ pub fn child_args(args: &[String]) -> Vec<String> {
 
 /// The rank side: runs this process's rank and prints its lines.
 pub fn rank(o: &MpOptions) -> ExitCode {
-    if let Err(why) = ep_kernels::bench::probe() {
+    if let Err(why) = ep_kernels::runtime::probe() {
         eprintln!("ep-bench: multi-process mode runs the GPU backend, and there is none: {why}");
         return ExitCode::from(1);
     }
@@ -171,7 +171,13 @@ pub fn rank(o: &MpOptions) -> ExitCode {
             t.combine_us,
             rep.device
         );
-        if let (0, Some((sizes, (dw, cw, dm, cm)))) = (rep.rank, t.wire) {
+        // Over NCCL, the wire figures of one call, all ranks.
+        let wire = t.nccl.and_then(|(path, sizes)| {
+            crate::wire::nccl_accounting(&cfg, &rep.timed_topk_idx, path, sizes)
+                .map(|w| (sizes.name(), w))
+                .ok()
+        });
+        if let (0, Some((sizes, (dw, cw, dm, cm)))) = (rep.rank, wire) {
             println!(
                 "{} over NCCL ({sizes} sizes), one call, all ranks: dispatch {dm} NCCL sends, {dw} wire bytes | combine {cm} NCCL sends, {cw} wire bytes",
                 t.path

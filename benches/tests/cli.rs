@@ -389,7 +389,7 @@ fn nodes_is_refused_where_it_does_not_apply() {
 
 #[test]
 fn nprocs_without_a_gpu_says_so_before_spawning() {
-    if let Ok(d) = ep_kernels::bench::probe() {
+    if let Ok(d) = ep_kernels::runtime::probe() {
         println!("SKIPPED: a GPU is usable here ({d}); this test needs a machine without one");
         return;
     }

@@ -705,7 +705,7 @@ fn main() -> ExitCode {
     };
     let launched = ep_launch::is_launched_by_ep_launch() || ep_launch::is_launched_externally();
     if !launched {
-        if let Err(why) = ep_kernels::bench::probe() {
+        if let Err(why) = ep_kernels::runtime::probe() {
             println!("SKIPPED: moe_layer: no usable GPU: {why}");
             return ExitCode::SUCCESS;
         }

@@ -3,11 +3,12 @@
 //! The CUDA backend of ep-dispatch: both paths of docs/contract.md (per-expert and per-destination
 //! batched dispatch/combine) as CUDA kernels, compiled at run time with NVRTC (`compile`), run
 //! by a small runtime over one or more GPUs with peer access (`runtime`; its library face is
-//! `runtime::device_api`, device tensors on the caller's stream), and timed by the
-//! benchmark entry point (`bench`). Every output is bit-identical to `ep_reference::oracle`.
+//! `runtime::device_api`, device tensors on the caller's stream). Every output is bit-identical
+//! to `ep_reference::oracle`. Nothing here times anything: the timing harness (CUDA events,
+//! CUPTI) is in ep-benches (`ep_benches::timing`).
 //!
 //! Where there is no CUDA driver (or no NVRTC), nothing touches the GPU: [`runtime::probe_devices`]
-//! and [`bench::probe`] say why, and the tests print `SKIPPED: <reason>`.
+//! and [`runtime::probe`] say why, and the tests print `SKIPPED: <reason>`.
 //!
 //! ## How the GPU paths realise docs/contract.md (and where they choose)
 //!
@@ -100,9 +101,7 @@
 //!   later runs share them; a corrupt or unreadable entry is recompiled and rewritten, and an
 //!   unusable cache folder only means compiling, never an error.
 
-pub mod bench;
 pub mod compile;
-pub mod cupti;
 mod error;
 pub mod handshake;
 pub mod mp;

@@ -50,9 +50,9 @@ pub struct MpTiming {
     pub path: &'static str,
     pub dispatch_us: f64,
     pub combine_us: f64,
-    /// NCCL transport: (sizing, (dispatch bytes, combine bytes, dispatch messages, combine
-    /// messages)) of one call, all ranks ([`crate::bench::nccl_accounting`]).
-    pub wire: Option<(&'static str, crate::bench::NcclWire)>,
+    /// NCCL transport: the path and the sizing it ran (its wire figures follow from them and
+    /// [`MpReport::timed_topk_idx`]: `ep_benches::wire::nccl_accounting`).
+    pub nccl: Option<(Path, NcclSizes)>,
 }
 
 /// What one rank did.
@@ -68,6 +68,8 @@ pub struct MpReport {
     /// This rank's selections in the timed inputs.
     pub selections: usize,
     pub timings: Vec<MpTiming>,
+    /// Every rank's routing of the timed calls (all ranks draw the same inputs from the seed).
+    pub timed_topk_idx: Vec<Vec<i64>>,
     /// This rank's node (`crate::topology`), e.g. "EP_NODE_ID=1".
     pub node: String,
     /// Peers reached through CUDA IPC and through NCCL.
@@ -351,21 +353,11 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
                 rdzv.barrier("bench-end")
                     .map_err(|e| fail(format!("rank {rank}: barrier: {e}"), true))?;
             }
-            // Over NCCL, the wire figures of one call, all ranks (every rank holds every
-            // rank's inputs: they come from the shared seed).
-            let wire = if o.transport == Transport::Nccl {
-                let all: Vec<Vec<i64>> = data.iter().map(|d| d.topk_idx.clone()).collect();
-                crate::bench::nccl_accounting(&cfg, &all, path, sizes_for(path))
-                    .map(|w| (sizes_for(path).name(), w))
-                    .ok()
-            } else {
-                None
-            };
             timings.push(MpTiming {
                 path: path.name(),
                 dispatch_us: us[0],
                 combine_us: us[1],
-                wire,
+                nccl: (o.transport == Transport::Nccl).then(|| (path, sizes_for(path))),
             });
         }
     }
@@ -385,6 +377,9 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
         checks,
         selections,
         timings,
+        // Over NCCL the wire figures of one call, all ranks, follow from these (every rank holds
+        // every rank's inputs: they come from the shared seed).
+        timed_topk_idx: data.iter().map(|d| d.topk_idx.clone()).collect(),
         node,
         ipc_peers,
         nccl_peers,

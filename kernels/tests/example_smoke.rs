@@ -39,7 +39,7 @@ fn run(args: &[&str]) -> Output {
 
 #[test]
 fn moe_layer_skips_or_passes_and_exits_0() {
-    let gpu = ep_kernels::bench::probe();
+    let gpu = ep_kernels::runtime::probe();
     for args in [&[][..], &["--nprocs", "2"][..]] {
         let o = run(args);
         let out = String::from_utf8_lossy(&o.stdout);

@@ -28,6 +28,18 @@ pub fn probe_devices(need: usize) -> Result<usize, String> {
     Ok(n)
 }
 
+/// Ok(device description) if a usable CUDA GPU is present, Err(reason) otherwise. Never panics.
+pub fn probe() -> Result<String, String> {
+    std::panic::catch_unwind(|| -> Result<String, String> {
+        let n = probe_devices(1)?;
+        let ctx = cudarc::driver::CudaContext::new(0).map_err(|e| format!("context: {e:?}"))?;
+        let name = ctx.name().map_err(|e| format!("name: {e:?}"))?;
+        let (a, b) = ctx.compute_capability().map_err(|e| format!("cc: {e:?}"))?;
+        Ok(format!("{name} (sm_{a}{b}) x {n}"))
+    })
+    .unwrap_or_else(|_| Err("the CUDA probe panicked".into()))
+}
+
 /// The loaded kernels of one device.
 pub(crate) struct Funcs {
     pub(crate) fp8: sys::CUfunction,

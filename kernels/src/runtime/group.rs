@@ -224,8 +224,9 @@ impl GpuGroup {
         self.calls
     }
 
-    /// The streams and contexts, for event timing (crate-internal).
-    pub(crate) fn streams(&self) -> Vec<(Arc<CudaContext>, sys::CUstream)> {
+    /// The group's streams with their contexts, one per device (for event timing: the timing
+    /// harness records its events on them).
+    pub fn streams(&self) -> Vec<(Arc<CudaContext>, sys::CUstream)> {
         self.devs
             .iter()
             .map(|d| (d.ctx.clone(), d.stream))

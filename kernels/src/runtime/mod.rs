@@ -25,7 +25,7 @@ mod options;
 mod profile;
 mod streams;
 
-pub use device::probe_devices;
+pub use device::{probe, probe_devices};
 pub use device_api::{
     CombineHook, CombineIn, DeviceDispatchOut, DeviceHandle, DispatchHook, DispatchIn,
     DispatchOutSizes, RankEp, Tokens,
