@@ -3,7 +3,7 @@
 //! Without `RANK`/`WORLD_SIZE` in the environment, `ep-bench --nprocs N` is the launcher: it
 //! starts N copies of itself (`ep_launch::spawn_local`), prefixes their output with `[rank i]`,
 //! and names the rank that failed. With them (set by that launcher, or by torchrun or any other
-//! launcher), ep-bench runs as that one rank (`ep_kernels::mp::run_rank`): it forms the group
+//! launcher), ep-bench runs as that one rank (`ep_group::mp::run_rank`): it forms the group
 //! through CUDA IPC handles (or NCCL), checks every path bit for bit against the oracle, times
 //! both, and prints its DeepEP-format lines.
 //!
@@ -16,14 +16,14 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use ep_kernels::mp::{run_rank, transport_name, MpOptions};
+use ep_group::mp::{run_rank, transport_name, MpOptions};
 use ep_launch::EXIT_PEER_FAILURE;
 
 /// `--nodes` of a launch, checked before any process starts: it must divide `--nprocs`, and more
 /// than one node needs a transport that crosses nodes (`transport_auto_given`: the user asked for
 /// `--transport auto` explicitly).
 pub fn check_nodes(nprocs: usize, nodes: usize, transport_auto_given: bool) -> Result<(), String> {
-    ep_kernels::topology::emulated_node(0, nprocs, nodes)
+    ep_group::topology::emulated_node(0, nprocs, nodes)
         .map_err(|e| format!("--nodes {nodes} does not fit --nprocs {nprocs}: {e}"))?;
     if nodes > 1 && transport_auto_given {
         return Err(format!(
@@ -49,7 +49,7 @@ pub fn launch_nodes(
 ) -> ExitCode {
     let mut rank_env = Vec::new();
     if nodes > 1 {
-        rank_env = match ep_kernels::topology::emulation_envs(nprocs, nodes) {
+        rank_env = match ep_group::topology::emulation_envs(nprocs, nodes) {
             Ok(v) => v,
             Err(e) => {
                 eprintln!("ep-bench: --nodes {nodes}: {e}");

@@ -51,17 +51,6 @@ pub enum GpuError {
         combine: &'static str,
         dispatch: &'static str,
     },
-    /// Process mode: this process's node id (`EP_NODE_ID`, `GROUP_RANK`, the hostname) is
-    /// invalid or missing (`crate::topology`).
-    #[error("node id: {0}")]
-    Node(#[from] crate::topology::NodeIdError),
-    /// Process mode: a peer's handshake record could not be read (nothing of it was used).
-    #[error("rank {rank}: the handshake record of rank {peer} is malformed: {error}")]
-    PeerBlob {
-        rank: usize,
-        peer: usize,
-        error: crate::handshake::BlobError,
-    },
     /// Process mode: a peer runs another version, config, transport or buffer layout than this
     /// rank (found before any of its memory was mapped, or when the mapping is too small).
     #[error("rank {rank} and rank {peer} disagree on {field}: rank {rank} has {ours}, rank {peer} has {theirs}")]

@@ -65,7 +65,7 @@
 //!   peer, self included. `Transport::TwoTier` (process mode across nodes) reaches the ranks of
 //!   this rank's node through CUDA IPC and the others through NCCL; every rank's node id
 //!   (`EP_NODE_ID`, else torchrun's `GROUP_RANK`, else the hostname) travels in the handshake
-//!   ([`topology`]). NCCL peers are a bit mask (`KParams::nccl_mask`) and the call is split
+//!   (ep-group's `topology`). NCCL peers are a bit mask (`KParams::nccl_mask`) and the call is split
 //!   in two. The pack stage (`stage` 1) writes what goes to each NCCL destination into this
 //!   rank's staging buffer (`snd_buf`) with a header of (tokens, selections, rows per local
 //!   expert) in `snd_hdr`: the batched path one batch per destination in its entry layout, the
@@ -83,10 +83,12 @@
 //!   call's unpack ahead of the next call's transfers. Host waits on NCCL work are bounded. Past
 //!   the timeout the communicators are aborted and the call fails with `Error::Timeout`. The
 //!   device API reaches NCCL in capacity mode (on the caller's stream).
-//! - **Process mode.** `GpuGroup::new_process` runs one rank per process. The rank's buffers are
-//!   one `cuMemAlloc` allocation. Its IPC handle (or rank 0's NCCL unique id) goes through a
-//!   caller-supplied `all_gather` (`ep_launch::Rendezvous`), and the peers' handles are opened to
-//!   build the address table. The kernels are the same. `ep-gpu-mp` is the launcher-aware binary.
+//! - **Process mode.** One rank per process ([`runtime::ProcessRank`]). The rank's buffers are
+//!   one `cuMemAlloc` allocation. Its IPC handle (or rank 0's NCCL unique id) is exchanged by the
+//!   process-group layer (ep-group: `ep_group::new_process`, the handshake, the node plan, over
+//!   a caller-supplied `all_gather` such as `ep_launch::Rendezvous`), and the peers' handles are
+//!   opened to build the address table ([`runtime::ProcessRank::join`]). The kernels are the
+//!   same.
 //! - **Limits** (a clear `GpuError::Unsupported`): R <= 32, ranks spread evenly over the GPUs, the
 //!   routing tables must fit in shared memory (about 227 KB: roughly 16·T·K + 8·T·R + 8·E·⌈T/32⌉
 //!   + 8·L·R bytes + 6 KB).
@@ -103,11 +105,8 @@
 
 pub mod compile;
 mod error;
-pub mod handshake;
-pub mod mp;
 pub mod runtime;
 pub mod testing;
-pub mod topology;
 
 /// The cudarc this crate is built on (its `CudaStream`, `CudaView`, ... are the device API's types).
 pub use cudarc;

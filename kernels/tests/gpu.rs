@@ -7,7 +7,7 @@
 
 mod runner;
 
-use ep_kernels::runtime::probe_devices;
+use ep_kernels::runtime::{probe_devices, PeerPlan, ProcessRank};
 use ep_kernels::testing::{random_inputs, random_y, verify_case, verify_paths, Rng, Routing};
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, NcclSizes, Path, Transport};
 use ep_reference::{Config, Error, Mode, Op, Side};
@@ -1539,10 +1539,16 @@ fn gpu_rank_ep_process_mode_equals_oracle() {
     for mode in MODES {
         let h = if mode == Mode::FP8 { 640 } else { 512 };
         let cfg = Config::new(1, 4, 16, h, 3, mode).unwrap();
-        let mut g = GpuGroup::new_process(&cfg, GpuOptions::default(), 0, 0, &mut |b| {
-            Ok(vec![b.to_vec()])
-        })
-        .unwrap();
+        // One rank: its own payload is the whole exchange (the handshake and the node plan of
+        // a process group are ep-group's; a rank of one maps no peer).
+        let me = ProcessRank::new(&cfg, GpuOptions::default(), 0, 0).unwrap();
+        let all = vec![me.payload().to_vec()];
+        let plan = PeerPlan {
+            nccl_mask: 0,
+            ipc_peers: Vec::new(),
+            nodes: 1,
+        };
+        let mut g = me.join(&all, &plan).unwrap();
         for path in [Path::PerExpert, Path::Batched] {
             let n = rng.below(17);
             let data = random_inputs(&cfg, &[n], Routing::Random { masked: 0.1 }, &mut rng);

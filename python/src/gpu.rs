@@ -12,9 +12,8 @@
 
 use crate::error::{BindError, Result};
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};
-use ep_kernels::runtime::{
-    bytes_per_rank_with, probe_devices, AllGather, CombineHook, DispatchHook,
-};
+use ep_group::AllGather;
+use ep_kernels::runtime::{bytes_per_rank_with, probe_devices, CombineHook, DispatchHook};
 use ep_kernels::{
     DeviceDispatchOut, DeviceHandle, GpuError, GpuGroup, GpuOptions, NcclSizes, Path, Tokens,
     Transport,
@@ -349,7 +348,7 @@ impl RankGroup {
             enable_shrink,
             ..options(transport, timeout, trap_on_error)
         };
-        let group = GpuGroup::new_process(cfg, opts, rank, ordinal, all_gather)?;
+        let group = ep_group::new_process(cfg, opts, rank, ordinal, all_gather)?;
         let ctx = CudaContext::new(ordinal).map_err(|e| {
             GpuError::Cuda(format!(
                 "retain the primary context of GPU {ordinal}: {e:?}"

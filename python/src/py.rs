@@ -6,6 +6,7 @@
 use crate::error::BindError;
 use crate::gpu::{self, CombinePtrs, DispatchPtrs, Phases, RankGroup};
 use crate::host::{self, OutputBytes, ScalesKind};
+use ep_group::GroupError;
 use ep_kernels::GpuError;
 use ep_reference::{Config, DispatchOutput, Error};
 use pyo3::exceptions::PyRuntimeError;
@@ -240,8 +241,6 @@ fn classify(e: &BindError) -> (&'static str, &'static str, Vec<(&'static str, Fi
             GpuError::Compile(_) => ("DeviceError", "Compile", vec![]),
             GpuError::Process(_) => ("PeerError", "Process", vec![]),
             GpuError::Unsupported(_) => ("UnsupportedError", "Unsupported", vec![]),
-            // A node id from the environment (EP_NODE_ID, GROUP_RANK) that cannot be used.
-            GpuError::Node(_) => ("InputError", "Node", vec![]),
             GpuError::PathMismatch { .. } => ("InputError", "PathMismatch", vec![]),
             GpuError::Handle(_) => ("InputError", "Handle", vec![]),
             GpuError::WrongDevice {
@@ -273,11 +272,6 @@ fn classify(e: &BindError) -> (&'static str, &'static str, Vec<(&'static str, Fi
                     ("value", int(*value)),
                     ("limit", int(*limit)),
                 ],
-            ),
-            GpuError::PeerBlob { rank, peer, .. } => (
-                "PeerError",
-                "PeerBlob",
-                vec![("rank", us(*rank)), ("peer", us(*peer))],
             ),
             GpuError::PeerMismatch {
                 field,
@@ -327,6 +321,35 @@ fn classify(e: &BindError) -> (&'static str, &'static str, Vec<(&'static str, Fi
             ),
             // Contract errors are unwrapped into BindError::Contract by `From<GpuError>`.
             GpuError::Contract(_) => ("EpError", "Contract", vec![]),
+        },
+        BindError::Group(g) => match g {
+            GroupError::Process(_) => ("PeerError", "Process", vec![]),
+            // A node id from the environment (EP_NODE_ID, GROUP_RANK) that cannot be used.
+            GroupError::Node(_) => ("InputError", "Node", vec![]),
+            GroupError::PeerBlob { rank, peer, .. } => (
+                "PeerError",
+                "PeerBlob",
+                vec![("rank", us(*rank)), ("peer", us(*peer))],
+            ),
+            GroupError::PeerMismatch {
+                field,
+                ours,
+                theirs,
+                rank,
+                peer,
+            } => (
+                "PeerError",
+                "PeerMismatch",
+                vec![
+                    ("rank", us(*rank)),
+                    ("peer", us(*peer)),
+                    ("field", Field::Str(field.to_string())),
+                    ("ours", Field::Str(ours.clone())),
+                    ("theirs", Field::Str(theirs.clone())),
+                ],
+            ),
+            // Unwrapped into BindError::Gpu / BindError::Contract by `From<GroupError>`.
+            GroupError::Gpu(_) => ("EpError", "Gpu", vec![]),
         },
         BindError::Argument { argument, .. } => (
             "ArgumentError",

@@ -18,10 +18,11 @@ mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)
 command -v jq > /dev/null || { echo "pack.sh: jq is needed to read cargo's JSON" >&2; exit 2; }
 
-cargo build --release -p ep-kernels --bin ep-gpu-mp
+cargo build --release -p ep-group --bin ep-gpu-mp
 cargo build --release -p ep-benches --bin ep-bench
-cargo build --release -p ep-kernels --example moe_layer
-json=$(cargo test --release -p ep-kernels --no-run --message-format=json)
+cargo build --release -p ep-group --example moe_layer
+# gpu, gpu_fuzz, gpu_soak: ep-kernels; gpu_process: ep-group.
+json=$(cargo test --release -p ep-kernels -p ep-group --no-run --message-format=json)
 for t in gpu gpu_fuzz gpu_soak gpu_process; do
   exe=$(echo "$json" | jq -r --arg t "$t" \
     'select(.reason == "compiler-artifact" and .target.name == $t and (.target.kind | index("test")) and .executable != null) | .executable' \

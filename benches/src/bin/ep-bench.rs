@@ -354,7 +354,7 @@ fn fail(msg: impl std::fmt::Display, code: i32) -> ExitCode {
 
 /// One rank of a multi-process run (see `ep_benches::multiproc`).
 fn multiproc(cli: &Cli, mode: Mode) -> ExitCode {
-    ep_benches::multiproc::rank(&ep_kernels::mp::MpOptions {
+    ep_benches::multiproc::rank(&ep_group::mp::MpOptions {
         experts: cli.experts,
         tokens: cli.tokens,
         hidden: cli.hidden,

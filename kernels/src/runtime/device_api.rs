@@ -1,7 +1,7 @@
 //! The library face: dispatch and combine on device tensors, enqueued on the caller's CUDA
 //! stream, with no host synchronisation and no host copy of tensor data.
 //!
-//! A call names the ranks this process runs: in process mode (`GpuGroup::new_process`) its one
+//! A call names the ranks this process runs: in process mode (`ep_group::new_process`) its one
 //! rank; in a single-process group every rank (all ranks of a GPU run in ONE launch, so they are
 //! issued together: one entry per rank, one stream per GPU). [`RankEp`] is the one-rank form
 //! (`dispatch(stream, x, topk_idx, n_tokens, out)`), shaped like DeepEP's low-latency calls.

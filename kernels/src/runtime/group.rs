@@ -1,14 +1,14 @@
 //! The group: its state ([`GpuGroup`]: devices, buffers, the address table, the NCCL
-//! communicators, call counts), its release, and building it: every rank in this process
-//! (`GpuGroup::new`, ranks spread over the GPUs, peer access) or one rank per process
-//! (`GpuGroup::new_process`, CUDA IPC or NCCL).
+//! communicators, call counts), its release, and building it with every rank in this process
+//! (`GpuGroup::new`, ranks spread over the GPUs, peer access). One rank per process (CUDA IPC or
+//! NCCL) is built by [`ProcessRank`](crate::runtime::ProcessRank).
 use crate::error::GpuError;
 use crate::runtime::device::{cuda, probe_devices, Dev, HostMirror};
 use crate::runtime::layout::{
     all_peers, bytes_per_rank_with, carve_rank, entry_bytes_checked, pe_entry_bytes_checked,
     rank_sizes, smem_bytes, to_i32, total_bytes, KParams, RankPtrs, ERR_WORDS, MAX_RANKS,
 };
-use crate::runtime::options::{AllGather, GpuOptions, NcclSizes, Path, Transport};
+use crate::runtime::options::{GpuOptions, NcclSizes, Path, Transport};
 use crate::runtime::streams::{drain_streams, Drain};
 use cudarc::driver::{result, sys, CudaContext};
 use ep_reference::{Config, Error, Mode, Op};
@@ -97,12 +97,12 @@ impl Drop for GpuGroup {
         }
         // Otherwise the fields: the devices synchronise (idle now) and free their allocations,
         // `ipc_opened` closes the peers' mappings (its own Drop, which also runs when
-        // `new_process` fails half-way).
+        // `ProcessRank::join` fails half-way).
     }
 }
 
 /// Peer allocations opened through CUDA IPC, closed on drop (also on an error path of
-/// `new_process`, before the group exists).
+/// `ProcessRank::join`, before the group exists).
 pub(crate) struct IpcMappings {
     pub(crate) ctx: Option<Arc<CudaContext>>,
     pub(crate) ptrs: Vec<sys::CUdeviceptr>,
@@ -386,164 +386,6 @@ impl GpuGroup {
             nx: NcclState::new(opts.nccl_sizes, g),
         })
     }
-
-    /// Process mode: this process runs rank `rank` of `cfg.num_ranks` on GPU `ordinal`. Every
-    /// rank allocates its buffers in one cuMemAlloc allocation; `all_gather` (e.g.
-    /// `ep_launch::Rendezvous::all_gather`) exchanges a blob per rank: its handshake record
-    /// (with its node id, `crate::topology`), the allocation's CUDA IPC handle and, from rank 0,
-    /// the NCCL unique id. Transport::Auto: every peer is reached through CUDA IPC and the NVLink
-    /// kernels run between processes exactly as between ranks of one process (one node only).
-    /// Transport::Nccl: every peer, self included, through NCCL; no IPC. Transport::TwoTier: the
-    /// peers of this rank's node through CUDA IPC (only their handles are opened), the others
-    /// through NCCL ([`crate::topology::plan`]).
-    /// All ranks must call it with the same config and options.
-    pub fn new_process(
-        cfg: &Config,
-        opts: GpuOptions,
-        rank: usize,
-        ordinal: usize,
-        all_gather: &mut AllGather<'_>,
-    ) -> Result<GpuGroup, GpuError> {
-        cfg.validate()?;
-        probe_devices(ordinal + 1).map_err(GpuError::NoDevice)?;
-        let r = cfg.num_ranks;
-        if r > MAX_RANKS || rank >= r {
-            return Err(GpuError::Unsupported(format!(
-                "rank {rank} of {r} (at most {MAX_RANKS} ranks)"
-            )));
-        }
-        let nccl = opts.transport == Transport::Nccl;
-        // NCCL staging memory: whenever some peer may be reached through NCCL. Under TwoTier
-        // that is known after the exchange, and the allocation (whose size the handshake
-        // checks) comes before it: a two-tier rank always has the staging.
-        let staging = opts.transport != Transport::Auto;
-        let node = crate::topology::node_id()?;
-        let mut dev = Dev::new(ordinal, rank, 1)?;
-        let smem = smem_bytes(cfg);
-        let bpr = opts.blocks_per_rank.unwrap_or(dev.sms).max(1);
-        dev.check_residency(smem, 1, bpr)?;
-        let need = bytes_per_rank_with(cfg, staging)?.saturating_add(1 << 20);
-        let (free, _) = cuda("cuMemGetInfo", result::mem_get_info())?;
-        if need > free {
-            return Err(Error::OutOfMemory {
-                needed: need as u64,
-                available: free as u64,
-            }
-            .into());
-        }
-        let sizes = rank_sizes(cfg, staging)?;
-        let total = total_bytes(&sizes)?;
-        let base = dev.alloc(total)?; // zeroed before its handle leaves this process
-        let mut blob = vec![0u8; 64];
-        if !nccl {
-            let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
-            // SAFETY: `base` is a cuMemAlloc allocation of the bound context.
-            cuda(
-                "cuIpcGetMemHandle",
-                unsafe { sys::cuIpcGetMemHandle(&mut h, base) }.result(),
-            )?;
-            for (d, &b) in blob.iter_mut().zip(h.reserved.iter()) {
-                *d = b as u8;
-            }
-        }
-        // Rank 0's NCCL unique id: always under Nccl; under TwoTier when libnccl is here (whether
-        // any rank needs it is known after the exchange; a missing id is reported then).
-        if rank == 0 && (nccl || (staging && crate::runtime::nccl::nccl_present())) {
-            blob.extend(crate::runtime::nccl::unique_id()?);
-        }
-        // [issue 10 item 4] Versions, config, transport and allocation size travel with the
-        // handle; every peer is checked before anything is mapped.
-        let hello = crate::handshake::Hello::new(cfg, &opts, rank, total, node);
-        let recs = crate::handshake::exchange_records(all_gather, &hello, &blob)?;
-        let nodes: Vec<crate::topology::NodeId> =
-            recs.iter().map(|(h, _)| h.node.clone()).collect();
-        let all: Vec<Vec<u8>> = recs.into_iter().map(|(_, p)| p).collect();
-        // [issue 12 item 4] Which peers share this node (IPC) and which do not (NCCL).
-        let plan = crate::topology::plan(opts.transport, &nodes, rank)?;
-        check_shrink(&opts, r, plan.uses_nccl())?;
-        if all.len() != r || all.iter().any(|b| b.len() < 64) {
-            return Err(GpuError::Process(format!(
-                "handle exchange returned {} blobs, want {r} of at least 64 bytes",
-                all.len()
-            )));
-        }
-        let mut ptrs = vec![RankPtrs::default(); r];
-        ptrs[rank] = carve_rank(base, &sizes);
-        let mut ipc_opened = IpcMappings {
-            ctx: Some(dev.ctx.clone()),
-            ptrs: Vec::new(),
-        };
-        for &peer in &plan.ipc_peers {
-            let b = &all[peer];
-            let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
-            for (d, &x) in h.reserved.iter_mut().zip(&b[..64]) {
-                *d = x as _;
-            }
-            let mut p: sys::CUdeviceptr = 0;
-            // SAFETY: `h` is the handle rank `peer` exported for its live allocation; the
-            // opened mapping is closed in Drop.
-            let rc = unsafe {
-                sys::cuIpcOpenMemHandle_v2(
-                    &mut p,
-                    h,
-                    sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-                )
-            };
-            cuda(
-                &format!("cuIpcOpenMemHandle (rank {rank}, peer {peer})"),
-                rc.result(),
-            )?;
-            // The mapping must be at least as large as our layout of the peer's buffer (on
-            // failure check_mapping closes `p` itself; the guard closes the earlier ones).
-            crate::handshake::check_mapping(rank, peer, p, total)?;
-            ipc_opened.ptrs.push(p);
-            ptrs[peer] = carve_rank(p, &sizes);
-        }
-        let comms = if plan.uses_nccl() {
-            if all[0].len() < 64 + 128 {
-                return Err(GpuError::NoDevice(format!(
-                    "rank {rank}: ranks on {} nodes need NCCL between nodes, and rank 0 sent no \
-                     NCCL unique id (no libnccl there)",
-                    plan.nodes
-                )));
-            }
-            // [issue 10 item 5] Non-blocking set-up, bounded by the group's timeout. Every rank
-            // of the group joins the one communicator (NCCL rank = group rank); only the pairs
-            // in the mask ever connect (NCCL connects a pair on its first send/receive).
-            let t = std::time::Duration::from_nanos(opts.timeout_ns);
-            Some(crate::runtime::nccl::Comms::init_rank(
-                r,
-                rank,
-                &all[0][64..],
-                t,
-            )?)
-        } else {
-            None
-        };
-        upload_table(&mut dev, &ptrs)?;
-        let params = kparams(cfg, &opts, bpr, rank, 1, true)?;
-        Ok(GpuGroup {
-            id: next_group_id(),
-            cfg: *cfg,
-            devs: vec![dev],
-            ptrs,
-            params,
-            blocks_per_rank: bpr,
-            smem,
-            n_tokens: vec![0; r],
-            topk: vec![Vec::new(); r],
-            last_dispatch: None,
-            calls: [0; 4],
-            broken: None,
-            masks: vec![plan.nccl_mask],
-            comms,
-            sels: vec![(vec![0; r], vec![0; r])],
-            own: Some(rank),
-            ipc_opened,
-            last_op: None,
-            nx: NcclState::new(opts.nccl_sizes, 1),
-        })
-    }
 }
 
 impl GpuGroup {
@@ -557,7 +399,7 @@ impl GpuGroup {
 /// Shrink mode's limits: no NCCL peer (an NCCL receive is not bounded by the kernels, so a lost
 /// peer could not be detected and masked), and at most 32 ranks (the kernels keep a call's
 /// masked peers in one 32-bit word).
-fn check_shrink(opts: &GpuOptions, ranks: usize, nccl: bool) -> Result<(), GpuError> {
+pub(crate) fn check_shrink(opts: &GpuOptions, ranks: usize, nccl: bool) -> Result<(), GpuError> {
     if !opts.enable_shrink {
         return Ok(());
     }
@@ -576,7 +418,7 @@ fn check_shrink(opts: &GpuOptions, ranks: usize, nccl: bool) -> Result<(), GpuEr
 }
 
 /// Uploads the rank address table to `dev` (the bound context) and allocates its error word.
-fn upload_table(dev: &mut Dev, ptrs: &[RankPtrs]) -> Result<(), GpuError> {
+pub(crate) fn upload_table(dev: &mut Dev, ptrs: &[RankPtrs]) -> Result<(), GpuError> {
     let table = dev.alloc(std::mem::size_of_val(ptrs))?;
     // SAFETY: `table` holds ptrs.len() RankPtrs; RankPtrs is plain old data.
     cuda("upload table", unsafe {
@@ -590,7 +432,7 @@ fn upload_table(dev: &mut Dev, ptrs: &[RankPtrs]) -> Result<(), GpuError> {
 
 /// The kernel parameters of a group: `ranks_here` ranks from `rank_base` on each device,
 /// system-scope fences where ranks span GPUs or processes (`sys_scope`).
-fn kparams(
+pub(crate) fn kparams(
     cfg: &Config,
     opts: &GpuOptions,
     bpr: usize,

@@ -370,7 +370,7 @@ pub(crate) fn pe_messages(
 }
 
 /// The peer mask of a rank that reaches every rank in 0..r through NCCL.
-pub(crate) fn all_peers(r: usize) -> u32 {
+pub fn all_peers(r: usize) -> u32 {
     if r >= 32 {
         u32::MAX
     } else {

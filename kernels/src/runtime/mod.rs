@@ -22,6 +22,7 @@ mod layout;
 mod mask;
 pub mod nccl;
 mod options;
+mod process;
 mod profile;
 mod streams;
 
@@ -31,6 +32,8 @@ pub use device_api::{
     DispatchOutSizes, RankEp, Tokens,
 };
 pub use group::GpuGroup;
-pub(crate) use layout::all_peers;
-pub use layout::{bytes_per_rank, bytes_per_rank_with, entry_bytes, pe_entry_bytes, NTHREADS};
-pub use options::{AllGather, GpuOptions, NcclSizes, Path, Transport};
+pub use layout::{
+    all_peers, bytes_per_rank, bytes_per_rank_with, entry_bytes, pe_entry_bytes, NTHREADS,
+};
+pub use options::{GpuOptions, NcclSizes, Path, Transport};
+pub use process::{PeerPlan, ProcessRank};

@@ -1,6 +1,6 @@
 //! What a caller chooses for a group: the path of a call ([`Path`]), how peers are reached
 //! ([`Transport`]), how the NCCL transport sizes its messages ([`NcclSizes`]), the group's
-//! options ([`GpuOptions`]) and process mode's exchange ([`AllGather`]).
+//! options ([`GpuOptions`]).
 
 /// Which of the two transports to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -32,7 +32,7 @@ pub enum Transport {
     /// message per (peer, local expert) batch, needs [`NcclSizes::Exact`]).
     Nccl,
     /// Process mode across nodes: CUDA IPC (NVLink) to the peers of this rank's node, NCCL to
-    /// the others; the node of every rank comes from the handshake (`crate::topology`). On one
+    /// the others; the node of every rank comes from the handshake (ep-group's `topology`). On one
     /// node (and in a single-process group) it is `Auto`.
     TwoTier,
 }
@@ -73,9 +73,6 @@ impl NcclSizes {
         }
     }
 }
-
-/// Process mode's exchange: every rank's blob, in rank order (e.g. `Rendezvous::all_gather`).
-pub type AllGather<'a> = dyn FnMut(&[u8]) -> Result<Vec<Vec<u8>>, String> + 'a;
 
 /// Options of a [`GpuGroup`].
 #[derive(Debug, Clone, Copy)]

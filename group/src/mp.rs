@@ -10,9 +10,11 @@
 //! barriers). A path the transport does not support (the group answers `Unsupported` before
 //! anything is launched, on every rank alike) is reported as such and left out, not failed.
 
-use crate::error::GpuError;
-use crate::runtime::{GpuGroup, GpuOptions, NcclSizes, Path, Transport};
-use crate::testing::{random_inputs, random_y, Rng, Routing};
+use crate::error::GroupError;
+use crate::form::new_process;
+use ep_kernels::runtime::{GpuOptions, NcclSizes, Path, Transport};
+use ep_kernels::testing::{random_inputs, random_y, Rng, Routing};
+use ep_kernels::GpuError;
 use ep_launch::Rendezvous;
 use ep_reference::oracle::{self, CombineInput, RankInput};
 use ep_reference::{Config, Error, Mode, Op};
@@ -119,6 +121,15 @@ fn gpu_err(rank: usize, what: &str, e: GpuError) -> MpFailure {
     fail(format!("rank {rank}: {what}: {e}"), by_peer)
 }
 
+/// [`gpu_err`] of forming the group: the GPU library's errors as above; the handshake's and the
+/// node id's are this rank's own findings.
+fn group_err(rank: usize, what: &str, e: GroupError) -> MpFailure {
+    match e {
+        GroupError::Gpu(e) => gpu_err(rank, what, e),
+        e => fail(format!("rank {rank}: {what}: {e}"), false),
+    }
+}
+
 /// The GPU wait bound of `timeout`, in nanoseconds, saturating at `u64::MAX` (about 584 years;
 /// the kernels compare elapsed times, so no sum can overflow there).
 pub fn timeout_ns(timeout: Duration) -> u64 {
@@ -195,16 +206,16 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
         ..Default::default()
     };
     let transport = transport_name(o.transport);
-    let node = crate::topology::node_id()
+    let node = crate::topology::node::node_id()
         .map(|n| n.to_string())
         .map_err(|e| fail(format!("rank {rank}: {e}"), false))?;
     trace.step("forming the group");
     // Dropped after `g` (declared before it): the group's release, on every path, is traced.
     let _released = TraceOnDrop(&trace, "leaving: the group, if formed, is released");
-    let mut g = GpuGroup::new_process(&cfg, opts, rank, ordinal, &mut |b| {
+    let mut g = new_process(&cfg, opts, rank, ordinal, &mut |b| {
         rdzv.all_gather(b).map_err(|e| e.to_string())
     })
-    .map_err(|e| gpu_err(rank, "group", e))?;
+    .map_err(|e| group_err(rank, "group", e))?;
     let _releasing = TraceOnDrop(&trace, "releasing the group");
     trace.step("group formed");
     // [issue 20 item 4] From here every host wait is bounded by the job's own wait bound (the
@@ -411,14 +422,14 @@ mod tests {
         let f = gpu_err(1, "group", e);
         assert!(f.caused_by_peer);
         assert!(f.message.contains("20000 ms"), "{}", f.message);
-        let e = GpuError::PeerMismatch {
+        let e = GroupError::PeerMismatch {
             field: "hidden",
             ours: "1024".into(),
             theirs: "2048".into(),
             rank: 1,
             peer: 0,
         };
-        let f = gpu_err(1, "group", e);
+        let f = group_err(1, "group", e);
         assert!(!f.caused_by_peer);
         assert!(
             f.message.contains("rank 1 has 1024, rank 0 has 2048"),

@@ -9,16 +9,17 @@
 //! Real peer processes are this same binary started again with `EP_GPU_PROCESS_CHILD=<role>`;
 //! the all-gather between the two ranks runs over the child's stdin and stdout (one line
 //! `BLOB <hex>` each way). The two-tier test starts its 4 ranks with `ep_launch::spawn_local_with`
-//! (the rendezvous, as under torchrun) and each runs `ep_kernels::mp::run_rank`.
+//! (the rendezvous, as under torchrun) and each runs `ep_group::mp::run_rank`.
 
 mod runner;
 
-use ep_kernels::handshake::Hello;
-use ep_kernels::mp::{run_rank, MpOptions};
+use ep_group::handshake::Hello;
+use ep_group::mp::{run_rank, MpOptions};
+use ep_group::topology::{emulation_envs, node_id, NodeId};
+use ep_group::{new_process, GroupError};
 use ep_kernels::nccl::SETUP_FLOOR;
 use ep_kernels::runtime::bytes_per_rank_with;
 use ep_kernels::testing::{random_inputs, Rng, Routing};
-use ep_kernels::topology::{emulation_envs, node_id, NodeId};
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, NcclSizes, Path, Transport};
 use ep_reference::{Config, Mode};
 use std::io::{BufRead, BufReader, Write};
@@ -141,11 +142,11 @@ fn child(role: &str) -> i32 {
         let theirs = read_blob(&mut input)?;
         Ok(vec![theirs, b.to_vec()])
     };
-    let r = GpuGroup::new_process(&cfg, opts, 1, ordinal, &mut ag);
+    let r = new_process(&cfg, opts, 1, ordinal, &mut ag);
     match (role, r) {
         (
             "mismatch",
-            Err(GpuError::PeerMismatch {
+            Err(GroupError::PeerMismatch {
                 field: "hidden",
                 rank: 1,
                 peer: 0,
@@ -216,9 +217,9 @@ fn here() -> NodeId {
     node_id().expect("this process's node id")
 }
 
-fn mismatch_field(r: Result<GpuGroup, GpuError>) -> (&'static str, String, String, usize) {
+fn mismatch_field(r: Result<GpuGroup, GroupError>) -> (&'static str, String, String, usize) {
     match r {
-        Err(GpuError::PeerMismatch {
+        Err(GroupError::PeerMismatch {
             field,
             ours,
             theirs,
@@ -239,7 +240,7 @@ fn gpu_process_fabricated_peers_are_refused_before_mapping() {
     let run = |peer_blob: Vec<u8>| {
         let mut ag =
             |b: &[u8]| -> Result<Vec<Vec<u8>>, String> { Ok(vec![b.to_vec(), peer_blob.clone()]) };
-        GpuGroup::new_process(&ours, o, 0, 0, &mut ag)
+        new_process(&ours, o, 0, 0, &mut ag)
     };
     // Another hidden size.
     let theirs = Hello::new(&cfg(2048), &o, 1, alloc, here())
@@ -266,7 +267,7 @@ fn gpu_process_fabricated_peers_are_refused_before_mapping() {
     // The pre-handshake blob (a bare handle) and garbage: malformed, naming the peer.
     for blob in [vec![0u8; 64], vec![0xff; 5000]] {
         match run(blob) {
-            Err(GpuError::PeerBlob {
+            Err(GroupError::PeerBlob {
                 rank: 0,
                 peer: 1,
                 error,
@@ -287,7 +288,7 @@ fn gpu_process_fabricated_peers_are_refused_before_mapping() {
 /// and both values, before any handle is opened.
 fn gpu_process_two_processes_with_other_hidden_both_fail() {
     let mut peer = Peer::start("mismatch");
-    let r = GpuGroup::new_process(&cfg(1024), opts(Transport::Auto), 0, 0, &mut |b| {
+    let r = new_process(&cfg(1024), opts(Transport::Auto), 0, 0, &mut |b| {
         peer.all_gather(b)
     });
     let (field, a, b, p) = mismatch_field(r);
@@ -315,10 +316,12 @@ fn gpu_nccl_init_with_a_peer_that_never_joins_times_out() {
     let mut ag =
         |b: &[u8]| -> Result<Vec<Vec<u8>>, String> { Ok(vec![b.to_vec(), theirs.clone()]) };
     let t0 = Instant::now();
-    let r = GpuGroup::new_process(&ours, o, 0, 0, &mut ag);
+    let r = new_process(&ours, o, 0, 0, &mut ag);
     let waited = t0.elapsed();
     match r {
-        Err(e @ GpuError::NcclTimeout { rank: 0, .. }) => println!("after {waited:?}: {e}"),
+        Err(GroupError::Gpu(e @ GpuError::NcclTimeout { rank: 0, .. })) => {
+            println!("after {waited:?}: {e}")
+        }
         Err(e) => panic!("want NcclTimeout, got: {e}"),
         Ok(_) => panic!("want NcclTimeout, the group formed without its peer"),
     }
@@ -338,7 +341,7 @@ fn gpu_nccl_init_with_a_peer_that_never_joins_times_out() {
 fn gpu_nccl_peer_dead_after_init_call_and_drop_are_bounded() {
     let ours = cfg(1024);
     let mut peer = Peer::start("nccl-die");
-    let mut g = GpuGroup::new_process(&ours, opts(Transport::Nccl), 0, 0, &mut |b| {
+    let mut g = new_process(&ours, opts(Transport::Nccl), 0, 0, &mut |b| {
         peer.all_gather(b)
     })
     .unwrap_or_else(|e| panic!("group with the child: {e}"));

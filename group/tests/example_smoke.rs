@@ -17,7 +17,7 @@ fn example() -> PathBuf {
     let release = profile_dir.file_name().is_some_and(|n| n == "release");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut c = Command::new(cargo);
-    c.args(["build", "-p", "ep-kernels", "--example", "moe_layer"]);
+    c.args(["build", "-p", "ep-group", "--example", "moe_layer"]);
     if release {
         c.arg("--release");
     }

@@ -19,7 +19,9 @@
 //!
 //! Without a usable GPU (or without NVRTC) it prints `SKIPPED: moe_layer: <why>` and exits 0.
 
-use cudarc::driver::{
+use ep_group::{new_process, GroupError};
+use ep_kernels::cudarc;
+use ep_kernels::cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, LaunchConfig, PushKernelArg,
 };
 use ep_kernels::testing::Rng;
@@ -46,6 +48,8 @@ enum LayerError {
     },
     #[error(transparent)]
     Gpu(#[from] GpuError),
+    #[error(transparent)]
+    Group(#[from] GroupError),
     #[error("CUDA: {0}")]
     Cuda(String),
     #[error("{0}")]
@@ -627,7 +631,7 @@ fn one_rank(a: &Args) -> Result<(), LayerError> {
     let ctx = cuda("context", CudaContext::new(ordinal))?;
     let s = cuda("stream", ctx.new_stream())?;
     let k = kernels(&ctx)?;
-    let mut g = GpuGroup::new_process(&cfg, GpuOptions::default(), rank, ordinal, &mut |b| {
+    let mut g = new_process(&cfg, GpuOptions::default(), rank, ordinal, &mut |b| {
         rdzv.all_gather(b).map_err(|e| e.to_string())
     })?;
     for &path in &a.paths {

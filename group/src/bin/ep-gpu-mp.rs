@@ -2,7 +2,7 @@
 //!
 //! The per-rank process binary that launchers and scripts start (its flags are stable: the
 //! fault scripts use `--die-rank` / `--stall-rank`). For timing, `ep-bench --nprocs N` is the
-//! user-facing entry point; it runs the same rank code (`ep_kernels::mp`).
+//! user-facing entry point; it runs the same rank code (`ep_group::mp`).
 //!
 //! `ep-gpu-mp --nprocs N [options]` starts N local ranks of itself (`ep_launch::spawn_local`) and
 //! reports which rank failed; under an external launcher (torchrun: `RANK`, `WORLD_SIZE`,
@@ -21,7 +21,7 @@
 //! check that the others fail with a clear error within the timeout), --stall-rank R (rank R
 //! stays alive but stops taking part: the others' bounded waits must name it).
 
-use ep_kernels::mp::{run_rank, MpOptions};
+use ep_group::mp::{run_rank, MpOptions};
 use ep_kernels::Transport;
 use ep_launch::EXIT_PEER_FAILURE;
 use ep_reference::Mode;
@@ -109,7 +109,7 @@ fn parent(args: &Args) -> ExitCode {
         if !given_transport {
             child.extend(["--transport".to_string(), "two-tier".to_string()]);
         }
-        rank_env = match ep_kernels::topology::emulation_envs(n, nodes) {
+        rank_env = match ep_group::topology::emulation_envs(n, nodes) {
             Ok(v) => v,
             Err(e) => {
                 eprintln!("ep-gpu-mp: --nodes: {e}");
