@@ -2,7 +2,7 @@
 //! is host code; the Python `Buffer` reaches the GPU only through [`probe`], [`size_hint`] and
 //! [`RankGroup`].
 //!
-//! [`RankGroup`] is one rank of a process-mode group (`GpuGroup::new_process`: the CUDA IPC
+//! [`RankGroup`] is one rank of a process-mode group (`ep_group::new_process`: the CUDA IPC
 //! handles, and rank 0's NCCL unique id on the transports that use NCCL, exchanged in one blob
 //! per rank through the caller's all-gather, i.e. `torch.distributed` over the Buffer's group),
 //! driven through ep-kernels' device API (`RankEp`): dispatch and combine are enqueued on
@@ -99,7 +99,7 @@ pub fn size_hint(
     Ok(bytes_per_rank_with(&cfg, has_staging(transport))? as u64)
 }
 
-/// Whether a rank on `transport` allocates the NCCL staging buffer, as `GpuGroup::new_process`
+/// Whether a rank on `transport` allocates the NCCL staging buffer, as `ProcessRank::new`
 /// decides it: on every transport but `Auto` (under `TwoTier`, whether some peer is on another
 /// node is known only after the exchange, and the allocation, whose size the handshake checks,
 /// comes before it).
