@@ -7,10 +7,10 @@
 //! split ([`crate::report::HookSplit`]).
 
 use crate::accounting;
-use crate::backend::{BenchError, BenchSpec};
 use crate::report::{
     assemble, HookSplit, KernelTime, PathSamples, PointInfo, PointResult, RankSamples, Traffic,
 };
+use crate::spec::{BenchError, BenchSpec};
 use crate::stats::Summary;
 
 /// `Ok(device)` when a CUDA GPU is usable, `Err(why not)` otherwise. Never panics.

@@ -4,7 +4,8 @@
 //! batched, on the same inputs and the same machine: the `ep-bench` program and the criterion
 //! benches (`cargo bench -p ep-benches`).
 //!
-//! - [`backend`]: which machine runs it (`--backend auto|cpu|gpu`) and the point to run;
+//! - [`spec`]: the point to run and why it may produce no figures;
+//! - [`backend`]: which machine runs it (`--backend auto|cpu|gpu`);
 //! - [`cpu`]: the CPU backend: checks both paths bitwise against the oracle and each other,
 //!   then times every rank's own dispatch and combine;
 //! - [`gpu`]: the GPU backend: the [`timing`] harness on a group of ep-kernels;
@@ -26,6 +27,7 @@ pub mod gpu;
 pub mod memory;
 pub mod multiproc;
 pub mod report;
+pub mod spec;
 pub mod stats;
 pub mod timing;
 pub mod wire;
