@@ -153,8 +153,6 @@ pub fn nccl_accounting(
     Ok((dw, cw, dm, cm))
 }
 
-/// Runs both paths on the same inputs (one Vec per rank), checks both bitwise against the oracle
-
 #[cfg(test)]
 mod tests {
     use super::*;

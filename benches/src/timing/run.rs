@@ -44,6 +44,7 @@ pub struct GpuReport {
     pub paths: Vec<GpuTimings>,
 }
 
+/// Runs both paths on the same inputs (one Vec per rank), checks both bitwise against the oracle
 /// first (Err if not equal), then times each path with CUDA events: `warmup` calls, then `iters`
 /// timed calls, each sample one dispatch or one combine launch (events around the launch on
 /// every device; the sample is the slowest device's). On one GPU the timed calls are replayed
