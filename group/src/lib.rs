@@ -12,7 +12,7 @@
 //! - [`topology`]: the node id of a process (`EP_NODE_ID`, `GROUP_RANK`, the hostname), the
 //!   plan of every peer's transport, and emulated nodes on one machine;
 //! - [`mp`]: the rank's side of a launched job (rendezvous, group, checks against the oracle),
-//!   shared by the `ep-gpu-mp` binary and `ep-bench --nprocs`;
+//!   what each rank of `ep-bench --nprocs` runs (ep-bench times its calls in between);
 //! - [`GroupError`]: the GPU library's [`ep_kernels::GpuError`] and what process mode adds.
 
 mod error;

@@ -1,23 +1,24 @@
-//! One process per rank, torchrun style: the rank's side of a multi-process run, shared by the
-//! `ep-gpu-mp` binary and `ep-bench --nprocs`.
+//! One process per rank, torchrun style: the rank's side of a multi-process run (what
+//! `ep-bench --nprocs` runs in each rank, and the process-mode tests).
 //!
 //! Each rank rendezvouses (`ep_launch`), opens GPU `LOCAL_RANK % gpus`, forms the group (CUDA IPC
 //! handles, or the NCCL unique id, exchanged through the rendezvous; under `Transport::TwoTier`
 //! IPC to the ranks of its node and NCCL to the others, the node from `EP_NODE_ID`, `GROUP_RANK`
 //! or the hostname: `crate::topology`), checks every path against the oracle for `rounds` random
 //! inputs (all ranks generate the same inputs from the seed and compare their own outputs bit for
-//! bit), then times `iters` back-to-back calls per path (host wall time per call between two
-//! barriers). A path the transport does not support (the group answers `Unsupported` before
+//! bit), then hands the group to its caller ([`run_rank_with`]: ep-bench times `iters`
+//! back-to-back calls per path there, `ep_benches::multiproc`) before the final barrier. A path
+//! the transport does not support (the group answers `Unsupported` before
 //! anything is launched, on every rank alike) is reported as such and left out, not failed.
 
 use crate::error::GroupError;
 use crate::form::new_process;
-use ep_kernels::runtime::{GpuOptions, NcclSizes, Path, Transport};
-use ep_kernels::testing::{random_inputs, random_y, Rng, Routing};
+use ep_kernels::runtime::{GpuGroup, GpuOptions, NcclSizes, Path, Transport};
+use ep_kernels::testing::{random_inputs, random_y, RankData, Rng, Routing};
 use ep_kernels::GpuError;
 use ep_launch::Rendezvous;
 use ep_reference::oracle::{self, CombineInput, RankInput};
-use ep_reference::{Config, Error, Mode, Op};
+use ep_reference::{bf16, Config, Error, Mode};
 use std::time::{Duration, Instant};
 
 /// What one rank runs.
@@ -34,7 +35,8 @@ pub struct MpOptions {
     /// GPUs on this node; rank i uses GPU `LOCAL_RANK % gpus`.
     pub gpus: usize,
     pub rounds: usize,
-    /// Timed calls per path and operation (0: verify only).
+    /// Timed calls per path and operation (0: verify only), for the caller that times them
+    /// ([`run_rank_with`]: `ep-bench --nprocs`); [`run_rank`] itself times nothing.
     pub iters: usize,
     pub seed: u64,
     /// Probability that a top-k slot is -1.
@@ -44,17 +46,6 @@ pub struct MpOptions {
     pub die_rank: Option<usize>,
     /// ... or stays alive but silent for three timeouts, then exits.
     pub stall_rank: Option<usize>,
-}
-
-/// One path's timing on this rank.
-#[derive(Debug, Clone)]
-pub struct MpTiming {
-    pub path: &'static str,
-    pub dispatch_us: f64,
-    pub combine_us: f64,
-    /// NCCL transport: the path and the sizing it ran (its wire figures follow from them and
-    /// [`MpReport::timed_topk_idx`]: `ep_benches::wire::nccl_accounting`).
-    pub nccl: Option<(Path, NcclSizes)>,
 }
 
 /// What one rank did.
@@ -67,9 +58,8 @@ pub struct MpReport {
     pub device: String,
     /// Outputs compared bit for bit with the oracle.
     pub checks: usize,
-    /// This rank's selections in the timed inputs.
+    /// This rank's selections in the inputs of the timed calls ([`RankRun::inputs`]).
     pub selections: usize,
-    pub timings: Vec<MpTiming>,
     /// Every rank's routing of the timed calls (all ranks draw the same inputs from the seed).
     pub timed_topk_idx: Vec<Vec<i64>>,
     /// This rank's node (`crate::topology`), e.g. "EP_NODE_ID=1".
@@ -179,8 +169,57 @@ impl Drop for TraceOnDrop<'_> {
     }
 }
 
-/// Runs this process's rank (the environment names it: `RANK`, `WORLD_SIZE`, ...).
+/// This rank between its checks and its final barrier, handed to the caller of
+/// [`run_rank_with`] (ep-bench times its calls there): the formed group, the rendezvous, the
+/// paths the group accepted, and every rank's inputs of the timed calls (drawn from the shared
+/// seed after the checks).
+pub struct RankRun<'a> {
+    pub rank: usize,
+    pub world: usize,
+    pub config: Config,
+    pub group: &'a mut GpuGroup,
+    pub rdzv: &'a mut Rendezvous,
+    pub paths: &'a [Path],
+    pub inputs: &'a [RankData],
+    /// Every rank's expert outputs (combine inputs) for the timed calls.
+    pub y: &'a [Vec<bf16>],
+    trace: &'a Trace,
+}
+
+impl RankRun<'_> {
+    /// A progress line (stderr, with `EP_MP_TRACE` set).
+    pub fn step(&self, what: &str) {
+        self.trace.step(what)
+    }
+
+    /// The failure of a GPU call of this rank, blaming a peer where a peer is the cause.
+    pub fn gpu_failure(&self, what: &str, e: GpuError) -> MpFailure {
+        gpu_err(self.rank, what, e)
+    }
+}
+
+/// The NCCL sizing every rank switches to before `path`'s calls (both sides size each message
+/// alike): per-expert runs exact sizes only, batched `o.nccl_sizes`.
+pub fn sizes_for(o: &MpOptions, path: Path) -> NcclSizes {
+    match path {
+        Path::PerExpert => NcclSizes::Exact,
+        Path::Batched => o.nccl_sizes,
+    }
+}
+
+/// Runs this process's rank (the environment names it: `RANK`, `WORLD_SIZE`, ...): joins the
+/// rendezvous, forms the group, checks every path against the oracle for `o.rounds` rounds,
+/// then the final sync and barrier. Times nothing.
 pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
+    run_rank_with(o, |_| Ok(())).map(|(report, ())| report)
+}
+
+/// [`run_rank`], with `between` run after the checks and before the final barrier (ep-bench
+/// times `o.iters` calls per path there); its result comes back beside the report.
+pub fn run_rank_with<T>(
+    o: &MpOptions,
+    between: impl FnOnce(&mut RankRun<'_>) -> Result<T, MpFailure>,
+) -> Result<(MpReport, T), MpFailure> {
     let trace = Trace::new();
     trace.step("joining the rendezvous");
     let host_wait = o.timeout.min(MAX_HOST_WAIT);
@@ -233,10 +272,7 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
     let mut unsupported = Vec::new();
     // Every rank switches together before each path's calls (both sides size each message
     // alike): per-expert runs exact sizes only.
-    let sizes_for = |path: Path| match path {
-        Path::PerExpert => NcclSizes::Exact,
-        Path::Batched => o.nccl_sizes,
-    };
+    let sizes_for = |path: Path| sizes_for(o, path);
     let masked = Routing::Random {
         masked: o.masked as f32,
     };
@@ -337,41 +373,17 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
     let y = random_y(&cfg, &mut rng);
     let me = &data[rank];
     let selections = me.topk_idx.iter().filter(|&&e| e >= 0).count();
-    let mut timings = Vec::new();
-    if o.iters > 0 {
-        for &path in &paths {
-            g.set_nccl_sizes(sizes_for(path));
-            g.dispatch_rank(path, &me.x, &me.topk_idx)
-                .map_err(|e| gpu_err(rank, "warm-up dispatch", e))?;
-            g.upload_rank_combine(&y[rank], &me.topk_weights)
-                .map_err(|e| gpu_err(rank, "upload", e))?;
-            let mut us = [0.0f64; 2];
-            for (i, op) in [Op::Dispatch, Op::Combine].into_iter().enumerate() {
-                for _ in 0..5 {
-                    g.launch(op, path)
-                        .map_err(|e| gpu_err(rank, "warm-up", e))?;
-                }
-                g.sync().map_err(|e| gpu_err(rank, "warm-up", e))?;
-                rdzv.barrier("bench")
-                    .map_err(|e| fail(format!("rank {rank}: barrier: {e}"), true))?;
-                trace.step(&format!("timing {} {op:?}", path.name()));
-                let t0 = Instant::now();
-                for _ in 0..o.iters {
-                    g.launch(op, path).map_err(|e| gpu_err(rank, "bench", e))?;
-                }
-                g.sync().map_err(|e| gpu_err(rank, "bench", e))?;
-                us[i] = t0.elapsed().as_secs_f64() * 1e6 / o.iters as f64;
-                rdzv.barrier("bench-end")
-                    .map_err(|e| fail(format!("rank {rank}: barrier: {e}"), true))?;
-            }
-            timings.push(MpTiming {
-                path: path.name(),
-                dispatch_us: us[0],
-                combine_us: us[1],
-                nccl: (o.transport == Transport::Nccl).then(|| (path, sizes_for(path))),
-            });
-        }
-    }
+    let between = between(&mut RankRun {
+        rank,
+        world,
+        config: cfg,
+        group: &mut g,
+        rdzv: &mut rdzv,
+        paths: &paths,
+        inputs: &data,
+        y: &y,
+        trace: &trace,
+    })?;
     // No rank frees its buffers while a peer may still touch them through its IPC mapping: all
     // of this rank's work is done, then every rank meets once more before `g` drops (with
     // `--iters 0` a fast rank used to free memory a slower peer was still writing).
@@ -379,7 +391,7 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
     g.sync().map_err(|e| gpu_err(rank, "final sync", e))?;
     rdzv.barrier("done")
         .map_err(|e| fail(format!("rank {rank}: final barrier: {e}"), true))?;
-    Ok(MpReport {
+    let report = MpReport {
         rank,
         world,
         config: cfg,
@@ -387,7 +399,6 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
         device,
         checks,
         selections,
-        timings,
         // Over NCCL the wire figures of one call, all ranks, follow from these (every rank holds
         // every rank's inputs: they come from the shared seed).
         timed_topk_idx: data.iter().map(|d| d.topk_idx.clone()).collect(),
@@ -395,7 +406,8 @@ pub fn run_rank(o: &MpOptions) -> Result<MpReport, MpFailure> {
         ipc_peers,
         nccl_peers,
         unsupported,
-    })
+    };
+    Ok((report, between))
 }
 
 #[cfg(test)]

@@ -9,19 +9,19 @@
 //! Real peer processes are this same binary started again with `EP_GPU_PROCESS_CHILD=<role>`;
 //! the all-gather between the two ranks runs over the child's stdin and stdout (one line
 //! `BLOB <hex>` each way). The two-tier test starts its 4 ranks with `ep_launch::spawn_local_with`
-//! (the rendezvous, as under torchrun) and each runs `ep_group::mp::run_rank`.
+//! (the rendezvous, as under torchrun) and each runs `ep_group::mp::run_rank_with`.
 
 mod runner;
 
 use ep_group::handshake::Hello;
-use ep_group::mp::{run_rank, MpOptions};
+use ep_group::mp::{run_rank_with, sizes_for, MpFailure, MpOptions, RankRun};
 use ep_group::topology::{emulation_envs, node_id, NodeId};
 use ep_group::{new_process, GroupError};
 use ep_kernels::nccl::SETUP_FLOOR;
 use ep_kernels::runtime::bytes_per_rank_with;
 use ep_kernels::testing::{random_inputs, Rng, Routing};
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, NcclSizes, Path, Transport};
-use ep_reference::{Config, Mode};
+use ep_reference::{Config, Mode, Op};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -379,7 +379,8 @@ fn gpu_nccl_peer_dead_after_init_call_and_drop_are_bounded() {
 
 /// One rank of the two-tier test (started by `spawn_local_with`, node and NCCL host id in its
 /// environment): 3 rounds bitwise against the oracle on every path the group supports, then 20
-/// timed calls per path (the buffers reused call after call), and one `TWO-TIER` line.
+/// back-to-back calls per path and operation (the buffers reused call after call; ep-bench
+/// times such calls, `ep_benches::multiproc::time_calls`), and one `TWO-TIER` line.
 fn two_tier_rank() -> i32 {
     let o = MpOptions {
         experts: 16,
@@ -398,22 +399,15 @@ fn two_tier_rank() -> i32 {
         die_rank: None,
         stall_rank: None,
     };
-    match run_rank(&o) {
-        Ok(rep) => {
+    match run_rank_with(&o, |run| back_to_back(run, &o)) {
+        Ok((rep, called)) => {
             let unsupported: Vec<&str> = rep.unsupported.iter().map(|(p, _)| *p).collect();
-            let timed: Vec<&str> = rep.timings.iter().map(|t| t.path).collect();
             println!(
-                "TWO-TIER rank={} node={} ipc={:?} nccl={:?} checks={} unsupported={:?} timed={:?}",
-                rep.rank, rep.node, rep.ipc_peers, rep.nccl_peers, rep.checks, unsupported, timed
+                "TWO-TIER rank={} node={} ipc={:?} nccl={:?} checks={} unsupported={:?} called={:?}",
+                rep.rank, rep.node, rep.ipc_peers, rep.nccl_peers, rep.checks, unsupported, called
             );
             for (p, why) in &rep.unsupported {
                 println!("rank {}: {p} refused: {why}", rep.rank);
-            }
-            for t in &rep.timings {
-                println!(
-                    "rank {}: {} dispatch {:.1} us, combine {:.1} us (two processes share each GPU: time-sliced)",
-                    rep.rank, t.path, t.dispatch_us, t.combine_us
-                );
             }
             0
         }
@@ -428,11 +422,42 @@ fn two_tier_rank() -> i32 {
     }
 }
 
+/// `o.iters` back-to-back calls per path and operation on the group's buffers (after one
+/// dispatch and the combine inputs' upload), every rank between two barriers; the paths run.
+fn back_to_back(run: &mut RankRun<'_>, o: &MpOptions) -> Result<Vec<&'static str>, MpFailure> {
+    let rank = run.rank;
+    let me = &run.inputs[rank];
+    let mut called = Vec::new();
+    for &path in run.paths {
+        run.group.set_nccl_sizes(sizes_for(o, path));
+        run.group
+            .dispatch_rank(path, &me.x, &me.topk_idx)
+            .map_err(|e| run.gpu_failure("dispatch", e))?;
+        run.group
+            .upload_rank_combine(&run.y[rank], &me.topk_weights)
+            .map_err(|e| run.gpu_failure("upload", e))?;
+        for op in [Op::Dispatch, Op::Combine] {
+            run.rdzv.barrier("calls").map_err(|e| MpFailure {
+                message: format!("rank {rank}: barrier: {e}"),
+                caused_by_peer: true,
+            })?;
+            for _ in 0..o.iters {
+                run.group
+                    .launch(op, path)
+                    .map_err(|e| run.gpu_failure("calls", e))?;
+            }
+            run.group.sync().map_err(|e| run.gpu_failure("calls", e))?;
+        }
+        called.push(path.name());
+    }
+    Ok(called)
+}
+
 /// 4 processes on 2 GPUs, node = rank / 2 (`EP_NODE_ID`, and `NCCL_HOSTID` per node so that NCCL
 /// takes the two ranks sharing a GPU for two hosts), GPU = rank % 2: inside a node the pair
 /// crosses the GPUs through CUDA IPC, across nodes NCCL (its network transport). Every rank
 /// checks its own outputs bit for bit against the oracle; this test checks that every rank
-/// did, with the expected peers on each tier, and that both paths were checked and timed.
+/// did, with the expected peers on each tier, and that both paths were checked and called.
 fn gpu_two_tier_four_processes_on_two_emulated_nodes_match_the_oracle() {
     let exe = std::env::current_exe().expect("test binary path");
     let rank_env = emulation_envs(4, 2).expect("4 ranks on 2 nodes");
@@ -477,10 +502,11 @@ fn gpu_two_tier_four_processes_on_two_emulated_nodes_match_the_oracle() {
             "{line}"
         );
         // Both paths run over both tiers (the per-expert path over NCCL: one message per
-        // (peer, local expert)), each checked 3 rounds x (dispatch, combine), then timed.
+        // (peer, local expert)), each checked 3 rounds x (dispatch, combine), then called 20
+        // times back to back.
         assert!(
             line.contains("unsupported=[] ")
-                && line.contains("timed=[\"per-expert\", \"batched\"]"),
+                && line.contains("called=[\"per-expert\", \"batched\"]"),
             "{line}"
         );
         assert!(line.contains("checks=12 "), "{line}");

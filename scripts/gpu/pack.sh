@@ -6,7 +6,8 @@
 #                                         from the checkout's root, an absolute one as it is)
 #
 # DEST gets the test binaries gpu, gpu_fuzz, gpu_soak, gpu_process (custom runners; paths from
-# `cargo test --no-run --message-format=json`), ep-gpu-mp, ep-bench, and BUILD-INFO (the commit
+# `cargo test --no-run --message-format=json`), ep-bench (also process mode's program: the
+# fault runs start its ranks), moe_layer, and BUILD-INFO (the commit
 # and whether the tree had changes). Then, on the GPU machine: bash scripts/gpu/run-all.sh DEST.
 
 set -euo pipefail
@@ -18,7 +19,6 @@ mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)
 command -v jq > /dev/null || { echo "pack.sh: jq is needed to read cargo's JSON" >&2; exit 2; }
 
-cargo build --release -p ep-group --bin ep-gpu-mp
 cargo build --release -p ep-benches --bin ep-bench
 cargo build --release -p ep-group --example moe_layer
 # gpu, gpu_fuzz, gpu_soak: ep-kernels; gpu_process: ep-group.
@@ -33,7 +33,6 @@ for t in gpu gpu_fuzz gpu_soak gpu_process; do
   fi
   strip -o "$DEST/$t" "$exe"
 done
-strip -o "$DEST/ep-gpu-mp" target/release/ep-gpu-mp
 strip -o "$DEST/ep-bench" target/release/ep-bench
 strip -o "$DEST/moe_layer" target/release/examples/moe_layer
 # The Python Buffer, where maturin is at hand (PACK_WHEEL=1): the abi3 wheel plus what

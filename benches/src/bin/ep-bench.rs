@@ -187,6 +187,18 @@ struct Cli {
     /// GPU only; stream: launched one by one, what an eager caller sees).
     #[arg(long, value_enum, default_value_t = TimingArg::Auto)]
     timing: TimingArg,
+    /// Multi-process mode: rounds of random inputs every path is checked on, bit for bit against
+    /// the oracle, before the timed calls (the second round gives rank 1 half the tokens).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    rounds: u64,
+    /// Multi-process mode, fault test hook (scripts/gpu/faults.sh): rank R exits (code 3) before
+    /// round 2's first dispatch; the others must fail with an error naming it.
+    #[arg(long, hide = true, value_parser = clap::value_parser!(u64).range(0..=1023))]
+    die_rank: Option<u64>,
+    /// Multi-process mode, fault test hook: rank R stays alive but silent (three timeouts)
+    /// before round 2's first dispatch; the others' bounded waits must name it.
+    #[arg(long, hide = true, value_parser = clap::value_parser!(u64).range(0..=1023))]
+    stall_rank: Option<u64>,
 }
 
 fn parse_fraction(s: &str) -> Result<f64, String> {
@@ -367,13 +379,13 @@ fn multiproc(cli: &Cli, mode: Mode) -> ExitCode {
         },
         nccl_sizes: cli.nccl_sizes.map(|s| s.sizes()).unwrap_or_default(),
         gpus: cli.gpus as usize,
-        rounds: 1,
+        rounds: cli.rounds as usize,
         iters: cli.iters.map_or(200, |i| i as usize),
         seed: cli.seed,
         masked: cli.masked,
         timeout: cli.timeout(),
-        die_rank: None,
-        stall_rank: None,
+        die_rank: cli.die_rank.map(|r| r as usize),
+        stall_rank: cli.stall_rank.map(|r| r as usize),
     })
 }
 
@@ -476,6 +488,11 @@ fn refuse_nccl_sizes(cli: &Cli, given: &Given<'_>) -> Result<(), String> {
 
 /// Flags that a single-process run does not use.
 fn refuse_in_single(given: &Given<'_>, json: bool) -> Result<(), String> {
+    if let Some(f) = given.first(&["rounds", "die_rank", "stall_rank"]) {
+        return Err(format!(
+            "{f} applies with --nprocs N (or under a launcher): it checks and tests the processes of a multi-process run; drop {f}, or add --nprocs"
+        ));
+    }
     if given.has("nodes") {
         return Err(
             "--nodes applies with --nprocs N (N > 1): it emulates nodes for the processes ep-bench starts, and this run is one process: drop --nodes, or add --nprocs"
