@@ -52,7 +52,7 @@ def strip_comments(text):
 def strip_test_modules(text):
     """Removes `#[cfg(test)] mod NAME { ... }` (a file's own tests import its items: not a floor)."""
     while True:
-        m = re.search(r"#\[cfg\(test\)\]\s*mod\s+" + IDENT + r"\s*\{", text)
+        m = re.search(r"#\[cfg\((?:test|all\(test\b[^\]]*)\)\]\s*(?:#\[[^\]]*\]\s*)*mod\s+" + IDENT + r"\s*\{", text)
         if not m:
             return text
         depth, j = 1, m.end()
