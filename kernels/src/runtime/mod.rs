@@ -15,6 +15,7 @@
 mod device;
 pub mod device_api;
 mod errors;
+mod exchange;
 mod group;
 mod harness;
 mod launch;

@@ -369,9 +369,30 @@ impl Drop for Comms {
 }
 
 /// One point-to-point operation of a group.
+#[derive(Debug)]
 pub(crate) enum P2p {
     Send { buf: u64, bytes: usize, peer: usize },
     Recv { buf: u64, bytes: usize, peer: usize },
+}
+
+/// Where a group's point-to-point operations go: one list per device (per rank, where NCCL
+/// runs one rank per GPU), posted as one group: NCCL on the GPU ([`NcclNet`]: [`grouped`],
+/// bounded, aborting on a timeout); a CPU network in `runtime::exchange`'s tests, which pairs
+/// every rank's plan as NCCL would.
+pub(crate) trait Network {
+    fn group(&mut self, ops: &[Vec<P2p>]) -> Result<(), GpuError>;
+}
+
+/// The NCCL communicators of a group on its streams (one per device), as a [`Network`].
+pub(crate) struct NcclNet<'a> {
+    pub(crate) comms: &'a Comms,
+    pub(crate) streams: &'a [CUstream],
+}
+
+impl Network for NcclNet<'_> {
+    fn group(&mut self, ops: &[Vec<P2p>]) -> Result<(), GpuError> {
+        grouped(self.comms, self.streams, ops)
+    }
 }
 
 /// Enqueues `ops[i]` on (comms[i], streams[i]) inside one ncclGroupStart/End. Zero-byte
