@@ -9,7 +9,7 @@
 //! The time of one iteration is one call's time on the GPU, not the host's: CUDA events around
 //! each launch on every device (the slowest device's figure), handed to criterion through
 //! `iter_custom`; on one GPU the calls are replayed from a CUDA graph in chunks of up to 256
-//! dispatch+combine pairs, as `ep-bench` does (`ep_kernels::bench::time_path`). With
+//! dispatch+combine pairs, as `ep-bench` does (`ep_benches::timing::time_path`). With
 //! `EP_GPU_BENCH_TIMER=cupti`, the time is the kernels' own duration from CUPTI's activity
 //! records instead (DeepEP's figure), under groups named `gpu-cupti/...`.
 //!
@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use ep_benches::accounting;
-use ep_kernels::bench::{kernel_times, time_path};
+use ep_benches::timing::{kernel_times, time_path};
 use ep_kernels::{GpuGroup, GpuOptions, Path};
 use ep_reference::oracle;
 use ep_reference::workload::{Routing, Workload};
@@ -222,7 +222,7 @@ fn gpu(c: &mut Criterion) {
             return;
         }
     };
-    let devices = match ep_kernels::bench::probe() {
+    let devices = match ep_kernels::runtime::probe() {
         Ok(d) => d,
         Err(why) => {
             println!("gpu benches (EP1, EP2, EP8, EP2x2GPU; T = 1, 16, 128, 512): skipped: {why}");

@@ -15,8 +15,8 @@ use ep_reference::workload::Workload;
 use ep_reference::{bf16, CallStats, Config, CpuOptions, DispatchOutput, EpRank, Handle};
 
 use crate::accounting;
-use crate::backend::{BenchError, BenchSpec};
 use crate::report::{assemble, PathSamples, PointInfo, PointResult, RankSamples, Traffic};
+use crate::spec::{BenchError, BenchSpec};
 
 /// The two ways to move the same data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

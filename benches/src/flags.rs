@@ -78,8 +78,8 @@ pub fn explain(e: &Error, cfg: &Config, flags: &Flags) -> String {
             if !flag.is_empty() {
                 let max = match *what {
                     "staging_workers" => MAX_STAGING_WORKERS,
-                    "iters" => crate::backend::MAX_ITERS,
-                    "warmup" => crate::backend::MAX_WARMUP,
+                    "iters" => crate::spec::MAX_ITERS,
+                    "warmup" => crate::spec::MAX_WARMUP,
                     "num_ranks" => MAX_RANKS,
                     "num_experts" => MAX_EXPERTS,
                     "max_tokens_per_rank" => MAX_TOKENS_PER_RANK,

@@ -1,4 +1,4 @@
-//! The GPU backend of ep-bench: `ep_kernels::bench` runs both paths' CUDA kernels on the same
+//! The GPU backend of ep-bench: `crate::timing` runs both paths' CUDA kernels on the same
 //! inputs, checks both bitwise against the oracle before timing, and times each call with CUDA
 //! events. All ranks of a GPU run in one launch, so every rank of a call shares one latency
 //! sample (the slowest GPU's); the per-rank lines differ only by each rank's own bytes.
@@ -7,15 +7,15 @@
 //! split ([`crate::report::HookSplit`]).
 
 use crate::accounting;
-use crate::backend::{BenchError, BenchSpec};
 use crate::report::{
     assemble, HookSplit, KernelTime, PathSamples, PointInfo, PointResult, RankSamples, Traffic,
 };
+use crate::spec::{BenchError, BenchSpec};
 use crate::stats::Summary;
 
 /// `Ok(device)` when a CUDA GPU is usable, `Err(why not)` otherwise. Never panics.
 pub fn probe() -> Result<String, String> {
-    ep_kernels::bench::probe()
+    ep_kernels::runtime::probe()
 }
 
 /// Runs one point on the GPU.
@@ -40,7 +40,7 @@ pub fn run(
         nccl_sizes: spec.nccl.unwrap_or_default(),
         ..Default::default()
     };
-    let report = ep_kernels::bench::run_with(
+    let report = crate::timing::run_with(
         &cfg,
         &w.x,
         &w.topk_idx,
@@ -140,7 +140,7 @@ pub fn run(
 }
 
 /// The report's form of one path's CUPTI kernel time.
-fn kernel_time(k: &Result<ep_kernels::bench::KernelTimes, String>) -> KernelTime {
+fn kernel_time(k: &Result<crate::timing::KernelTimes, String>) -> KernelTime {
     let summarize = |v: &[f64]| Summary::of(v).ok_or("no profiled calls");
     match k {
         Ok(k) => match (summarize(&k.dispatch_us), summarize(&k.combine_us)) {
@@ -156,7 +156,7 @@ fn kernel_time(k: &Result<ep_kernels::bench::KernelTimes, String>) -> KernelTime
 }
 
 /// The report's form of one path's receive-hook split.
-fn hook_split(h: &Result<ep_kernels::bench::HookSplit, String>) -> HookSplit {
+fn hook_split(h: &Result<crate::timing::HookSplit, String>) -> HookSplit {
     let four = |v: [&[f64]; 4]| -> Result<[Summary; 4], String> {
         let s = |x: &[f64]| Summary::of(x).ok_or_else(|| "no timed calls".to_string());
         Ok([s(v[0])?, s(v[1])?, s(v[2])?, s(v[3])?])
@@ -207,7 +207,7 @@ pub fn phase_profile(spec: &BenchSpec) -> Result<String, BenchError> {
     )
     .map_err(be)?;
     let mut s = String::new();
-    let empty = ep_kernels::bench::time_empty(&mut g, 200).map_err(be)?;
+    let empty = crate::timing::time_empty(&mut g, 200).map_err(be)?;
     let med = |v: &[f64]| Summary::of(v).map_or(f64::NAN, |m| m.median_us);
     let _ = writeln!(
         s,

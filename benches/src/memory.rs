@@ -131,7 +131,7 @@ pub fn estimate(cfg: &Config, tokens: usize, backend: &Backend) -> Estimate {
             ];
         }
         Backend::Gpu(_) => parts.extend([
-            // ep_kernels::bench fills every rank's whole y.
+            // crate::timing fills every rank's whole y.
             ("expert outputs y", r * y_rank),
             (
                 "dispatch outputs (oracle and one path's)",

@@ -3,9 +3,9 @@
 //! Without `RANK`/`WORLD_SIZE` in the environment, `ep-bench --nprocs N` is the launcher: it
 //! starts N copies of itself (`ep_launch::spawn_local`), prefixes their output with `[rank i]`,
 //! and names the rank that failed. With them (set by that launcher, or by torchrun or any other
-//! launcher), ep-bench runs as that one rank (`ep_kernels::mp::run_rank`): it forms the group
-//! through CUDA IPC handles (or NCCL), checks every path bit for bit against the oracle, times
-//! both, and prints its DeepEP-format lines.
+//! launcher), ep-bench runs as that one rank (`ep_group::mp::run_rank_with`): it forms the
+//! group through CUDA IPC handles (or NCCL), checks every path bit for bit against the oracle,
+//! times both here ([`time_calls`]), and prints its DeepEP-format lines.
 //!
 //! `--nodes N` (with `--nprocs`) emulates N nodes on this machine: rank i is on node
 //! `i / (nprocs / N)` (`EP_NODE_ID`, and `NCCL_HOSTID` per node so that NCCL takes the nodes for
@@ -16,14 +16,16 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use ep_kernels::mp::{run_rank, transport_name, MpOptions};
+use ep_group::mp::{run_rank_with, sizes_for, transport_name, MpFailure, MpOptions, RankRun};
+use ep_kernels::runtime::{NcclSizes, Path, Transport};
 use ep_launch::EXIT_PEER_FAILURE;
+use ep_reference::Op;
 
 /// `--nodes` of a launch, checked before any process starts: it must divide `--nprocs`, and more
 /// than one node needs a transport that crosses nodes (`transport_auto_given`: the user asked for
 /// `--transport auto` explicitly).
 pub fn check_nodes(nprocs: usize, nodes: usize, transport_auto_given: bool) -> Result<(), String> {
-    ep_kernels::topology::emulated_node(0, nprocs, nodes)
+    ep_group::topology::emulated_node(0, nprocs, nodes)
         .map_err(|e| format!("--nodes {nodes} does not fit --nprocs {nprocs}: {e}"))?;
     if nodes > 1 && transport_auto_given {
         return Err(format!(
@@ -49,7 +51,7 @@ pub fn launch_nodes(
 ) -> ExitCode {
     let mut rank_env = Vec::new();
     if nodes > 1 {
-        rank_env = match ep_kernels::topology::emulation_envs(nprocs, nodes) {
+        rank_env = match ep_group::topology::emulation_envs(nprocs, nodes) {
             Ok(v) => v,
             Err(e) => {
                 eprintln!("ep-bench: --nodes {nodes}: {e}");
@@ -117,13 +119,82 @@ pub fn child_args(args: &[String]) -> Vec<String> {
     out
 }
 
-/// The rank side: runs this process's rank and prints its lines.
+/// One path's timing on this rank.
+#[derive(Debug, Clone)]
+pub struct MpTiming {
+    pub path: &'static str,
+    pub dispatch_us: f64,
+    pub combine_us: f64,
+    /// NCCL transport: the path and the sizing it ran (its wire figures follow from them and
+    /// the report's `timed_topk_idx`: [`crate::wire::nccl_accounting`]).
+    pub nccl: Option<(Path, NcclSizes)>,
+}
+
+/// Times `o.iters` back-to-back calls per path and operation on this rank (host wall time per
+/// call, between two barriers, after 5 warm-up calls), on the inputs `run` holds: what a rank of
+/// `ep-bench --nprocs` does between its checks and its final barrier. Nothing with `o.iters` 0.
+pub fn time_calls(run: &mut RankRun<'_>, o: &MpOptions) -> Result<Vec<MpTiming>, MpFailure> {
+    let rank = run.rank;
+    let fail = |message: String, caused_by_peer: bool| MpFailure {
+        message,
+        caused_by_peer,
+    };
+    let me = &run.inputs[rank];
+    let mut timings = Vec::new();
+    if o.iters > 0 {
+        for &path in run.paths {
+            run.group.set_nccl_sizes(sizes_for(o, path));
+            run.group
+                .dispatch_rank(path, &me.x, &me.topk_idx)
+                .map_err(|e| run.gpu_failure("warm-up dispatch", e))?;
+            run.group
+                .upload_rank_combine(&run.y[rank], &me.topk_weights)
+                .map_err(|e| run.gpu_failure("upload", e))?;
+            let mut us = [0.0f64; 2];
+            for (i, op) in [Op::Dispatch, Op::Combine].into_iter().enumerate() {
+                for _ in 0..5 {
+                    run.group
+                        .launch(op, path)
+                        .map_err(|e| run.gpu_failure("warm-up", e))?;
+                }
+                run.group
+                    .sync()
+                    .map_err(|e| run.gpu_failure("warm-up", e))?;
+                run.rdzv
+                    .barrier("bench")
+                    .map_err(|e| fail(format!("rank {rank}: barrier: {e}"), true))?;
+                run.step(&format!("timing {} {op:?}", path.name()));
+                let t0 = Instant::now();
+                for _ in 0..o.iters {
+                    run.group
+                        .launch(op, path)
+                        .map_err(|e| run.gpu_failure("bench", e))?;
+                }
+                run.group.sync().map_err(|e| run.gpu_failure("bench", e))?;
+                us[i] = t0.elapsed().as_secs_f64() * 1e6 / o.iters as f64;
+                run.rdzv
+                    .barrier("bench-end")
+                    .map_err(|e| fail(format!("rank {rank}: barrier: {e}"), true))?;
+            }
+            timings.push(MpTiming {
+                path: path.name(),
+                dispatch_us: us[0],
+                combine_us: us[1],
+                nccl: (o.transport == Transport::Nccl).then(|| (path, sizes_for(o, path))),
+            });
+        }
+    }
+    Ok(timings)
+}
+
+/// The rank side: runs this process's rank (`ep_group::mp`), times its calls
+/// ([`time_calls`]) and prints its lines.
 pub fn rank(o: &MpOptions) -> ExitCode {
-    if let Err(why) = ep_kernels::bench::probe() {
+    if let Err(why) = ep_kernels::runtime::probe() {
         eprintln!("ep-bench: multi-process mode runs the GPU backend, and there is none: {why}");
         return ExitCode::from(1);
     }
-    let rep = match run_rank(o) {
+    let (rep, timings) = match run_rank_with(o, |run| time_calls(run, o)) {
         Ok(r) => r,
         Err(f) => {
             eprintln!("ep-bench: {f}");
@@ -160,7 +231,7 @@ pub fn rank(o: &MpOptions) -> ExitCode {
     }
     let d_bytes = (rep.selections * cfg.logical_dispatch_message_bytes()) as f64;
     let c_bytes = (rep.selections * cfg.logical_combine_message_bytes()) as f64;
-    for t in &rep.timings {
+    for t in &timings {
         println!(
             "{} [rank {}] Dispatch bandwidth: {:.2} GB/s, avg_t={:.2} us | Combine bandwidth: {:.2} GB/s, avg_t={:.2} us   ({})",
             t.path,
@@ -171,7 +242,13 @@ pub fn rank(o: &MpOptions) -> ExitCode {
             t.combine_us,
             rep.device
         );
-        if let (0, Some((sizes, (dw, cw, dm, cm)))) = (rep.rank, t.wire) {
+        // Over NCCL, the wire figures of one call, all ranks.
+        let wire = t.nccl.and_then(|(path, sizes)| {
+            crate::wire::nccl_accounting(&cfg, &rep.timed_topk_idx, path, sizes)
+                .map(|w| (sizes.name(), w))
+                .ok()
+        });
+        if let (0, Some((sizes, (dw, cw, dm, cm)))) = (rep.rank, wire) {
             println!(
                 "{} over NCCL ({sizes} sizes), one call, all ranks: dispatch {dm} NCCL sends, {dw} wire bytes | combine {cm} NCCL sends, {cw} wire bytes",
                 t.path

@@ -218,6 +218,45 @@ fn absurd_iteration_counts_are_refused_naming_the_flag() {
     refused(&["--nprocs", "2", "--iters", max], 2, &["--iters", max]);
 }
 
+/// Process mode's own numbers (what `ep-gpu-mp` took before it folded into `ep-bench --nprocs`,
+/// issue 20 item 7.4): a bad one names its flag and exits 2, never a panic; the check rounds and
+/// the fault hooks apply to multi-process runs only. Needs no GPU: every case is refused before a
+/// device is touched.
+#[test]
+fn process_mode_numbers_name_their_flag_and_need_nprocs() {
+    let huge = "18446744073709551615";
+    for args in [
+        &["--nprocs", "abc"][..],
+        &["--nprocs", "-3"],
+        &["--nprocs", "0"],
+        &["--nprocs", huge],
+        &["--nprocs", huge, "--nodes", "2"],
+        &["--nprocs", "2", "--nodes", "two"],
+        &["--nprocs", "2", "--rounds", "many"],
+        &["--nprocs", "2", "--rounds", "0"],
+        &["--nprocs", "2", "--rounds", "-1"],
+        &["--nprocs", "2", "--die-rank", "x"],
+        &["--nprocs", "2", "--stall-rank", huge],
+        &["--nprocs", "2", "--iters", "many"],
+        &["--nprocs", "2", "--timeout-secs", "soon"],
+    ] {
+        let (flag, value) = args
+            .chunks(2)
+            .rev()
+            .find(|p| p[1].parse::<u64>().map_or(true, |n| n == 0 || n > 1024))
+            .map(|p| (p[0], p[1]))
+            .unwrap();
+        refused(args, 2, &[flag, value]);
+    }
+    for f in ["--rounds", "--die-rank", "--stall-rank"] {
+        refused(
+            &["--backend", "cpu", "--ranks", "2", f, "1"],
+            2,
+            &[f, "applies with --nprocs"],
+        );
+    }
+}
+
 #[test]
 fn timeouts_that_are_no_bound_are_refused_naming_the_flag() {
     // 1e-300 became 0 ns, and the run then blamed a rank for the timeout (exit 1); -inf was
@@ -389,7 +428,7 @@ fn nodes_is_refused_where_it_does_not_apply() {
 
 #[test]
 fn nprocs_without_a_gpu_says_so_before_spawning() {
-    if let Ok(d) = ep_kernels::bench::probe() {
+    if let Ok(d) = ep_kernels::runtime::probe() {
         println!("SKIPPED: a GPU is usable here ({d}); this test needs a machine without one");
         return;
     }

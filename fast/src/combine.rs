@@ -10,7 +10,7 @@ use ep_reference::sync::{Arc, Deadline};
 use ep_reference::transport::Waiter;
 use ep_reference::{bf16, bf16_from_f32, CallStats, Handle, RankMask, Result};
 
-use crate::Shared;
+use crate::shared::Shared;
 
 /// One rank's combine call in flight. `stage` may run on several threads at once.
 pub struct CombineCall<'a> {
@@ -50,7 +50,7 @@ impl<'a> CombineCall<'a> {
         skip.union_with(&sh.mask.snapshot());
         let masked = skip.is_masked(rank);
         if !masked {
-            crate::open_call(
+            crate::shared::open_call(
                 &sh,
                 &sh.combine_credit,
                 &sh.combine_finish[rank * r..(rank + 1) * r],

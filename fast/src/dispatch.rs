@@ -9,7 +9,7 @@ use ep_reference::transport::Waiter;
 use ep_reference::{bf16, CallStats, DispatchOutput, Handle, RankMask, Result};
 
 use crate::batch::{self, Plan};
-use crate::Shared;
+use crate::shared::Shared;
 
 /// One rank's dispatch call in flight. `stage` may run on several threads at once.
 pub struct DispatchCall<'a> {
@@ -47,7 +47,7 @@ impl<'a> DispatchCall<'a> {
         } else {
             // Staging writes straight into the destinations' regions: each must have finished
             // reading our previous batch (the credit's acquire orders those reads first).
-            crate::open_call(
+            crate::shared::open_call(
                 &sh,
                 &sh.dispatch_credit,
                 &sh.dispatch_finish[rank * r..(rank + 1) * r],

@@ -12,7 +12,7 @@
 
 pub mod cache;
 
-use crate::GpuError;
+use crate::error::GpuError;
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};

@@ -3,11 +3,12 @@
 //! The CUDA backend of ep-dispatch: both paths of docs/contract.md (per-expert and per-destination
 //! batched dispatch/combine) as CUDA kernels, compiled at run time with NVRTC (`compile`), run
 //! by a small runtime over one or more GPUs with peer access (`runtime`; its library face is
-//! `runtime::device_api`, device tensors on the caller's stream), and timed by the
-//! benchmark entry point (`bench`). Every output is bit-identical to `ep_reference::oracle`.
+//! `runtime::device_api`, device tensors on the caller's stream). Every output is bit-identical
+//! to `ep_reference::oracle`. Nothing here times anything: the timing harness (CUDA events,
+//! CUPTI) is in ep-benches (`ep_benches::timing`).
 //!
 //! Where there is no CUDA driver (or no NVRTC), nothing touches the GPU: [`runtime::probe_devices`]
-//! and [`bench::probe`] say why, and the tests print `SKIPPED: <reason>`.
+//! and [`runtime::probe`] say why, and the tests print `SKIPPED: <reason>`.
 //!
 //! ## How the GPU paths realise docs/contract.md (and where they choose)
 //!
@@ -64,7 +65,7 @@
 //!   peer, self included. `Transport::TwoTier` (process mode across nodes) reaches the ranks of
 //!   this rank's node through CUDA IPC and the others through NCCL; every rank's node id
 //!   (`EP_NODE_ID`, else torchrun's `GROUP_RANK`, else the hostname) travels in the handshake
-//!   ([`topology`]). NCCL peers are a bit mask (`KParams::nccl_mask`) and the call is split
+//!   (ep-group's `topology`). NCCL peers are a bit mask (`KParams::nccl_mask`) and the call is split
 //!   in two. The pack stage (`stage` 1) writes what goes to each NCCL destination into this
 //!   rank's staging buffer (`snd_buf`) with a header of (tokens, selections, rows per local
 //!   expert) in `snd_hdr`: the batched path one batch per destination in its entry layout, the
@@ -82,10 +83,12 @@
 //!   call's unpack ahead of the next call's transfers. Host waits on NCCL work are bounded. Past
 //!   the timeout the communicators are aborted and the call fails with `Error::Timeout`. The
 //!   device API reaches NCCL in capacity mode (on the caller's stream).
-//! - **Process mode.** `GpuGroup::new_process` runs one rank per process. The rank's buffers are
-//!   one `cuMemAlloc` allocation. Its IPC handle (or rank 0's NCCL unique id) goes through a
-//!   caller-supplied `all_gather` (`ep_launch::Rendezvous`), and the peers' handles are opened to
-//!   build the address table. The kernels are the same. `ep-gpu-mp` is the launcher-aware binary.
+//! - **Process mode.** One rank per process ([`runtime::ProcessRank`]). The rank's buffers are
+//!   one `cuMemAlloc` allocation. Its IPC handle (or rank 0's NCCL unique id) is exchanged by the
+//!   process-group layer (ep-group: `ep_group::new_process`, the handshake, the node plan, over
+//!   a caller-supplied `all_gather` such as `ep_launch::Rendezvous`), and the peers' handles are
+//!   opened to build the address table ([`runtime::ProcessRank::join`]). The kernels are the
+//!   same.
 //! - **Limits** (a clear `GpuError::Unsupported`): R <= 32, ranks spread evenly over the GPUs, the
 //!   routing tables must fit in shared memory (about 227 KB: roughly 16·T·K + 8·T·R + 8·E·⌈T/32⌉
 //!   + 8·L·R bytes + 6 KB).
@@ -100,110 +103,17 @@
 //!   later runs share them; a corrupt or unreadable entry is recompiled and rewritten, and an
 //!   unusable cache folder only means compiling, never an error.
 
-pub mod bench;
 pub mod compile;
-pub mod cupti;
-pub mod handshake;
-pub mod mp;
-pub mod nccl;
+mod error;
 pub mod runtime;
 pub mod testing;
-pub mod topology;
 
 /// The cudarc this crate is built on (its `CudaStream`, `CudaView`, ... are the device API's types).
 pub use cudarc;
+pub use error::GpuError;
+/// The NCCL transport, at its old path (now `runtime::nccl`).
+pub use runtime::nccl;
 pub use runtime::{
     CombineIn, DeviceDispatchOut, DeviceHandle, DispatchIn, GpuGroup, GpuOptions, NcclSizes, Path,
     RankEp, Tokens, Transport,
 };
-
-/// Errors of the GPU backend.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum GpuError {
-    /// Bad input, a config the device cannot hold, or a timed-out wait: the contract's errors.
-    #[error(transparent)]
-    Contract(#[from] ep_reference::Error),
-    /// A CUDA driver call failed.
-    #[error("CUDA: {0}")]
-    Cuda(String),
-    /// An NCCL call failed.
-    #[error("NCCL: {0}")]
-    Nccl(String),
-    /// A CUDA IPC handle exchange or a peer process failed.
-    #[error("multi-process: {0}")]
-    Process(String),
-    /// NVRTC failed to compile a kernel.
-    #[error("NVRTC: {0}")]
-    Compile(String),
-    /// No usable GPU (no driver, no NVRTC, too few devices).
-    #[error("no usable GPU: {0}")]
-    NoDevice(String),
-    /// A config outside what the GPU kernels support (e.g. more than 32 ranks).
-    #[error("unsupported on the GPU: {0}")]
-    Unsupported(String),
-    /// A peer-supplied count or header field outside its bound (caught on the device before use).
-    #[error("rank {rank}: rank {peer} sent {field} = {value}, outside [0, {limit}]")]
-    PeerData {
-        rank: usize,
-        peer: usize,
-        field: &'static str,
-        value: i64,
-        limit: u64,
-    },
-    /// A caller's stream (or tensor) belongs to another device or context than the group's.
-    #[error("{what} belongs to device {got}, the group's ranks there run on device {expected}")]
-    WrongDevice {
-        what: &'static str,
-        expected: usize,
-        got: usize,
-    },
-    /// A device-API handle used with another group, path or call than it came from.
-    #[error("stale or foreign handle: {0}")]
-    Handle(String),
-    /// Combine was called on another path than the last dispatch.
-    #[error(
-        "combine on the {combine} path needs a dispatch on that path (last dispatch: {dispatch})"
-    )]
-    PathMismatch {
-        combine: &'static str,
-        dispatch: &'static str,
-    },
-    /// Process mode: this process's node id (`EP_NODE_ID`, `GROUP_RANK`, the hostname) is
-    /// invalid or missing (`crate::topology`).
-    #[error("node id: {0}")]
-    Node(#[from] crate::topology::NodeIdError),
-    /// Process mode: a peer's handshake record could not be read (nothing of it was used).
-    #[error("rank {rank}: the handshake record of rank {peer} is malformed: {error}")]
-    PeerBlob {
-        rank: usize,
-        peer: usize,
-        error: crate::handshake::BlobError,
-    },
-    /// Process mode: a peer runs another version, config, transport or buffer layout than this
-    /// rank (found before any of its memory was mapped, or when the mapping is too small).
-    #[error("rank {rank} and rank {peer} disagree on {field}: rank {rank} has {ours}, rank {peer} has {theirs}")]
-    PeerMismatch {
-        field: &'static str,
-        ours: String,
-        theirs: String,
-        rank: usize,
-        peer: usize,
-    },
-    /// A count a peer sent (an NCCL batch header) is out of bounds; nothing was sized by it.
-    #[error("rank {rank}: rank {peer} sent {field} = {value}, expected {expected}")]
-    PeerCount {
-        rank: usize,
-        peer: usize,
-        field: &'static str,
-        value: i64,
-        expected: String,
-    },
-    /// An NCCL step that waits on peers (communicator set-up, a grouped send/receive) did not
-    /// finish in time; the communicators were aborted and the group is unusable.
-    #[error("rank {rank}: {what} did not complete within {waited_ms} ms (a peer is dead, stalled or missing); the NCCL communicators were aborted")]
-    NcclTimeout {
-        rank: usize,
-        what: &'static str,
-        waited_ms: u64,
-    },
-}

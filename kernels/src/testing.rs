@@ -174,8 +174,8 @@ pub fn masked_routing(cfg: &Config, rank: usize, topk_idx: &[i64], masked: &[boo
 /// compared bit for bit with the oracle run on the masked routing (a masked rank's outputs
 /// carry no meaning and are not compared). Returns the number of ranks checked.
 pub fn verify_masked(
-    g: &mut crate::GpuGroup,
-    path: crate::Path,
+    g: &mut crate::runtime::GpuGroup,
+    path: crate::runtime::Path,
     data: &[RankData],
     y: &[Vec<bf16>],
     masked: &[bool],
@@ -190,7 +190,10 @@ pub fn verify_masked(
     let inputs: Vec<RankInput> = data
         .iter()
         .zip(&eff)
-        .map(|(d, e)| RankInput { x: &d.x, topk_idx: e })
+        .map(|(d, e)| RankInput {
+            x: &d.x,
+            topk_idx: e,
+        })
         .collect();
     let want = oracle::dispatch(&cfg, &inputs).map_err(|e| format!("oracle: {e}"))?;
     let cin: Vec<CombineInput> = data
@@ -213,10 +216,16 @@ pub fn verify_masked(
     let mut checked = 0;
     for r in (0..cfg.num_ranks).filter(|&r| !masked[r]) {
         if let Some(d) = got[r].diff(&want[r]) {
-            return Err(format!("{} dispatch, rank {r}, mask {masked:?}: {d}", path.name()));
+            return Err(format!(
+                "{} dispatch, rank {r}, mask {masked:?}: {d}",
+                path.name()
+            ));
         }
         if let Some(d) = ep_reference::output::combine_diff(&got_c[r], &want_c[r], cfg.hidden) {
-            return Err(format!("{} combine, rank {r}, mask {masked:?}: {d}", path.name()));
+            return Err(format!(
+                "{} combine, rank {r}, mask {masked:?}: {d}",
+                path.name()
+            ));
         }
         checked += 1;
     }

@@ -49,22 +49,25 @@ fn every_kernel_compiles() {
         );
     }
     println!("compiled {} modules for sm_90", FAMILIES.len());
-    // The moe_layer example's own kernels, with the options the example uses.
+    // The moe_layer example's own kernels (ep-group's example), with the options the example uses.
     let opts = cudarc::nvrtc::CompileOptions {
         fmad: Some(false),
         arch: Some("sm_90"),
         ..Default::default()
     };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(include_str!("../examples/moe_layer.cu"), opts)
-        .unwrap_or_else(|e| panic!("examples/moe_layer.cu failed to compile: {e:?}"));
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(
+        include_str!("../../group/examples/moe_layer.cu"),
+        opts,
+    )
+    .unwrap_or_else(|e| panic!("group/examples/moe_layer.cu failed to compile: {e:?}"));
     let ptx = ptx.to_src();
     for k in ["moe_topk", "moe_expert"] {
         assert!(
             ptx.contains(k),
-            "examples/moe_layer.cu: no entry {k} in the PTX"
+            "group/examples/moe_layer.cu: no entry {k} in the PTX"
         );
     }
-    println!("compiled examples/moe_layer.cu for sm_90");
+    println!("compiled group/examples/moe_layer.cu for sm_90");
 }
 
 /// `cubin_cached` in a fresh folder, for every module: the first call compiles and stores, the

@@ -12,7 +12,7 @@ use std::os::unix::process::CommandExt;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::env::EP_RDZV_LISTEN_FD;
+use crate::vars::EP_RDZV_LISTEN_FD;
 
 /// Whether this process already took its inherited listener (it is handed over once; a second
 /// rendezvous in the same process binds the port the ordinary way). Relaxed is enough: the flag

@@ -13,29 +13,21 @@
 
 pub mod auth;
 pub mod env;
+mod error;
 #[cfg(unix)]
 mod inherit;
+mod job;
 #[cfg(unix)]
 pub mod launcher;
 pub mod rendezvous;
 pub mod time;
+mod vars;
 
 pub use env::{is_launched_by_ep_launch, is_launched_externally, EnvError, ProcessConfig};
+pub use error::Error;
 #[cfg(unix)]
 pub use launcher::{
     spawn_local, spawn_local_with, ExitHow, Launch, LaunchError, LaunchOptions, LaunchReport,
     RankExit, EXIT_PEER_FAILURE, MAX_NPROCS,
 };
 pub use rendezvous::{Op, Rendezvous, RendezvousConfig, RendezvousError};
-
-/// Any error of this crate, for callers that go from the environment to a formed group.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error(transparent)]
-    Env(#[from] EnvError),
-    #[error(transparent)]
-    Rendezvous(#[from] RendezvousError),
-    #[cfg(unix)]
-    #[error(transparent)]
-    Launch(#[from] LaunchError),
-}

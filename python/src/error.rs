@@ -2,6 +2,7 @@
 //! arguments found while turning Python values into Rust ones. The PyO3 glue (`py.rs`) maps each
 //! to its Python exception class.
 
+use ep_group::GroupError;
 use ep_kernels::GpuError;
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -12,6 +13,9 @@ pub enum BindError {
     /// The GPU backend's own errors (CUDA, NCCL, no device, unsupported, ...).
     #[error(transparent)]
     Gpu(GpuError),
+    /// Process mode's own errors (the node id, the peers' handshake records, the exchange).
+    #[error(transparent)]
+    Group(GroupError),
     /// An argument that cannot be used as given (wrong byte length, unknown name, ...).
     #[error("argument `{argument}`: {reason}")]
     Argument { argument: String, reason: String },
@@ -26,6 +30,15 @@ impl From<GpuError> for BindError {
             // Keep the contract's errors as such, so a timeout raises the timeout exception.
             GpuError::Contract(c) => BindError::Contract(c),
             other => BindError::Gpu(other),
+        }
+    }
+}
+
+impl From<GroupError> for BindError {
+    fn from(e: GroupError) -> Self {
+        match e {
+            GroupError::Gpu(g) => g.into(),
+            other => BindError::Group(other),
         }
     }
 }

@@ -2,7 +2,7 @@
 //! is host code; the Python `Buffer` reaches the GPU only through [`probe`], [`size_hint`] and
 //! [`RankGroup`].
 //!
-//! [`RankGroup`] is one rank of a process-mode group (`GpuGroup::new_process`: the CUDA IPC
+//! [`RankGroup`] is one rank of a process-mode group (`ep_group::new_process`: the CUDA IPC
 //! handles, and rank 0's NCCL unique id on the transports that use NCCL, exchanged in one blob
 //! per rank through the caller's all-gather, i.e. `torch.distributed` over the Buffer's group),
 //! driven through ep-kernels' device API (`RankEp`): dispatch and combine are enqueued on
@@ -12,9 +12,8 @@
 
 use crate::error::{BindError, Result};
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};
-use ep_kernels::runtime::{
-    bytes_per_rank_with, probe_devices, AllGather, CombineHook, DispatchHook,
-};
+use ep_group::AllGather;
+use ep_kernels::runtime::{bytes_per_rank_with, probe_devices, CombineHook, DispatchHook};
 use ep_kernels::{
     DeviceDispatchOut, DeviceHandle, GpuError, GpuGroup, GpuOptions, NcclSizes, Path, Tokens,
     Transport,
@@ -100,7 +99,7 @@ pub fn size_hint(
     Ok(bytes_per_rank_with(&cfg, has_staging(transport))? as u64)
 }
 
-/// Whether a rank on `transport` allocates the NCCL staging buffer, as `GpuGroup::new_process`
+/// Whether a rank on `transport` allocates the NCCL staging buffer, as `ProcessRank::new`
 /// decides it: on every transport but `Auto` (under `TwoTier`, whether some peer is on another
 /// node is known only after the exchange, and the allocation, whose size the handshake checks,
 /// comes before it).
@@ -349,7 +348,7 @@ impl RankGroup {
             enable_shrink,
             ..options(transport, timeout, trap_on_error)
         };
-        let group = GpuGroup::new_process(cfg, opts, rank, ordinal, all_gather)?;
+        let group = ep_group::new_process(cfg, opts, rank, ordinal, all_gather)?;
         let ctx = CudaContext::new(ordinal).map_err(|e| {
             GpuError::Cuda(format!(
                 "retain the primary context of GPU {ordinal}: {e:?}"

@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # Fault runs of process mode (issue 10 item 9), on the GPU machine.
 #
-#   bash scripts/gpu/faults.sh BIN_DIR        (BIN_DIR holds the ep-gpu-mp binary)
+#   bash scripts/gpu/faults.sh BIN_DIR        (BIN_DIR holds the ep-bench binary)
 #
-# Two processes (ranks 0 and 1 of ep-gpu-mp, started here with the torchrun-style environment
+# Two processes (ranks 0 and 1 of `ep-bench --nprocs`, started here with the torchrun-style environment
 # that ep_launch::spawn_local sets, so this script holds each rank's pid) run a small config:
 # rendezvous, group set-up, bitwise-checked rounds, then back-to-back calls of both paths. A
-# fault-free baseline run gives the run's wall time W and, from its BENCH lines, the timed calls'
-# share P at its end; each trial waits a random W - 0.3 s - u (P + 0.2 s) (a random point of a
-# call; without BENCH figures, a random 0.25 W to 0.95 W), then one rank, chosen at random, is
+# fault-free baseline run gives the run's wall time W and, from rank 0's per-path lines
+# (`avg_t=... us | Combine ..., avg_t=... us`), the timed calls' share P at its end; each trial
+# waits a random W - 0.3 s - u (P + 0.2 s) (a random point of a call; without those figures, a
+# random 0.25 W to 0.95 W), then one rank, chosen at random, is
 #   kill : killed with SIGKILL (kill -9), or
 #   stall: stopped with SIGSTOP (alive, holding its buffers and sockets, doing nothing);
 # the survivor must then exit on its own within the limit, with an error that names the lost
 # rank ("rank <victim>"). Detect time = fault to the survivor's exit. The stopped rank is killed
 # afterwards. After each transport's trials a fresh group on the same GPUs
-# (`ep-gpu-mp --nprocs 2 --rounds 1 --iters 0`, outputs checked bitwise) shows they are usable
+# (`ep-bench --nprocs 2 --rounds 1 --iters 1`, outputs checked bitwise) shows they are usable
 # (each trial also starts new groups on them, but a failure there would read as the fault's).
 #
 # Transports: ipc (NVLink/peer memory through CUDA IPC; with one GPU both ranks share it) and
@@ -22,7 +23,7 @@
 #
 # Environment: FAULT_TRIALS (10 per transport x fault), FAULT_TIMEOUT_MS (the GPU wait bound,
 # 1500), FAULT_DETECT_LIMIT_S (how long a survivor may take, whole seconds; default the wait
-# bound + 1 s rounded up: since issue 20 ep_kernels::mp bounds every host wait after the group
+# bound + 1 s rounded up: since issue 20 ep_group::mp bounds every host wait after the group
 # forms by the job's wait bound, barriers included), FAULT_BUDGET_S (the whole script, 150: trials that no longer fit
 # are skipped and counted), FAULT_ITERS (timed calls per path and op; default 100 on one GPU,
 # where time-sliced processes take ~4.4 ms a call, 3000 on two), FAULT_SEED (bash RANDOM seed),
@@ -35,11 +36,11 @@
 
 set -u
 BIN=${1:-}
-if [ -z "$BIN" ] || [ ! -x "$BIN/ep-gpu-mp" ]; then
-  echo "usage: $0 BIN_DIR (with an executable BIN_DIR/ep-gpu-mp)" >&2
+if [ -z "$BIN" ] || [ ! -x "$BIN/ep-bench" ]; then
+  echo "usage: $0 BIN_DIR (with an executable BIN_DIR/ep-bench)" >&2
   exit 2
 fi
-MP=$(cd "$BIN" && pwd)/ep-gpu-mp
+MP=$(cd "$BIN" && pwd)/ep-bench
 TRIALS=${FAULT_TRIALS:-10}
 TMO=${FAULT_TIMEOUT_MS:-1500}
 LIMIT=${FAULT_DETECT_LIMIT_S:-$(( (TMO + 1999) / 1000 ))}
@@ -59,7 +60,9 @@ if [ "$NG" -lt 1 ]; then
 fi
 if [ "$NG" -ge 2 ]; then GPUS=2; ITERS=${FAULT_ITERS:-3000}; else GPUS=1; ITERS=${FAULT_ITERS:-100}; fi
 # A small config: set-up and checks are quick, the timed calls are most of the run.
-CFG=(--e 8 --t 16 --h 512 --k 4 --mode fp8 --rounds 2 --timeout-ms "$TMO")
+# (ep-gpu-mp's configuration before it folded into ep-bench: seed 7, 5% masked slots.)
+SMALL=(--experts 8 --tokens 16 --hidden 512 --top-k 4 --dispatch fp8 --seed 7 --masked 0.05)
+CFG=("${SMALL[@]}" --rounds 2 --timeout-secs "$(awk -v t="$TMO" 'BEGIN { printf "%.3f", t / 1000 }')")
 T_START=$EPOCHREALTIME
 PORT=$(( 20000 + RANDOM % 20000 ))
 
@@ -72,7 +75,7 @@ RESULTS="$LOGDIR/results.tsv"   # block fault trial victim delay_s status detect
 : > "$RESULTS"
 USABLE="$LOGDIR/usable.tsv"      # block rc seconds
 : > "$USABLE"
-declare -a PIDS=()               # ep-gpu-mp pids of the running trial (for cleanup)
+declare -a PIDS=()               # ep-bench pids of the running trial (for cleanup)
 CUR=""                           # that trial's folder
 
 # Kills (by pid) the ranks of the current trial that are still running. A pid is signalled only
@@ -89,7 +92,7 @@ cleanup() {
 }
 
 # start_rank DIR RANK TRANSPORT PORT: one rank in the background; its wrapper writes
-# DIR/rRANK.pid (the ep-gpu-mp pid) and, when it ends, DIR/rRANK.exit ("rc end-time").
+# DIR/rRANK.pid (the ep-bench pid) and, when it ends, DIR/rRANK.exit ("rc end-time").
 start_rank() {
   local dir=$1 r=$2 tr=$3 port=$4
   (
@@ -153,10 +156,11 @@ baseline() {
     return 1
   fi
   W0=$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.2f", b - a }')
-  # The timed calls' share of the run, from rank 0's BENCH lines (us per call of each op and
+  # The timed calls' share of the run, from rank 0's per-path lines (us per call of each op and
   # path, ITERS calls plus 5 warm-ups each): P seconds at the end of the run, before teardown.
-  P=$(grep -oE 'dispatch [0-9.]+ us/call, combine [0-9.]+' "$dir/r0.log" \
-    | awk -v n="$ITERS" '{ s += $2 + $5 } END { printf "%.3f", s * (n + 5) / 1e6 }')
+  P=$(grep -oE 'avg_t=[0-9.]+ us \| Combine bandwidth: [^,]+, avg_t=[0-9.]+' "$dir/r0.log" \
+    | sed -E 's/^avg_t=([0-9.]+) us .*avg_t=([0-9.]+)$/\1 \2/' \
+    | awk -v n="$ITERS" '{ s += $1 + $2 } END { printf "%.3f", s * (n + 5) / 1e6 }')
 }
 P=0
 
@@ -167,8 +171,8 @@ trial() {
   mkdir -p "$dir"
   CUR=$dir
   victim=$(( RANDOM % 2 )); survivor=$(( 1 - victim ))
-  # A random point of the timed calls: W0 - 0.3 s (teardown) - u * (P + 0.2 s); without BENCH
-  # figures, a random point between 0.25 and 0.95 of the run.
+  # A random point of the timed calls: W0 - 0.3 s (teardown) - u * (P + 0.2 s); without the
+  # per-path figures, a random point between 0.25 and 0.95 of the run.
   delay=$(awk -v r="$RANDOM" -v w="$w0" -v p="$P" 'BEGIN {
     u = r / 32767
     d = (p > 0.05 && w - 0.5 - p > 0.2) ? w - 0.3 - u * (p + 0.2) : (0.25 + 0.70 * u) * w
@@ -204,7 +208,7 @@ trial() {
   if [ "$status" = ended ] && [ -n "$t_inj" ]; then
     detect=$(awk -v a="$t_inj" -v b="$(cut -d' ' -f2 "$dir/r$survivor.exit")" 'BEGIN { printf "%.2f", b - a }')
   fi
-  msg=$(grep -h '^ep-gpu-mp:' "$dir/r$survivor.log" 2>/dev/null | tail -n 1)
+  msg=$(grep -h '^ep-bench:' "$dir/r$survivor.log" 2>/dev/null | tail -n 1)
   named=no
   if echo "$msg" | grep -Eq "rank ${victim}([^0-9]|\$)"; then named=yes; fi
   if [ "$status" = ended ] && [ "$rc" = 0 ]; then
@@ -221,18 +225,19 @@ trial() {
   fi
 }
 
-# A fresh 2-rank group on the same GPUs, checked bitwise (launched by ep-gpu-mp itself).
+# A fresh 2-rank group on the same GPUs, checked bitwise (launched by ep-bench itself; one
+# timed call per path and op, the fewest ep-bench takes).
 usable() {
   local name=$1 tr=$2 t0 rc
   t0=$(now)
-  timeout -k 3 60 "$MP" --nprocs 2 --transport "$tr" --gpus "$GPUS" --iters 0 --rounds 1 \
-    --e 8 --t 16 --h 512 --k 4 --mode fp8 --timeout-ms 10000 > "$LOGDIR/usable-$name.log" 2>&1
+  timeout -k 3 60 "$MP" --nprocs 2 --transport "$tr" --gpus "$GPUS" --iters 1 --rounds 1 \
+    "${SMALL[@]}" --timeout-secs 10 > "$LOGDIR/usable-$name.log" 2>&1
   rc=$?
   local secs
   secs=$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')
   printf '%s\t%s\t%s\n' "$name" "$rc" "$secs" >> "$USABLE"
   log "usable after $name faults: a new 2-rank group on the same GPU(s): rc=$rc (${secs} s)$([ $rc = 0 ] && echo ', outputs bitwise equal to the oracle')"
-  grep -E 'checks bit-identical|launch failed|ep-gpu-mp:' "$LOGDIR/usable-$name.log" | head -n 4 | sed 's/^/    /'
+  grep -E 'bit-identical|failed|ep-bench:' "$LOGDIR/usable-$name.log" | head -n 4 | sed 's/^/    /'
 }
 
 summary() {
@@ -273,7 +278,7 @@ on_term() {
 }
 trap on_term TERM INT
 
-log "ep-gpu-mp: $MP; $NG GPU(s) visible, ranks on $GPUS; trials $TRIALS per transport x fault; budget $BUDGET s; logs $LOGDIR"
+log "ep-bench: $MP; $NG GPU(s) visible, ranks on $GPUS; trials $TRIALS per transport x fault; budget $BUDGET s; logs $LOGDIR"
 fail=0
 for tr in $TRANSPORTS; do
   mtr=$tr; [ "$tr" = ipc ] && mtr=auto

@@ -4,7 +4,7 @@
 #   bash scripts/gpu/run-all.sh .gpu        (on the GPU machine, from the repository root)
 #
 # $1 holds the stripped binaries that scripts/gpu/pack.sh copied there: gpu, gpu_fuzz, gpu_soak,
-# gpu_process (test binaries), ep-gpu-mp, ep-bench, BUILD-INFO. Steps, each under `timeout` and
+# gpu_process (test binaries), ep-bench, moe_layer, BUILD-INFO. Steps, each under `timeout` and
 # each with its own time budget a little inside that limit (so it stops itself and reports what
 # ran, instead of being killed):
 #
@@ -112,7 +112,7 @@ env_info() {
 export -f env_info
 export BIN
 
-for need in gpu_fuzz gpu_soak ep-gpu-mp gpu; do
+for need in gpu_fuzz gpu_soak ep-bench gpu; do
   [ -x "$BIN/$need" ] || say "WARNING: $BIN/$need missing: its step will fail"
 done
 

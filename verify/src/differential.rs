@@ -13,7 +13,7 @@ use rand::rngs::StdRng;
 use rand::seq::index::sample;
 use rand::{Rng, SeedableRng};
 
-use crate::check_against_oracle_masked;
+use crate::check::check_against_oracle_masked;
 
 /// One random config, its inputs' shape and kind, from a seed.
 #[derive(Debug, Clone)]

@@ -1,7 +1,11 @@
 //! One GPU: the CUDA context, the group's stream, the loaded kernel modules, and the plain
 //! `cuMemAlloc` allocations peers may reach; plus the driver probe.
 
-use super::*;
+use crate::compile::{self, Family};
+use crate::error::GpuError;
+use crate::runtime::layout::{ERR_WORDS, NTHREADS};
+use cudarc::driver::{result, sys, CudaContext};
+use std::sync::Arc;
 
 pub(crate) fn cuda<T>(what: &str, r: Result<T, result::DriverError>) -> Result<T, GpuError> {
     r.map_err(|e| GpuError::Cuda(format!("{what}: {e:?}")))
@@ -22,6 +26,18 @@ pub fn probe_devices(need: usize) -> Result<usize, String> {
         return Err(format!("{n} CUDA device(s), {need} needed"));
     }
     Ok(n)
+}
+
+/// Ok(device description) if a usable CUDA GPU is present, Err(reason) otherwise. Never panics.
+pub fn probe() -> Result<String, String> {
+    std::panic::catch_unwind(|| -> Result<String, String> {
+        let n = probe_devices(1)?;
+        let ctx = cudarc::driver::CudaContext::new(0).map_err(|e| format!("context: {e:?}"))?;
+        let name = ctx.name().map_err(|e| format!("name: {e:?}"))?;
+        let (a, b) = ctx.compute_capability().map_err(|e| format!("cc: {e:?}"))?;
+        Ok(format!("{name} (sm_{a}{b}) x {n}"))
+    })
+    .unwrap_or_else(|_| Err("the CUDA probe panicked".into()))
 }
 
 /// The loaded kernels of one device.
@@ -277,8 +293,10 @@ impl HostMirror {
         let bytes = 4 * ERR_WORDS;
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
         // SAFETY: a plain pinned allocation of `bytes` bytes; zeroed below before any use.
-        let host = cuda("cuMemHostAlloc", unsafe { result::malloc_host(bytes, flags) })?
-            .cast::<u32>();
+        let host = cuda("cuMemHostAlloc", unsafe {
+            result::malloc_host(bytes, flags)
+        })?
+        .cast::<u32>();
         // SAFETY: `host` holds ERR_WORDS u32, just allocated and not yet shared.
         unsafe { std::ptr::write_bytes(host, 0, ERR_WORDS) };
         let mut dev: sys::CUdeviceptr = 0;

@@ -1,7 +1,7 @@
 //! The library face: dispatch and combine on device tensors, enqueued on the caller's CUDA
 //! stream, with no host synchronisation and no host copy of tensor data.
 //!
-//! A call names the ranks this process runs: in process mode (`GpuGroup::new_process`) its one
+//! A call names the ranks this process runs: in process mode (`ep_group::new_process`) its one
 //! rank; in a single-process group every rank (all ranks of a GPU run in ONE launch, so they are
 //! issued together: one entry per rank, one stream per GPU). [`RankEp`] is the one-rank form
 //! (`dispatch(stream, x, topk_idx, n_tokens, out)`), shaped like DeepEP's low-latency calls.
@@ -46,16 +46,15 @@
 //! refused: the harness does not hold that routing). Two groups must not run on one GPU at the
 //! same time (see the crate docs).
 
-use super::*;
+use crate::error::GpuError;
+use crate::runtime::device::cuda;
+use crate::runtime::group::{kind, GpuGroup};
+use crate::runtime::layout::IoTable;
+use crate::runtime::options::{NcclSizes, Path};
+use cudarc::driver::sys;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
-use std::sync::atomic::{AtomicU64, Ordering};
-
-static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
-
-/// A fresh id for a group (handles name the group they came from).
-pub(crate) fn next_group_id() -> u64 {
-    NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed)
-}
+use ep_reference::{Error, Op};
+use half::bf16;
 
 /// A rank's token count for a device-API dispatch.
 #[derive(Debug, Clone, Copy)]

@@ -6,7 +6,12 @@
 //! error into a host mirror (mapped pinned memory), which every call reads at its entry
 //! without synchronising: an error reaches the caller at the next call at the latest.
 
-use super::*;
+use crate::error::GpuError;
+use crate::runtime::device::cuda;
+use crate::runtime::group::GpuGroup;
+use crate::runtime::layout::ERR_WORDS;
+use cudarc::driver::result;
+use ep_reference::{Config, Error, Op, Phase, Side};
 
 /// Codes of err[0] (ERR_* in common.cuh).
 const ERR_TIMEOUT: u32 = 1;
@@ -145,6 +150,7 @@ impl GpuGroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ep_reference::Mode;
 
     fn word(code: u32, rest: [u32; 6]) -> [u32; ERR_WORDS] {
         let mut w = [0u32; ERR_WORDS];

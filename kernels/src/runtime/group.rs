@@ -1,6 +1,245 @@
-//! Building a group: every rank in this process (`GpuGroup::new`, ranks spread over the GPUs,
-//! peer access) or one rank per process (`GpuGroup::new_process`, CUDA IPC or NCCL).
-use super::*;
+//! The group: its state ([`GpuGroup`]: devices, buffers, the address table, the NCCL
+//! communicators, call counts), its release, and building it with every rank in this process
+//! (`GpuGroup::new`, ranks spread over the GPUs, peer access). One rank per process (CUDA IPC or
+//! NCCL) is built by [`ProcessRank`](crate::runtime::ProcessRank).
+use crate::error::GpuError;
+use crate::runtime::device::{cuda, probe_devices, Dev, HostMirror};
+use crate::runtime::layout::{
+    all_peers, bytes_per_rank_with, carve_rank, entry_bytes_checked, pe_entry_bytes_checked,
+    rank_sizes, smem_bytes, to_i32, total_bytes, KParams, RankPtrs, ERR_WORDS, MAX_RANKS,
+};
+use crate::runtime::options::{GpuOptions, NcclSizes, Path, Transport};
+use crate::runtime::streams::{drain_streams, Drain};
+use cudarc::driver::{result, sys, CudaContext};
+use ep_reference::{Config, Error, Mode, Op};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// R ranks on one or more GPUs: the communication buffers, and dispatch/combine on both paths.
+pub struct GpuGroup {
+    /// Unique per group in this process (device-API handles name their group).
+    pub(crate) id: u64,
+    pub(crate) cfg: Config,
+    pub(crate) devs: Vec<Dev>,
+    pub(crate) ptrs: Vec<RankPtrs>,
+    pub(crate) params: KParams,
+    pub(crate) blocks_per_rank: usize,
+    pub(crate) smem: usize,
+    pub(crate) n_tokens: Vec<usize>,
+    pub(crate) topk: Vec<Vec<i64>>,
+    pub(crate) last_dispatch: Option<Path>,
+    pub(crate) calls: [u64; 4],
+    pub(crate) broken: Option<GpuError>,
+    /// Per device: bit d set when its rank reaches peer d through NCCL.
+    pub(crate) masks: Vec<u32>,
+    /// The NCCL communicators (one per device) when any mask is nonzero.
+    pub(crate) comms: Option<crate::runtime::nccl::Comms>,
+    /// Per device, from the last dispatch's headers: selections sent to each peer (rows that
+    /// come back in combine) and received from each peer (rows that go back).
+    pub(crate) sels: Vec<(Vec<usize>, Vec<usize>)>,
+    /// Process mode: the one rank this process runs (its table holds the peers' IPC addresses).
+    pub(crate) own: Option<usize>,
+    /// Peer allocations opened through CUDA IPC (closed on drop).
+    /// Held for its Drop (closes the mappings).
+    #[allow(dead_code)]
+    pub(crate) ipc_opened: IpcMappings,
+    pub(crate) last_op: Option<Op>,
+    /// NCCL sizing mode and the last exact dispatch's headers (per device).
+    pub(crate) nx: NcclState,
+}
+
+/// The NCCL transport's host state: the sizing mode, and per device the headers of the last
+/// exact-size dispatch (sent, received: R * (2 + L) words each), which size the per-expert
+/// combine's messages.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct NcclState {
+    pub(crate) sizes: NcclSizes,
+    /// The sizing of the last dispatch whose exchange was queued (combine follows it).
+    pub(crate) dispatch_sizes: Option<NcclSizes>,
+    pub(crate) hdrs: Vec<(Vec<i32>, Vec<i32>)>,
+}
+
+impl NcclState {
+    pub(crate) fn new(sizes: NcclSizes, devices: usize) -> NcclState {
+        NcclState {
+            sizes,
+            dispatch_sizes: None,
+            hdrs: vec![(Vec::new(), Vec::new()); devices],
+        }
+    }
+}
+
+impl Drop for GpuGroup {
+    fn drop(&mut self) {
+        // [issue 10 item 5] Communicators go before the streams and memory they use: a bounded
+        // wait for the streams, then destroy (idle, healthy) or abort (busy, failed).
+        let t = std::time::Duration::from_nanos(self.params.timeout_ns);
+        if let Some(c) = self.comms.take() {
+            c.release(&self.streams(), t, self.broken.is_none());
+        }
+        // Then a bounded wait for every stream: our kernels end within their own wait bound, so
+        // twice the group's bound (at least 1 s) suffices for anything that can finish. A stream
+        // still busy after that waits on a peer that stopped (an NCCL receive the abort did not
+        // end: run 12's NCCL stall trial hung here, in an unbounded synchronize). Freeing memory
+        // under it would block as well (cuMemFree synchronises), so the devices and the peers'
+        // mappings are then leaked, not freed: the caller gets to report its error instead of
+        // hanging, and the process's exit reclaims them.
+        let bound = t.saturating_mul(2).max(std::time::Duration::from_secs(1));
+        if drain_streams(&self.streams(), bound) == Drain::Busy {
+            std::mem::forget(std::mem::take(&mut self.devs));
+            std::mem::forget(std::mem::replace(
+                &mut self.ipc_opened,
+                IpcMappings {
+                    ctx: None,
+                    ptrs: Vec::new(),
+                },
+            ));
+        }
+        // Otherwise the fields: the devices synchronise (idle now) and free their allocations,
+        // `ipc_opened` closes the peers' mappings (its own Drop, which also runs when
+        // `ProcessRank::join` fails half-way).
+    }
+}
+
+/// Peer allocations opened through CUDA IPC, closed on drop (also on an error path of
+/// `ProcessRank::join`, before the group exists).
+pub(crate) struct IpcMappings {
+    pub(crate) ctx: Option<Arc<CudaContext>>,
+    pub(crate) ptrs: Vec<sys::CUdeviceptr>,
+}
+
+impl Drop for IpcMappings {
+    fn drop(&mut self) {
+        if let Some(ctx) = &self.ctx {
+            let _ = ctx.bind_to_thread();
+            for &p in &self.ptrs {
+                // SAFETY: `p` was opened with cuIpcOpenMemHandle on this context; the work that
+                // used it is finished (the group's Drop synchronised its streams first).
+                let _ = unsafe { sys::cuIpcCloseMemHandle(p) };
+            }
+        }
+    }
+}
+
+pub(crate) fn kind(op: Op, path: Path) -> usize {
+    match (op, path) {
+        (Op::Dispatch, Path::Batched) => 0,
+        (Op::Dispatch, Path::PerExpert) => 1,
+        (Op::Combine, Path::Batched) => 2,
+        (Op::Combine, Path::PerExpert) => 3,
+    }
+}
+
+impl GpuGroup {
+    /// Process mode: this process's rank.
+    pub fn own_rank(&self) -> Option<usize> {
+        self.own
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn num_gpus(&self) -> usize {
+        self.devs.len()
+    }
+
+    pub fn blocks_per_rank(&self) -> usize {
+        self.blocks_per_rank
+    }
+
+    /// "NVIDIA H200 (sm_90, 132 SMs) x 1".
+    pub fn describe_devices(&self) -> String {
+        let d = &self.devs[0];
+        let name = d.ctx.name().unwrap_or_else(|_| "?".into());
+        let (a, b) = d.ctx.compute_capability().unwrap_or((0, 0));
+        format!("{name} (sm_{a}{b}, {} SMs) x {}", d.sms, self.devs.len())
+    }
+
+    /// Test hook: `Some(r)` makes rank r never signal, in dispatch and in combine (its peers'
+    /// waits time out).
+    #[doc(hidden)]
+    pub fn set_fault_rank(&mut self, rank: Option<usize>) {
+        self.params.fault_rank = rank.map(|r| r as i32).unwrap_or(-1);
+    }
+
+    /// The NCCL transport's sizing mode (see [`NcclSizes`]).
+    pub fn nccl_sizes(&self) -> NcclSizes {
+        self.nx.sizes
+    }
+
+    /// Changes the NCCL sizing mode for later calls. In process mode every rank must make the
+    /// same change before the same call (the two sides of a message must agree on its size):
+    /// the handshake compares the modes the ranks start with, a later divergence is not
+    /// detected.
+    pub fn set_nccl_sizes(&mut self, sizes: NcclSizes) {
+        self.nx.sizes = sizes;
+    }
+
+    /// Whether the group reaches any peer through NCCL.
+    pub fn uses_nccl(&self) -> bool {
+        self.comms.is_some()
+    }
+
+    /// The bound of every wait.
+    pub fn set_timeout_ns(&mut self, ns: u64) {
+        self.params.timeout_ns = ns;
+    }
+
+    /// What the kernels have recorded so far, without waiting for them: `Ok` while nothing
+    /// failed, else the error the next call would raise (naming rank, peer, phase and call for
+    /// a timeout). Reads the error words' host mirrors only: no stream is synchronised, so it
+    /// may be called while kernels run, e.g. to bound a caller's own wait. Unlike [`check`],
+    /// it does not need the calls to have finished, and an error it sees is raised again by
+    /// every later call.
+    ///
+    /// [`check`]: GpuGroup::check
+    pub fn poll(&self) -> Result<(), GpuError> {
+        self.check_usable()
+    }
+
+    /// Refuses a call on a group that failed: an error `check` or `sync` already returned, or
+    /// one the kernels recorded since (read from the error words' host mirrors: no stream is
+    /// synchronised, so a call enqueued behind a failed one raises at its entry).
+    pub(crate) fn check_usable(&self) -> Result<(), GpuError> {
+        if let Some(e) = &self.broken {
+            return Err(e.clone());
+        }
+        match self.recorded_error() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    pub(crate) fn dev_of(&self, rank: usize) -> usize {
+        if self.own.is_some() {
+            return 0;
+        }
+        rank / (self.cfg.num_ranks / self.devs.len())
+    }
+
+    /// Calls launched so far per (op, path): [batched dispatch, per-expert dispatch, batched
+    /// combine, per-expert combine].
+    pub fn calls(&self) -> [u64; 4] {
+        self.calls
+    }
+
+    /// The group's streams with their contexts, one per device (for event timing: the timing
+    /// harness records its events on them).
+    pub fn streams(&self) -> Vec<(Arc<CudaContext>, sys::CUstream)> {
+        self.devs
+            .iter()
+            .map(|d| (d.ctx.clone(), d.stream))
+            .collect()
+    }
+}
+
+static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A fresh id for a group (handles name the group they came from).
+pub(crate) fn next_group_id() -> u64 {
+    NEXT_GROUP_ID.fetch_add(1, Ordering::Relaxed)
+}
 
 impl GpuGroup {
     /// Allocates every rank's buffers (R / num_gpus ranks per device), enables peer access,
@@ -80,7 +319,7 @@ impl GpuGroup {
             for d in &devs {
                 d.bind()?;
             }
-            Some(crate::nccl::Comms::init_all(g)?)
+            Some(crate::runtime::nccl::Comms::init_all(g)?)
         } else {
             None
         };
@@ -123,7 +362,7 @@ impl GpuGroup {
         }
         let params = kparams(cfg, &opts, bpr, 0, per, g > 1)?;
         Ok(GpuGroup {
-            id: device_api::next_group_id(),
+            id: next_group_id(),
             cfg: *cfg,
             devs,
             ptrs,
@@ -147,159 +386,6 @@ impl GpuGroup {
             nx: NcclState::new(opts.nccl_sizes, g),
         })
     }
-
-    /// Process mode: this process runs rank `rank` of `cfg.num_ranks` on GPU `ordinal`. Every
-    /// rank allocates its buffers in one cuMemAlloc allocation; `all_gather` (e.g.
-    /// `ep_launch::Rendezvous::all_gather`) exchanges a blob per rank: its handshake record
-    /// (with its node id, `crate::topology`), the allocation's CUDA IPC handle and, from rank 0,
-    /// the NCCL unique id. Transport::Auto: every peer is reached through CUDA IPC and the NVLink
-    /// kernels run between processes exactly as between ranks of one process (one node only).
-    /// Transport::Nccl: every peer, self included, through NCCL; no IPC. Transport::TwoTier: the
-    /// peers of this rank's node through CUDA IPC (only their handles are opened), the others
-    /// through NCCL ([`crate::topology::plan`]).
-    /// All ranks must call it with the same config and options.
-    pub fn new_process(
-        cfg: &Config,
-        opts: GpuOptions,
-        rank: usize,
-        ordinal: usize,
-        all_gather: &mut AllGather<'_>,
-    ) -> Result<GpuGroup, GpuError> {
-        cfg.validate()?;
-        probe_devices(ordinal + 1).map_err(GpuError::NoDevice)?;
-        let r = cfg.num_ranks;
-        if r > MAX_RANKS || rank >= r {
-            return Err(GpuError::Unsupported(format!(
-                "rank {rank} of {r} (at most {MAX_RANKS} ranks)"
-            )));
-        }
-        let nccl = opts.transport == Transport::Nccl;
-        // NCCL staging memory: whenever some peer may be reached through NCCL. Under TwoTier
-        // that is known after the exchange, and the allocation (whose size the handshake
-        // checks) comes before it: a two-tier rank always has the staging.
-        let staging = opts.transport != Transport::Auto;
-        let node = crate::topology::node_id()?;
-        let mut dev = Dev::new(ordinal, rank, 1)?;
-        let smem = smem_bytes(cfg);
-        let bpr = opts.blocks_per_rank.unwrap_or(dev.sms).max(1);
-        dev.check_residency(smem, 1, bpr)?;
-        let need = bytes_per_rank_with(cfg, staging)?.saturating_add(1 << 20);
-        let (free, _) = cuda("cuMemGetInfo", result::mem_get_info())?;
-        if need > free {
-            return Err(Error::OutOfMemory {
-                needed: need as u64,
-                available: free as u64,
-            }
-            .into());
-        }
-        let sizes = rank_sizes(cfg, staging)?;
-        let total = total_bytes(&sizes)?;
-        let base = dev.alloc(total)?; // zeroed before its handle leaves this process
-        let mut blob = vec![0u8; 64];
-        if !nccl {
-            let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
-            // SAFETY: `base` is a cuMemAlloc allocation of the bound context.
-            cuda(
-                "cuIpcGetMemHandle",
-                unsafe { sys::cuIpcGetMemHandle(&mut h, base) }.result(),
-            )?;
-            for (d, &b) in blob.iter_mut().zip(h.reserved.iter()) {
-                *d = b as u8;
-            }
-        }
-        // Rank 0's NCCL unique id: always under Nccl; under TwoTier when libnccl is here (whether
-        // any rank needs it is known after the exchange; a missing id is reported then).
-        if rank == 0 && (nccl || (staging && crate::nccl::nccl_present())) {
-            blob.extend(crate::nccl::unique_id()?);
-        }
-        // [issue 10 item 4] Versions, config, transport and allocation size travel with the
-        // handle; every peer is checked before anything is mapped.
-        let hello = crate::handshake::Hello::new(cfg, &opts, rank, total, node);
-        let recs = crate::handshake::exchange_records(all_gather, &hello, &blob)?;
-        let nodes: Vec<crate::topology::NodeId> =
-            recs.iter().map(|(h, _)| h.node.clone()).collect();
-        let all: Vec<Vec<u8>> = recs.into_iter().map(|(_, p)| p).collect();
-        // [issue 12 item 4] Which peers share this node (IPC) and which do not (NCCL).
-        let plan = crate::topology::plan(opts.transport, &nodes, rank)?;
-        check_shrink(&opts, r, plan.uses_nccl())?;
-        if all.len() != r || all.iter().any(|b| b.len() < 64) {
-            return Err(GpuError::Process(format!(
-                "handle exchange returned {} blobs, want {r} of at least 64 bytes",
-                all.len()
-            )));
-        }
-        let mut ptrs = vec![RankPtrs::default(); r];
-        ptrs[rank] = carve_rank(base, &sizes);
-        let mut ipc_opened = IpcMappings {
-            ctx: Some(dev.ctx.clone()),
-            ptrs: Vec::new(),
-        };
-        for &peer in &plan.ipc_peers {
-            let b = &all[peer];
-            let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
-            for (d, &x) in h.reserved.iter_mut().zip(&b[..64]) {
-                *d = x as _;
-            }
-            let mut p: sys::CUdeviceptr = 0;
-            // SAFETY: `h` is the handle rank `peer` exported for its live allocation; the
-            // opened mapping is closed in Drop.
-            let rc = unsafe {
-                sys::cuIpcOpenMemHandle_v2(
-                    &mut p,
-                    h,
-                    sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-                )
-            };
-            cuda(
-                &format!("cuIpcOpenMemHandle (rank {rank}, peer {peer})"),
-                rc.result(),
-            )?;
-            // The mapping must be at least as large as our layout of the peer's buffer (on
-            // failure check_mapping closes `p` itself; the guard closes the earlier ones).
-            crate::handshake::check_mapping(rank, peer, p, total)?;
-            ipc_opened.ptrs.push(p);
-            ptrs[peer] = carve_rank(p, &sizes);
-        }
-        let comms = if plan.uses_nccl() {
-            if all[0].len() < 64 + 128 {
-                return Err(GpuError::NoDevice(format!(
-                    "rank {rank}: ranks on {} nodes need NCCL between nodes, and rank 0 sent no \
-                     NCCL unique id (no libnccl there)",
-                    plan.nodes
-                )));
-            }
-            // [issue 10 item 5] Non-blocking set-up, bounded by the group's timeout. Every rank
-            // of the group joins the one communicator (NCCL rank = group rank); only the pairs
-            // in the mask ever connect (NCCL connects a pair on its first send/receive).
-            let t = std::time::Duration::from_nanos(opts.timeout_ns);
-            Some(crate::nccl::Comms::init_rank(r, rank, &all[0][64..], t)?)
-        } else {
-            None
-        };
-        upload_table(&mut dev, &ptrs)?;
-        let params = kparams(cfg, &opts, bpr, rank, 1, true)?;
-        Ok(GpuGroup {
-            id: device_api::next_group_id(),
-            cfg: *cfg,
-            devs: vec![dev],
-            ptrs,
-            params,
-            blocks_per_rank: bpr,
-            smem,
-            n_tokens: vec![0; r],
-            topk: vec![Vec::new(); r],
-            last_dispatch: None,
-            calls: [0; 4],
-            broken: None,
-            masks: vec![plan.nccl_mask],
-            comms,
-            sels: vec![(vec![0; r], vec![0; r])],
-            own: Some(rank),
-            ipc_opened,
-            last_op: None,
-            nx: NcclState::new(opts.nccl_sizes, 1),
-        })
-    }
 }
 
 impl GpuGroup {
@@ -313,7 +399,7 @@ impl GpuGroup {
 /// Shrink mode's limits: no NCCL peer (an NCCL receive is not bounded by the kernels, so a lost
 /// peer could not be detected and masked), and at most 32 ranks (the kernels keep a call's
 /// masked peers in one 32-bit word).
-fn check_shrink(opts: &GpuOptions, ranks: usize, nccl: bool) -> Result<(), GpuError> {
+pub(crate) fn check_shrink(opts: &GpuOptions, ranks: usize, nccl: bool) -> Result<(), GpuError> {
     if !opts.enable_shrink {
         return Ok(());
     }
@@ -332,7 +418,7 @@ fn check_shrink(opts: &GpuOptions, ranks: usize, nccl: bool) -> Result<(), GpuEr
 }
 
 /// Uploads the rank address table to `dev` (the bound context) and allocates its error word.
-fn upload_table(dev: &mut Dev, ptrs: &[RankPtrs]) -> Result<(), GpuError> {
+pub(crate) fn upload_table(dev: &mut Dev, ptrs: &[RankPtrs]) -> Result<(), GpuError> {
     let table = dev.alloc(std::mem::size_of_val(ptrs))?;
     // SAFETY: `table` holds ptrs.len() RankPtrs; RankPtrs is plain old data.
     cuda("upload table", unsafe {
@@ -346,7 +432,7 @@ fn upload_table(dev: &mut Dev, ptrs: &[RankPtrs]) -> Result<(), GpuError> {
 
 /// The kernel parameters of a group: `ranks_here` ranks from `rank_base` on each device,
 /// system-scope fences where ranks span GPUs or processes (`sys_scope`).
-fn kparams(
+pub(crate) fn kparams(
     cfg: &Config,
     opts: &GpuOptions,
     bpr: usize,

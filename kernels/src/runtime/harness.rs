@@ -1,6 +1,15 @@
 //! The host-slice harness for tests and benchmarks: checked uploads of host inputs, the
 //! synchronous dispatch/combine, and the read-back of every rank's outputs.
-use super::*;
+use crate::error::GpuError;
+use crate::runtime::device::cuda;
+use crate::runtime::group::GpuGroup;
+use crate::runtime::options::Path;
+use cudarc::driver::result;
+use ep_reference::{
+    input::{check_combine_inputs, check_dispatch_inputs},
+    DispatchOutput, Error, Op, RecvScales, RecvX,
+};
+use half::bf16;
 
 impl GpuGroup {
     pub(crate) fn own_or_err(&self) -> Result<usize, GpuError> {

@@ -1,6 +1,15 @@
 //! Launching the kernels (one launch per device and call, or the NCCL pack / exchange / unpack
 //! stages), the bounded host waits, and `sync`, which turns the device error word into a typed error.
-use super::*;
+use crate::error::GpuError;
+use crate::runtime::device::cuda;
+use crate::runtime::exchange::{combine_ops, dispatch_headers, dispatch_payload, Sizing, Tagged};
+use crate::runtime::group::{kind, GpuGroup};
+use crate::runtime::layout::{combine_capacity_rows, prod, IoTable, KParams, NTHREADS};
+use crate::runtime::nccl::{NcclNet, Network};
+use crate::runtime::options::{NcclSizes, Path};
+use cudarc::driver::{result, sys};
+use ep_reference::{Error, Op, Phase, Side};
+use std::ffi::c_void;
 
 /// What capacity mode writes into every send header word before the pack stage (i32::MAX: a
 /// token count no peer accepts, see `poison_send_headers`).
@@ -20,12 +29,12 @@ pub(crate) fn experts_per_group(r: usize, devices: usize) -> usize {
 
 /// Runs tagged operation lists (tag = local expert) as consecutive groups of `chunk` experts.
 fn by_expert_chunks(
-    ops: Vec<Vec<(usize, crate::nccl::P2p)>>,
+    ops: Vec<Vec<(usize, crate::runtime::nccl::P2p)>>,
     l: usize,
     chunk: usize,
-) -> Vec<Vec<Vec<crate::nccl::P2p>>> {
+) -> Vec<Vec<Vec<crate::runtime::nccl::P2p>>> {
     let rounds = l.div_ceil(chunk.max(1)).max(1);
-    let mut out: Vec<Vec<Vec<crate::nccl::P2p>>> = (0..rounds)
+    let mut out: Vec<Vec<Vec<crate::runtime::nccl::P2p>>> = (0..rounds)
         .map(|_| (0..ops.len()).map(|_| Vec::new()).collect())
         .collect();
     for (di, list) in ops.into_iter().enumerate() {
@@ -254,47 +263,24 @@ impl GpuGroup {
         path: Path,
         streams: &[sys::CUstream],
     ) -> Result<(), GpuError> {
-        let (l, t) = (self.cfg.num_local_experts(), self.cfg.max_tokens_per_rank);
-        let k = self.cfg.top_k;
-        let r_all = self.cfg.num_ranks;
-        let hw = 2 + l;
-        let hb = hw * 4;
-        let eb = self.params.entry_bytes as usize;
-        let peb = self.params.pe_entry_bytes as usize;
+        let s = Sizing {
+            t: self.cfg.max_tokens_per_rank,
+            k: self.cfg.top_k,
+            l: self.cfg.num_local_experts(),
+            r_all: self.cfg.num_ranks,
+            eb: self.params.entry_bytes as usize,
+            peb: self.params.pe_entry_bytes as usize,
+            rowb: 2 * self.cfg.hidden,
+            // Combine's (`nccl_combine_exchange`); dispatch sizes no combine rows.
+            cap_rows: 0,
+        };
+        let hw = s.header_words();
         let capacity = self.nx.sizes == NcclSizes::Capacity;
         let mut ops = Vec::new();
         for di in 0..self.devs.len() {
             let (_, peers) = self.nccl_peers(di);
             let p = self.ptrs[self.devs[di].first_rank];
-            let mut v = Vec::new();
-            for &d in &peers {
-                v.push(crate::nccl::P2p::Send {
-                    buf: p.snd_hdr + (d * hb) as u64,
-                    bytes: hb,
-                    peer: d,
-                });
-                v.push(crate::nccl::P2p::Recv {
-                    buf: p.rcv_hdr + (d * hb) as u64,
-                    bytes: hb,
-                    peer: d,
-                });
-                if capacity {
-                    // Batched only (check_nccl_mode): the whole region, T entries.
-                    let region = prod("a batch region", &[d, t, eb])? as u64;
-                    let bytes = prod("a capacity batch", &[t, eb])?;
-                    v.push(crate::nccl::P2p::Send {
-                        buf: p.snd_buf + region,
-                        bytes,
-                        peer: d,
-                    });
-                    v.push(crate::nccl::P2p::Recv {
-                        buf: p.bat_buf + region,
-                        bytes,
-                        peer: d,
-                    });
-                }
-            }
-            ops.push(v);
+            ops.push(dispatch_headers(&s, &p, &peers, capacity)?);
         }
         self.nccl_group_on(&ops, streams)?;
         if capacity {
@@ -307,12 +293,12 @@ impl GpuGroup {
         // of this call is sent, so no peer takes that data for this call's (the loom model
         // `verify/src/gpu_protocol.rs` found this); the peers' own waits then end bounded.
         self.check()?;
-        let mut ops: Vec<Vec<(usize, crate::nccl::P2p)>> = Vec::new();
+        let mut ops: Vec<Tagged> = Vec::new();
         for di in 0..self.devs.len() {
             let (r, peers) = self.nccl_peers(di);
             let p = self.ptrs[r];
             self.devs[di].bind()?;
-            let words = r_all * hw;
+            let words = s.r_all * hw;
             let (mut sh, mut rh) = (vec![0i32; words], vec![0i32; words]);
             // SAFETY: both headers hold R*(2+L) i32 on the bound context; the stream is idle.
             unsafe {
@@ -325,65 +311,13 @@ impl GpuGroup {
                     result::memcpy_dtoh_sync(&mut rh, p.rcv_hdr),
                 )?;
             }
-            let mut v = Vec::new();
-            for &d in &peers {
-                // [issue 10 item 4] Every header word, ours and the peer's, is bounded (tokens
-                // <= T, selections within tokens..=tokens*K, per-expert rows summing to the
-                // selections) before it sizes a transfer; a bad one marks the group broken.
-                let (sw, rw) = (&sh[d * hw..][..hw], &rh[d * hw..][..hw]);
-                let (mine, theirs) = crate::nccl::check_pair(r, d, sw, rw, t, k)
-                    .inspect_err(|e| self.broken = Some(e.clone()))?;
-                self.sels[di].0[d] = mine.selections;
-                self.sels[di].1[d] = theirs.selections;
-                match path {
-                    Path::Batched => {
-                        v.push((
-                            0,
-                            crate::nccl::P2p::Send {
-                                buf: p.snd_buf + (d * t * eb) as u64,
-                                bytes: mine.tokens * eb,
-                                peer: d,
-                            },
-                        ));
-                        v.push((
-                            0,
-                            crate::nccl::P2p::Recv {
-                                buf: p.bat_buf + (d * t * eb) as u64,
-                                bytes: theirs.tokens * eb,
-                                peer: d,
-                            },
-                        ));
-                    }
-                    Path::PerExpert => {
-                        // One message per local expert of d (staged packed in expert order
-                        // from d*T*K), one per local expert of mine from d, each into its
-                        // (l, d) region of pe_buf.
-                        let out = pe_messages(&sw[2..], t, k)
-                            .inspect_err(|e| self.broken = Some(e.clone()))?;
-                        for (le, (at, n)) in out.into_iter().enumerate() {
-                            v.push((
-                                le,
-                                crate::nccl::P2p::Send {
-                                    buf: p.snd_buf + ((d * t * k + at) * peb) as u64,
-                                    bytes: n * peb,
-                                    peer: d,
-                                },
-                            ));
-                        }
-                        let inn = pe_messages(&rw[2..], t, k)
-                            .inspect_err(|e| self.broken = Some(e.clone()))?;
-                        for (le, (_, n)) in inn.into_iter().enumerate() {
-                            v.push((
-                                le,
-                                crate::nccl::P2p::Recv {
-                                    buf: p.pe_buf + (((le * r_all + d) * t) * peb) as u64,
-                                    bytes: n * peb,
-                                    peer: d,
-                                },
-                            ));
-                        }
-                    }
-                }
+            // [issue 10 item 4] Every header word is bounded before it sizes a transfer; a bad
+            // one marks the group broken.
+            let (v, sels) = dispatch_payload(&s, path, r, &p, &peers, &sh, &rh)
+                .inspect_err(|e| self.broken = Some(e.clone()))?;
+            for (d, mine, theirs) in sels {
+                self.sels[di].0[d] = mine;
+                self.sels[di].1[d] = theirs;
             }
             self.nx.hdrs[di] = (sh, rh);
             ops.push(v);
@@ -394,7 +328,7 @@ impl GpuGroup {
     /// The tagged payload operations, in groups of [`experts_per_group`] local experts.
     fn nccl_rounds(
         &mut self,
-        ops: Vec<Vec<(usize, crate::nccl::P2p)>>,
+        ops: Vec<Vec<(usize, crate::runtime::nccl::P2p)>>,
         streams: &[sys::CUstream],
     ) -> Result<(), GpuError> {
         let chunk = experts_per_group(self.cfg.num_ranks, self.devs.len());
@@ -416,100 +350,29 @@ impl GpuGroup {
         sizes: NcclSizes,
         streams: &[sys::CUstream],
     ) -> Result<(), GpuError> {
-        let (t, k) = (self.cfg.max_tokens_per_rank, self.cfg.top_k);
-        let rowb = 2 * self.cfg.hidden;
-        let cap = combine_capacity_rows(&self.cfg)?;
-        let hw = 2 + self.cfg.num_local_experts();
-        let mut ops: Vec<Vec<(usize, crate::nccl::P2p)>> = Vec::new();
+        let s = Sizing {
+            t: self.cfg.max_tokens_per_rank,
+            k: self.cfg.top_k,
+            l: self.cfg.num_local_experts(),
+            r_all: self.cfg.num_ranks,
+            eb: self.params.entry_bytes as usize,
+            peb: self.params.pe_entry_bytes as usize,
+            rowb: 2 * self.cfg.hidden,
+            cap_rows: combine_capacity_rows(&self.cfg)?,
+        };
+        let mut ops: Vec<Tagged> = Vec::new();
         for di in 0..self.devs.len() {
             let (r, peers) = self.nccl_peers(di);
             let p = self.ptrs[r];
-            let mut v = Vec::new();
-            // Per-expert: rows from NCCL owners sit in cmb_buf from row T*K on, packed in
-            // (owner, local expert) order (the dispatch pack kernel's comb_pos says where).
-            let mut nbase = t * k;
-            for &d in &peers {
-                let region = (d * t * k * rowb) as u64;
-                match (sizes, path) {
-                    (NcclSizes::Capacity, _) => {
-                        let bytes = prod("a capacity combine message", &[cap, rowb])?;
-                        v.push((
-                            0,
-                            crate::nccl::P2p::Send {
-                                buf: p.snd_buf + region,
-                                bytes,
-                                peer: d,
-                            },
-                        ));
-                        v.push((
-                            0,
-                            crate::nccl::P2p::Recv {
-                                buf: p.cmb_buf + region,
-                                bytes,
-                                peer: d,
-                            },
-                        ));
-                    }
-                    (NcclSizes::Exact, Path::Batched) => {
-                        v.push((
-                            0,
-                            crate::nccl::P2p::Send {
-                                buf: p.snd_buf + region,
-                                bytes: self.sels[di].1[d] * rowb,
-                                peer: d,
-                            },
-                        ));
-                        v.push((
-                            0,
-                            crate::nccl::P2p::Recv {
-                                buf: p.cmb_buf + region,
-                                bytes: self.sels[di].0[d] * rowb,
-                                peer: d,
-                            },
-                        ));
-                    }
-                    (NcclSizes::Exact, Path::PerExpert) => {
-                        let (sh, rh) = &self.nx.hdrs[di];
-                        if sh.len() < (d + 1) * hw || rh.len() < (d + 1) * hw {
-                            return Err(GpuError::Unsupported(
-                                "per-expert combine over NCCL before an exact-size dispatch".into(),
-                            ));
-                        }
-                        // Rows of (l, d) back to source d, staged packed from d*T*K.
-                        let out = pe_messages(&rh[d * hw + 2..][..hw - 2], t, k)?;
-                        for (le, (at, n)) in out.into_iter().enumerate() {
-                            v.push((
-                                le,
-                                crate::nccl::P2p::Send {
-                                    buf: p.snd_buf + ((d * t * k + at) * rowb) as u64,
-                                    bytes: n * rowb,
-                                    peer: d,
-                                },
-                            ));
-                        }
-                        let inn = pe_messages(&sh[d * hw + 2..][..hw - 2], t, k)?;
-                        let mut sum = 0usize;
-                        for (le, (at, n)) in inn.into_iter().enumerate() {
-                            v.push((
-                                le,
-                                crate::nccl::P2p::Recv {
-                                    buf: p.cmb_buf + ((nbase + at) * rowb) as u64,
-                                    bytes: n * rowb,
-                                    peer: d,
-                                },
-                            ));
-                            sum += n;
-                        }
-                        nbase += sum;
-                        if nbase > 2 * t * k {
-                            return Err(GpuError::Unsupported(format!(
-                                "per-expert combine rows {nbase} past the region of 2*T*K"
-                            )));
-                        }
-                    }
-                }
-            }
-            ops.push(v);
+            ops.push(combine_ops(
+                &s,
+                sizes,
+                path,
+                &p,
+                &peers,
+                &self.sels[di],
+                &self.nx.hdrs[di],
+            )?);
         }
         self.nccl_rounds(ops, streams)
     }
@@ -517,7 +380,7 @@ impl GpuGroup {
     /// The grouped send/recv `ops` (one list per device) on `streams` (one per device).
     pub(crate) fn nccl_group_on(
         &mut self,
-        ops: &[Vec<crate::nccl::P2p>],
+        ops: &[Vec<crate::runtime::nccl::P2p>],
         streams: &[sys::CUstream],
     ) -> Result<(), GpuError> {
         let comms = self.comms.as_ref().ok_or_else(|| {
@@ -528,7 +391,7 @@ impl GpuGroup {
         for d in &self.devs {
             d.bind()?;
         }
-        let r = crate::nccl::grouped(comms, streams, ops);
+        let r = NcclNet { comms, streams }.group(ops);
         if let Err(e) = &r {
             self.broken = Some(e.clone());
         }
@@ -641,7 +504,7 @@ mod tests {
         // Never 0, even past the limit with one expert.
         assert_eq!(experts_per_group(1024, 64), 1);
         assert_eq!(experts_per_group(0, 0), MAX_GROUP_OPS / 2);
-        let op = |peer| crate::nccl::P2p::Send {
+        let op = |peer| crate::runtime::nccl::P2p::Send {
             buf: 0,
             bytes: 1,
             peer,
@@ -652,12 +515,11 @@ mod tests {
             vec![(4, op(9))],
         ];
         let r = by_expert_chunks(ops, 5, 2);
-        let peers = |v: &Vec<crate::nccl::P2p>| {
+        let peers = |v: &Vec<crate::runtime::nccl::P2p>| {
             v.iter()
                 .map(|o| match o {
-                    crate::nccl::P2p::Send { peer, .. } | crate::nccl::P2p::Recv { peer, .. } => {
-                        *peer
-                    }
+                    crate::runtime::nccl::P2p::Send { peer, .. }
+                    | crate::runtime::nccl::P2p::Recv { peer, .. } => *peer,
                 })
                 .collect::<Vec<_>>()
         };

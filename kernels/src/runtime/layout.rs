@@ -2,7 +2,8 @@
 //! kernel parameters (`KParams`), every buffer's byte size (checked arithmetic), and the carving
 //! of one rank's single allocation into its buffers.
 
-use super::*;
+use crate::error::GpuError;
+use ep_reference::Config;
 
 /// Threads per block (NTHREADS in common.cuh).
 pub const NTHREADS: u32 = 512;
@@ -369,7 +370,7 @@ pub(crate) fn pe_messages(
 }
 
 /// The peer mask of a rank that reaches every rank in 0..r through NCCL.
-pub(crate) fn all_peers(r: usize) -> u32 {
+pub fn all_peers(r: usize) -> u32 {
     if r >= 32 {
         u32::MAX
     } else {
@@ -380,6 +381,7 @@ pub(crate) fn all_peers(r: usize) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ep_reference::Mode;
 
     fn cfg(r: usize, e: usize, t: usize, h: usize, k: usize) -> Config {
         // Built directly: the sizes must be checked here whatever Config::validate accepts.

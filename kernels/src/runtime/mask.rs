@@ -13,8 +13,13 @@
 //! rank's clean has run (the caller's barrier, e.g. `torch.distributed.barrier()` after
 //! synchronising the stream).
 
-use super::*;
+use crate::error::GpuError;
+use crate::runtime::device::cuda;
+use crate::runtime::group::GpuGroup;
+use crate::runtime::layout::{rank_sizes, SHRINK_DECISIONS};
+use cudarc::driver::{result, sys};
 use cudarc::driver::{CudaStream, CudaViewMut, DevicePtrMut};
+use ep_reference::Error;
 
 /// Byte offset of the mask inside a rank's `shrink` buffer (after the decision words).
 fn mask_offset(r: usize) -> u64 {
@@ -49,7 +54,10 @@ impl GpuGroup {
 
     /// The streams to enqueue on: the caller's (one per device, on its context), or the
     /// group's own.
-    fn mask_streams(&self, streams: Option<&[&CudaStream]>) -> Result<Vec<sys::CUstream>, GpuError> {
+    fn mask_streams(
+        &self,
+        streams: Option<&[&CudaStream]>,
+    ) -> Result<Vec<sys::CUstream>, GpuError> {
         match streams {
             None => Ok(self.streams_raw()),
             Some(ss) => {

@@ -1,6 +1,14 @@
 //! Debugging and testing aids: `%globaltimer` stamps per block and phase, and the payload
 //! encoder run alone.
-use super::*;
+use crate::error::GpuError;
+use crate::runtime::device::cuda;
+use crate::runtime::group::GpuGroup;
+use crate::runtime::layout::{align, KParams, NTHREADS, NUM_KINDS, STATE_EPOCH_OFFSET};
+use crate::runtime::options::Path;
+use cudarc::driver::result;
+use ep_reference::Op;
+use half::bf16;
+use std::ffi::c_void;
 
 impl GpuGroup {
     /// One call of (op, path) with `%globaltimer` stamps: for every block of device 0, the

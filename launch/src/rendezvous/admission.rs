@@ -30,12 +30,16 @@ use std::io::ErrorKind;
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use super::{
-    abort_payload, encode, AbortKind, Facing, FrameLimits, Kind, Link, Op, RendezvousConfig,
-    RendezvousError, Result, Seal, ADMIT_LEN, FLAG_TOKEN, HELLO_LEN,
-};
 use crate::auth::{self, Claim, Role, MAC_LEN, NONCE_LEN};
-use crate::time::deadline;
+use crate::rendezvous::collective::Rendezvous;
+use crate::rendezvous::config::RendezvousConfig;
+use crate::rendezvous::error::{abort_payload, AbortKind, RendezvousError, Result};
+use crate::rendezvous::link::{Fault, Link, SendFault};
+use crate::rendezvous::seal::Seal;
+use crate::rendezvous::wire::{
+    encode, Facing, Frame, FrameLimits, Kind, Op, ADMIT_LEN, FLAG_TOKEN, HELLO_LEN, POLL_SLEEP,
+};
+use crate::time::{after, deadline};
 
 /// Accepts taken per call, so one call stays short under a flood.
 const ACCEPT_BATCH: usize = 16;
@@ -73,7 +77,7 @@ enum Verdict {
     Fatal(RendezvousError),
 }
 
-pub(super) struct Door<'a> {
+pub(crate) struct Door<'a> {
     cfg: &'a RendezvousConfig,
     addr: String,
     pending: VecDeque<Pending>,
@@ -85,8 +89,8 @@ pub(super) struct Door<'a> {
     /// connection when there is no other, taken back afterwards.
     spare: Option<TcpListener>,
     /// Counters, for tests and diagnostics.
-    pub(super) refused: usize,
-    pub(super) shed: usize,
+    pub(crate) refused: usize,
+    pub(crate) shed: usize,
 }
 
 /// Whether an `accept` error means this process or the system is out of descriptors (EMFILE
@@ -102,7 +106,7 @@ fn is_exhaustion(e: &std::io::Error) -> bool {
 }
 
 impl<'a> Door<'a> {
-    pub(super) fn new(cfg: &'a RendezvousConfig, addr: String) -> Self {
+    pub(crate) fn new(cfg: &'a RendezvousConfig, addr: String) -> Self {
         Door {
             cfg,
             addr,
@@ -119,7 +123,7 @@ impl<'a> Door<'a> {
     /// Accepts waiting connections and challenges each. Returns whether anything happened;
     /// `Err` only when `accept` has failed for lack of resources for [`ACCEPT_GIVE_UP`] with
     /// nothing left to shed.
-    pub(super) fn accept(&mut self, listener: &TcpListener, now: Instant) -> Result<bool> {
+    pub(crate) fn accept(&mut self, listener: &TcpListener, now: Instant) -> Result<bool> {
         if self.retry_at.is_some_and(|t| now < t) {
             return Ok(false);
         }
@@ -283,7 +287,7 @@ impl<'a> Door<'a> {
     /// Reads every connection in the handshake once: admits into `slots` those that proved who
     /// they are, drops strangers and those past their deadline. Returns (progress, ranks
     /// admitted); `Err` when a proven rank of this job is in conflict (the job fails).
-    pub(super) fn admit(
+    pub(crate) fn admit(
         &mut self,
         now: Instant,
         slots: &mut [Option<Link>],
@@ -366,12 +370,7 @@ impl<'a> Door<'a> {
         }
     }
 
-    fn judge(
-        &self,
-        hello: &super::Frame,
-        nonce: &[u8; NONCE_LEN],
-        slots: &[Option<Link>],
-    ) -> Verdict {
+    fn judge(&self, hello: &Frame, nonce: &[u8; NONCE_LEN], slots: &[Option<Link>]) -> Verdict {
         let world = self.cfg.world_size;
         if hello.kind != Kind::Hello || hello.op != Op::Connect || hello.payload.len() != HELLO_LEN
         {
@@ -442,5 +441,138 @@ impl<'a> Door<'a> {
                 detail,
             },
         }
+    }
+}
+
+impl Rendezvous {
+    pub(crate) fn accept_all(cfg: &RendezvousConfig, listener: TcpListener) -> Result<Self> {
+        let rank = 0;
+        let world = cfg.world_size;
+        let deadline = after(cfg.connect_timeout);
+        let addr = listener
+            .local_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_else(|_| cfg.addr_string());
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| RendezvousError::Bind {
+                rank,
+                addr: addr.clone(),
+                cause: e.to_string(),
+            })?;
+
+        let mut slots: Vec<Option<Link>> = (0..world).map(|_| None).collect();
+        // Connections accepted but not yet identified: capped, deadlined, hello-sized buffers.
+        let mut door = Door::new(cfg, addr);
+        let mut connected = 1;
+        let fail = |slots: &mut Vec<Option<Link>>, err: RendezvousError| {
+            let payload = abort_payload(&err);
+            let bytes = encode(Kind::Abort, Op::Connect, 0, 0, &payload);
+            let d = after(Duration::from_millis(100));
+            for link in slots.iter_mut().flatten() {
+                let _ = link.send(&bytes, d);
+            }
+            err
+        };
+
+        while connected < world {
+            let now = Instant::now();
+            let mut progress = match door.accept(&listener, now) {
+                Ok(p) => p,
+                Err(err) => return Err(fail(&mut slots, err)),
+            };
+            match door.admit(now, &mut slots) {
+                Ok((p, n)) => {
+                    progress |= p;
+                    connected += n;
+                }
+                Err(err) => return Err(fail(&mut slots, err)),
+            }
+            // Ranks already in must stay alive while we wait for the rest.
+            for link in slots.iter_mut().flatten() {
+                progress |= link.pump();
+                if let Some(Fault::Forged(detail)) = &link.fault {
+                    let err = RendezvousError::Unauthenticated {
+                        rank,
+                        peer: link.peer,
+                        detail: detail.clone(),
+                    };
+                    return Err(fail(&mut slots, err));
+                }
+                if let Some(Fault::Lost(cause)) | Some(Fault::Bad(cause)) = &link.fault {
+                    let err = RendezvousError::PeerLost {
+                        rank,
+                        peer: link.peer,
+                        op: Op::Connect,
+                        seq: 0,
+                        cause: cause.clone(),
+                    };
+                    return Err(fail(&mut slots, err));
+                }
+                if link.fault == Some(Fault::Clean) || !link.inbox.is_empty() {
+                    let err = RendezvousError::PeerLost {
+                        rank,
+                        peer: link.peer,
+                        op: Op::Connect,
+                        seq: 0,
+                        cause: "left (or aborted) before the group was formed".into(),
+                    };
+                    return Err(fail(&mut slots, err));
+                }
+            }
+            if connected == world {
+                break;
+            }
+            if Instant::now() >= deadline {
+                let missing = (1..world).find(|&r| slots[r].is_none()).unwrap_or(1);
+                let err = RendezvousError::Timeout {
+                    rank,
+                    peer: missing,
+                    op: Op::Connect,
+                    seq: 0,
+                    timeout: cfg.connect_timeout,
+                };
+                return Err(fail(&mut slots, err));
+            }
+            if !progress {
+                std::thread::sleep(POLL_SLEEP);
+            }
+        }
+        // Strangers still in the handshake are dropped here; the listener closes on return.
+        drop(door);
+
+        let mut links: Vec<Link> = slots.into_iter().flatten().collect();
+        let welcome = encode(
+            Kind::Welcome,
+            Op::Connect,
+            0,
+            0,
+            &(world as u32).to_le_bytes(),
+        );
+        let send_deadline = after(cfg.op_timeout.min(Duration::from_secs(10)));
+        for i in 0..links.len() {
+            if let Err(f) = links[i].send(&welcome, send_deadline) {
+                let peer = links[i].peer;
+                let err = match f {
+                    SendFault::Lost(cause) => RendezvousError::PeerLost {
+                        rank,
+                        peer,
+                        op: Op::Connect,
+                        seq: 0,
+                        cause,
+                    },
+                    SendFault::Timeout => RendezvousError::Timeout {
+                        rank,
+                        peer,
+                        op: Op::Connect,
+                        seq: 0,
+                        timeout: cfg.op_timeout,
+                    },
+                };
+                let mut slots: Vec<Option<Link>> = links.into_iter().map(Some).collect();
+                return Err(fail(&mut slots, err));
+            }
+        }
+        Ok(Self::from_links(cfg, links))
     }
 }

@@ -5,15 +5,20 @@
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use super::{
-    abort_error, encode, Facing, FrameLimits, Kind, Link, Op, RendezvousConfig, RendezvousError,
-    SendFault, ADMIT_LEN, CHALLENGE_LEN, FLAG_TOKEN, HELLO_LEN,
-};
 use crate::auth::{self, Claim, Role, MAC_LEN, NONCE_LEN};
-use crate::time::after;
+use crate::rendezvous::collective::{grace, Rendezvous};
+use crate::rendezvous::config::RendezvousConfig;
+use crate::rendezvous::error::{abort_error, RendezvousError, Result};
+use crate::rendezvous::link::{Fault, Link, SendFault};
+use crate::rendezvous::seal::Seal;
+use crate::rendezvous::wire::{
+    encode, Facing, FrameLimits, Kind, Op, ADMIT_LEN, CHALLENGE_LEN, FLAG_TOKEN, HELLO_LEN,
+    POLL_SLEEP,
+};
+use crate::time::{after, deadline as deadline_at};
 
 /// How a handshake attempt with rank 0 failed.
-pub(super) enum Handshake {
+pub(crate) enum Handshake {
     /// Before rank 0 answered the hello: connect again (until the deadline).
     Retry(String),
     /// Rank 0 refused this rank, or failed to prove itself: give up.
@@ -21,7 +26,7 @@ pub(super) enum Handshake {
 }
 
 /// Opens a TCP connection to rank 0 (any of its addresses), bounded by `deadline`.
-pub(super) fn dial(cfg: &RendezvousConfig, deadline: Instant) -> std::result::Result<Link, String> {
+pub(crate) fn dial(cfg: &RendezvousConfig, deadline: Instant) -> std::result::Result<Link, String> {
     let addrs = cfg.resolve()?;
     let mut err = String::new();
     for a in addrs {
@@ -48,7 +53,7 @@ pub(super) fn dial(cfg: &RendezvousConfig, deadline: Instant) -> std::result::Re
 /// proof, rank 0's admission with its proof. Returns the connection's session key
 /// ([`auth::session_key`]); `Retry` when the connection fails before rank 0 has answered the
 /// hello (rank 0 not up yet, or it dropped this connection to make room).
-pub(super) fn handshake(
+pub(crate) fn handshake(
     cfg: &RendezvousConfig,
     link: &mut Link,
     deadline: Instant,
@@ -182,5 +187,119 @@ fn unproven_report(cfg: &RendezvousConfig, payload: &[u8]) -> RendezvousError {
              token, so its report is not believed and blames no other rank: {text}",
             cfg.addr_string()
         ),
+    }
+}
+
+impl Rendezvous {
+    pub(crate) fn connect_to_root(cfg: &RendezvousConfig) -> Result<Self> {
+        let rank = cfg.rank;
+        let start = Instant::now();
+        let deadline = deadline_at(start, cfg.connect_timeout);
+        let connect_err = |cause: String| RendezvousError::Connect {
+            rank,
+            peer: 0,
+            addr: cfg.addr_string(),
+            timeout: cfg.connect_timeout,
+            cause,
+        };
+        let mut last_error = String::from("no attempt made");
+        let mut link = loop {
+            if Instant::now() >= deadline {
+                return Err(connect_err(last_error));
+            }
+            // Rank 0 may not be listening yet: the next try in a while. If it is up but closed
+            // this connection (its queue was full, under a flood), at once: each try is a
+            // chance at the next free place.
+            let mut pause = Duration::from_millis(20);
+            match dial(cfg, deadline) {
+                Ok(mut link) => match handshake(cfg, &mut link, deadline) {
+                    Ok(key) => {
+                        // Rank 0 proved itself: from now on it may send collective results,
+                        // each frame (both ways) tagged under the connection's key.
+                        link.limits.facing = Facing::Root;
+                        link.seal = Some(Seal::new(key, false));
+                        break link;
+                    }
+                    Err(Handshake::Retry(cause)) => {
+                        last_error = cause;
+                        pause = Duration::from_millis(1);
+                    }
+                    Err(Handshake::Fatal(err)) => return Err(err),
+                },
+                Err(e) => last_error = e,
+            }
+            std::thread::sleep(pause);
+        };
+
+        // Wait to be welcomed: rank 0 answers once every rank is in, so allow it the whole
+        // connect timeout plus a grace for the last rank's connection to arrive.
+        let welcome_deadline = deadline_at(deadline, grace(cfg.connect_timeout));
+        loop {
+            let progress = link.pump();
+            if let Some(frame) = link.inbox.pop_front() {
+                return match frame.kind {
+                    Kind::Welcome if frame.op == Op::Connect => {
+                        Ok(Self::from_links(cfg, vec![link]))
+                    }
+                    Kind::Abort => Err(abort_error(rank, 0, Op::Connect, 0, &frame.payload)),
+                    other => Err(RendezvousError::Protocol {
+                        rank,
+                        peer: 0,
+                        op: Op::Connect,
+                        seq: 0,
+                        detail: format!("expected a welcome, got {other:?}"),
+                    }),
+                };
+            }
+            match &link.fault {
+                Some(Fault::Bad(detail)) => {
+                    return Err(RendezvousError::Protocol {
+                        rank,
+                        peer: 0,
+                        op: Op::Connect,
+                        seq: 0,
+                        detail: detail.clone(),
+                    })
+                }
+                Some(Fault::Forged(detail)) => {
+                    return Err(RendezvousError::Unauthenticated {
+                        rank,
+                        peer: 0,
+                        detail: detail.clone(),
+                    })
+                }
+                Some(Fault::Lost(cause)) => {
+                    return Err(RendezvousError::PeerLost {
+                        rank,
+                        peer: 0,
+                        op: Op::Connect,
+                        seq: 0,
+                        cause: cause.clone(),
+                    })
+                }
+                Some(Fault::Clean) => {
+                    return Err(RendezvousError::PeerLost {
+                        rank,
+                        peer: 0,
+                        op: Op::Connect,
+                        seq: 0,
+                        cause: "rank 0 left before welcoming this rank".into(),
+                    })
+                }
+                None => {}
+            }
+            if Instant::now() >= welcome_deadline {
+                return Err(RendezvousError::Timeout {
+                    rank,
+                    peer: 0,
+                    op: Op::Connect,
+                    seq: 0,
+                    timeout: welcome_deadline.saturating_duration_since(start),
+                });
+            }
+            if !progress {
+                std::thread::sleep(POLL_SLEEP);
+            }
+        }
     }
 }

@@ -14,10 +14,10 @@ use hmac::Mac;
 use crate::auth::{self, MAC_LEN};
 
 /// Bytes of the tag after every sealed frame.
-pub(super) const TAG_LEN: usize = MAC_LEN;
+pub(crate) const TAG_LEN: usize = MAC_LEN;
 
 /// The sealing state of one end of a connection.
-pub(super) struct Seal {
+pub(crate) struct Seal {
     key: [u8; MAC_LEN],
     /// Direction byte of what this end sends (the other end receives with the other one).
     out: u8,
@@ -36,7 +36,7 @@ impl std::fmt::Debug for Seal {
 
 impl Seal {
     /// Rank 0's end (`root`) or a rank's end of a connection with key `key`.
-    pub(super) fn new(key: [u8; MAC_LEN], root: bool) -> Seal {
+    pub(crate) fn new(key: [u8; MAC_LEN], root: bool) -> Seal {
         Seal {
             key,
             out: if root { 0 } else { 1 },
@@ -62,7 +62,7 @@ impl Seal {
 
     /// The tag of the next frame this end sends (`header`, whose length already counts the tag,
     /// and `payload`).
-    pub(super) fn seal_next(&mut self, header: &[u8], payload: &[u8]) -> [u8; TAG_LEN] {
+    pub(crate) fn seal_next(&mut self, header: &[u8], payload: &[u8]) -> [u8; TAG_LEN] {
         let m = self.tag(self.out, self.sent, header, payload);
         self.sent = self.sent.wrapping_add(1);
         let mut t = [0u8; TAG_LEN];
@@ -71,7 +71,7 @@ impl Seal {
     }
 
     /// Checks the next frame received (`header`, `payload`, then `tag`); `Err` says why not.
-    pub(super) fn open_next(
+    pub(crate) fn open_next(
         &mut self,
         header: &[u8],
         payload: &[u8],

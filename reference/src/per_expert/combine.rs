@@ -1,13 +1,13 @@
 //! Per-expert combine on rank `rank`: every expert row goes back to its token's rank on its own;
 //! the token's rank reduces in the contract's order.
 
-use super::{wait_credits, Shared};
 use crate::error::{Result, Side};
 use crate::mask::RankMask;
 use crate::numerics::bf16::from_f32_rne;
 use crate::numerics::reduce::fma_bf16_row;
 use crate::output::Handle;
 use crate::payload::bf16_bytes;
+use crate::per_expert::shared::{wait_credits, Shared};
 use crate::sync::Deadline;
 use crate::transport::{CallStats, Waiter};
 use half::bf16;

@@ -1,10 +1,10 @@
 //! Per-expert dispatch on rank `src`: one message per selection, one signal per expert.
 
-use super::{wait_credits, Shared, MESSAGE_META_BYTES};
 use crate::error::{Result, Side};
 use crate::mask::RankMask;
 use crate::output::DispatchOutput;
 use crate::payload::Encoder;
+use crate::per_expert::shared::{wait_credits, Shared, MESSAGE_META_BYTES};
 use crate::sync::Deadline;
 use crate::transport::{CallStats, Waiter};
 use half::bf16;

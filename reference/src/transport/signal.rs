@@ -23,7 +23,10 @@
 //! A `Relaxed` credit load (the loom mutant `credit_relaxed`) lets call i + 1's writes race
 //! with call i's reads.
 
+use crate::error::{Result, Side};
+use crate::mask::RankMask;
 use crate::sync::{AtomicU64, Deadline, Ordering};
+use crate::transport::mask::{MaskTable, Waiter};
 
 #[cfg(not(ep_mutant = "signal_relaxed"))]
 const POST: Ordering = Ordering::Release;
@@ -153,20 +156,18 @@ impl CreditTable {
     /// destinations masked when the call started, and gets those masked while it waited.
     pub fn wait_unmasked_writable(
         &self,
-        mask: &super::MaskTable,
-        w: super::Waiter,
+        mask: &MaskTable,
+        w: Waiter,
         epoch: u64,
         deadline: &mut Deadline,
-        skip: &mut crate::RankMask,
-    ) -> crate::Result<()> {
+        skip: &mut RankMask,
+    ) -> Result<()> {
         for dst in 0..self.ranks {
             if skip.is_masked(dst) {
                 continue;
             }
             let credit = self.get(dst, w.rank);
-            let got = mask.wait(w, dst, crate::Side::Send, deadline, || {
-                credit.writable(epoch)
-            })?;
+            let got = mask.wait(w, dst, Side::Send, deadline, || credit.writable(epoch))?;
             if got.is_none() {
                 skip.set(dst, true);
             }

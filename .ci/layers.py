@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""The layering check (issue 24, "one crate, one layer"): for every workspace crate's library
+(src/lib.rs and the modules under it), reads every `crate::` / `super::` path (in `use` items and
+inline), outside comments and `#[cfg(test)]` modules, and reports
+
+- an import that runs back up a floor: a module naming an item of one of its ancestors
+  (`super::X`, or `crate::a::X` from inside `a`); a parent naming its children is fine;
+- an import circle: source files whose modules reach each other through their imports;
+- a source file (any .rs in the workspace, tests and benches included) over LIMIT lines.
+
+Usage: python3 .ci/layers.py [--limit N]   (exit 1 on any finding, with one line per finding)
+"""
+
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIMIT = 800
+# Files left over the size limit on purpose, with the reason (printed, not counted).
+EXEMPT = {
+    "verify/src/gpu_protocol.rs": "the GPU protocol's loom model, edited on another branch: split it there",
+}
+IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+
+
+def strip_comments(text):
+    """Drops // comments and /* */ blocks; string literals are blanked so that nothing inside
+    them is read as a path (a `//` inside a string does not start a comment)."""
+    out = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i):
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            i = n if j < 0 else j + 2
+        elif c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            out.append('""')
+            i = j + 1
+        elif c == "'" and re.match(r"'(\\.|[^\\'])'", text[i : i + 4]):
+            m = re.match(r"'(\\.|[^\\'])'", text[i : i + 4])
+            out.append("' '")
+            i += len(m.group(0))
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def strip_test_modules(text):
+    """Removes `#[cfg(test)] mod NAME { ... }` (a file's own tests import its items: not a floor)."""
+    while True:
+        m = re.search(r"#\[cfg\((?:test|all\(test\b[^\]]*)\)\]\s*(?:#\[[^\]]*\]\s*)*mod\s+" + IDENT + r"\s*\{", text)
+        if not m:
+            return text
+        depth, j = 1, m.end()
+        while j < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            j += 1
+        text = text[: m.start()] + text[j:]
+
+
+def expand_use_tree(tree):
+    """`a::{b, c::{d, self}}` -> ['a::b', 'a::c::d', 'a::c']."""
+    tree = re.sub(r"\s+", "", tree)
+    tree = re.sub(r"\bas" + IDENT, "", tree)
+    m = re.match(r"^(.*?)\{(.*)\}$", tree)
+    if not m:
+        return [tree]
+    prefix, inner = m.group(1), m.group(2)
+    parts, depth, cur = [], 0, ""
+    for ch in inner:
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+            continue
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        cur += ch
+    parts.append(cur)
+    out = []
+    for p in filter(None, parts):
+        if p == "self":
+            out.append(prefix.rstrip(":"))
+        else:
+            out.extend(expand_use_tree(prefix + p))
+    return out
+
+
+def modules_of(src):
+    """{module path tuple: file} for the library rooted at src/lib.rs."""
+    mods = {}
+
+    def walk(path, file):
+        mods[path] = file
+        text = strip_test_modules(strip_comments(open(file, encoding="utf-8").read()))
+        base = os.path.dirname(file)
+        if not (file.endswith("lib.rs") or file.endswith("mod.rs")):
+            base = os.path.join(base, os.path.basename(file)[:-3])
+        for m in re.finditer(r"(?m)^(\s*#\[cfg\(test\)\]\s*)?\s*(?:pub(?:\([a-z]+\))?\s+)?mod\s+(" + IDENT + r")\s*;", text):
+            if m.group(1):
+                continue  # a file's tests (`#[cfg(test)] mod tests;`) import what they test
+            name = m.group(2)
+            for cand in (os.path.join(base, name + ".rs"), os.path.join(base, name, "mod.rs")):
+                if os.path.exists(cand):
+                    walk(path + (name,), cand)
+                    break
+
+    if os.path.exists(os.path.join(src, "lib.rs")):
+        walk((), os.path.join(src, "lib.rs"))
+    return mods
+
+
+def references(path, file):
+    """Every module path the file names, resolved from the crate root."""
+    text = strip_test_modules(strip_comments(open(file, encoding="utf-8").read()))
+    refs = []
+    for m in re.finditer(r"\buse\s+([^;]+);", text):
+        for p in expand_use_tree(m.group(1)):
+            refs.append(p)
+    body = re.sub(r"\buse\s+[^;]+;", "", text)
+    for m in re.finditer(r"\b((?:crate|super|self)(?:::" + IDENT + r")+)", body):
+        refs.append(m.group(1))
+    out = []
+    for r in refs:
+        segs = r.split("::")
+        if segs[0] == "crate":
+            out.append(("crate", tuple(segs[1:])))
+        elif segs[0] == "super":
+            up = list(path)
+            while segs and segs[0] == "super":
+                up = up[:-1]
+                segs = segs[1:]
+            out.append(("super", tuple(up) + tuple(segs)))
+        elif segs[0] == "self":
+            out.append(("self", tuple(path) + tuple(segs[1:])))
+    return out
+
+
+def resolve(mods, full):
+    """The deepest module that `full` (a path from the root) goes through."""
+    for k in range(len(full), -1, -1):
+        if full[:k] in mods:
+            return full[:k]
+    return ()
+
+
+def sccs(nodes, edges):
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            out.append(comp)
+
+    sys.setrecursionlimit(10000)
+    for v in nodes:
+        if v not in index:
+            visit(v)
+    return [c for c in out if len(c) > 1]
+
+
+def name(crate, path):
+    return crate + "::" + "::".join(path) if path else crate
+
+
+def main():
+    limit = LIMIT
+    if "--limit" in sys.argv:
+        limit = int(sys.argv[sys.argv.index("--limit") + 1])
+    members = re.search(r"members\s*=\s*\[([^\]]*)\]", open(os.path.join(ROOT, "Cargo.toml")).read())
+    crates = re.findall(r'"([^"]+)"', members.group(1))
+    findings = []
+    for crate in crates:
+        mods = modules_of(os.path.join(ROOT, crate, "src"))
+        edges = {}
+        for path, file in mods.items():
+            rel = os.path.relpath(file, ROOT)
+            for kind, full in references(path, file):
+                target = resolve(mods, full)
+                if target == path or target[: len(path)] == path:
+                    if target != path:
+                        edges.setdefault(path, set()).add(target)
+                    continue
+                if path[: len(target)] == target:
+                    findings.append(f"{rel}: back up a floor: names {name(crate, full)} (an item of its ancestor {name(crate, target)})")
+                    continue
+                edges.setdefault(path, set()).add(target)
+        for comp in sccs(list(mods), edges):
+            findings.append(f"{crate}: import circle between " + ", ".join(sorted(os.path.relpath(mods[p], ROOT) for p in comp)))
+    for crate in crates:
+        for d, _, files in os.walk(os.path.join(ROOT, crate)):
+            for f in files:
+                if f.endswith(".rs"):
+                    p = os.path.join(d, f)
+                    n = sum(1 for _ in open(p, encoding="utf-8"))
+                    rel = os.path.relpath(p, ROOT)
+                    if n > limit and rel in EXEMPT:
+                        print(f"exempt: {rel}: {n} lines ({EXEMPT[rel]})")
+                    elif n > limit:
+                        findings.append(f"{rel}: {n} lines (over {limit})")
+    for f in dict.fromkeys(findings):
+        print(f)
+    print(f"layers: {len(dict.fromkeys(findings))} findings in {len(crates)} crates")
+    return 1 if findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

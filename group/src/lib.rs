@@ -1,0 +1,26 @@
+//! # ep-group
+//!
+//! Process groups on the GPU library (ep-kernels): one rank per process, torchrun style.
+//!
+//! - [`new_process`] forms a process-mode group: this rank's allocation (ep-kernels'
+//!   `ProcessRank`), one all-gather round through a caller-supplied exchange ([`AllGather`],
+//!   e.g. `ep_launch::Rendezvous::all_gather`) carrying its CUDA IPC handle or rank 0's NCCL
+//!   unique id behind its [`handshake`] record, then which peers share its node
+//!   ([`topology`]: CUDA IPC to those, NCCL to the others) and the group;
+//! - [`handshake`]: nothing a peer says about its memory is trusted unchecked (versions,
+//!   kernel fingerprint, config, transport, allocation size, node), before anything is mapped;
+//! - [`topology`]: the node id of a process (`EP_NODE_ID`, `GROUP_RANK`, the hostname), the
+//!   plan of every peer's transport, and emulated nodes on one machine;
+//! - [`mp`]: the rank's side of a launched job (rendezvous, group, checks against the oracle),
+//!   what each rank of `ep-bench --nprocs` runs (ep-bench times its calls in between);
+//! - [`GroupError`]: the GPU library's [`ep_kernels::GpuError`] and what process mode adds.
+
+mod error;
+mod form;
+pub mod handshake;
+pub mod mp;
+pub mod topology;
+
+pub use error::GroupError;
+pub use form::new_process;
+pub use handshake::AllGather;

@@ -1,0 +1,136 @@
+//! The one runner of the GPU test binaries (`harness = false`): a test that cannot run here is
+//! printed as `SKIPPED: <test>: <why>` and counted as skipped, never as passed; a panic counts as
+//! a failure; a test that ran out of its time budget counts as incomplete, never as passed. The
+//! summary line (`<label>: N passed; N failed; N skipped; N incomplete`) is what `.ci/run` sums,
+//! and the process exits 1 on a failure, 2 on an incomplete run, else 0. Arguments: an optional
+//! name filter; cargo's flags (`--nocapture`, `--test-threads=N`, ...) are accepted and ignored.
+// Each binary uses part of this module.
+#![allow(dead_code)]
+
+use std::panic::UnwindSafe;
+use std::time::Instant;
+
+/// How a test that ran ended.
+pub enum Verdict {
+    /// Passed; the note (may be empty) is printed after "ok".
+    Ok(String),
+    /// Stopped by its own time budget: what ran passed, but not all of it ran.
+    Incomplete,
+    /// Failed, with what went wrong (a panic prints its own message first).
+    Failed(String),
+}
+
+pub struct Runner {
+    label: &'static str,
+    filter: Option<String>,
+    passed: usize,
+    failed: usize,
+    skipped: usize,
+    incomplete: usize,
+}
+
+impl Runner {
+    /// `label` starts the summary line (e.g. "gpu tests").
+    pub fn new(label: &'static str) -> Runner {
+        Runner {
+            label,
+            filter: std::env::args().skip(1).find(|a| !a.starts_with('-')),
+            passed: 0,
+            failed: 0,
+            skipped: 0,
+            incomplete: 0,
+        }
+    }
+
+    /// Whether the name filter (if any) selects `name`.
+    pub fn wanted(&self, name: &str) -> bool {
+        self.filter.as_deref().is_none_or(|f| name.contains(f))
+    }
+
+    /// Runs `test` if the filter selects it and `probe` says it can run here.
+    pub fn run(
+        &mut self,
+        name: &str,
+        probe: Result<(), String>,
+        test: impl FnOnce() -> Verdict + UnwindSafe,
+    ) {
+        if !self.wanted(name) {
+            return;
+        }
+        if let Err(why) = probe {
+            println!("SKIPPED: {name}: {why}");
+            self.skipped += 1;
+            return;
+        }
+        println!("test {name} ...");
+        let t0 = Instant::now();
+        let secs = || t0.elapsed().as_secs_f64();
+        match std::panic::catch_unwind(test) {
+            Ok(Verdict::Ok(note)) if note.is_empty() => {
+                println!("test {name} ... ok ({:.1} s)", secs());
+                self.passed += 1;
+            }
+            Ok(Verdict::Ok(note)) => {
+                println!("test {name} ... ok ({note}; {:.1} s)", secs());
+                self.passed += 1;
+            }
+            Ok(Verdict::Incomplete) => {
+                println!("test {name} ... INCOMPLETE (time budget; {:.1} s)", secs());
+                self.incomplete += 1;
+            }
+            Ok(Verdict::Failed(why)) => {
+                println!("test {name} ... FAILED: {why}");
+                self.failed += 1;
+            }
+            Err(_) => {
+                println!("test {name} ... FAILED (panicked)");
+                self.failed += 1;
+            }
+        }
+    }
+
+    /// Prints the summary line and exits with the status above.
+    pub fn finish(self) -> ! {
+        let Runner {
+            label,
+            passed,
+            failed,
+            skipped,
+            incomplete,
+            ..
+        } = self;
+        println!(
+            "{label}: {passed} passed; {failed} failed; {skipped} skipped; {incomplete} incomplete"
+        );
+        std::process::exit(if failed > 0 {
+            1
+        } else if incomplete > 0 {
+            2
+        } else {
+            0
+        })
+    }
+}
+
+/// The usual probe: `gpus` CUDA devices, and NCCL where `nccl` is true.
+pub fn probe(gpus: usize, nccl: bool) -> Result<(), String> {
+    ep_kernels::runtime::probe_devices(gpus)?;
+    if nccl && !ep_kernels::nccl::nccl_present() {
+        return Err("no NCCL (libnccl.so.2 not found)".to_string());
+    }
+    Ok(())
+}
+
+/// A number from the environment variable `var`: `None` where it is unset, an error naming the
+/// variable and its value where it does not parse.
+pub fn env_num<T: std::str::FromStr>(var: &str) -> Result<Option<T>, String> {
+    match std::env::var(var) {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(e) => Err(format!("{var}: {e}")),
+        Ok(v) => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| format!("{var}={v:?}: not a valid number")),
+    }
+}

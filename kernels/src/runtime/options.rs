@@ -1,0 +1,119 @@
+//! What a caller chooses for a group: the path of a call ([`Path`]), how peers are reached
+//! ([`Transport`]), how the NCCL transport sizes its messages ([`NcclSizes`]), the group's
+//! options ([`GpuOptions`]).
+
+/// Which of the two transports to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Path {
+    /// One message per selection, one signal per (expert, source).
+    PerExpert,
+    /// One deduplicated batch and one signal per (source, destination).
+    Batched,
+}
+
+impl Path {
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::PerExpert => "per-expert",
+            Path::Batched => "batched",
+        }
+    }
+}
+
+/// How the batched path reaches a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Transport {
+    /// NVLink (peer access, or CUDA IPC between processes) for every peer that shares it, NCCL
+    /// for the others (one rank per GPU needed there).
+    #[default]
+    Auto,
+    /// NCCL for every peer, this rank itself included (one rank per GPU: NCCL refuses two ranks
+    /// on one device). Both paths: batched (one payload message per peer) and per-expert (one
+    /// message per (peer, local expert) batch, needs [`NcclSizes::Exact`]).
+    Nccl,
+    /// Process mode across nodes: CUDA IPC (NVLink) to the peers of this rank's node, NCCL to
+    /// the others; the node of every rank comes from the handshake (ep-group's `topology`). On one
+    /// node (and in a single-process group) it is `Auto`.
+    TwoTier,
+}
+
+/// How the NCCL transport sizes its payload messages (peers reached through NCCL only).
+///
+/// - `Exact`: dispatch first exchanges the batch headers, the host waits for them (a bounded
+///   poll of the streams), reads the counts, checks them (`check_header`) and sends exactly the
+///   rows there are; combine reuses those counts. A host round trip per dispatch: the host
+///   blocks mid-call to read device data, so the call is neither ordered on a caller's stream
+///   nor graph-capturable, and the device API refuses it. Both paths. The default: it sends the
+///   fewest bytes (capacity doubles combine's at the standard setting), and on NCCL's network
+///   transport, the one this transport exists for, it wins the round trip by 2.1x
+///   (BENCHMARKS.md, "The network transport"; on NCCL's NVLink transport capacity wins).
+/// - `Capacity`: headers and payloads go in ONE NCCL group with no host synchronisation (the
+///   send headers are poisoned first, so a rank stopped by bad input sends a count its peers
+///   reject on the device instead of an earlier call's header):
+///   dispatch sends the header plus the full T entries per peer, combine T * min(K, L) rows per
+///   peer (the most selections one source can have on one destination: at most T tokens, each
+///   selects at most min(K, L) of its L experts); the unpack kernels read the real counts from
+///   the received header (bounded on the device). Stream-ordered and, as NCCL point-to-point
+///   calls may be captured into CUDA graphs, capturable. Batched path only: per-expert would
+///   have to send L * T entries per peer (every local expert's full region), so it is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NcclSizes {
+    /// Header round trip through the host, then exact payload sizes.
+    #[default]
+    Exact,
+    /// Header + fixed capacity in one group, no host round trip.
+    Capacity,
+}
+
+impl NcclSizes {
+    pub fn name(self) -> &'static str {
+        match self {
+            NcclSizes::Exact => "exact",
+            NcclSizes::Capacity => "capacity",
+        }
+    }
+}
+
+/// Options of a [`GpuGroup`].
+#[derive(Debug, Clone, Copy)]
+pub struct GpuOptions {
+    /// Devices to spread the ranks over (R % num_gpus == 0).
+    pub num_gpus: usize,
+    /// Bound of every wait, in nanoseconds.
+    pub timeout_ns: u64,
+    /// Blocks per rank; None: the multiprocessors of a device divided among its ranks.
+    pub blocks_per_rank: Option<usize>,
+    /// Batched combine: a source reads the rows of owners on its own GPU in place instead of
+    /// receiving them as a put (signals unchanged). Peers on other GPUs always get the put.
+    pub zero_copy_local: bool,
+    /// Which transport the batched path uses per peer pair.
+    pub transport: Transport,
+    /// NCCL transport: exact sizes after a host round trip, or a fixed capacity without one.
+    pub nccl_sizes: NcclSizes,
+    /// Trap (end the CUDA context, as DeepEP's kernels do) right after recording an error,
+    /// instead of leaving the kernel cleanly and raising at the next call. The error is still
+    /// named: its host mirror survives the trap. Off by default (a trap poisons the context).
+    pub trap_on_error: bool,
+    /// Shrink mode (DeepEP's `enable_shrink`): a wait for a peer that runs out masks that peer
+    /// on the waiting rank instead of failing the call; a masked peer is neither sent to nor
+    /// waited for, and the selections of its experts count as -1 (docs/contract.md, "Masked
+    /// ranks"). The mask: [`GpuGroup::mask_status`], [`GpuGroup::update_mask`],
+    /// [`GpuGroup::clean_mask`]. CUDA IPC and peer access only (not over NCCL, whose receives
+    /// the kernels cannot bound), at most 32 ranks.
+    pub enable_shrink: bool,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            num_gpus: 1,
+            timeout_ns: 2_000_000_000,
+            blocks_per_rank: None,
+            zero_copy_local: true,
+            transport: Transport::Auto,
+            nccl_sizes: NcclSizes::default(),
+            trap_on_error: false,
+            enable_shrink: false,
+        }
+    }
+}
