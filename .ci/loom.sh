@@ -15,7 +15,7 @@ export CARGO_TARGET_DIR=target/loom
 t0=$SECONDS
 
 echo "-- loom models (LOOM_MAX_PREEMPTIONS=$LOOM_MAX_PREEMPTIONS)"
-cargo test --release -p ep-verify --test loom_protocol --test loom_gpu_protocol
+cargo test --release -p ep-verify --test loom_protocol --test loom_gpu_protocol --test loom_gpu_shrink
 echo "-- loom models: $((SECONDS - t0)) s"
 
 # mutant cfg value : test file : the model that must catch it [: what its failure must say,
@@ -57,10 +57,10 @@ mutants=(
   # shrink mode (the rank mask), not orderings either: blocks that go on with their own verdicts
   # on a peer lost at the timeout's edge, a receive that waits for a masked peer (whose signal
   # carries this call's tag), a clean that leaves the signal words (whose tags come round again)
-  "gpu_no_agreement:loom_gpu_protocol:shrink_two_blocks_agree_at_the_timeout_edge:disagree on the lost peers"
-  "gpu_no_agreement:loom_gpu_protocol:shrink_per_expert_two_blocks_agree_at_the_timeout_edge:disagree on the lost peers"
-  "gpu_masked_peer_waited:loom_gpu_protocol:shrink_masked_peer_signals_ignored:read a masked peer's entries"
-  "gpu_clean_keeps_signals:loom_gpu_protocol:shrink_unmask_with_clean"
+  "gpu_no_agreement:loom_gpu_shrink:shrink_two_blocks_agree_at_the_timeout_edge:disagree on the lost peers"
+  "gpu_no_agreement:loom_gpu_shrink:shrink_per_expert_two_blocks_agree_at_the_timeout_edge:disagree on the lost peers"
+  "gpu_masked_peer_waited:loom_gpu_shrink:shrink_masked_peer_signals_ignored:read a masked peer's entries"
+  "gpu_clean_keeps_signals:loom_gpu_shrink:shrink_unmask_with_clean"
 )
 killed=0
 log=$(mktemp)
@@ -74,7 +74,7 @@ for m in "${mutants[@]}"; do
   chmod +x "$wrapper"
   echo "-- mutant $name: loom must find \"$want\" in $test::$model"
   exact=()
-  [ "$test" = loom_gpu_protocol ] && exact=(--exact)
+  case "$test" in loom_gpu_protocol|loom_gpu_shrink) exact=(--exact) ;; esac
   if RUSTC_WORKSPACE_WRAPPER="$wrapper" \
     cargo test --release -p ep-verify --test "$test" -- "${exact[@]}" "$model" >"$log" 2>&1; then
     echo "FAIL: mutant $name survived: loom found nothing in $model"

@@ -1,0 +1,179 @@
+//! The harness the GPU protocol's loom models share (`loom_gpu_protocol`, `loom_gpu_shrink`):
+//! launches, the host's checks, bounded models. See `loom_gpu_protocol.rs` for what maps onto
+//! what. Each test binary uses part of it.
+#![allow(dead_code, unused_imports)]
+
+
+pub use std::sync::atomic::{AtomicBool, Ordering as StdOrdering};
+pub use std::time::Duration;
+
+pub use ep_verify::gpu_protocol::{
+    ack_word, batched_pack_block, batched_unpack_block, clean_mask, device_error, dispatch_block,
+    entry_at, is_gone, mask_status, merged, nccl_capacity_exchange, payload, poison_send_headers,
+    update_mask, BlockReport, DeviceError, Entry, Group, Host, Input, Kind, Launch, Setup, WaitEnd,
+    PF_BATCH_TOKENS, PH_DISPATCH_RECV, POISON_HDR,
+};
+pub use loom::thread;
+
+/// Every wait gives up after this many polls past the first (a `Deadline` of N ms under loom).
+pub fn bounded(polls: u64) -> Launch {
+    Launch {
+        timeout: Duration::from_millis(polls),
+        fault_rank: None,
+        bad_input: None,
+        shrink: false,
+    }
+}
+
+/// The shape of most models: ranks 0 (device 0) and 1 (device 1), rank 0 sends to rank 1.
+/// Leaked: loom threads need 'static borrows (a new group per interleaving).
+pub fn group(kind: Kind, ranks: Vec<(usize, usize)>, local_experts: usize) -> &'static Group {
+    group_after(kind, ranks, local_experts, 0)
+}
+
+/// [`group`] whose ranks have completed `base` calls already.
+pub fn group_after(
+    kind: Kind,
+    ranks: Vec<(usize, usize)>,
+    local_experts: usize,
+    base: u64,
+) -> &'static Group {
+    Box::leak(Box::new(Group::after_calls(
+        Setup {
+            kind,
+            ranks,
+            links: vec![(0, 1)],
+            max_tokens: 2,
+            local_experts,
+        },
+        base,
+    )))
+}
+
+/// Rank 0's two tokens, both bound for rank 1 (local experts `l0`, `l1`); rank 1 has none.
+pub fn input(call: u64, l0: usize, l1: usize) -> Input {
+    Input {
+        call,
+        route: vec![vec![vec![(1, l0)], vec![(1, l1)]], vec![]],
+    }
+}
+
+/// One launch of every block of `rank`: blocks 1.. on loom threads, block 0 on this one. It
+/// returns when every block has ended (the stream's order before the next launch).
+pub fn launch(g: &'static Group, kp: Launch, input: &Input, rank: usize) -> Vec<BlockReport> {
+    let others: Vec<_> = (1..g.ranks[rank].blocks)
+        .map(|b| {
+            let input = input.clone();
+            thread::spawn(move || dispatch_block(g, &kp, &input, rank, b))
+        })
+        .collect();
+    let mut reps = vec![dispatch_block(g, &kp, input, rank, 0)];
+    reps.extend(others.into_iter().map(|t| t.join().unwrap()));
+    reps
+}
+
+/// One rank's launch of one call, checked once the host knows that no wait failed.
+pub struct Done {
+    pub rank: usize,
+    pub input: Input,
+    pub reps: Vec<BlockReport>,
+}
+
+/// The host's sync after every launch ended. A timeout: it names a waiting rank and call, and
+/// the group refuses what follows. Otherwise: on every rank exactly one block was the last
+/// out, every block ran the call's epoch, and every rank consumed exactly its call's entries.
+/// Returns whether the calls completed.
+pub fn host_check(g: &Group, done: &[Done]) -> bool {
+    let mut host = Host::default();
+    if let Err(t) = host.sync(g) {
+        let DeviceError::Timeout {
+            rank, peer, call, ..
+        } = t
+        else {
+            panic!("only timeouts in these models: {t:?}");
+        };
+        assert!(
+            rank < 2 && peer < 2 && call > g.base && call <= g.base + 2,
+            "{t:?}"
+        );
+        assert!(done
+            .iter()
+            .any(|d| d.reps.iter().any(|r| r.failed_wait.is_some())));
+        assert_eq!(host.check_usable(), Err(t), "the next call must be refused");
+        return false;
+    }
+    for d in done {
+        let rank = d.rank;
+        assert_eq!(
+            d.reps.iter().filter(|r| r.last_out).count(),
+            1,
+            "exactly one block of rank {rank} is the last out"
+        );
+        for r in &d.reps {
+            assert_eq!(r.epoch, g.base + d.input.call, "rank {rank}'s epoch");
+            assert_eq!(r.failed_wait, None, "a failed wait raises the error word");
+        }
+        assert_eq!(
+            merged(&d.reps),
+            g.expected(&d.input, rank),
+            "rank {rank} consumed call {}'s entries",
+            d.input.call
+        );
+    }
+    true
+}
+
+/// Runs `body` under loom and requires some interleaving to have completed (no timeout).
+pub fn model(body: impl Fn() -> bool + Sync + Send + 'static) {
+    model_bounded(None, body)
+}
+
+/// [`model`] with at most `bound` preemptions (`None`: `LOOM_MAX_PREEMPTIONS`, as `model`);
+/// a bound above `LOOM_MAX_PREEMPTIONS` is lowered to it.
+pub fn model_bounded(bound: Option<usize>, body: impl Fn() -> bool + Sync + Send + 'static) {
+    let completed = std::sync::Arc::new(AtomicBool::new(false));
+    let seen = completed.clone();
+    let mut builder = loom::model::Builder::new();
+    if let Some(b) = bound {
+        builder.preemption_bound = Some(builder.preemption_bound.map_or(b, |env| env.min(b)));
+    }
+    builder.check(move || {
+        if body() {
+            seen.store(true, StdOrdering::Relaxed);
+        }
+    });
+    assert!(
+        completed.load(StdOrdering::Relaxed),
+        "no interleaving completed: the wait bound is too tight for the model"
+    );
+}
+
+/// Rank 0 runs `tx_calls` launches, rank 1 `rx_calls`, with no host sync between them, then
+/// the host checks.
+pub fn calls(g: &'static Group, kp: Launch, tx: Vec<Input>, rx: Vec<Input>) -> bool {
+    host_check(g, &run_calls(g, kp, tx, rx))
+}
+
+/// The launches of [`calls`], unchecked: rank 0's first, then rank 1's.
+pub fn run_calls(g: &'static Group, kp: Launch, tx: Vec<Input>, rx: Vec<Input>) -> Vec<Done> {
+    let rx_thread = thread::spawn(move || {
+        rx.into_iter()
+            .map(|input| Done {
+                rank: 1,
+                reps: launch(g, kp, &input, 1),
+                input,
+            })
+            .collect::<Vec<_>>()
+    });
+    let mut done: Vec<Done> = tx
+        .into_iter()
+        .map(|input| Done {
+            rank: 0,
+            reps: launch(g, kp, &input, 0),
+            input,
+        })
+        .collect();
+    done.extend(rx_thread.join().unwrap());
+    done
+}
+

@@ -1,0 +1,291 @@
+//! loom models of the CUDA kernels' shrink mode (the rank mask), on `ep_verify::gpu_protocol`,
+//! beside `loom_gpu_protocol.rs` (which says how the device maps onto the model) and with its
+//! harness (`loom_gpu/`).
+//!
+//! Run: `RUSTFLAGS="--cfg ep_loom" LOOM_MAX_PREEMPTIONS=4 cargo test --release -p ep-verify
+//! --test loom_gpu_shrink`; `.ci/loom.sh` runs them and their mutants.
+//!
+//! `shrink_*`: shrink mode, the rank mask (common.cuh, "shrink mode (the rank mask)":
+//!   `agree_at`, `wait_peer_signals`, `wait_peer_ack`, `masked_peers`; batched dispatch's
+//!   `s_gone` / `gone` and `finish:`'s "no ack to a masked peer"; runtime/mask.rs `update_mask`
+//!   and `clean_mask`). `shrink_two_blocks_agree_at_the_timeout_edge` and its per-expert twin:
+//!   the blocks of a rank agree on a peer whose signal lands at the timeout's edge (mutant
+//!   `gpu_no_agreement`); `shrink_masked_peer_signals_ignored`: a masked peer's signal, with this
+//!   call's tag, and its region are left alone, and the masked peer masks back at its next ack
+//!   wait (mutant `gpu_masked_peer_waited`); `shrink_unmask_with_clean`: a peer lost in call 1 is
+//!   taken back after every rank's clean, bit for bit (mutant `gpu_clean_keeps_signals`).
+#![cfg(ep_loom)]
+
+mod loom_gpu;
+use loom_gpu::*;
+
+// ---------------------------------------------------------------- shrink mode (the rank mask)
+
+/// `kp` in shrink mode (`p.shrink`).
+fn shrink(kp: Launch) -> Launch {
+    Launch { shrink: true, ..kp }
+}
+
+/// The host's sync after every launch ended, in shrink mode. A peer lost at the timeout's edge
+/// is no error: the sync finds nothing, unless a block's wait again (its own wait ran out while
+/// "arrived" was agreed) ran out too, which reports a timeout, and then the group refuses what
+/// follows. Otherwise, on every rank: one block last out, the call's epoch (`before_clean`: the
+/// calls made before the last `clean_mask`), no failed wait; every block left out the same
+/// peers (the agreement: every block of these models waits for every source); no entry of a
+/// peer left out was read, and the rank consumed exactly its call's entries from the others.
+/// Returns whether the calls completed.
+fn shrink_check(g: &Group, done: &[Done], before_clean: u64) -> bool {
+    let mut host = Host::default();
+    if let Err(t) = host.sync(g) {
+        assert!(matches!(t, DeviceError::Timeout { .. }), "{t:?}");
+        assert!(
+            done.iter().any(|d| d
+                .reps
+                .iter()
+                .any(|r| r.waited_again && r.failed_wait == Some(WaitEnd::TimedOut))),
+            "in shrink mode only a wait again reports a timeout: {t:?}"
+        );
+        assert_eq!(host.check_usable(), Err(t), "the next call must be refused");
+        return false;
+    }
+    for d in done {
+        let (rank, call) = (d.rank, d.input.call);
+        assert_eq!(
+            d.reps.iter().filter(|r| r.last_out).count(),
+            1,
+            "exactly one block of rank {rank} is the last out"
+        );
+        let gone = d.reps[0].gone;
+        for r in &d.reps {
+            assert_eq!(r.epoch, g.base + call - before_clean, "rank {rank}'s epoch");
+            assert_eq!(r.failed_wait, None, "a failed wait raises the error word");
+            assert_eq!(
+                r.gone, gone,
+                "the blocks of rank {rank} disagree on the lost peers in call {call}"
+            );
+            if let Some(e) = r.read.iter().find(|e| is_gone(gone, e.src)) {
+                panic!("rank {rank} read a masked peer's entries in call {call}: {e:?}");
+            }
+        }
+        let want: Vec<Entry> = g
+            .expected(&d.input, rank)
+            .into_iter()
+            .filter(|e| !is_gone(gone, e.src))
+            .collect();
+        assert_eq!(
+            merged(&d.reps),
+            want,
+            "rank {rank} consumed call {call}'s entries, less the peers left out ({gone:#b})"
+        );
+    }
+    true
+}
+
+/// Shrink mode, one call: rank 0 (one block) sends both its tokens to rank 1, whose two blocks
+/// wait for rank 0's signal for one poll: at the timeout's edge one block may see it while the
+/// other runs out. Both must end with the same verdict (common.cuh `agree_at`): "arrived", and
+/// both read their entries after the signal (the block that ran out waits again: loom's cells
+/// catch a read before the write), and rank 1 acks rank 0; or "lost", and neither reads, rank 1
+/// masks rank 0 and does not ack it. Either way no error. Both verdicts, and a block waiting
+/// again then reading, must occur. Mutant `gpu_no_agreement` (each block goes on with its own
+/// verdict): one block reads, the other drops rank 0.
+///
+/// Batched: one entry per block (entry j to block j % 2). Per-expert: the two tokens go to local
+/// experts 0 and 1, one per block, and each block's wait covers both of rank 0's signal words
+/// (`wait_peer_signals` with nw = L), its own and the other block's.
+fn two_blocks_agree(kind: Kind, local_experts: usize, l1: usize) {
+    let seen = std::sync::Arc::new([(); 3].map(|_| AtomicBool::new(false)));
+    let s = seen.clone();
+    model(move || {
+        let g = group(kind, vec![(0, 1), (1, 2)], local_experts);
+        let c = vec![input(1, 0, l1)];
+        let done = run_calls(g, shrink(bounded(1)), c.clone(), c);
+        if !shrink_check(g, &done, 0) {
+            return false;
+        }
+        let rx = &done[1].reps;
+        let lost = is_gone(rx[0].gone, 0);
+        assert_eq!(
+            mask_status(g, 1),
+            [lost, false],
+            "rank 1 masks rank 0 iff lost"
+        );
+        assert_eq!(mask_status(g, 0), [false, false], "rank 0 lost nobody");
+        assert_eq!(
+            ack_word(g, 0, 1),
+            !lost as u64,
+            "rank 1 acks call 1 to rank 0 iff it arrived"
+        );
+        s[lost as usize].store(true, StdOrdering::Relaxed);
+        if rx.iter().any(|r| r.waited_again && !r.read.is_empty()) {
+            s[2].store(true, StdOrdering::Relaxed);
+        }
+        true
+    });
+    let [arrived, lost, again] = &*seen;
+    assert!(
+        arrived.load(StdOrdering::Relaxed),
+        "no interleaving had rank 0 arrive"
+    );
+    assert!(
+        lost.load(StdOrdering::Relaxed),
+        "no interleaving lost rank 0"
+    );
+    assert!(
+        again.load(StdOrdering::Relaxed),
+        "no interleaving had a block run out, wait again and read"
+    );
+}
+
+#[test]
+fn shrink_two_blocks_agree_at_the_timeout_edge() {
+    two_blocks_agree(Kind::Batched, 1, 0);
+}
+
+#[test]
+fn shrink_per_expert_two_blocks_agree_at_the_timeout_edge() {
+    two_blocks_agree(Kind::PerExpert, 2, 1);
+}
+
+/// One thread per rank (rank 0's on this one), each running its launches of `per_rank` in
+/// order with no host sync between them; returns them all, rank by rank.
+fn run_ranks(g: &'static Group, kp: Launch, per_rank: Vec<Vec<Input>>) -> Vec<Done> {
+    let mut per_rank = per_rank.into_iter().enumerate();
+    let (_, first) = per_rank.next().expect("rank 0");
+    let run = move |rank: usize, inputs: Vec<Input>| {
+        inputs
+            .into_iter()
+            .map(|input| Done {
+                rank,
+                reps: launch(g, kp, &input, rank),
+                input,
+            })
+            .collect::<Vec<_>>()
+    };
+    let others: Vec<_> = per_rank
+        .map(|(rank, inputs)| thread::spawn(move || run(rank, inputs)))
+        .collect();
+    let mut done = run(0, first);
+    for t in others {
+        done.extend(t.join().unwrap());
+    }
+    done
+}
+
+/// Shrink mode, three ranks, two calls with no sync between them: ranks 0 and 2 each send both
+/// their tokens to rank 1. Rank 1's process has masked rank 0 (runtime/mask.rs `update_mask`,
+/// before rank 1's call 1); rank 0's has not, so rank 0's call 1 writes rank 1's region and
+/// signals with call 1's tag, which is rank 1's call's. Rank 1 must not wait for that signal
+/// nor read rank 0's region (loom's cells: rank 0 writes it while rank 1 runs), whether it
+/// lands during rank 1's call 1 or late, during call 2, and must not ack rank 0; meanwhile it
+/// exchanges with rank 2 as usual (at the timeout's edge: arrived or lost, agreed). Rank 0's
+/// call 2 waits for rank 1's ack of call 1 in vain, takes rank 1 as lost (no error) and
+/// neither writes nor signals: rank 1's region of rank 0 keeps call 1's entries. Mutant
+/// `gpu_masked_peer_waited` (the receive ignores the mask): rank 1 takes rank 0's signal and
+/// reads the masked peer's entries.
+#[test]
+fn shrink_masked_peer_signals_ignored() {
+    let both = std::sync::Arc::new(AtomicBool::new(false));
+    let seen = both.clone();
+    model(move || {
+        let g: &'static Group = Box::leak(Box::new(Group::new(Setup {
+            kind: Kind::Batched,
+            ranks: vec![(0, 1), (1, 1), (2, 1)],
+            links: vec![(0, 1), (2, 1)],
+            max_tokens: 2,
+            local_experts: 1,
+        })));
+        update_mask(g, 1, 0, true);
+        let c: Vec<Input> = (1..=2)
+            .map(|call| Input {
+                call,
+                route: vec![
+                    vec![vec![(1, 0)], vec![(1, 0)]],
+                    vec![],
+                    vec![vec![(1, 0)], vec![(1, 0)]],
+                ],
+            })
+            .collect();
+        let done = run_ranks(g, shrink(bounded(1)), vec![c.clone(), c.clone(), c]);
+        // One block per rank: no wait again, nothing can report.
+        assert!(shrink_check(g, &done, 0), "no error in shrink mode here");
+        let gone = |rank: usize, call: u64| {
+            let d = done.iter().find(|d| d.rank == rank && d.input.call == call);
+            d.expect("launched").reps[0].gone
+        };
+        assert_eq!(gone(0, 1), 0, "rank 0 does not know");
+        assert_eq!(
+            gone(0, 2),
+            0b010,
+            "rank 0 lost rank 1 at the ack wait of call 2"
+        );
+        for call in 1..=2 {
+            assert!(
+                is_gone(gone(1, call), 0),
+                "rank 1 left rank 0 out of call {call}"
+            );
+        }
+        assert_eq!(mask_status(g, 0), [false, true, false]);
+        assert!(mask_status(g, 1)[0]);
+        assert_eq!(ack_word(g, 0, 1), 0, "no ack to a masked peer");
+        for t in 0..2 {
+            assert_eq!(
+                entry_at(g, 1, t),
+                ([t as u32, 0, 0, 0], payload(1, 0, t)),
+                "rank 0 wrote nothing to rank 1 in call 2"
+            );
+        }
+        if gone(1, 2) == 0b001 {
+            seen.store(true, StdOrdering::Relaxed);
+        }
+        true
+    });
+    assert!(
+        both.load(StdOrdering::Relaxed),
+        "no interleaving had rank 1 take rank 2's entries in both calls"
+    );
+}
+
+/// Shrink mode: call 1 loses rank 0 on rank 1 at the timeout's edge (or not: both occur);
+/// then, every launch ended, every rank's clean (runtime/mask.rs `clean_mask`: the mask, the
+/// decisions, the signal and ack words, the epochs and counters); then call 2 on both ranks
+/// from epoch 0 again (epoch 1: call 1's tag), with a bound that never expires. Rank 1 must
+/// take rank 0 back and consume exactly call 2's entries, bit for bit. Rank 0's call-1 signal,
+/// ignored by a rank 1 that had lost rank 0, carries that same tag: left in its word (mutant
+/// `gpu_clean_keeps_signals`), rank 1 takes it as call 2's and reads the region while rank 0
+/// rewrites it.
+#[test]
+fn shrink_unmask_with_clean() {
+    let masked = std::sync::Arc::new(AtomicBool::new(false));
+    let seen = masked.clone();
+    model(move || {
+        let g = group(Kind::Batched, vec![(0, 1), (1, 1)], 1);
+        let c1 = vec![input(1, 0, 0)];
+        let done = run_calls(g, shrink(bounded(1)), c1.clone(), c1);
+        assert!(
+            shrink_check(g, &done, 0),
+            "one block per rank: no wait again"
+        );
+        if mask_status(g, 1)[0] {
+            seen.store(true, StdOrdering::Relaxed);
+        }
+        clean_mask(g);
+        for rank in 0..2 {
+            assert_eq!(mask_status(g, rank), [false, false], "rank {rank}'s mask");
+        }
+        let never = Launch {
+            timeout: Duration::from_secs(7200),
+            ..shrink(bounded(0))
+        };
+        let c2 = vec![input(2, 0, 0)];
+        let done = run_calls(g, never, c2.clone(), c2);
+        assert!(shrink_check(g, &done, 1), "nothing can run out");
+        assert_eq!(done[1].reps[0].gone, 0, "rank 1 took rank 0 back");
+        assert_eq!(merged(&done[1].reps), g.expected(&done[1].input, 1));
+        true
+    });
+    assert!(
+        masked.load(StdOrdering::Relaxed),
+        "no interleaving masked rank 0 in call 1"
+    );
+}
