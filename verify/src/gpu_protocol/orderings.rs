@@ -1,0 +1,101 @@
+//! The orderings of the kernels' fences, loads and stores, each with the mutants that weaken it
+//! (the module docs' "Mutants"), and `wait_signal`'s tag match (mutant `gpu_tag_ge`): every role
+//! takes its orderings from here.
+
+use ep_reference::sync::{fence, Ordering};
+
+/// Batched dispatch's `fence_rel(p)` before "`atomicAdd(state + ST_SENT + KIND, 1u)`": publishes this block's
+/// stores to the block that completes the count.
+#[inline]
+pub(crate) fn fence_before_sent_add() {
+    #[cfg(not(ep_mutant = "gpu_counter_release"))]
+    fence(Ordering::AcqRel);
+    // Mutant: the release half is gone; the last block no longer gets this block's stores.
+    #[cfg(ep_mutant = "gpu_counter_release")]
+    fence(Ordering::Acquire);
+}
+
+/// Batched dispatch's second `fence_rel(p)`, of the block that completed the count, before the signal
+/// stores: acquires the other blocks' stores (their fence + add) and releases them with its own.
+#[inline]
+pub(crate) fn fence_after_last_sent() {
+    #[cfg(not(any(ep_mutant = "gpu_counter_acquire", ep_mutant = "gpu_signal_relaxed")))]
+    fence(Ordering::AcqRel);
+    // Mutant: the last block does not acquire the other blocks' stores.
+    #[cfg(ep_mutant = "gpu_counter_acquire")]
+    fence(Ordering::Release);
+    // Mutant (with the relaxed signal store): nothing releases what this fence acquired.
+    #[cfg(ep_mutant = "gpu_signal_relaxed")]
+    fence(Ordering::Acquire);
+}
+
+/// Per-expert dispatch's `fence_rel(p)` of the block that owns the expert, before its signal.
+#[inline]
+pub(crate) fn fence_before_pe_signal() {
+    #[cfg(not(ep_mutant = "gpu_signal_relaxed"))]
+    fence(Ordering::AcqRel);
+    #[cfg(ep_mutant = "gpu_signal_relaxed")]
+    fence(Ordering::Acquire);
+}
+
+/// The `st_release(p, sig_bat(tab[d]) + rank, ...)` / `st_release(p, sig_pe(tab[d], R) + ...)`
+/// of a signal word.
+#[cfg(not(ep_mutant = "gpu_signal_relaxed"))]
+pub(crate) const SIGNAL_STORE: Ordering = Ordering::Release;
+#[cfg(ep_mutant = "gpu_signal_relaxed")]
+pub(crate) const SIGNAL_STORE: Ordering = Ordering::Relaxed;
+
+/// common.cuh `wait_signal`: `ld_acquire(p, addr)`.
+#[cfg(not(ep_mutant = "gpu_wait_relaxed"))]
+pub(crate) const SIGNAL_LOAD: Ordering = Ordering::Acquire;
+#[cfg(ep_mutant = "gpu_wait_relaxed")]
+pub(crate) const SIGNAL_LOAD: Ordering = Ordering::Relaxed;
+
+/// common.cuh `last_block_out`: the first `fence_rel(p)`, before the exit counter's `atomicAdd`.
+#[inline]
+pub(crate) fn fence_before_exit_add() {
+    #[cfg(not(any(ep_mutant = "gpu_exit_release", ep_mutant = "gpu_ack_store_relaxed")))]
+    fence(Ordering::AcqRel);
+    // Mutant: a block's reads are no longer published to the last block out (hence to the ack).
+    #[cfg(any(ep_mutant = "gpu_exit_release", ep_mutant = "gpu_ack_store_relaxed"))]
+    fence(Ordering::Acquire);
+}
+
+/// common.cuh `last_block_out`: the second `fence_rel(p)`, of the last block out, after its `atomicAdd`.
+#[inline]
+pub(crate) fn fence_after_last_exit() {
+    #[cfg(not(any(ep_mutant = "gpu_exit_acquire", ep_mutant = "gpu_ack_store_relaxed")))]
+    fence(Ordering::AcqRel);
+    // Mutant: the last block out does not acquire the other blocks' reads before it acks.
+    #[cfg(ep_mutant = "gpu_exit_acquire")]
+    fence(Ordering::Release);
+    #[cfg(ep_mutant = "gpu_ack_store_relaxed")]
+    fence(Ordering::Acquire);
+}
+
+/// `finish:`'s `st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch)` (per-expert:
+/// `sig_pe_ack`) of an ack word.
+#[cfg(not(ep_mutant = "gpu_ack_store_relaxed"))]
+pub(crate) const ACK_STORE: Ordering = Ordering::Release;
+#[cfg(ep_mutant = "gpu_ack_store_relaxed")]
+pub(crate) const ACK_STORE: Ordering = Ordering::Relaxed;
+
+/// common.cuh `wait_ack`: `ld_acquire(p, addr)`; also batched dispatch's pre-load
+/// "`ack0 = ld_acquire(p, sig_bat_ack(me, R) + ackd)`".
+#[cfg(not(ep_mutant = "gpu_ack_load_relaxed"))]
+pub(crate) const ACK_LOAD: Ordering = Ordering::Acquire;
+#[cfg(ep_mutant = "gpu_ack_load_relaxed")]
+pub(crate) const ACK_LOAD: Ordering = Ordering::Relaxed;
+
+/// `ld.volatile`, `atomicAdd`, `atomicCAS`, `atomicExch` and plain stores of state counters.
+pub(crate) const RELAXED: Ordering = Ordering::Relaxed;
+
+/// common.cuh `wait_signal`'s match, "`(v >> SIG_COUNT_BITS) == tag`": the word's tag must equal this call's.
+#[inline]
+pub(crate) fn tag_matches(word_tag: u64, tag: u64) -> bool {
+    #[cfg(not(ep_mutant = "gpu_tag_ge"))]
+    return word_tag == tag;
+    // Mutant: `>=`, as for acks; right for every pair of consecutive calls but the tag's wrap.
+    #[cfg(ep_mutant = "gpu_tag_ge")]
+    return word_tag >= tag;
+}
