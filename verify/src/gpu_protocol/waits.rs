@@ -1,0 +1,149 @@
+//! The error word (common.cuh `failed`, `report_error`, `report_timeout`, `peer_bad`) and the
+//! bounded waits of a call without shrink mode: for a signal with the call's tag (`wait_signal`)
+//! and for an ack (`wait_ack`), each stopped by the error word and bounded by a `Deadline`.
+
+use ep_reference::sync::{fence, AtomicU64, Deadline, Ordering};
+
+use crate::gpu_protocol::orderings::{tag_matches, ACK_LOAD, RELAXED, SIGNAL_LOAD};
+use crate::gpu_protocol::state::{ErrorWord, Group, Launch, WaitEnd};
+use crate::gpu_protocol::words::{
+    sig_tag, ERR_PEER_DATA, ERR_TIMEOUT, SIG_COUNT_BITS, SIG_COUNT_MASK,
+};
+
+/// common.cuh `failed`: `ld_volatile_u32(err) != 0`.
+pub(crate) fn failed(e: &ErrorWord) -> bool {
+    e.code.load(RELAXED) != 0
+}
+
+/// common.cuh `report_error`: the first error of the device writes the details, then
+/// raises the code; later ones only see it.
+pub(crate) fn report_error(e: &ErrorWord, code: u32, words: [u32; 6]) {
+    // if (atomicCAS(w + 7, 0u, 1u) == 0u)
+    if e.claim.compare_exchange(0, 1, RELAXED, RELAXED).is_ok() {
+        // w[1] = a; ... w[6] = f;
+        // SAFETY: only the claim's one winner writes the row, once; the host reads it after
+        // every block of the launch ended.
+        unsafe {
+            e.fields.with_row_mut(0, |b| {
+                for (i, w) in words.iter().enumerate() {
+                    b[4 * i..4 * i + 4].copy_from_slice(&w.to_le_bytes());
+                }
+            })
+        }
+        // __threadfence_system();
+        fence(Ordering::SeqCst);
+        // atomicExch(w, code);
+        e.code.swap(code as u64, RELAXED);
+    }
+}
+
+/// common.cuh `report_timeout`: rank, peer, phase, call (low), waited us, call (high).
+pub(crate) fn report_timeout(
+    e: &ErrorWord,
+    rank: usize,
+    peer: usize,
+    phase: u32,
+    call: u64,
+    waited: u64,
+) {
+    let words = [
+        rank as u32,
+        peer as u32,
+        phase,
+        call as u32,
+        (waited * 1000) as u32,
+        (call >> 32) as u32,
+    ];
+    report_error(e, ERR_TIMEOUT, words);
+}
+
+/// common.cuh `peer_bad`: a peer-supplied `value` outside [0, limit] is reported.
+pub(crate) fn peer_bad(
+    e: &ErrorWord,
+    rank: usize,
+    peer: usize,
+    field: u32,
+    value: i64,
+    limit: i64,
+) -> bool {
+    if (0..=limit).contains(&value) {
+        return false;
+    }
+    let words = [
+        rank as u32,
+        peer as u32,
+        field,
+        value as u32,
+        0,
+        limit as u32,
+    ];
+    report_error(e, ERR_PEER_DATA, words);
+    true
+}
+
+/// common.cuh `wait_signal`: waits until the word carries this call's tag; returns its count.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn wait_signal(
+    g: &Group,
+    kp: &Launch,
+    addr: &AtomicU64,
+    epoch: u64,
+    rank: usize,
+    peer: usize,
+    phase: u32,
+) -> Result<u32, WaitEnd> {
+    let e = g.err(rank);
+    // u64 t0 = globaltimer();
+    let deadline = Deadline::after(kp.timeout);
+    // const u64 tag = sig_tag(epoch);
+    let tag = sig_tag(epoch);
+    let got = deadline.spin_until(|| {
+        // u64 v = ld_acquire(p, addr);
+        let v = addr.load(SIGNAL_LOAD);
+        // if ((v >> SIG_COUNT_BITS) == tag) return (long long)(v & SIG_COUNT_MASK);
+        if tag_matches(v >> SIG_COUNT_BITS, tag) {
+            return Some(Ok((v & SIG_COUNT_MASK) as u32));
+        }
+        // if ((++spins & 63u) == 0u) { if (failed(p)) return -1; ... }
+        if failed(e) {
+            return Some(Err(WaitEnd::SawError));
+        }
+        None
+    });
+    got.unwrap_or_else(|| {
+        // if (now - t0 > p.timeout_ns) { report_timeout(p, rank, peer, phase, epoch, now - t0); return -1; }
+        report_timeout(e, rank, peer, phase, epoch, deadline.waited_ms());
+        Err(WaitEnd::TimedOut)
+    })
+}
+
+/// common.cuh `wait_ack`: waits until the ack word is at least `need` (u64 epochs).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn wait_ack(
+    g: &Group,
+    kp: &Launch,
+    addr: &AtomicU64,
+    need: u64,
+    call: u64,
+    rank: usize,
+    peer: usize,
+    phase: u32,
+) -> Result<(), WaitEnd> {
+    let e = g.err(rank);
+    let deadline = Deadline::after(kp.timeout);
+    let got = deadline.spin_until(|| {
+        // u64 v = ld_acquire(p, addr); if (v >= need) return true;
+        if addr.load(ACK_LOAD) >= need {
+            return Some(Ok(()));
+        }
+        // if (failed(p)) return false;
+        if failed(e) {
+            return Some(Err(WaitEnd::SawError));
+        }
+        None
+    });
+    got.unwrap_or_else(|| {
+        report_timeout(e, rank, peer, phase, call, deadline.waited_ms());
+        Err(WaitEnd::TimedOut)
+    })
+}
