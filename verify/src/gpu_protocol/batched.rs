@@ -1,0 +1,141 @@
+//! Batched dispatch's (batched.cu `ep_batched_dispatch`) send and receive over NVLink / peer
+//! memory: a block's share of every batch, the count of blocks out and the signal of the block
+//! that completes it; then the receive's waits for every source and its share of the entries.
+
+use crate::gpu_protocol::orderings::{
+    fence_after_last_sent, fence_before_sent_add, RELAXED, SIGNAL_STORE,
+};
+use crate::gpu_protocol::shrink::{is_gone, receive_skips, wait_peer_signals, Peer};
+use crate::gpu_protocol::state::{
+    payload, read_entry, write_entry, BlockReport, Entry, Group, Input, Launch, WaitEnd,
+};
+use crate::gpu_protocol::waits::{peer_bad, wait_signal};
+use crate::gpu_protocol::words::{signal_word, PF_BATCH_TOKENS, PH_DISPATCH_RECV};
+
+/// Role: a batched sender block writes its share of every batch, then counts itself out; the
+/// block that completes the count stores every destination's signal with the call's tag
+/// (batched dispatch, "`---- send`" under "`if (p.stage != 2 && !direct)`"). Nothing goes to
+/// a destination in `gone` (shrink mode: masked, or lost at the ack wait): a masked one's
+/// selections count as -1 in the routing, then "`mask &= ~gone`" and the signal's "`if
+/// (!via_nccl(p, d) && !is_gone(gone, d))`".
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn batched_send(
+    g: &Group,
+    kp: &Launch,
+    input: &Input,
+    rank: usize,
+    bid: usize,
+    epoch: u64,
+    gone: u32,
+) {
+    let me = &g.ranks[rank];
+    let t_n = g.setup.max_tokens;
+    let mut counts = Vec::new();
+    for d in g.dests(rank).filter(|&d| !is_gone(gone, d)) {
+        let batch = g.batch(input, rank, d);
+        // for (int u = u_first; u < n * segs; u += stride), u_first = bid * NWARPS + warp; u < n * segs; u += blocks_per_rank * NWARPS)
+        for (pos, &t) in batch.iter().enumerate() {
+            if t % me.blocks != bid {
+                continue;
+            }
+            // entry = tab[d].bat_buf + ((u64)rank * T + sm.tokpos[t * R + d]) * p.entry_bytes;
+            // seg_store(p, sg, xr, g * 512, entry + HDR_BYTES); ((int*)entry)[0] = t; (the header)
+            write_entry(
+                &g.ranks[d].buf,
+                rank * t_n + pos,
+                [t as u32, 0, 0, 0],
+                payload(input.call, rank, t),
+            );
+        }
+        counts.push((d, batch.len() as u32));
+    }
+    // __syncthreads(); if (tid == 0) { fence_rel(p);
+    fence_before_sent_add();
+    // const u32 old = atomicAdd(state + ST_SENT + KIND, 1u);
+    let old = me.sent.fetch_add(1, RELAXED);
+    // if (old == (u32)p.blocks_per_rank - 1u)
+    if old as usize == me.blocks - 1 {
+        // state[ST_SENT + KIND] = 0u;
+        me.sent.store(0, RELAXED);
+        // fence_rel(p);
+        fence_after_last_sent();
+        // if (rank != p.fault_rank) for (int d = 0; d < R; d++) if (!via_nccl(p, d))
+        if kp.fault_rank != Some(rank) {
+            for (d, count) in counts {
+                // st_release(p, sig_bat(tab[d]) + rank, signal_word(epoch, (u32)sm.tot[d]));
+                g.ranks[d].sig[rank].store(signal_word(epoch, count), SIGNAL_STORE);
+            }
+        }
+    }
+}
+
+/// Role: a batched receiver block waits for every source's signal (acquire, bounded, stopped
+/// by the error word), bounds the count, then reads its share of the entries
+/// (batched dispatch, the block under "`if (p.stage != 1 && !direct)`"). Shrink mode: a source
+/// in `gone` is not waited for, the others with [`wait_peer_signals`]; one agreed lost joins
+/// `rep.gone` ("`atomicOr(&s_gone, 1u << tid); c = 0;`"): nothing of either is read.
+pub(crate) fn batched_receive(
+    g: &Group,
+    kp: &Launch,
+    rank: usize,
+    bid: usize,
+    epoch: u64,
+    gone: u32,
+    rep: &mut BlockReport,
+) {
+    let me = &g.ranks[rank];
+    let t_n = g.setup.max_tokens;
+    let mut counts = Vec::new();
+    // if (tid < R) (not via_nccl(p, tid): NVLink source)
+    for s in g.sources(rank) {
+        let got = if kp.shrink {
+            // else if (p.shrink) c = is_gone(gone, tid) ? PEER_LOST : wait_peer_signals(..., sig_bat(me) + tid, 0, 1, 0, epoch);
+            if receive_skips(gone, s) {
+                Ok(Peer::Lost)
+            } else {
+                wait_peer_signals(g, kp, rank, s, &[s], 0, epoch, rep)
+            }
+        } else {
+            // c = wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
+            wait_signal(g, kp, &me.sig[s], epoch, rank, s, PH_DISPATCH_RECV).map(Peer::Arrived)
+        };
+        match got {
+            // if (c == PEER_LOST) { atomicOr(&s_gone, 1u << tid); c = 0; }
+            Ok(Peer::Lost) => rep.gone |= 1 << s,
+            Ok(Peer::Arrived(c)) => {
+                // bad = c < 0 || peer_bad(p, rank, tid, PF_BATCH_TOKENS, c, T);
+                if peer_bad(g.err(rank), rank, s, PF_BATCH_TOKENS, c as i64, t_n as i64) {
+                    rep.failed_wait.get_or_insert(WaitEnd::SawError);
+                } else {
+                    counts.push((s, c as usize));
+                }
+            }
+            Err(e) => {
+                rep.failed_wait.get_or_insert(e);
+            }
+        }
+    }
+    // if (__syncthreads_or(bad)) goto finish;
+    if rep.failed_wait.is_some() {
+        return;
+    }
+    // units u0 = bid * NWARPS + warp, u0 += nw (load_unit / store_unit): entry j of every source's
+    // batch, one after the other (sm.rcnt), belongs to block j % blocks.
+    let mut j = 0;
+    for (s, c) in counts {
+        for pos in 0..c {
+            if j % me.blocks == bid {
+                // load_unit: h = me.bat_buf + ((u64)s * T + j) * p.entry_bytes; loads of h
+                let (header, payload) = read_entry(&me.buf, s * t_n + pos);
+                rep.read.push(Entry {
+                    src: s,
+                    local: 0,
+                    pos,
+                    token: header[0] as u64,
+                    payload,
+                });
+            }
+            j += 1;
+        }
+    }
+}

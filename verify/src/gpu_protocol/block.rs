@@ -1,0 +1,165 @@
+//! The roles every dispatch block runs around its sends and receives, in both kernels and
+//! every stage: its epoch at the start, the device-side input check, the sender's ack waits
+//! (with batched dispatch's pre-load of the acks), and at the end `last_block_out` and `finish`,
+//! which publish the epoch and the acks.
+
+use crate::gpu_protocol::orderings::{
+    fence_after_last_exit, fence_before_exit_add, ACK_LOAD, ACK_STORE, RELAXED,
+};
+use crate::gpu_protocol::shrink::{is_gone, masked_peers, wait_peer_ack, Peer};
+use crate::gpu_protocol::state::{BlockReport, Group, Launch, Rank, WaitEnd};
+use crate::gpu_protocol::waits::{report_error, wait_ack};
+use crate::gpu_protocol::words::{ERR_EXPERT_RANGE, PH_DISPATCH_SEND};
+
+/// Role: the start of every block (thread 0: "`s_epoch = ld_epoch(state, KIND) + 1ull`"): this call's epoch.
+pub(crate) fn block_epoch(me: &Rank) -> u64 {
+    // s_epoch = ld_epoch(state, KIND) + 1ull;
+    // SAFETY: the only write is the previous launch's last block out (`finish`), which ended
+    // before this launch started.
+    let calls = unsafe {
+        me.epoch
+            .with_rows(0, 1, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    };
+    calls + 1
+}
+
+/// Role: the device-side input check (batched: the routing pass's `route` lambda and the
+/// repeats loop; per-expert: common.cuh `load_topk(..., true)`): a bad index is reported before
+/// anything is written. Returns `in_bad`.
+pub(crate) fn input_check(g: &Group, kp: &Launch, rank: usize) -> bool {
+    if kp.bad_input != Some(rank) {
+        return false;
+    }
+    // report_error(p.err, ERR_EXPERT_RANGE, rank, token, slot, value, value >> 32, E);
+    let e_n = (g.ranks.len() * g.setup.local_experts) as u32;
+    report_error(
+        g.err(rank),
+        ERR_EXPERT_RANGE,
+        [rank as u32, 0, 0, e_n, 0, e_n],
+    );
+    true
+}
+
+/// Role: batched dispatch's pre-load of every destination's ack, at kernel start, before the
+/// epoch is read and before the routing checks (thread `32 + d`, `acker`: "`if (acker) ack0 =
+/// ld_acquire(p, sig_bat_ack(me, R) + ackd)`"). Per-expert dispatch has none. Returns `ack0`
+/// per destination, in `Group::dests` order.
+pub(crate) fn preload_acks(g: &Group, rank: usize) -> Vec<u64> {
+    g.dests(rank)
+        .map(|d| g.ranks[rank].ack[d].load(ACK_LOAD))
+        .collect()
+}
+
+/// Role: the sender of the next call waits for every destination's ack of the previous call
+/// before it overwrites their buffers; skipped when the input is bad. Batched (`ack0` given):
+/// thread `32 + d`, after the routing checks, "`if (!in_bad && acker && ack0 < epoch - 1ull)
+/// wbad = !wait_ack(...)`", then "`if (__syncthreads_or(wbad) || in_bad) goto finish;`".
+/// Per-expert (`ack0` none): threads `tid < R` after `load_topk`, "`if (!in_bad && tid < R &&
+/// p.stage != 2 && !via_nccl(p, tid)) bad = !wait_ack(...)`".
+/// Shrink mode (both kernels; `ack0` unused): a destination masked at the block's start
+/// (`gone0`) is not waited for, the others with [`wait_peer_ack`]; one agreed lost joins `gone`
+/// (batched "`if (r == PEER_LOST) atomicOr(&s_gone, 1u << ackd); else wbad = !r;`").
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sender_wait_acks(
+    g: &Group,
+    kp: &Launch,
+    rank: usize,
+    epoch: u64,
+    ack0: Option<&[u64]>,
+    gone0: u32,
+    gone: &mut u32,
+    rep: &mut BlockReport,
+) -> Option<WaitEnd> {
+    let mut bad = None;
+    #[cfg(not(ep_mutant = "gpu_no_ack_wait"))]
+    for (i, d) in g.dests(rank).enumerate() {
+        // if (!in_bad && acker && p.shrink) { if (!is_gone(gone0, ackd)) { r = wait_peer_ack(...); ... } }
+        if kp.shrink {
+            if is_gone(gone0, d) {
+                continue;
+            }
+            // wait_peer_ack(peer_wait(p, me, KIND, DEC_ACK, rank, ackd, PH_DISPATCH_SEND), sig_bat_ack(me, R) + ackd, epoch - 1ull, epoch)
+            match wait_peer_ack(g, kp, rank, d, epoch - 1, epoch, rep) {
+                Ok(Peer::Lost) => *gone |= 1 << d,
+                Ok(Peer::Arrived(_)) => {}
+                Err(e) => {
+                    bad.get_or_insert(e);
+                }
+            }
+            continue;
+        }
+        // ack0 < epoch - 1ull: the pre-load (an acquire) did not see the ack yet.
+        if ack0.is_some_and(|a| a[i] >= epoch - 1) {
+            continue;
+        }
+        // wait_ack(p, sig_bat_ack(me, R) + ackd, epoch - 1ull, epoch, rank, ackd, PH_DISPATCH_SEND)
+        if let Err(e) = wait_ack(
+            g,
+            kp,
+            &g.ranks[rank].ack[d],
+            epoch - 1,
+            epoch,
+            rank,
+            d,
+            PH_DISPATCH_SEND,
+        ) {
+            bad.get_or_insert(e);
+        }
+    }
+    #[cfg(ep_mutant = "gpu_no_ack_wait")]
+    let _ = (g, kp, rank, epoch, ack0, gone0, gone, rep);
+    bad
+}
+
+/// Role: the end of every block (common.cuh `last_block_out`); returns whether this
+/// block is the last one out.
+fn last_block_out(me: &Rank) -> bool {
+    // __syncthreads(); if (threadIdx.x == 0) { fence_rel(p);
+    fence_before_exit_add();
+    // u32 old = atomicAdd(state + ST_EXIT + kind, 1u);
+    let old = me.exit.fetch_add(1, RELAXED);
+    // s_last = (old == (u32)p.blocks_per_rank - 1u);
+    let last = old as usize == me.blocks - 1;
+    if last {
+        // state[ST_EXIT + kind] = 0u; fence_rel(p);
+        me.exit.store(0, RELAXED);
+        fence_after_last_exit();
+    }
+    last
+}
+
+/// Role: the last block out publishes the epoch and acknowledges to every source that this rank
+/// consumed the call (`finish:` of both dispatch kernels). `stage` 0: the whole call; 1 (pack):
+/// neither epoch nor acks ("`if (last_out && p.stage != 1)`"); 2 (unpack): the epoch, and no
+/// ack to its sources, which the model's stage 2 only has over NCCL ("`if (!via_nccl(p, s))`").
+/// Shrink mode: no ack to a source masked now (the mask read again by the last block out,
+/// "`const u32 masked = masked_peers(p, me)`": masked before the call or lost in it).
+pub(crate) fn finish(
+    g: &Group,
+    kp: &Launch,
+    rank: usize,
+    epoch: u64,
+    rep: &mut BlockReport,
+    stage: u8,
+) {
+    let me = &g.ranks[rank];
+    rep.last_out = last_block_out(me);
+    // if (last_out && p.stage != 1)
+    if rep.last_out && stage != 1 {
+        // ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
+        // SAFETY: every block of this launch read the word before its exit count, which the
+        // last block out acquired (`last_block_out`); the next launch starts after this one.
+        unsafe {
+            me.epoch
+                .with_row_mut(0, |b| b.copy_from_slice(&epoch.to_le_bytes()))
+        };
+        // const u32 masked = masked_peers(p, me);  // shrink: no ack to a masked peer
+        let masked = masked_peers(kp, me);
+        for s in g.sources(rank).filter(|_| stage == 0) {
+            // if (!via_nccl(p, s) && !is_gone(masked, s)) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
+            if !is_gone(masked, s) {
+                g.ranks[s].ack[rank].store(epoch, ACK_STORE);
+            }
+        }
+    }
+}

@@ -1,0 +1,66 @@
+//! One block of a stage-0 dispatch launch (the whole call over NVLink / peer memory): the
+//! shared prologue and epilogue of every block and the kernel's own send and receive, in kernel
+//! order.
+
+use crate::gpu_protocol::batched::{batched_receive, batched_send};
+use crate::gpu_protocol::block::{
+    block_epoch, finish, input_check, preload_acks, sender_wait_acks,
+};
+use crate::gpu_protocol::per_expert::{per_expert_receive, per_expert_send};
+use crate::gpu_protocol::shrink::masked_peers;
+use crate::gpu_protocol::state::{BlockReport, Group, Input, Kind, Launch};
+
+/// One block of one stage-0 dispatch launch, every role in kernel order (batched.cu
+/// `ep_batched_dispatch` / per_expert.cu `ep_per_expert_dispatch`).
+pub fn dispatch_block(
+    g: &Group,
+    kp: &Launch,
+    input: &Input,
+    rank: usize,
+    bid: usize,
+) -> BlockReport {
+    let me = &g.ranks[rank];
+    // Batched: thread 32 + d's first ld_acquire of the ack, before anything else.
+    let ack0 = (g.setup.kind == Kind::Batched).then(|| preload_acks(g, rank));
+    let epoch = block_epoch(me);
+    // s_gone = masked_peers(p, me); ... const u32 gone0 = s_gone;
+    let gone0 = masked_peers(kp, me);
+    let mut rep = BlockReport {
+        epoch,
+        gone: gone0,
+        ..BlockReport::default()
+    };
+    // batched: in_bad = __syncthreads_or(bad) | s_bad; per-expert: load_topk(...) | s_bad
+    rep.bad_input = input_check(g, kp, rank);
+    // if (!in_bad && acker && ack0 < epoch - 1ull) wbad = !wait_ack(...) (per-expert: tid < R)
+    let mut gone = gone0;
+    if !rep.bad_input {
+        rep.failed_wait = sender_wait_acks(
+            g,
+            kp,
+            rank,
+            epoch,
+            ack0.as_deref(),
+            gone0,
+            &mut gone,
+            &mut rep,
+        );
+    }
+    // gone = s_gone;  // masked, or lost at the acknowledgement: nothing is sent there
+    rep.gone = gone;
+    // if (__syncthreads_or(wbad) || in_bad) goto finish; (per-expert: __syncthreads_or(bad))
+    if !rep.bad_input && rep.failed_wait.is_none() {
+        match g.setup.kind {
+            Kind::Batched => {
+                batched_send(g, kp, input, rank, bid, epoch, gone);
+                batched_receive(g, kp, rank, bid, epoch, gone, &mut rep);
+            }
+            Kind::PerExpert => {
+                per_expert_send(g, kp, input, rank, bid, epoch, gone);
+                per_expert_receive(g, kp, rank, bid, epoch, gone, &mut rep);
+            }
+        }
+    }
+    finish(g, kp, rank, epoch, &mut rep, 0);
+    rep
+}
