@@ -159,8 +159,8 @@ __device__ __forceinline__ void st_release(const KParams& p, u64* a, u64 v) {
 }
 // Release fence of one thread after a __syncthreads: by cumulativity it orders every store the
 // block made before the barrier ahead of this thread's later signal or counter update.
-// loom model: verify/src/gpu_protocol.rs mirrors every fence_rel (fence(AcqRel)); the mutants
-// gpu_counter_release/_acquire and gpu_exit_release/_acquire drop one half of one of them.
+// loom model: verify/src/gpu_protocol/orderings.rs mirrors every fence_rel (fence(AcqRel)); the
+// mutants gpu_counter_release/_acquire and gpu_exit_release/_acquire drop one half of one of them.
 __device__ __forceinline__ void fence_rel(const KParams& p) {
     if (p.sys_scope) asm volatile("fence.acq_rel.sys;" ::: "memory");
     else asm volatile("fence.acq_rel.gpu;" ::: "memory");

@@ -291,7 +291,7 @@ impl GpuGroup {
         // A rank whose pack stage found bad input skipped writing its headers and batches: what
         // sits in them is an earlier call's, valid-looking. Read the error word before anything
         // of this call is sent, so no peer takes that data for this call's (the loom model
-        // `verify/src/gpu_protocol.rs` found this); the peers' own waits then end bounded.
+        // `verify/src/gpu_protocol/` found this); the peers' own waits then end bounded.
         self.check()?;
         let mut ops: Vec<Tagged> = Vec::new();
         for di in 0..self.devs.len() {
