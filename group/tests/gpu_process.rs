@@ -11,6 +11,8 @@
 //! `BLOB <hex>` each way). The two-tier test starts its 4 ranks with `ep_launch::spawn_local_with`
 //! (the rendezvous, as under torchrun) and each runs `ep_group::mp::run_rank_with`.
 
+// The one runner of the GPU test binaries, shared with ep-kernels' (not a copy).
+#[path = "../../kernels/tests/runner/mod.rs"]
 mod runner;
 
 use ep_group::handshake::Hello;
