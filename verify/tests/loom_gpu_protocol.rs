@@ -442,4 +442,3 @@ fn capacity_bad_input_sender_header_poisoned() {
         true
     });
 }
-

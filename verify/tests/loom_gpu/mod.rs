@@ -3,7 +3,6 @@
 //! what. Each test binary uses part of it.
 #![allow(dead_code, unused_imports)]
 
-
 pub use std::sync::atomic::{AtomicBool, Ordering as StdOrdering};
 pub use std::time::Duration;
 
@@ -176,4 +175,3 @@ pub fn run_calls(g: &'static Group, kp: Launch, tx: Vec<Input>, rx: Vec<Input>) 
     done.extend(rx_thread.join().unwrap());
     done
 }
-
