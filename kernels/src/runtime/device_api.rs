@@ -212,6 +212,15 @@ impl GpuGroup {
             }
             .into());
         }
+        self.caller_streams(streams)
+    }
+
+    /// The caller's streams, one per GPU of the group, each on its GPU's context (else
+    /// `ShapeMismatch` / `WrongDevice`): the raw handles to enqueue on.
+    pub(crate) fn caller_streams(
+        &self,
+        streams: &[&CudaStream],
+    ) -> Result<Vec<sys::CUstream>, GpuError> {
         if streams.len() != self.devs.len() {
             return Err(shape(
                 0,
@@ -221,16 +230,23 @@ impl GpuGroup {
                 "one stream per GPU of the group".into(),
             ));
         }
-        for (s, d) in streams.iter().zip(&self.devs) {
-            if s.context().cu_ctx() != d.ctx.cu_ctx() {
-                return Err(GpuError::WrongDevice {
-                    what: "the stream",
-                    expected: d.ctx.ordinal(),
-                    got: s.context().ordinal(),
-                });
-            }
+        for (s, di) in streams.iter().zip(0..) {
+            self.stream_on(s, di)?;
         }
         Ok(streams.iter().map(|s| s.cu_stream()).collect())
+    }
+
+    /// `stream` must belong to the context of device `di`.
+    pub(crate) fn stream_on(&self, stream: &CudaStream, di: usize) -> Result<(), GpuError> {
+        let d = &self.devs[di];
+        if stream.context().cu_ctx() != d.ctx.cu_ctx() {
+            return Err(GpuError::WrongDevice {
+                what: "the stream",
+                expected: d.ctx.ordinal(),
+                got: stream.context().ordinal(),
+            });
+        }
+        Ok(())
     }
 
     /// Tensor `t` must live on the context of the device that runs rank `r`.

@@ -60,25 +60,7 @@ impl GpuGroup {
     ) -> Result<Vec<sys::CUstream>, GpuError> {
         match streams {
             None => Ok(self.streams_raw()),
-            Some(ss) => {
-                if ss.len() != self.devs.len() {
-                    return Err(GpuError::Unsupported(format!(
-                        "{} streams for a group on {} GPU(s): one per GPU",
-                        ss.len(),
-                        self.devs.len()
-                    )));
-                }
-                for (s, d) in ss.iter().zip(&self.devs) {
-                    if s.context().cu_ctx() != d.ctx.cu_ctx() {
-                        return Err(GpuError::WrongDevice {
-                            what: "the stream",
-                            expected: d.ctx.ordinal(),
-                            got: s.context().ordinal(),
-                        });
-                    }
-                }
-                Ok(ss.iter().map(|s| s.cu_stream()).collect())
-            }
+            Some(ss) => self.caller_streams(ss),
         }
     }
 
@@ -111,13 +93,7 @@ impl GpuGroup {
         self.runs_rank(rank)?;
         let r = self.cfg.num_ranks;
         let di = self.dev_of(rank);
-        if stream.context().cu_ctx() != self.devs[di].ctx.cu_ctx() {
-            return Err(GpuError::WrongDevice {
-                what: "the stream",
-                expected: self.devs[di].ctx.ordinal(),
-                got: stream.context().ordinal(),
-            });
-        }
+        self.stream_on(stream, di)?;
         if out.len() < r {
             return Err(Error::ShapeMismatch {
                 rank,
