@@ -100,20 +100,20 @@ fn cause_first(e: &GpuError) -> u8 {
 }
 
 impl GpuGroup {
-    /// Reads every device's error word (without waiting for running work) and turns the first
-    /// error into its typed form: input errors of the device API (`ExpertOutOfRange`,
+    /// The first error the kernels recorded on any device (without waiting for running work),
+    /// in its typed form: input errors of the device API (`ExpertOutOfRange`,
     /// `DuplicateExpert`, `TooManyTokens`, naming rank, token, slot and value), a bounded wait
     /// that ran out (`Timeout`), or a peer's out-of-bounds field (`PeerData`). After an error the
-    /// group refuses later calls. Call after synchronising the stream the calls went on.
+    /// group refuses later calls. Call after synchronising the stream the calls went on, to
+    /// include their errors. Read from the error words' host mirrors ([`GpuGroup::poll`]'s
+    /// read): every error the kernels record goes through `report_error_at`, which writes the
+    /// mirror after the device word, so no device copy is needed.
     pub fn check(&mut self) -> Result<(), GpuError> {
-        self.check_usable()?;
-        let mut found: Vec<GpuError> = self.device_errors()?.into_iter().flatten().collect();
-        found.sort_by_key(cause_first);
-        if let Some(e) = found.into_iter().next() {
-            self.broken = Some(e.clone());
-            return Err(e);
+        let r = self.check_usable();
+        if let Err(e) = &r {
+            self.broken.get_or_insert_with(|| e.clone());
         }
-        Ok(())
+        r
     }
 
     /// The first error (by [`cause_first`]) the kernels recorded on any device, read from the
@@ -129,8 +129,9 @@ impl GpuGroup {
         found.into_iter().next()
     }
 
-    /// Every device's error word, decoded (None: that device reported nothing), in device
-    /// order. Does not wait for running work and does not change the group's state.
+    /// Every device's error word read from the device (not its mirror), decoded (None: that
+    /// device reported nothing), in device order: the tests' look at each device's own word.
+    /// Does not wait for running work and does not change the group's state.
     pub(crate) fn device_errors(&self) -> Result<Vec<Option<GpuError>>, GpuError> {
         let mut v = Vec::with_capacity(self.devs.len());
         for dev in &self.devs {
