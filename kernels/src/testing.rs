@@ -85,6 +85,7 @@ pub fn random_y(cfg: &Config, rng: &mut Rng) -> Vec<Vec<bf16>> {
 
 use crate::runtime::{GpuGroup, Path};
 use ep_reference::oracle::{self, CombineInput, RankInput};
+use ep_reference::RankMask;
 
 /// One verification case: dispatch and combine on both paths, compared bit for bit with the
 /// oracle. Returns how many (path, op) comparisons passed.
@@ -153,23 +154,6 @@ pub fn verify_paths(
     Ok(passed)
 }
 
-/// The routing rank `rank` effectively uses under a rank mask (docs/contract.md, "Masked
-/// ranks"): all -1 if the rank itself is masked, else every slot naming an expert of a masked
-/// rank set to -1.
-pub fn masked_routing(cfg: &Config, rank: usize, topk_idx: &[i64], masked: &[bool]) -> Vec<i64> {
-    let l = cfg.num_local_experts() as i64;
-    topk_idx
-        .iter()
-        .map(|&e| {
-            if masked[rank] || (e >= 0 && masked[(e / l) as usize]) {
-                -1
-            } else {
-                e
-            }
-        })
-        .collect()
-}
-
 /// One dispatch + combine on `path` through the host harness, every unmasked rank's outputs
 /// compared bit for bit with the oracle run on the masked routing (a masked rank's outputs
 /// carry no meaning and are not compared). Returns the number of ranks checked.
@@ -184,29 +168,28 @@ pub fn verify_masked(
     let x: Vec<Vec<bf16>> = data.iter().map(|d| d.x.clone()).collect();
     let idx: Vec<Vec<i64>> = data.iter().map(|d| d.topk_idx.clone()).collect();
     let w: Vec<Vec<f32>> = data.iter().map(|d| d.topk_weights.clone()).collect();
-    let eff: Vec<Vec<i64>> = (0..cfg.num_ranks)
-        .map(|r| masked_routing(&cfg, r, &idx[r], masked))
-        .collect();
+    let ranks: Vec<usize> = (0..cfg.num_ranks).filter(|&r| masked[r]).collect();
+    let mask = RankMask::from_ranks(cfg.num_ranks, &ranks).map_err(|e| format!("mask: {e}"))?;
     let inputs: Vec<RankInput> = data
         .iter()
-        .zip(&eff)
-        .map(|(d, e)| RankInput {
+        .map(|d| RankInput {
             x: &d.x,
-            topk_idx: e,
+            topk_idx: &d.topk_idx,
         })
         .collect();
-    let want = oracle::dispatch(&cfg, &inputs).map_err(|e| format!("oracle: {e}"))?;
+    let want =
+        oracle::dispatch_masked(&cfg, &inputs, &mask).map_err(|e| format!("oracle: {e}"))?;
     let cin: Vec<CombineInput> = data
         .iter()
         .zip(y)
-        .zip(&eff)
-        .map(|((d, y), e)| CombineInput {
+        .map(|(d, y)| CombineInput {
             y,
-            topk_idx: e,
+            topk_idx: &d.topk_idx,
             topk_weights: &d.topk_weights,
         })
         .collect();
-    let want_c = oracle::combine(&cfg, &cin).map_err(|e| format!("oracle: {e}"))?;
+    let want_c =
+        oracle::combine_masked(&cfg, &cin, &mask).map_err(|e| format!("oracle: {e}"))?;
     let got = g
         .dispatch(path, &x, &idx)
         .map_err(|e| format!("{} dispatch: {e}", path.name()))?;
