@@ -71,16 +71,8 @@ def rank_main(a):
         return out
 
     def masked(ins, m):
-        res = []
-        for r, (x, topk, w, y) in enumerate(ins):
-            t = topk.clone()
-            if m[r]:
-                t[:] = -1
-            for d in range(R):
-                if m[d]:
-                    t[(t >= 0) & (t // L == d)] = -1
-            res.append((x, t, w, y))
-        return res
+        routing = oracle.masked_routing([i[1] for i in ins], E, {d for d in range(R) if m[d]})
+        return [(x, t, w, y) for (x, _, w, y), t in zip(ins, routing)]
 
     mask = torch.zeros(R, dtype=torch.int32, device=dev)
     # Warm up (forms the group, compiles), then READY.

@@ -146,6 +146,24 @@ def _shape_args(x_shapes, topk_shapes, hidden, top_k):
     return h, k
 
 
+def masked_routing(topk_idx, num_experts, masked):
+    """Every rank's routing under a rank mask (docs/contract.md, "Masked ranks"): a rank in
+    ``masked`` (rank indices) sends nothing (all its slots -1), and every slot naming an expert
+    of a masked rank is -1. ``topk_idx``: one torch tensor or numpy array per rank; returns
+    copies. The oracle on this routing is what shrink mode's unmasked ranks return."""
+    num_ranks = len(topk_idx)
+    L = _int("num_experts", num_experts, lo=1) // max(num_ranks, 1)
+    out = []
+    for r, t in enumerate(topk_idx):
+        t = t.clone() if _is_torch(t) else t.copy()
+        if r in masked:
+            t[:] = -1
+        for m in masked:
+            t[(t >= 0) & (t // L == m)] = -1
+        out.append(t)
+    return out
+
+
 def dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True,
              round_scale=False, use_ue8m0=False, *, hidden=None, top_k=None):
     """Every rank's dispatch output (a list of :class:`DispatchResult`), straight from the

@@ -340,6 +340,8 @@ def test_a_buffer_collected_during_capture_releases_its_groups_later(monkeypatch
     world, bufs = make_buffers(monkeypatch)
     ins = make_inputs(7)
     res = [b.low_latency_dispatch(i[0], i[1], T, E) for b, i in zip(bufs, ins)]
+    gc.collect()  # other tests' garbage Buffers go now, not inside the "capture" below
+    bufmod._DEFERRED.clear()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     victim = bufs.pop()
     victim.self_cycle = victim  # freed by the cyclic collector, as in a test fixture's closure

@@ -269,3 +269,16 @@ def test_every_error_kind_raises_its_class_with_its_fields(kind, cls, fields):
     if kind == "Timeout":
         assert str(e.value) == ("rank 1 timed out after 2000 ms waiting for rank 3 in "
                                 "combine/recv (call 7)")
+
+
+def test_masked_routing_is_the_contracts_rule():
+    """masked_routing: a masked rank sends nothing, a slot naming a masked rank's expert is -1
+    (R = 3, E = 6: rank d owns experts 2d and 2d + 1), the inputs are left as they were."""
+    t0 = np.array([[0, 3, -1], [5, 2, 1]], np.int64)
+    t1 = np.array([[4, 1, 0]], np.int64)
+    t2 = np.array([[2, 3, 5]], np.int64)
+    got = oracle.masked_routing([t0, t1, t2], 6, {1})
+    assert got[0].tolist() == [[0, -1, -1], [5, -1, 1]]
+    assert got[1].tolist() == [[-1, -1, -1]]
+    assert got[2].tolist() == [[-1, -1, 5]]
+    assert t0.tolist() == [[0, 3, -1], [5, 2, 1]]
