@@ -528,6 +528,8 @@ class Buffer:
                     stats.add_(recv_count)
         else:
             hid = g.dispatch(self._stream(), "both", *ptrs)
+            # A due receive half of this set went first (native): its tensors are free now.
+            self._held.pop(("dispatch", key), None)
             if stats is not None:
                 stats.add_(recv_count)
             hook = None
@@ -594,6 +596,7 @@ class Buffer:
                     self._held.pop(("combine", handle._key), None)
         else:
             g.combine(self._stream(), "both", *ptrs)
+            self._held.pop(("combine", handle._key), None)  # as in dispatch
             hook = None
         due = self._due.get(handle._key[0])
         if due is not None and due[handle._key[1]] == handle._seq:
