@@ -177,8 +177,7 @@ pub fn verify_masked(
             topk_idx: &d.topk_idx,
         })
         .collect();
-    let want =
-        oracle::dispatch_masked(&cfg, &inputs, &mask).map_err(|e| format!("oracle: {e}"))?;
+    let want = oracle::dispatch_masked(&cfg, &inputs, &mask).map_err(|e| format!("oracle: {e}"))?;
     let cin: Vec<CombineInput> = data
         .iter()
         .zip(y)
@@ -188,8 +187,7 @@ pub fn verify_masked(
             topk_weights: &d.topk_weights,
         })
         .collect();
-    let want_c =
-        oracle::combine_masked(&cfg, &cin, &mask).map_err(|e| format!("oracle: {e}"))?;
+    let want_c = oracle::combine_masked(&cfg, &cin, &mask).map_err(|e| format!("oracle: {e}"))?;
     let got = g
         .dispatch(path, &x, &idx)
         .map_err(|e| format!("{} dispatch: {e}", path.name()))?;
