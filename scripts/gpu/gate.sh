@@ -15,6 +15,11 @@
 #
 #   bash scripts/gpu/gate.sh BIN_DIR            (BIN_DIR filled by scripts/gpu/pack.sh)
 #
+# On a machine with ONE GPU (nvidia-h200) the gate runs as one call too: both phase-1 tracks share
+# GPU 0 (their timings are then indicative only), the Python Buffer runs with N = 1 and N = 2
+# sharing the GPU, the fault trials run over CUDA IPC with both ranks on it, and every step that
+# needs two GPUs (two-GPU tests, EP2 over NVLink, NCCL, two-tier) is listed as "not run (one GPU)".
+#
 # GATE_SKIP="soak sanitizer faults" (step names, space-separated) leaves steps out; the summary
 # lists them as "not run", never as passed.
 #
@@ -60,6 +65,15 @@ step() {
 }
 
 nvidia-smi -L > "$LOGS/env.txt" 2>&1
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+# two_gpu NAME...: marks steps that need two GPUs as not run on a one-GPU machine.
+two_gpu() {
+  local n
+  for n in "$@"; do
+    echo "0 0 0" > "$LOGS/$n.rc"; echo "NOT RUN: needs two GPUs, this machine has $NGPU" > "$LOGS/$n.log"
+  done
+}
+if [ "$NGPU" -ge 2 ]; then TRACK_B_GPU=1; else TRACK_B_GPU=0; fi
 cat "$BIN/BUILD-INFO" >> "$LOGS/env.txt" 2>/dev/null
 
 # ---- phase 1: one track per GPU -------------------------------------------------------------
@@ -73,7 +87,7 @@ cat "$BIN/BUILD-INFO" >> "$LOGS/env.txt" 2>/dev/null
 ) &
 A=$!
 (
-  export CUDA_VISIBLE_DEVICES=1
+  export CUDA_VISIBLE_DEVICES=$TRACK_B_GPU
   step soak 95 env EP_SOAK_MAX_SECS=85 "$BIN/gpu_soak"
   step sanitizer 110 env SAN_TOOL_LIMIT_S=34 bash "$HERE/sanitizer.sh" "$BIN" "$LOGS/sanitizer"
   step bench-ep8-virtual 45 "$BIN/ep-bench" --backend gpu --ranks 8 --masked 0 --iters 100
@@ -87,35 +101,48 @@ B=$!
 wait $A $B
 
 # ---- phase 2: both GPUs ---------------------------------------------------------------------
-step gpu-tests-2gpu 80 "$BIN/gpu" two_gpus
-step gpu-process 90 "$BIN/gpu_process"
-step bench-ep2-2gpu 35 "$BIN/ep-bench" --backend gpu --ranks 2 --gpus 2 --masked 0 --iters 200 --profile
-step bench-sweep-ep2-2gpu 60 "$BIN/ep-bench" --backend gpu --ranks 2 --gpus 2 --masked 0 \
-  --iters 100 --sweep-tokens 1,16,128,512
-if ls "$BIN"/ep_dispatch-*.whl > /dev/null 2>&1 && [ -f "$BIN/python/gpu.sh" ]; then
-  step python 90 env OUT="$LOGS" BENCH_ARGS="--iters 50" bash "$BIN/python/gpu.sh" "$BIN" "$LOGS"
+if [ "$NGPU" -lt 2 ]; then
+  step gpu-process 90 "$BIN/gpu_process"
+  if ls "$BIN"/ep_dispatch-*.whl > /dev/null 2>&1 && [ -f "$BIN/python/gpu.sh" ]; then
+    step python 150 env OUT="$LOGS" NO_BENCH=1 NPROCS="1 2" SHARE_GPU=1 \
+      bash "$BIN/python/gpu.sh" "$BIN" "$LOGS"
+  fi
+  step bench-ep2-2proc 30 "$BIN/ep-bench" --nprocs 2 --gpus 1 --masked 0
+  step example-2proc 20 "$BIN/moe_layer" --nprocs 2 --gpus 1
+  two_gpu gpu-tests-2gpu bench-ep2-2gpu bench-sweep-ep2-2gpu nccl-1proc-exact nccl-2proc-exact \
+    net-2proc-exact net-1proc-exact nccl-1proc-capacity nccl-2proc-capacity net-2proc-capacity \
+    net-1proc-capacity two-tier
+else
+  step gpu-tests-2gpu 80 "$BIN/gpu" two_gpus
+  step gpu-process 90 "$BIN/gpu_process"
+  step bench-ep2-2gpu 35 "$BIN/ep-bench" --backend gpu --ranks 2 --gpus 2 --masked 0 --iters 200 --profile
+  step bench-sweep-ep2-2gpu 60 "$BIN/ep-bench" --backend gpu --ranks 2 --gpus 2 --masked 0 \
+    --iters 100 --sweep-tokens 1,16,128,512
+  if ls "$BIN"/ep_dispatch-*.whl > /dev/null 2>&1 && [ -f "$BIN/python/gpu.sh" ]; then
+    step python 90 env OUT="$LOGS" BENCH_ARGS="--iters 50" bash "$BIN/python/gpu.sh" "$BIN" "$LOGS"
+  fi
+  step bench-ep2-2proc 30 "$BIN/ep-bench" --nprocs 2 --gpus 2 --masked 0
+  step example-2proc 20 "$BIN/moe_layer" --nprocs 2 --gpus 2
+  # ---- phase 3: the network transport (issue 12), both paths, standard setting -----------------
+  # NCCL on its default transports (NVLink P2P between the two GPUs), then forced onto its network
+  # transport (sockets) with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (NCCL 2.28.3's documented
+  # switches; NCCL_DEBUG=INFO in one run shows the channels going "via NET/Socket"); exact and
+  # capacity sizes; in one process (ncclCommInitAll) and in two. Then the two-tier group: 4
+  # processes on 2 GPUs as 2 emulated nodes (CUDA IPC inside a node, NCCL across).
+  NET="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"
+  for sz in exact capacity; do
+    step nccl-1proc-$sz 30 "$BIN/ep-bench" --backend gpu --ranks 2 --gpus 2 --transport nccl \
+      --nccl-sizes $sz --masked 0 --iters 100
+    step nccl-2proc-$sz 30 "$BIN/ep-bench" --nprocs 2 --gpus 2 --transport nccl --nccl-sizes $sz \
+      --masked 0 --iters 100
+    step net-2proc-$sz 40 env $NET NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET "$BIN/ep-bench" \
+      --nprocs 2 --gpus 2 --transport nccl --nccl-sizes $sz --masked 0 --iters 100
+    step net-1proc-$sz 30 env $NET "$BIN/ep-bench" --backend gpu --ranks 2 --gpus 2 \
+      --transport nccl --nccl-sizes $sz --masked 0 --iters 100
+  done
+  step two-tier 60 "$BIN/ep-bench" --nprocs 4 --gpus 2 --nodes 2 --masked 0 --iters 50 \
+    --timeout-secs 20
 fi
-step bench-ep2-2proc 30 "$BIN/ep-bench" --nprocs 2 --gpus 2 --masked 0
-step example-2proc 20 "$BIN/moe_layer" --nprocs 2 --gpus 2
-# ---- phase 3: the network transport (issue 12), both paths, standard setting -----------------
-# NCCL on its default transports (NVLink P2P between the two GPUs), then forced onto its network
-# transport (sockets) with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (NCCL 2.28.3's documented
-# switches; NCCL_DEBUG=INFO in one run shows the channels going "via NET/Socket"); exact and
-# capacity sizes; in one process (ncclCommInitAll) and in two. Then the two-tier group: 4
-# processes on 2 GPUs as 2 emulated nodes (CUDA IPC inside a node, NCCL across).
-NET="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"
-for sz in exact capacity; do
-  step nccl-1proc-$sz 30 "$BIN/ep-bench" --backend gpu --ranks 2 --gpus 2 --transport nccl \
-    --nccl-sizes $sz --masked 0 --iters 100
-  step nccl-2proc-$sz 30 "$BIN/ep-bench" --nprocs 2 --gpus 2 --transport nccl --nccl-sizes $sz \
-    --masked 0 --iters 100
-  step net-2proc-$sz 40 env $NET NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET "$BIN/ep-bench" \
-    --nprocs 2 --gpus 2 --transport nccl --nccl-sizes $sz --masked 0 --iters 100
-  step net-1proc-$sz 30 env $NET "$BIN/ep-bench" --backend gpu --ranks 2 --gpus 2 \
-    --transport nccl --nccl-sizes $sz --masked 0 --iters 100
-done
-step two-tier 60 "$BIN/ep-bench" --nprocs 4 --gpus 2 --nodes 2 --masked 0 --iters 50 \
-  --timeout-secs 20
 left=$(( DEADLINE - $(elapsed) ))
 if [ "$left" -gt 30 ]; then
   step faults "$left" env FAULT_BUDGET_S=$(( left - 8 )) FAULT_LOGDIR="$LOGS/faults" \
