@@ -411,6 +411,11 @@ class Buffer:
         with both still due, the older one's handle becomes stale (combining it raises). A
         Buffer that never overlaps two dispatches keeps one set."""
         shape = (T, H, E, K, use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0)
+        # An error any group recorded raises here, before a call on another group (the other
+        # buffer set, another shape) could pass for a good one or form a group: each group's
+        # native call reads only its own error words (a host read each, no sync).
+        for o in self._ranks.values():
+            o.poll()
         due = self._due.setdefault(shape, [None, None])  # per set: the dispatch to combine
         if due[0] is None or (shape, 0) not in self._ranks:
             i = 0
@@ -567,6 +572,9 @@ class Buffer:
         g = self._ranks.get(handle._key)
         if g is None:
             raise InputError("argument `handle`: its group was destroyed")
+        for o in self._ranks.values():  # as in dispatch (`_rank_group`); g polls in its call
+            if o is not g:
+                o.poll()
         R, T = self.group_size, handle.num_max_dispatch_tokens_per_rank
         H, E = handle.hidden, handle.num_experts
         L, RT, n, K = E // R, R * T, handle.num_tokens, handle.top_k

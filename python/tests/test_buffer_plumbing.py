@@ -54,12 +54,14 @@ class FakeRank:
     def __init__(self, world, rank, E, T, H, K, mode):
         self.w, self.rank, self.E, self.T, self.H, self.K, self.mode = world, rank, E, T, H, K, mode
         self.next_id, self.pending, self.pending_c, self.next_c = 1, None, None, 1
+        self.error = None  # what the kernels "recorded": poll() and every call raise it
 
     def check(self):
-        pass
+        self.poll()
 
     def poll(self):
-        pass
+        if self.error is not None:
+            raise self.error
 
     def pending_dispatch(self):
         return self.pending
@@ -68,6 +70,7 @@ class FakeRank:
         return self.pending_c
 
     def dispatch(self, stream, phases, x, topk, n, recv_x, scales, count, src, layout):
+        self.poll()  # the native call's entry check
         L, R, T, H, K = self.E // self.w.R, self.w.R, self.T, self.H, self.K
         if phases == "recv":
             assert self.pending is not None, "recv half without a send half"
@@ -106,6 +109,7 @@ class FakeRank:
         return hid
 
     def combine(self, stream, phases, handle, y, topk, w, out):
+        self.poll()  # the native call's entry check
         if phases == "recv":
             assert self.pending_c is not None, "recv half without a send half"
             cid, self.pending_c = self.pending_c, None
@@ -327,6 +331,30 @@ def test_two_dispatches_in_flight(buffers):
     # (The results are kept: the stand-in world writes rank 0's outputs when rank 1 calls.)
     rc = [b.low_latency_dispatch(i[0], i[1], T, E) for b, i in zip(bufs, make_inputs(6))]
     assert len(rc) == R and len(world.created) == 2 * R, "the first set was free again"
+
+
+def test_an_error_of_one_buffer_set_raises_at_a_call_on_the_other(buffers):
+    """[issue 20, never silent] With two dispatches in flight each buffer set is a group with
+    its own error words. An error set 0 recorded must raise at the next call whichever set or
+    mode it uses: a third dispatch, a dispatch in another mode (before it forms a group) and
+    the combine of set 1's handle all raise it, and nothing new is formed."""
+    world, bufs = buffers
+    ins = make_inputs(7)
+    ra = [b.low_latency_dispatch(i[0], i[1], T, E) for b, i in zip(bufs, ins)]
+    rb = [b.low_latency_dispatch(i[0], i[1], T, E) for b, i in zip(bufs, ins)]
+    assert len(world.created) == 2 * R
+    set0 = next(g for k, g in bufs[0]._ranks.items() if k[1] == 0)
+    lost = ep.TimeoutError("rank 0 timed out waiting for rank 1 in dispatch/recv (call 1)")
+    set0.error = lost
+    b, i = bufs[0], ins[0]
+    with pytest.raises(ep.TimeoutError):
+        b.low_latency_combine(i[3], i[1], i[2], rb[0][2])  # set 1's handle
+    with pytest.raises(ep.TimeoutError):
+        b.low_latency_dispatch(i[0], i[1], T, E)
+    with pytest.raises(ep.TimeoutError):
+        b.low_latency_dispatch(i[0], i[1], T, E, use_fp8=False)  # another mode: no group formed
+    assert len(world.created) == 2 * R
+    assert ra[0][2]._key[1] == 0 and rb[0][2]._key[1] == 1
 
 
 def test_a_buffer_collected_during_capture_releases_its_groups_later(monkeypatch):

@@ -315,12 +315,17 @@ def test_bad_arguments_raise_before_any_launch(buf, group, R, E):
     with pytest.raises(ep.ArgumentError) as e:
         buf.low_latency_combine(y[..., : H // 2], topk, w, h1)
     assert e.value.argument == "x"
-    with pytest.raises(ep.InputError):  # not the dispatched topk_idx tensor
-        buf.low_latency_combine(y, topk.clone(), w, h1)
+    with pytest.raises(ep.ArgumentError) as e:  # topk_idx of another shape
+        buf.low_latency_combine(y, topk[:, :1].contiguous(), w, h1)
+    assert e.value.argument == "topk_idx"
+    # Two dispatches in flight use the two buffer sets; a third reuses h1's set: h1 is stale.
     _, _, h2, _, _ = buf.low_latency_dispatch(x, topk, T, E)
-    with pytest.raises(ep.InputError):  # h1 is stale now
+    _, _, h3, _, _ = buf.low_latency_dispatch(x, topk, T, E)
+    with pytest.raises(ep.InputError):
         buf.low_latency_combine(y, topk, w, h1)
-    buf.low_latency_combine(y, topk, w, h2)
+    # Equal values at another address combine (vLLM's EPLB passes a remapped copy).
+    buf.low_latency_combine(y, topk.clone(), w, h2)
+    buf.low_latency_combine(y, topk, w, h3)
     torch.cuda.synchronize()
     buf.check()
 
@@ -443,29 +448,34 @@ def test_a_lost_peer_raises_at_the_next_call(group, R, E, op, path):
 
 
 def test_a_lost_hook_leaves_the_buffer_usable(group, R, E):
-    """[issue 20 item 4] A send half whose hook is never called: the next dispatch enqueues its
-    receive half first instead of refusing (which would refuse every later call too); the
-    lost hook, if called after all, does nothing. The latest dispatch combines bit for bit."""
+    """[issue 20 item 4] A send half whose hook is never called: the next dispatch that reuses
+    its buffer set (the third, with two in flight) enqueues its receive half first instead of
+    refusing (which would refuse every later call too); the lost hook, if called after all,
+    does nothing. The live dispatches combine bit for bit."""
     rank = group.rank()
     ins = inputs(12, R, E)
     want, want_c = expect(ins, E, MODES["fp8"])
     x, topk, w, y = (on_gpu(t) for t in ins[rank])
     b = make_buffer(group, R, E)
     _, _, h1, _, lost = b.low_latency_dispatch(x, topk, T, E, return_recv_hook=True)
-    recv_x, recv_count, h2, _, hook = b.low_latency_dispatch(x, topk, T, E,
+    _, _, h2, _, hook2 = b.low_latency_dispatch(x, topk, T, E, return_recv_hook=True)
+    recv_x, recv_count, h3, _, hook = b.low_latency_dispatch(x, topk, T, E,
                                                              return_recv_hook=True)
-    lost()  # its receive half already ran
+    lost()  # its receive half already ran (before h3's send half, in h1's set)
     hook()
-    with pytest.raises(ep.InputError):  # h1's state was replaced by h2's
+    hook2()
+    with pytest.raises(ep.InputError):  # h1's state was replaced by h3's
         b.low_latency_combine(y, topk, w, h1)
-    _, _, clost = b.low_latency_combine(y, topk, w, h2, return_recv_hook=True)
-    combined, _, chook = b.low_latency_combine(y, topk, w, h2, return_recv_hook=True)
+    combined2, _, _ = b.low_latency_combine(y, topk, w, h2)
+    _, _, clost = b.low_latency_combine(y, topk, w, h3, return_recv_hook=True)
+    combined, _, chook = b.low_latency_combine(y, topk, w, h3, return_recv_hook=True)
     chook()
     clost()  # no-op
     torch.cuda.synchronize()
     b.check()
-    assert oracle.diff(got_of(recv_x, recv_count, h2), want[rank]) is None
+    assert oracle.diff(got_of(recv_x, recv_count, h3), want[rank]) is None
     assert oracle.combine_diff(combined, want_c[rank]) is None
+    assert oracle.combine_diff(combined2, want_c[rank]) is None
     b.destroy()
 
 
