@@ -171,18 +171,30 @@ trial() {
   mkdir -p "$dir"
   CUR=$dir
   victim=$(( RANDOM % 2 )); survivor=$(( 1 - victim ))
-  # A random point of the timed calls: W0 - 0.3 s (teardown) - u * (P + 0.2 s); without the
-  # per-path figures, a random point between 0.25 and 0.95 of the run.
-  delay=$(awk -v r="$RANDOM" -v w="$w0" -v p="$P" 'BEGIN {
-    u = r / 32767
-    d = (p > 0.05 && w - 0.5 - p > 0.2) ? w - 0.3 - u * (p + 0.2) : (0.25 + 0.70 * u) * w
-    printf "%.3f", d }')
-  frac=$(awk -v d="$delay" -v w="$w0" 'BEGIN { printf "%.2f", d / w }')
   PORT=$((PORT + 2))
   start_rank "$dir" 0 "$tr" "$PORT"
   start_rank "$dir" 1 "$tr" "$PORT"
   PIDS=("$(pid_of "$dir" 0)" "$(pid_of "$dir" 1)")
   vpid=${PIDS[$victim]}
+  # Faults land in the calls, after both ranks formed the group (EP_MP_TRACE's "group formed"
+  # line): forming it is bounded by the set-up bound (30 s: kernels compile, NCCL connects), not
+  # by the wait bound the survivor limit is made of, so a fault there is another experiment.
+  # Then a random point of the calls: u * (P + 0.2 s), P the timed calls' share of the
+  # baseline; without the per-path figures, u * 0.7 of what the baseline ran after set-up.
+  local formed=0 i t_formed
+  for i in $(seq 1 3000); do
+    grep -q 'group formed' "$dir/r0.log" 2>/dev/null && grep -q 'group formed' "$dir/r1.log" 2>/dev/null \
+      && { formed=1; break; }
+    [ -s "$dir/r0.exit" ] || [ -s "$dir/r1.exit" ] && break
+    sleep 0.01
+  done
+  t_formed=$(now)
+  delay=$(awk -v r="$RANDOM" -v w="$w0" -v p="$P" 'BEGIN {
+    u = r / 32767
+    d = (p > 0.05) ? u * (p + 0.2) : u * 0.7 * w
+    printf "%.3f", d }')
+  frac=$(awk -v d="$delay" -v p="$P" 'BEGIN { printf "%.2f", (p > 0) ? d / p : 0 }')
+  [ "$formed" = 1 ] || log "$name $fault #$n: the group did not form within 30 s (see $dir)"
   sleep "$delay"
   if [ -s "$dir/r$victim.exit" ]; then
     status="missed(victim-already-exited)"
@@ -216,7 +228,7 @@ trial() {
   fi
   printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$fault" "$n" "$victim" "$delay" \
     "$status" "$detect" "$rc" "$named" "$msg" >> "$RESULTS"
-  log "$name $fault #$n: rank $victim at ${delay} s (${frac} of ${w0} s): survivor rank $survivor $status rc=$rc detect=${detect:--} s named=$named: ${msg:-<no error line>}"
+  log "$name $fault #$n: rank $victim ${delay} s after the group formed (${frac} of the timed ${P} s): survivor rank $survivor $status rc=$rc detect=${detect:--} s named=$named: ${msg:-<no error line>}"
   if [ "$status" != ended ]; then
     # Where each rank was when the trial ended (EP_MP_TRACE progress lines).
     for r in 0 1; do
