@@ -29,23 +29,60 @@ pub const FP8_CUH: &str = include_str!("cu/fp8.cuh");
 pub struct Family {
     pub name: &'static str,
     pub source: &'static str,
-    pub kernels: &'static [&'static str],
+    pub kernels: &'static [Kernel],
+}
+
+/// One kernel: its name as profilers show it and the module symbol it is loaded by.
+///
+/// The dispatch and combine kernels are C++ functions in a namespace (`ep_batched::dispatch`),
+/// as DeepEP's are, so that a trace shows `::dispatch` / `::combine` where DeepEP's tests and
+/// engines' tooling look for them; their symbols are the Itanium-mangled names of
+/// `void ns::name(KParams, IoTable)` (ptxas prints them; the compile test checks each one is an
+/// entry of its CUBIN). The helpers keep C names.
+#[derive(Debug, Clone, Copy)]
+pub struct Kernel {
+    pub name: &'static str,
+    pub symbol: &'static str,
+}
+
+impl Kernel {
+    const fn c(name: &'static str) -> Kernel {
+        Kernel { name, symbol: name }
+    }
 }
 
 pub const FP8: Family = Family {
     name: "fp8.cu",
     source: include_str!("cu/fp8.cu"),
-    kernels: &["ep_fp8_encode_rows", "ep_empty"],
+    kernels: &[Kernel::c("ep_fp8_encode_rows"), Kernel::c("ep_empty")],
 };
 pub const PER_EXPERT: Family = Family {
     name: "per_expert.cu",
     source: include_str!("cu/per_expert.cu"),
-    kernels: &["ep_per_expert_dispatch", "ep_per_expert_combine"],
+    kernels: &[
+        Kernel {
+            name: "ep_per_expert::dispatch",
+            symbol: "_ZN13ep_per_expert8dispatchE7KParams7IoTable",
+        },
+        Kernel {
+            name: "ep_per_expert::combine",
+            symbol: "_ZN13ep_per_expert7combineE7KParams7IoTable",
+        },
+    ],
 };
 pub const BATCHED: Family = Family {
     name: "batched.cu",
     source: include_str!("cu/batched.cu"),
-    kernels: &["ep_batched_dispatch", "ep_batched_combine"],
+    kernels: &[
+        Kernel {
+            name: "ep_batched::dispatch",
+            symbol: "_ZN10ep_batched8dispatchE7KParams7IoTable",
+        },
+        Kernel {
+            name: "ep_batched::combine",
+            symbol: "_ZN10ep_batched7combineE7KParams7IoTable",
+        },
+    ],
 };
 /// Every module the crate loads.
 pub const FAMILIES: [Family; 3] = [FP8, PER_EXPERT, BATCHED];

@@ -45,10 +45,10 @@ def test_kernel_times_average_by_name_and_split_the_hook_halves():
     bench = load_bench()
     # Launch order (by start): dispatch send 10, dispatch recv 4, combine send 20, recv 6, twice;
     # listed out of order, with a CPU event and an unrelated kernel mixed in.
-    ev = [Event("ep_batched_dispatch", 50, 12), Event("ep_batched_dispatch", 0, 10),
-          Event("ep_batched_dispatch", 1, 4), Event("ep_batched_combine", 2, 20),
-          Event("ep_batched_combine", 3, 6), Event("ep_batched_dispatch", 51, 6),
-          Event("ep_batched_combine", 52, 22), Event("ep_batched_combine", 53, 8),
+    ev = [Event("ep_batched::dispatch(KParams, IoTable)", 50, 12), Event("ep_batched::dispatch(KParams, IoTable)", 0, 10),
+          Event("ep_batched::dispatch(KParams, IoTable)", 1, 4), Event("ep_batched::combine(KParams, IoTable)", 2, 20),
+          Event("ep_batched::combine(KParams, IoTable)", 3, 6), Event("ep_batched::dispatch(KParams, IoTable)", 51, 6),
+          Event("ep_batched::combine(KParams, IoTable)", 52, 22), Event("ep_batched::combine(KParams, IoTable)", 53, 8),
           Event("dispatch (cpu op)", 4, 999, cuda=False), Event("elementwise_kernel", 5, 77)]
     (ds, dr), (cs, cr) = bench.kernel_times(Prof(ev), ("dispatch", "combine"), 2)
     assert (ds, dr, cs, cr) == pytest.approx((11e-6, 5e-6, 21e-6, 7e-6))
@@ -59,6 +59,6 @@ def test_kernel_times_average_by_name_and_split_the_hook_halves():
 def test_kernel_times_say_what_they_saw_when_the_count_is_wrong():
     bench = load_bench()
     with pytest.raises(RuntimeError, match="saw 1 'dispatch' kernels, expected a multiple of 2"):
-        bench.kernel_times(Prof([Event("ep_batched_dispatch", 0, 1),
-                                 Event("ep_batched_combine", 1, 1),
-                                 Event("ep_batched_combine", 2, 1)]), ("dispatch", "combine"), 2)
+        bench.kernel_times(Prof([Event("ep_batched::dispatch(KParams, IoTable)", 0, 1),
+                                 Event("ep_batched::combine(KParams, IoTable)", 1, 1),
+                                 Event("ep_batched::combine(KParams, IoTable)", 2, 1)]), ("dispatch", "combine"), 2)

@@ -3,7 +3,7 @@
 //! and profiled under CUPTI.
 
 use crate::timing::events::{cuda_err, Events};
-use crate::timing::kernel::{kernel_names, per_half_us};
+use crate::timing::kernel::{canonical, kernel_names, per_half_us};
 use ep_kernels::runtime::{GpuGroup, Path};
 use ep_kernels::GpuError;
 use half::bf16;
@@ -244,11 +244,13 @@ pub fn hook_split(
                     g.check()?;
                     let devices: Vec<u32> = raw.iter().map(|(c, _)| c.ordinal() as u32).collect();
                     let (dn, cn) = kernel_names(path);
-                    recs.map_err(|e| e.to_string()).and_then(|recs| {
-                        let (ds, dr) = per_half_us(&recs, dn, &devices, iters)?;
-                        let (cs, cr) = per_half_us(&recs, cn, &devices, iters)?;
-                        Ok([ds, dr, cs, cr])
-                    })
+                    recs.map_err(|e| e.to_string())
+                        .map(canonical)
+                        .and_then(|recs| {
+                            let (ds, dr) = per_half_us(&recs, dn, &devices, iters)?;
+                            let (cs, cr) = per_half_us(&recs, cn, &devices, iters)?;
+                            Ok([ds, dr, cs, cr])
+                        })
                 }
             }
         };

@@ -4,13 +4,38 @@
 use crate::timing::events::time_path;
 use ep_kernels::runtime::{GpuGroup, Path};
 
-/// The kernels a path launches: (dispatch, combine).
+/// The kernels a path launches: (dispatch, combine), by module symbol (the name CUPTI's
+/// records carry, after [`canonical`]).
 pub fn kernel_names(path: Path) -> (&'static str, &'static str) {
-    let f = match path {
+    let f = family(path);
+    (f.kernels[0].symbol, f.kernels[1].symbol)
+}
+
+fn family(path: Path) -> ep_kernels::compile::Family {
+    match path {
         Path::PerExpert => ep_kernels::compile::PER_EXPERT,
         Path::Batched => ep_kernels::compile::BATCHED,
-    };
-    (f.kernels[0], f.kernels[1])
+    }
+}
+
+/// CUPTI's records with each of our kernels named by its module symbol, whether the record
+/// carries the mangled symbol or the demangled signature (`ep_batched::dispatch(KParams,
+/// IoTable)`), so that [`kernel_names`] finds them either way.
+pub fn canonical(mut recs: Vec<crate::cupti::KernelRecord>) -> Vec<crate::cupti::KernelRecord> {
+    for r in &mut recs {
+        for k in [Path::PerExpert, Path::Batched]
+            .into_iter()
+            .flat_map(|p| family(p).kernels)
+        {
+            if r.name
+                .strip_prefix(k.name)
+                .is_some_and(|t| t.starts_with('('))
+            {
+                r.name = k.symbol.to_string();
+            }
+        }
+    }
+    recs
 }
 
 /// A path's kernel time from CUPTI's activity records ([`crate::cupti`]): the GPU duration of
@@ -49,7 +74,7 @@ pub fn kernel_times(
     // Finish the timer whatever the run did: CUPTI's state is per process.
     let recs = timer.finish();
     run.map_err(|e| format!("profiled run: {e}"))?;
-    let recs = recs.map_err(|e| e.to_string())?;
+    let recs = canonical(recs.map_err(|e| e.to_string())?);
     let (dn, cn) = kernel_names(path);
     let first = devices.first().copied().unwrap_or(0);
     let n = recs
@@ -119,6 +144,23 @@ mod tests {
             stream: 1,
             correlation: 0,
         }
+    }
+
+    /// A record carrying the demangled signature and one carrying the symbol both name the
+    /// kernel by its symbol; another kernel whose name merely starts alike is left alone.
+    #[test]
+    fn canonical_names_our_kernels_by_symbol() {
+        let recs = canonical(vec![
+            rec("ep_batched::dispatch(KParams, IoTable)", 0, 0, 1),
+            rec("_ZN10ep_batched7combineE7KParams7IoTable", 0, 0, 1),
+            rec("ep_batched::dispatch_other(int)", 0, 0, 1),
+            rec("ep_per_expert::combine(KParams, IoTable)", 0, 0, 1),
+        ]);
+        let (bd, bc) = kernel_names(Path::Batched);
+        let (_, pc) = kernel_names(Path::PerExpert);
+        let names: Vec<&str> = recs.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, [bd, bc, "ep_batched::dispatch_other(int)", pc]);
+        assert_eq!(bd, "_ZN10ep_batched8dispatchE7KParams7IoTable");
     }
 
     /// Two launches per call: the earlier one is the send half, the later the receive half,

@@ -15,6 +15,14 @@
 // All ranks of one GPU run in the same launch (blocks_per_rank blocks each), so that they are
 // resident together and may wait for one another.
 
+// The kernels are C++ functions in a namespace, as DeepEP's are: profilers show them as
+// `ep_batched::dispatch` and `ep_batched::combine`, the names DeepEP's test (tests/utils.py bench_kineto)
+// and engines' traces look for. compile.rs loads them by their mangled symbols.
+namespace ep_batched {
+__global__ void __launch_bounds__(NTHREADS, 1) dispatch(KParams p, IoTable iot);
+__global__ void __launch_bounds__(NTHREADS, 1) combine(KParams p, IoTable iot);
+}  // namespace ep_batched
+
 #define KIND KIND_BAT_DISPATCH
 // One received unit of the expansion: a 512-byte chunk of an entry's payload (c < Cx), or its
 // scales and indices (c == Cx), with the header fields this lane needs.
@@ -24,7 +32,7 @@ struct XUnit {
     u32 lx, ix;   // lanes < K: local expert of slot `lane` (or NO_LOCAL), index within (l, s)
     uint4 v;      // c < Cx: this lane's 16 payload bytes
 };
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_dispatch(KParams p, IoTable iot) {
+__global__ void __launch_bounds__(NTHREADS, 1) ep_batched::dispatch(KParams p, IoTable iot) {
     extern __shared__ int smem_raw[];
     const RankPtrs* tab = (const RankPtrs*)p.table;
     const int bid = blockIdx.x % p.blocks_per_rank;
@@ -534,7 +542,7 @@ finish:
 
 #define KIND KIND_BAT_COMBINE
 #define SEGB 2048
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_batched_combine(KParams p, IoTable iot) {
+__global__ void __launch_bounds__(NTHREADS, 1) ep_batched::combine(KParams p, IoTable iot) {
     extern __shared__ int smem_raw[];
     const RankPtrs* tab = (const RankPtrs*)p.table;
     const int bid = blockIdx.x % p.blocks_per_rank;

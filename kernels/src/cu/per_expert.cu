@@ -22,8 +22,16 @@
 
 #define PE_HDR 16
 
+// The kernels are C++ functions in a namespace, as DeepEP's are: profilers show them as
+// `ep_per_expert::dispatch` and `ep_per_expert::combine`, the names DeepEP's test (tests/utils.py bench_kineto)
+// and engines' traces look for. compile.rs loads them by their mangled symbols.
+namespace ep_per_expert {
+__global__ void __launch_bounds__(NTHREADS, 1) dispatch(KParams p, IoTable iot);
+__global__ void __launch_bounds__(NTHREADS, 1) combine(KParams p, IoTable iot);
+}  // namespace ep_per_expert
+
 #define KIND KIND_PE_DISPATCH
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_dispatch(KParams p, IoTable iot) {
+__global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert::dispatch(KParams p, IoTable iot) {
     extern __shared__ int smem_raw[];
     const RankPtrs* tab = (const RankPtrs*)p.table;
     const int bid = blockIdx.x % p.blocks_per_rank;
@@ -276,7 +284,7 @@ finish:
 
 #define KIND KIND_PE_COMBINE
 #define SEGB 2048
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert_combine(KParams p, IoTable iot) {
+__global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert::combine(KParams p, IoTable iot) {
     extern __shared__ int smem_raw[];
     const RankPtrs* tab = (const RankPtrs*)p.table;
     const int bid = blockIdx.x % p.blocks_per_rank;

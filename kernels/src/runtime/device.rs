@@ -81,9 +81,11 @@ pub(crate) fn load_family(
     })?;
     let mut fs = Vec::new();
     for k in f.kernels {
-        let name = std::ffi::CString::new(*k).expect("kernel names have no NUL");
-        // SAFETY: `module` was just loaded; `name` is a kernel it defines.
-        match cuda(k, unsafe { result::module::get_function(module, name) }) {
+        let name = std::ffi::CString::new(k.symbol).expect("kernel symbols have no NUL");
+        // SAFETY: `module` was just loaded; `name` is the symbol of a kernel it defines.
+        match cuda(k.name, unsafe {
+            result::module::get_function(module, name)
+        }) {
             Ok(func) => fs.push(func),
             Err(e) => {
                 // SAFETY: nothing of `module` is in use yet.

@@ -11,7 +11,7 @@ use crate::gpu_protocol::shrink::masked_peers;
 use crate::gpu_protocol::state::{BlockReport, Group, Input, Kind, Launch};
 
 /// One block of one stage-0 dispatch launch, every role in kernel order (batched.cu
-/// `ep_batched_dispatch` / per_expert.cu `ep_per_expert_dispatch`).
+/// `ep_batched::dispatch` / per_expert.cu `ep_per_expert::dispatch`).
 pub fn dispatch_block(
     g: &Group,
     kp: &Launch,

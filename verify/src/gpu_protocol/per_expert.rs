@@ -1,4 +1,4 @@
-//! Per-expert dispatch's (per_expert.cu `ep_per_expert_dispatch`) send and receive: one
+//! Per-expert dispatch's (per_expert.cu `ep_per_expert::dispatch`) send and receive: one
 //! message per selection, stamped with the epoch, and one signal per expert; then the receive's
 //! wait per (local expert, source) and its search for this call's messages by their stamp.
 
