@@ -41,7 +41,7 @@ if [ "${PACK_WHEEL:-0}" = 1 ]; then
   rm -rf "$DEST/python" "$DEST"/ep_dispatch-*.whl
   (cd python && maturin build --release --strip --out "$DEST")
   mkdir -p "$DEST/python"
-  cp -r python/gpu.sh python/bench.py python/faults.py python/tests "$DEST/python/"
+  cp -r python/gpu.sh python/bench.py python/faults.py python/tests python/deepep_compat "$DEST/python/"
 fi
 dirty=$(git status --porcelain --untracked-files=no | wc -l)
 echo "commit $(git rev-parse --short HEAD)$([ "$dirty" -gt 0 ] && echo " + $dirty changed tracked files"), built $(date -u +%FT%TZ) on $(hostname)" > "$DEST/BUILD-INFO"
