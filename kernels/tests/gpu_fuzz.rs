@@ -459,6 +459,9 @@ fn run_fuzz(s: &Settings, two_gpus: bool) -> Outcome {
                     timeout_ns: s.timeout_ns,
                     blocks_per_rank: s.blocks_per_rank.or(case.blocks_per_rank),
                     zero_copy_local: case.zero_copy_local,
+                    // DeepEP's column-major recv_scales in half the cases (read back into the
+                    // oracle's row order); tied to zero_copy_local, which the group key covers.
+                    scales_column_major: case.zero_copy_local,
                     ..Default::default()
                 },
             );

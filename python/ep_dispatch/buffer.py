@@ -458,7 +458,8 @@ class Buffer:
         ``(recv_x, recv_count, handle, event, hook)`` as DeepEP does.
 
         ``recv_x``: ``(float8_e4m3fn [L, R*T, H], float32 [L, R*T, H/128])`` with FP8 (UE8M0:
-        ``int32 [L, R*T, H/512]`` scales), else ``bfloat16 [L, R*T, H]``. ``recv_count``:
+        ``int32 [L, R*T, H/512]`` scales), else ``bfloat16 [L, R*T, H]``. The scales are
+        column-major in the last two dimensions, as DeepEP's: strides ``(R*T*G, 1, R*T)``. ``recv_count``:
         ``int32 [L]``. Rows at or past ``recv_count[l]`` carry no meaning. With
         ``return_recv_hook=True`` only the send half is enqueued, and calling ``hook()``
         enqueues the receive half (on the then-current stream). ``cumulative_local_expert_recv_stats``
@@ -493,10 +494,12 @@ class Buffer:
         dev = self._dev
         if use_fp8:
             recv_x = torch.empty((L, RT, H), dtype=dt.fp8, device=dev)
+            # DeepEP's layout: column-major in the last two dims, strides (RT*G, 1, RT); the
+            # kernels write it so (the group's scales_column_major option).
             if use_ue8m0:
-                scales = torch.empty((L, RT, H // 512), dtype=dt.i32, device=dev)
+                scales = torch.empty((L, H // 512, RT), dtype=dt.i32, device=dev).transpose(1, 2)
             else:
-                scales = torch.empty((L, RT, H // 128), dtype=dt.f32, device=dev)
+                scales = torch.empty((L, H // 128, RT), dtype=dt.f32, device=dev).transpose(1, 2)
         else:
             recv_x = torch.empty((L, RT, H), dtype=dt.bf16, device=dev)
             scales = None

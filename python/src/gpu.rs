@@ -155,9 +155,10 @@ pub fn check_path_on(path: Path, transport: Transport) -> Result<()> {
     Ok(())
 }
 
-/// The group's options for this Buffer: one GPU per process, the wait bound, the transport, and
+/// The group's options for this Buffer: one GPU per process, the wait bound, the transport,
 /// fixed-capacity NCCL sizes wherever NCCL can carry traffic (the device API refuses exact sizes:
-/// they need a host round trip mid-call).
+/// they need a host round trip mid-call), and DeepEP's column-major FP8 scales (the Buffer's
+/// `recv_x` scales tensor has DeepEP's strides, as DeepGEMM takes them).
 pub fn options(transport: Transport, timeout: Duration, trap_on_error: bool) -> GpuOptions {
     GpuOptions {
         num_gpus: 1,
@@ -165,6 +166,7 @@ pub fn options(transport: Transport, timeout: Duration, trap_on_error: bool) -> 
         transport,
         trap_on_error,
         enable_shrink: false,
+        scales_column_major: true,
         nccl_sizes: if has_staging(transport) {
             NcclSizes::Capacity
         } else {
@@ -634,6 +636,7 @@ mod tests {
         }
         let auto = options(Transport::Auto, t, false);
         assert!(!auto.trap_on_error);
+        assert!(auto.scales_column_major, "the Buffer allocates DeepEP's scale strides");
         assert!(options(Transport::Auto, t, true).trap_on_error);
         let default = GpuOptions::default();
         assert_eq!(auto.transport, Transport::Auto);

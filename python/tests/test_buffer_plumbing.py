@@ -97,8 +97,8 @@ class FakeRank:
                                    **self.mode)
             for (_, _, (rx, sc, ct, si, lr)), o in zip(calls, outs):
                 write(rx, o.recv_x, 1)
-                if sc is not None:
-                    write(sc, o.recv_x_scales, 1)
+                if sc is not None:  # the Buffer's scales are column-major (DeepEP's strides)
+                    write(sc, np.ascontiguousarray(o.recv_x_scales.transpose(0, 2, 1)), 1)
                 write(ct, o.recv_count, 4)
                 write(si, o.src_info, 4)
                 begin, cnt = o.layout_pairs()
@@ -208,6 +208,11 @@ def test_dispatch_and_combine_through_the_buffer(buffers, mode):
         if mode["use_fp8"]:
             assert recv_x[0].dtype == torch.float8_e4m3fn
             assert recv_x[1].dtype == (torch.int32 if mode.get("use_ue8m0") else torch.float32)
+            # DeepEP's strides: column-major in the last two dims (DeepGEMM asserts it).
+            G, RT = H // (512 if mode.get("use_ue8m0") else 128), R * T
+            assert recv_x[1].shape == (E // R, RT, G)
+            assert recv_x[1].stride() == (RT * G, 1, RT)
+            assert recv_x[0].shape == (E // R, RT, H) and recv_x[0].stride() == (RT * H, H, 1)
         else:
             assert recv_x.dtype == torch.bfloat16 and recv_x.shape == (E // R, R * T, H)
         # DeepEP's handle: a 5-tuple whose layout_range packs (begin << 32) | count.

@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::dispatch(KParams p, I
             seg_quant(p, sg);
             for (u32 m = slots; m != 0u; m &= m - 1u) {
                 const u64 row = (u64)__shfl_sync(0xffffffffu, my_row, __ffs(m) - 1);
-                seg_store_xs(p, sg, xr, g * 512, (u8*)io.recv_x + row * p.xrow, (u8*)io.recv_scales + row * p.spr * 4);
+                seg_store_xs(p, sg, xr, g * 512, (u8*)io.recv_x + row * p.xrow, scale_row(p, (void*)io.recv_scales, row));
             }
             if (g == 0 && lane < K) {
                 // (t, k)'s place among the rank's selections (token order, then k): comb_pos on
@@ -447,15 +447,15 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::dispatch(KParams p, I
                     const u64 row = (u64)l * RT + sm.beg[l * R + s] + i;
                     if (!vec) warp_copy((u8*)io.recv_x + row * p.xrow, h + HDR_BYTES, p.xrow);
                     if (p.spr) {
-                        u32* dst = (u32*)io.recv_scales + row * p.spr;
+                        const ScaleRow dst = scale_row(p, (void*)io.recv_scales, row);
                         if (sreg) {
 #pragma unroll
                             for (int z = 0; z < 4; z++) {
                                 const int w = z * 32 + lane;
-                                if (w < p.spr) dst[w] = sv[z];
+                                if (w < p.spr) dst.p[w * dst.step] = sv[z];
                             }
                         } else {
-                            for (int z = lane; z < p.spr; z += 32) dst[z] = src[z];
+                            for (int z = lane; z < p.spr; z += 32) dst.p[z * dst.step] = src[z];
                         }
                     }
                     if (lane == 0) {

@@ -122,7 +122,22 @@ struct KParams {
     u64 err_host;            // u32[8] in mapped pinned host memory: the error word's host mirror
     int trap;                // 1: trap after recording an error (DeepEP's crash), 0: exit cleanly
     int shrink;              // 1: shrink mode: a peer whose wait runs out is masked, not an error
+    int scol;                // recv_scales: 0 row-major [L, RT, spr]; 1 DeepEP's column-major
+                             // last two dims (word strides RT*spr, 1, RT)
+    int pad2;
 };
+
+// Where row `row` (= l * RT + r) of recv_scales keeps its words: word w at p[w * step].
+struct ScaleRow {
+    u32* p;
+    u64 step;
+};
+__device__ __forceinline__ ScaleRow scale_row(const KParams& p, void* scales, u64 row) {
+    if (!p.scol) return {(u32*)scales + row * (u64)p.spr, 1};
+    const u64 RT = (u64)p.R * (u64)p.T;
+    const u64 l = row / RT;
+    return {(u32*)scales + l * RT * (u64)p.spr + (row - l * RT), RT};
+}
 
 // Is peer d reached through NCCL (its data goes through this rank's staging buffers)?
 __device__ __forceinline__ bool via_nccl(const KParams& p, int d) { return ((p.nccl_mask >> d) & 1u) != 0u; }

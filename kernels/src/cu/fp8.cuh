@@ -108,7 +108,7 @@ __device__ __forceinline__ Seg seg_load(const KParams& p, const u16* x, int c0) 
 // Stores a loaded segment: the row's bytes at dst, its scales at dsts (the payload layout puts
 // them at dst + xrow; the canonical layout in recv_scales).
 // BF16 rows whose H is not a multiple of 8 are copied from x two bytes at a time.
-__device__ __forceinline__ void seg_store_xs(const KParams& p, const Seg& s, const u16* x, int c0, u8* dst, u8* dsts) {
+__device__ __forceinline__ void seg_store_xs(const KParams& p, const Seg& s, const u16* x, int c0, u8* dst, ScaleRow dsts) {
     const int lane = threadIdx.x & 31;
     const int H = p.H;
     if (!p.fp8) {
@@ -128,12 +128,12 @@ __device__ __forceinline__ void seg_store_xs(const KParams& p, const Seg& s, con
         int c = c0 + i * 256 + lane * 8;
         if (c < H) {
             *(uint2*)(dst + c) = make_uint2(s.v[i].x, s.v[i].y);
-            if (!p.ue8m0 && (lane & 15) == 0) *(float*)(dsts + (c >> 7) * 4) = s.si[i];
+            if (!p.ue8m0 && (lane & 15) == 0) *(float*)(dsts.p + (u64)(c >> 7) * dsts.step) = s.si[i];
         }
     }
-    if (p.ue8m0 && lane == 0) *(u32*)(dsts + (c0 >> 9) * 4) = s.packed;
+    if (p.ue8m0 && lane == 0) dsts.p[(u64)(c0 >> 9) * dsts.step] = s.packed;
 }
 // Stores a loaded segment into the payload at dst (row bytes, then scales at dst + xrow).
 __device__ __forceinline__ void seg_store(const KParams& p, const Seg& s, const u16* x, int c0, u8* dst) {
-    seg_store_xs(p, s, x, c0, dst, dst + p.xrow);
+    seg_store_xs(p, s, x, c0, dst, ScaleRow{(u32*)(dst + p.xrow), 1});
 }

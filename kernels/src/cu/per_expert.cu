@@ -234,8 +234,8 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert::dispatch(KParams p
                         if (!vec) warp_copy((u8*)io.recv_x + row * p.xrow, h + PE_HDR, p.xrow);
                         if (p.spr) {
                             const u32* src = (const u32*)(h + PE_HDR + p.xrow);
-                            u32* dst = (u32*)io.recv_scales + row * p.spr;
-                            for (int i = lane; i < p.spr; i += 32) dst[i] = src[i];
+                            const ScaleRow dst = scale_row(p, (void*)io.recv_scales, row);
+                            for (int i = lane; i < p.spr; i += 32) dst.p[i * dst.step] = src[i];
                         }
                         if (lane == 0) {
                             // Peer-written: the token and slot index combine's write-back.

@@ -470,6 +470,7 @@ pub(crate) fn kparams(
         zero_copy: opts.zero_copy_local as i32,
         trap: opts.trap_on_error as i32,
         shrink: opts.enable_shrink as i32,
+        scol: opts.scales_column_major as i32,
         ..Default::default()
     })
 }

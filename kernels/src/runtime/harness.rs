@@ -258,6 +258,18 @@ impl GpuGroup {
                 }
             }
         }
+        if self.params.scol != 0 {
+            // DeepEP's column-major scales back to the contract's row-major host layout.
+            let (rt, g) = (
+                cfg.num_ranks * cfg.max_tokens_per_rank,
+                cfg.scales_per_row(),
+            );
+            match &mut out.recv_scales {
+                None => {}
+                Some(RecvScales::F32(v)) => *v = rows_of_columns(v, l, rt, g),
+                Some(RecvScales::Ue8m0(v)) => *v = rows_of_columns(v, l, rt, g),
+            }
+        }
         out.recv_count = counts;
         out.layout_range = layout.chunks_exact(2).map(|c| (c[0], c[1])).collect();
         Ok(out)
@@ -295,5 +307,33 @@ impl GpuGroup {
             }
         }
         Ok(())
+    }
+}
+
+/// `[l][rt][g]` (row-major) from `v` holding `[l][g][rt]`: recv_scales in DeepEP's layout
+/// (column-major in the last two dimensions) read back into the contract's row order.
+pub(crate) fn rows_of_columns<T: Copy>(v: &[T], l: usize, rt: usize, g: usize) -> Vec<T> {
+    let mut out = Vec::with_capacity(v.len());
+    for e in 0..l {
+        let m = &v[e * rt * g..(e + 1) * rt * g];
+        for r in 0..rt {
+            out.extend((0..g).map(|w| m[w * rt + r]));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rows_of_columns;
+
+    #[test]
+    fn rows_of_columns_transposes_each_expert() {
+        // l = 2, rt = 3, g = 2: expert e's word (r, w) sits at e*6 + w*3 + r.
+        let cols = [0, 2, 4, 1, 3, 5, 10, 12, 14, 11, 13, 15];
+        assert_eq!(
+            rows_of_columns(&cols, 2, 3, 2),
+            [0, 1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 15]
+        );
     }
 }

@@ -125,6 +125,9 @@ pub(crate) struct KParams {
     pub trap: i32,
     /// 1: shrink mode ([`GpuOptions::enable_shrink`]).
     pub shrink: i32,
+    /// 1: recv_scales in DeepEP's column-major layout ([`GpuOptions::scales_column_major`]).
+    pub scol: i32,
+    pub pad2: i32,
 }
 
 /// `a * b * ...` for the size of `what`, or a typed error naming it (no silent wrap in release).
@@ -487,7 +490,7 @@ mod tests {
         // The kernels take (KParams, IoTable) by value: under CUDA's 4 KiB parameter limit.
         let kp = std::mem::size_of::<KParams>();
         let io = std::mem::size_of::<IoTable>();
-        assert_eq!(kp, 136); // the same fields as common.cuh's KParams
+        assert_eq!(kp, 144); // the same fields as common.cuh's KParams
         assert_eq!(io, MAX_LOCAL * 11 * 8);
         assert!(kp + io <= 4096, "{kp} + {io}");
     }

@@ -101,6 +101,11 @@ pub struct GpuOptions {
     /// [`GpuGroup::clean_mask`]. CUDA IPC and peer access only (not over NCCL, whose receives
     /// the kernels cannot bound), at most 32 ranks.
     pub enable_shrink: bool,
+    /// FP8 dispatch's `recv_scales` ([L, R*T, G] words, G = H/128 f32 or H/512 packed UE8M0)
+    /// in DeepEP's layout: column-major in the last two dimensions, word strides
+    /// (R*T*G, 1, R*T), as DeepGEMM's grouped GEMM takes them. Off: row-major (R*T*G, G, 1).
+    /// The values are the same either way; only where each word lives changes.
+    pub scales_column_major: bool,
 }
 
 impl Default for GpuOptions {
@@ -114,6 +119,7 @@ impl Default for GpuOptions {
             nccl_sizes: NcclSizes::default(),
             trap_on_error: false,
             enable_shrink: false,
+            scales_column_major: false,
         }
     }
 }

@@ -34,6 +34,11 @@ const TESTS: &[(&str, usize, fn())] = &[
         gpu_virtual_r2_r4_r8_both_paths_equal_oracle,
     ),
     (
+        "gpu_scales_column_major_equal_oracle",
+        1,
+        gpu_scales_column_major_equal_oracle,
+    ),
+    (
         "gpu_two_gpus_r2_r4_both_paths_equal_oracle",
         2,
         gpu_two_gpus_r2_r4_both_paths_equal_oracle,

@@ -20,6 +20,35 @@ pub(crate) fn gpu_virtual_r2_r4_r8_both_paths_equal_oracle() {
     }
 }
 
+/// DeepEP's recv_scales layout (column-major in the last two dimensions): both paths, every FP8
+/// mode, R = 1, 2, 4, local and peer rows. The harness reads the scales back into row order, so
+/// a kernel that wrote them row-major anyway (or to the wrong column) fails the oracle here.
+pub(crate) fn gpu_scales_column_major_equal_oracle() {
+    let mut rng = Rng::new(31);
+    let mut checks = 0;
+    for r in [1, 2, 4] {
+        for mode in [Mode::FP8, Mode::FP8_ROUND, Mode::FP8_UE8M0] {
+            // G = 8 (f32) or 2 (UE8M0) scale words per row, R*T = 7r rows per expert.
+            let cfg = Config::new(r, 3 * r, 7, 1024, 4, mode).unwrap();
+            let mut g = GpuGroup::new(
+                &cfg,
+                GpuOptions {
+                    scales_column_major: true,
+                    ..test_opts()
+                },
+            )
+            .unwrap_or_else(|e| panic!("{}: {e}", cfg.describe()));
+            for _ in 0..2 {
+                let tokens: Vec<usize> = (0..r).map(|_| 1 + rng.below(7)).collect();
+                let data = random_inputs(&cfg, &tokens, Routing::Random { masked: 0.1 }, &mut rng);
+                let y = random_y(&cfg, &mut rng);
+                checks += verify_case(&mut g, &data, &y).unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+    }
+    println!("ok: {checks} checks with column-major recv_scales");
+}
+
 pub(crate) fn gpu_two_gpus_r2_r4_both_paths_equal_oracle() {
     assert_eq!(random_configs(2, 2, 22, true), 4 * 3 * 4);
     assert_eq!(random_configs(4, 2, 44, true), 4 * 3 * 4);
