@@ -1,18 +1,19 @@
-//! The NCCL calls: communicators (created, polled, aborted, destroyed), grouped
-//! point-to-point operations, the bounded polls (the module docs of `runtime::nccl` say how).
+//! The NCCL calls: communicators (created, polled, aborted, destroyed) and grouped
+//! point-to-point operations, as a [`Network`] ([`Nccl`]); [`Comms`] is them under the abort
+//! logic of `abort::Guarded` (the module docs of `runtime::nccl` say how it all fits). Every
+//! `unsafe` block of the transport is here, at the FFI boundary.
 
 use crate::error::GpuError;
+use crate::runtime::nccl::abort::Guarded;
+use crate::runtime::nccl::net::{Network, P2p};
 use cudarc::driver::sys::CUstream;
 use cudarc::nccl::sys;
-use std::cell::Cell;
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
 /// Set-up steps (communicator creation, the first grouped call's connections) get at least this
 /// long, whatever the group's wait bound: NCCL's own set-up takes seconds on a healthy node.
 pub const SETUP_FLOOR: Duration = Duration::from_secs(20);
-/// Host poll interval of every bounded wait here.
-const POLL: Duration = Duration::from_micros(50);
 /// NCCL_VERSION(2, 28, 3): the `ncclConfig_t` layout of the `nccl-02028` bindings.
 const CONFIG_VERSION: u32 = 22803;
 /// NCCL_CONFIG_UNDEF_INT.
@@ -56,34 +57,6 @@ fn nccl_err(what: &str, rank: usize, rc: sys::ncclResult_t, comm: sys::ncclComm_
     }
 }
 
-/// How a bounded poll ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum PollEnd {
-    Ready,
-    Failed(sys::ncclResult_t),
-    TimedOut,
-}
-
-/// Polls `state` until it leaves `ncclInProgress`, or until `limit` has passed since `t0`. The
-/// state is read at least once, also past the deadline.
-pub(crate) fn poll_until(
-    t0: Instant,
-    limit: Duration,
-    mut state: impl FnMut() -> sys::ncclResult_t,
-) -> PollEnd {
-    loop {
-        match state() {
-            sys::ncclResult_t::ncclSuccess => return PollEnd::Ready,
-            sys::ncclResult_t::ncclInProgress => {}
-            e => return PollEnd::Failed(e),
-        }
-        if t0.elapsed() >= limit {
-            return PollEnd::TimedOut;
-        }
-        std::thread::sleep(POLL);
-    }
-}
-
 /// The bytes of an NCCL unique id (what rank 0 hands to the others through the rendezvous).
 pub fn unique_id() -> Result<Vec<u8>, GpuError> {
     if !nccl_present() {
@@ -121,7 +94,7 @@ fn nonblocking_config() -> sys::ncclConfig_t {
     }
 }
 
-/// How long `Comms::abort` waits for NCCL to finish aborting.
+/// How long `Nccl::abort_all` waits for NCCL to finish aborting.
 pub const ABORT_WAIT: Duration = Duration::from_secs(10);
 
 /// Communicator handles on their way to the abort helper thread.
@@ -129,32 +102,169 @@ struct Handles(Vec<sys::ncclComm_t>);
 
 // SAFETY: an NCCL communicator may be aborted from any thread (that is what ncclCommAbort is
 // for: a watchdog aborting a communicator another thread is blocked in); the handles are moved
-// to exactly one thread, and their owner never touches them again (`Comms::aborted`).
+// to exactly one thread, and their owner took them out of its list first (`Nccl::abort_all`),
+// so it never touches them again.
 unsafe impl Send for Handles {}
 
 impl Handles {
     fn abort_all(&self) {
         for &c in &self.0 {
             if !c.is_null() {
-                // SAFETY: `c` is a live communicator whose owner marked it aborted; after this
-                // call NCCL frees it and nothing uses it again.
+                // SAFETY: `c` is a live communicator that its owner took out of its list to
+                // abort it; after this call NCCL frees it and nothing uses it again.
                 let _ = unsafe { sys::ncclCommAbort(c) };
             }
         }
     }
 }
 
-/// Communicators, one per local GPU (index = the group's device index).
-pub(crate) struct Comms {
-    pub comms: Vec<sys::ncclComm_t>,
+/// NCCL communicators, one per local GPU (index = the group's device index), as a [`Network`]
+/// whose queues are CUDA streams. Every handle in `comms` is live: aborting or destroying takes
+/// the handles out of the list before NCCL frees them, so no call reaches a freed one.
+pub(crate) struct Nccl {
+    comms: Vec<sys::ncclComm_t>,
     /// The rank of each communicator (for errors).
     ranks: Vec<usize>,
-    /// Bound of a set-up step (creation, a grouped call's enqueue and connections).
-    setup: Duration,
-    /// Set once every communicator was aborted: they are freed and never touched again.
-    /// A `Cell`: aborting is allowed through a shared reference (Comms is not `Sync`, its raw
-    /// communicator handles already make it so).
-    aborted: Cell<bool>,
+}
+
+/// The NCCL communicators of a group under the abort logic (aborted on any error or past a
+/// set-up bound, refused after that, destroyed at the end only when never aborted).
+pub(crate) type Comms = Guarded<Nccl>;
+
+impl Network for Nccl {
+    type Queue = CUstream;
+
+    fn devices(&self) -> usize {
+        self.comms.len()
+    }
+
+    fn rank(&self, i: usize) -> usize {
+        self.ranks.get(i).copied().unwrap_or(0)
+    }
+
+    /// Enqueues `ops[i]` on (`comms[i]`, `streams[i]`) inside one ncclGroupStart/End. Returns
+    /// once NCCL took the group (a non-blocking communicator may answer `ncclInProgress`: its
+    /// [`Network::progress`] says when it is queued).
+    fn post(&mut self, streams: &[CUstream], ops: &[Vec<P2p>]) -> Result<(), GpuError> {
+        let rank0 = self.rank(0);
+        // SAFETY: no arguments; pairs with the ncclGroupEnd below on every path.
+        let rc = unsafe { sys::ncclGroupStart() };
+        if rc != sys::ncclResult_t::ncclSuccess {
+            return Err(nccl_err("ncclGroupStart", rank0, rc, std::ptr::null_mut()));
+        }
+        let mut res = Ok(());
+        'outer: for (i, list) in ops.iter().enumerate() {
+            let (comm, stream) = (self.comms[i], streams[i] as sys::cudaStream_t);
+            for op in list {
+                let (ptr, bytes, peer, send) = match *op {
+                    P2p::Send { buf, bytes, peer } => (buf, bytes, peer, true),
+                    P2p::Recv { buf, bytes, peer } => (buf, bytes, peer, false),
+                };
+                if bytes == 0 {
+                    continue;
+                }
+                let Ok(peer32) = i32::try_from(peer) else {
+                    res = Err(GpuError::Nccl(format!("NCCL peer {peer}")));
+                    break 'outer;
+                };
+                // SAFETY: `comm` is live (see `Nccl`); every buffer is a live device allocation
+                // of at least `bytes` bytes on the communicator's device (the sizes are
+                // bounded by `check_header`); the stream belongs to that device's context.
+                let rc = unsafe {
+                    if send {
+                        sys::ncclSend(
+                            ptr as *const c_void,
+                            bytes,
+                            sys::ncclDataType_t::ncclUint8,
+                            peer32,
+                            comm,
+                            stream,
+                        )
+                    } else {
+                        sys::ncclRecv(
+                            ptr as *mut c_void,
+                            bytes,
+                            sys::ncclDataType_t::ncclUint8,
+                            peer32,
+                            comm,
+                            stream,
+                        )
+                    }
+                };
+                match rc {
+                    sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => {}
+                    e => {
+                        res = Err(nccl_err("ncclSend/ncclRecv", self.rank(i), e, comm));
+                        break 'outer;
+                    }
+                }
+            }
+        }
+        // SAFETY: closes the group opened above.
+        let end = unsafe { sys::ncclGroupEnd() };
+        res?;
+        match end {
+            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => Ok(()),
+            e => Err(nccl_err("ncclGroupEnd", rank0, e, std::ptr::null_mut())),
+        }
+    }
+
+    fn progress(&mut self, i: usize, what: &'static str) -> Result<bool, GpuError> {
+        let Some(&comm) = self.comms.get(i) else {
+            return Err(GpuError::Nccl(format!(
+                "rank {}: {what}: no communicator {i}",
+                self.rank(i)
+            )));
+        };
+        let mut st = sys::ncclResult_t::ncclInProgress;
+        // SAFETY: `comm` is live (see `Nccl`); `st` receives its state.
+        let rc = unsafe { sys::ncclCommGetAsyncError(comm, &mut st) };
+        let state = if rc != sys::ncclResult_t::ncclSuccess {
+            rc
+        } else {
+            st
+        };
+        match state {
+            sys::ncclResult_t::ncclSuccess => Ok(true),
+            sys::ncclResult_t::ncclInProgress => Ok(false),
+            e => Err(nccl_err(what, self.rank(i), e, comm)),
+        }
+    }
+
+    /// `ncclCommAbort` raises the abort flag at once (NCCL's kernels and proxy threads see it
+    /// and quit) and then joins NCCL's own threads; that join runs on a helper thread and is
+    /// waited for at most [`ABORT_WAIT`], so a set-up thread stuck inside NCCL cannot hang the
+    /// caller (past the bound the helper is left to finish on its own).
+    fn abort_all(&mut self) {
+        let taken = std::mem::take(&mut self.comms);
+        let comms = Handles(taken.clone());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let helper = std::thread::Builder::new()
+            .name("ep-nccl-abort".into())
+            .spawn(move || {
+                let comms = comms;
+                comms.abort_all();
+                let _ = tx.send(());
+            });
+        if helper.is_ok() {
+            let _ = rx.recv_timeout(ABORT_WAIT);
+        } else {
+            // No thread to spare: abort here (unbounded, as NCCL itself).
+            Handles(taken).abort_all();
+        }
+    }
+
+    fn destroy_all(&mut self) {
+        for c in std::mem::take(&mut self.comms) {
+            if !c.is_null() {
+                // SAFETY: `c` is live (see `Nccl`) and taken out of the list; the owner
+                // synchronised all work (or released through [`Comms::release`], which aborts
+                // when it could not). Destroy is blocking in NCCL also for non-blocking
+                // communicators.
+                let _ = unsafe { sys::ncclCommDestroy(c) };
+            }
+        }
+    }
 }
 
 impl Comms {
@@ -171,15 +281,14 @@ impl Comms {
         let devs: Vec<i32> = (0..ndev).collect();
         // SAFETY: `comms` has room for n communicators, `devs` lists n valid ordinals.
         let rc = unsafe { sys::ncclCommInitAll(comms.as_mut_ptr(), ndev, devs.as_ptr()) };
-        let c = Comms {
+        let net = Nccl {
             comms,
             ranks: (0..n).collect(),
-            setup: SETUP_FLOOR,
-            aborted: Cell::new(false),
         };
+        let mut c = Guarded::new(net, SETUP_FLOOR);
         if rc != sys::ncclResult_t::ncclSuccess {
             let e = nccl_err("ncclCommInitAll", 0, rc, std::ptr::null_mut());
-            c.abort();
+            c.abort(&e);
             return Err(e);
         }
         Ok(c)
@@ -222,12 +331,11 @@ impl Comms {
         // library's layout (size and version say which); the id came from ncclGetUniqueId.
         let rc = unsafe { sys::ncclCommInitRankConfig(&mut comm, n, uid, rk, &mut config) };
         // From here on `c` owns whatever NCCL created: every error path below aborts it.
-        let c = Comms {
+        let net = Nccl {
             comms: if comm.is_null() { vec![] } else { vec![comm] },
             ranks: vec![rank],
-            setup: setup_timeout(timeout),
-            aborted: Cell::new(false),
         };
+        let mut c = Guarded::new(net, setup_timeout(timeout));
         match rc {
             sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
                 if !comm.is_null() =>
@@ -237,246 +345,27 @@ impl Comms {
             }
             _ => {
                 let e = nccl_err("ncclCommInitRankConfig", rank, rc, comm);
-                c.abort();
+                c.abort(&e);
                 Err(e)
             }
-        }
-    }
-
-    /// Polls communicator `i` until it is ready (bounded by the set-up bound from `t0`). On an
-    /// error or past the deadline every communicator is aborted.
-    fn wait_ready(&self, i: usize, what: &'static str, t0: Instant) -> Result<(), GpuError> {
-        let comm = self.comms[i];
-        let rank = self.ranks.get(i).copied().unwrap_or(0);
-        let end = poll_until(t0, self.setup, || {
-            let mut st = sys::ncclResult_t::ncclInProgress;
-            // SAFETY: `comm` is a live communicator of this object (not aborted: callers check);
-            // `st` receives its state.
-            let rc = unsafe { sys::ncclCommGetAsyncError(comm, &mut st) };
-            if rc != sys::ncclResult_t::ncclSuccess {
-                rc
-            } else {
-                st
-            }
-        });
-        match end {
-            PollEnd::Ready => Ok(()),
-            PollEnd::Failed(rc) => {
-                let e = nccl_err(what, rank, rc, comm);
-                self.abort();
-                Err(e)
-            }
-            PollEnd::TimedOut => {
-                self.abort();
-                Err(GpuError::NcclTimeout {
-                    rank,
-                    what,
-                    waited_ms: t0.elapsed().as_millis().min(u64::MAX as u128) as u64,
-                })
-            }
-        }
-    }
-
-    /// Whether the communicators were aborted (then they must not be used).
-    pub fn is_aborted(&self) -> bool {
-        self.aborted.get()
-    }
-
-    /// Aborts every communicator (unblocks and frees its kernels and proxy threads). Idempotent.
-    /// `ncclCommAbort` raises the abort flag at once (NCCL's kernels and proxy threads see it and
-    /// quit) and then joins NCCL's own threads; that join runs on a helper thread and is waited
-    /// for at most [`ABORT_WAIT`], so a set-up thread stuck inside NCCL cannot hang the caller
-    /// (past the bound the helper is left to finish on its own).
-    pub fn abort(&self) {
-        if self.aborted.replace(true) {
-            return;
-        }
-        let comms = Handles(self.comms.clone());
-        let (tx, rx) = std::sync::mpsc::channel();
-        let helper = std::thread::Builder::new()
-            .name("ep-nccl-abort".into())
-            .spawn(move || {
-                let comms = comms;
-                comms.abort_all();
-                let _ = tx.send(());
-            });
-        if helper.is_ok() {
-            let _ = rx.recv_timeout(ABORT_WAIT);
-        } else {
-            // No thread to spare: abort here (unbounded, as NCCL itself).
-            Handles(self.comms.clone()).abort_all();
         }
     }
 
     /// Frees the communicators before the streams and memory they use: waits for `streams`
     /// (each with its context) at most `timeout`, then destroys the communicators when the
-    /// owner is `healthy` and every stream finished cleanly, and aborts them otherwise (a
-    /// receive from a dead peer never finishes, and an orderly destroy after a failure may wait
-    /// on a peer; an abort makes NCCL's kernels quit, so the streams drain).
+    /// owner is `healthy` and every stream finished cleanly, and aborts them otherwise
+    /// ([`Guarded::release_with`] decides).
     pub fn release(
         self,
         streams: &[(std::sync::Arc<cudarc::driver::CudaContext>, CUstream)],
         timeout: Duration,
         healthy: bool,
     ) {
-        if self.is_aborted() {
-            return;
-        }
-        if !healthy {
-            self.abort();
-            return;
-        }
-        if crate::runtime::streams::drain_streams(streams, timeout)
-            != crate::runtime::streams::Drain::Idle
-        {
-            self.abort();
-        }
-        // Drop destroys what was not aborted.
+        self.release_with(healthy, || {
+            crate::runtime::streams::drain_streams(streams, timeout)
+                == crate::runtime::streams::Drain::Idle
+        });
     }
-}
-
-impl Drop for Comms {
-    fn drop(&mut self) {
-        if !self.aborted.get() {
-            for &c in self.comms.iter().filter(|c| !c.is_null()) {
-                // SAFETY: the owner synchronised all work (or released through
-                // [`Comms::release`], which aborts when it could not); `c` is not used again.
-                // Destroy is blocking in NCCL also for non-blocking communicators.
-                let _ = unsafe { sys::ncclCommDestroy(c) };
-            }
-        }
-    }
-}
-
-/// One point-to-point operation of a group.
-#[derive(Debug)]
-pub(crate) enum P2p {
-    Send { buf: u64, bytes: usize, peer: usize },
-    Recv { buf: u64, bytes: usize, peer: usize },
-}
-
-/// Where a group's point-to-point operations go: one list per device (per rank, where NCCL
-/// runs one rank per GPU), posted as one group: NCCL on the GPU ([`NcclNet`]: [`grouped`],
-/// bounded, aborting on a timeout); a CPU network in `runtime::exchange`'s tests, which pairs
-/// every rank's plan as NCCL would.
-pub(crate) trait Network {
-    fn group(&mut self, ops: &[Vec<P2p>]) -> Result<(), GpuError>;
-}
-
-/// The NCCL communicators of a group on its streams (one per device), as a [`Network`].
-pub(crate) struct NcclNet<'a> {
-    pub(crate) comms: &'a Comms,
-    pub(crate) streams: &'a [CUstream],
-}
-
-impl Network for NcclNet<'_> {
-    fn group(&mut self, ops: &[Vec<P2p>]) -> Result<(), GpuError> {
-        grouped(self.comms, self.streams, ops)
-    }
-}
-
-/// Enqueues `ops[i]` on (comms[i], streams[i]) inside one ncclGroupStart/End. Zero-byte
-/// operations are left out (both sides know the same sizes, so they leave out the same pairs).
-/// Returns once the work is queued on the streams (a non-blocking communicator's
-/// `ncclInProgress` is polled, bounded by the set-up bound). On any error, or past that bound,
-/// the communicators are aborted before the error is returned.
-pub(crate) fn grouped(
-    comms: &Comms,
-    streams: &[CUstream],
-    ops: &[Vec<P2p>],
-) -> Result<(), GpuError> {
-    if comms.is_aborted() {
-        return Err(GpuError::Nccl(
-            "the NCCL communicators were aborted after an earlier error".into(),
-        ));
-    }
-    if comms.comms.len() < ops.len() || streams.len() < ops.len() {
-        return Err(GpuError::Nccl(format!(
-            "{} operation lists for {} communicators and {} streams",
-            ops.len(),
-            comms.comms.len(),
-            streams.len()
-        )));
-    }
-    let t0 = Instant::now();
-    let rank0 = comms.ranks.first().copied().unwrap_or(0);
-    // SAFETY: no arguments; pairs with the ncclGroupEnd below on every path.
-    let rc = unsafe { sys::ncclGroupStart() };
-    if rc != sys::ncclResult_t::ncclSuccess {
-        let e = nccl_err("ncclGroupStart", rank0, rc, std::ptr::null_mut());
-        comms.abort();
-        return Err(e);
-    }
-    let mut res = Ok(());
-    'outer: for (i, list) in ops.iter().enumerate() {
-        let (comm, stream) = (comms.comms[i], streams[i] as sys::cudaStream_t);
-        for op in list {
-            let (ptr, bytes, peer, send) = match *op {
-                P2p::Send { buf, bytes, peer } => (buf, bytes, peer, true),
-                P2p::Recv { buf, bytes, peer } => (buf, bytes, peer, false),
-            };
-            if bytes == 0 {
-                continue;
-            }
-            let Ok(peer32) = i32::try_from(peer) else {
-                res = Err(GpuError::Nccl(format!("NCCL peer {peer}")));
-                break 'outer;
-            };
-            // SAFETY: every buffer is a live device allocation of at least `bytes` bytes on the
-            // communicator's device (the sizes are bounded by `check_header`); the stream
-            // belongs to that device's context.
-            let rc = unsafe {
-                if send {
-                    sys::ncclSend(
-                        ptr as *const c_void,
-                        bytes,
-                        sys::ncclDataType_t::ncclUint8,
-                        peer32,
-                        comm,
-                        stream,
-                    )
-                } else {
-                    sys::ncclRecv(
-                        ptr as *mut c_void,
-                        bytes,
-                        sys::ncclDataType_t::ncclUint8,
-                        peer32,
-                        comm,
-                        stream,
-                    )
-                }
-            };
-            match rc {
-                sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => {}
-                e => {
-                    let rank = comms.ranks.get(i).copied().unwrap_or(0);
-                    res = Err(nccl_err("ncclSend/ncclRecv", rank, e, comm));
-                    break 'outer;
-                }
-            }
-        }
-    }
-    // SAFETY: closes the group opened above.
-    let end = unsafe { sys::ncclGroupEnd() };
-    if let Err(e) = res {
-        comms.abort();
-        return Err(e);
-    }
-    match end {
-        sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => {}
-        e => {
-            let err = nccl_err("ncclGroupEnd", rank0, e, std::ptr::null_mut());
-            comms.abort();
-            return Err(err);
-        }
-    }
-    // A non-blocking communicator may still be enqueueing (the first call also connects to its
-    // peers): nothing else may go on its stream, and no other NCCL call be made, until it is
-    // ready. A blocking one answers ncclSuccess at once.
-    for i in 0..ops.len() {
-        comms.wait_ready(i, "a grouped ncclSend/ncclRecv (connection set-up)", t0)?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -484,50 +373,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn poll_until_ends_on_ready_error_or_deadline() {
-        let mut n = 0;
-        let end = poll_until(Instant::now(), Duration::from_secs(5), || {
-            n += 1;
-            if n < 3 {
-                sys::ncclResult_t::ncclInProgress
-            } else {
-                sys::ncclResult_t::ncclSuccess
-            }
-        });
-        assert_eq!((end, n), (PollEnd::Ready, 3));
-        let end = poll_until(Instant::now(), Duration::from_secs(5), || {
-            sys::ncclResult_t::ncclRemoteError
-        });
-        assert_eq!(end, PollEnd::Failed(sys::ncclResult_t::ncclRemoteError));
-        // A state that never leaves ncclInProgress (a peer that never joins) ends at the bound.
-        let t0 = Instant::now();
-        let end = poll_until(t0, Duration::from_millis(30), || {
-            sys::ncclResult_t::ncclInProgress
-        });
-        assert_eq!(end, PollEnd::TimedOut);
-        let waited = t0.elapsed();
-        assert!(waited >= Duration::from_millis(30), "{waited:?}");
-        assert!(waited < Duration::from_secs(5), "{waited:?}");
-        // Past the deadline already: the state is still read once.
-        let mut reads = 0;
-        let end = poll_until(t0, Duration::ZERO, || {
-            reads += 1;
-            sys::ncclResult_t::ncclSuccess
-        });
-        assert_eq!((end, reads), (PollEnd::Ready, 1));
-    }
-
-    #[test]
     fn setup_bound_has_a_floor_and_saturates() {
         assert_eq!(setup_timeout(Duration::from_millis(1)), SETUP_FLOOR);
         assert_eq!(setup_timeout(Duration::MAX), Duration::MAX);
-        // Instant + the bound never overflows in poll_until: it only compares elapsed times.
-        assert_eq!(
-            poll_until(Instant::now(), Duration::MAX, || {
-                sys::ncclResult_t::ncclSuccess
-            }),
-            PollEnd::Ready
-        );
     }
 
     #[test]
