@@ -6,9 +6,14 @@ inline), outside comments and `#[cfg(test)]` modules, and reports
 - an import that runs back up a floor: a module naming an item of one of its ancestors
   (`super::X`, or `crate::a::X` from inside `a`); a parent naming its children is fine;
 - an import circle: source files whose modules reach each other through their imports;
+- an import circle between folders: sibling modules (children of one module, a folder among
+  them) that reach each other through the imports of anything inside them, e.g. a file of
+  `handshake/` naming `crate::topology::node::X` and a file of `topology/` naming
+  `crate::handshake::record::Y` (no two files form a circle there, the folders do);
 - a source file (any .rs in the workspace, tests and benches included) over LIMIT lines.
 
 Usage: python3 .ci/layers.py [--limit N]   (exit 1 on any finding, with one line per finding)
+       python3 .ci/layers.py --self-test   (the circle checks on small made-up crates)
 """
 
 import os
@@ -183,7 +188,127 @@ def name(crate, path):
     return crate + "::" + "::".join(path) if path else crate
 
 
+def sibling_circles(crate, mods, edges, root):
+    """Circles between the children of one module where a folder is among them: every module is
+    counted as the child of P it lies under, and A -> B when anything under A names anything
+    under B. (Circles of plain files are the file-level check's; they are not reported twice.)
+    Each finding names one import for every step of the circle."""
+    out = []
+    for parent in sorted(mods):
+        depth = len(parent) + 1
+        kids = [m for m in mods if len(m) == depth and m[: len(parent)] == parent]
+        if len(kids) < 2:
+            continue
+        folders = {k for k in kids if any(len(m) > depth and m[:depth] == k for m in mods)}
+        if not folders:
+            continue
+        graph, witness = {}, {}
+        for src in sorted(edges):
+            if len(src) < depth or src[: len(parent)] != parent:
+                continue
+            for dst in sorted(edges[src]):
+                if len(dst) < depth or dst[: len(parent)] != parent:
+                    continue
+                a, b = src[:depth], dst[:depth]
+                if a != b:
+                    graph.setdefault(a, set()).add(b)
+                    witness.setdefault((a, b), (src, dst))
+        for comp in sccs(kids, graph):
+            if not folders & set(comp):
+                continue
+            members = sorted(comp)
+            shown = []
+            for a in members:
+                for b in members:
+                    if (a, b) in witness:
+                        src, dst = witness[(a, b)]
+                        shown.append(f"{os.path.relpath(mods[src], root)} names {name(crate, dst)}")
+            where = ", ".join(
+                os.path.relpath(os.path.dirname(mods[m]) if m in folders else mods[m], root) + ("/" if m in folders else "")
+                for m in members
+            )
+            out.append(f"{crate}: import circle between folders {where} (" + "; ".join(shown) + ")")
+    return out
+
+
+def check_crate(root, crate):
+    """The layering findings of one crate's library (imports only; sizes are checked apart)."""
+    findings = []
+    mods = modules_of(os.path.join(root, crate, "src"))
+    edges = {}
+    for path, file in mods.items():
+        rel = os.path.relpath(file, root)
+        for kind, full in references(path, file):
+            target = resolve(mods, full)
+            if target == path or target[: len(path)] == path:
+                if target != path:
+                    edges.setdefault(path, set()).add(target)
+                continue
+            if path[: len(target)] == target:
+                findings.append(f"{rel}: back up a floor: names {name(crate, full)} (an item of its ancestor {name(crate, target)})")
+                continue
+            edges.setdefault(path, set()).add(target)
+    for comp in sccs(list(mods), edges):
+        findings.append(f"{crate}: import circle between " + ", ".join(sorted(os.path.relpath(mods[p], root) for p in comp)))
+    findings.extend(sibling_circles(crate, mods, edges, root))
+    return findings
+
+
+def self_test():
+    """The circle checks on made-up crates: a folder circle with no file circle is found (and
+    named by its imports), a file circle is reported once, a clean layout has no finding."""
+    import tempfile
+
+    def crate(files):
+        root = tempfile.mkdtemp()
+        for rel, text in files.items():
+            p = os.path.join(root, "c", "src", rel)
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            open(p, "w", encoding="utf-8").write(text)
+        return check_crate(root, "c")
+
+    lib = "mod error;\nmod handshake;\nmod topology;\n"
+    hs = "mod record;\nmod wire;\npub use record::Record;\n"
+    tp = "pub mod node;\nmod plan;\n"
+    folders = crate({
+        "lib.rs": lib, "error.rs": "pub struct E;\n",
+        "handshake/mod.rs": hs, "handshake/record.rs": "pub struct Record;\n",
+        "handshake/wire.rs": "use crate::topology::node::NodeId;\n",
+        "topology/mod.rs": tp, "topology/node.rs": "pub struct NodeId;\n",
+        "topology/plan.rs": "use crate::handshake::record::Record;\nuse crate::error::E;\n",
+    })
+    assert len(folders) == 1 and "import circle between folders" in folders[0], folders
+    assert "c/src/handshake/, c/src/topology/" in folders[0], folders
+    assert "handshake/wire.rs names c::topology::node" in folders[0], folders
+    assert "topology/plan.rs names c::handshake::record" in folders[0], folders
+    # One level down: two sibling folders of `net/` reaching each other.
+    nested = crate({
+        "lib.rs": "mod net;\n", "net/mod.rs": "mod a;\nmod b;\n",
+        "net/a/mod.rs": "mod x;\n", "net/a/x.rs": "use crate::net::b::y::Y;\npub struct X;\n",
+        "net/b/mod.rs": "pub mod y;\nmod z;\n", "net/b/y.rs": "pub struct Y;\n",
+        "net/b/z.rs": "fn f() { let _ = crate::net::a::x::X; }\n",
+    })
+    assert len(nested) == 1 and "c/src/net/a/, c/src/net/b/" in nested[0], nested
+    files = crate({
+        "lib.rs": "mod a;\nmod b;\nmod d;\n", "a.rs": "use crate::b::B;\npub struct A;\n",
+        "b.rs": "use crate::a::A;\npub struct B;\n", "d/mod.rs": "mod e;\n", "d/e.rs": "use crate::a::A;\n",
+    })
+    assert files == ["c: import circle between c/src/a.rs, c/src/b.rs"], files
+    clean = crate({
+        "lib.rs": lib, "error.rs": "pub struct E;\n",
+        "handshake/mod.rs": hs, "handshake/record.rs": "use crate::error::E;\npub struct Record;\n",
+        "handshake/wire.rs": "use crate::topology::node::NodeId;\n",
+        "topology/mod.rs": tp, "topology/node.rs": "pub struct NodeId;\n",
+        "topology/plan.rs": "use crate::error::E;\n",
+    })
+    assert clean == [], clean
+    print("layers: self-test passed")
+    return 0
+
+
 def main():
+    if "--self-test" in sys.argv:
+        return self_test()
     limit = LIMIT
     if "--limit" in sys.argv:
         limit = int(sys.argv[sys.argv.index("--limit") + 1])
@@ -191,22 +316,7 @@ def main():
     crates = re.findall(r'"([^"]+)"', members.group(1))
     findings = []
     for crate in crates:
-        mods = modules_of(os.path.join(ROOT, crate, "src"))
-        edges = {}
-        for path, file in mods.items():
-            rel = os.path.relpath(file, ROOT)
-            for kind, full in references(path, file):
-                target = resolve(mods, full)
-                if target == path or target[: len(path)] == path:
-                    if target != path:
-                        edges.setdefault(path, set()).add(target)
-                    continue
-                if path[: len(target)] == target:
-                    findings.append(f"{rel}: back up a floor: names {name(crate, full)} (an item of its ancestor {name(crate, target)})")
-                    continue
-                edges.setdefault(path, set()).add(target)
-        for comp in sccs(list(mods), edges):
-            findings.append(f"{crate}: import circle between " + ", ".join(sorted(os.path.relpath(mods[p], ROOT) for p in comp)))
+        findings.extend(check_crate(ROOT, crate))
     for crate in crates:
         for d, _, files in os.walk(os.path.join(ROOT, crate)):
             for f in files:

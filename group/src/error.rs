@@ -1,8 +1,8 @@
 //! The process-group layer's error type: the GPU library's errors, and what forming a group
 //! across processes adds (the node id, the peers' handshake records, the exchange itself).
 
-use crate::handshake::wire::BlobError;
-use crate::topology::node::NodeIdError;
+use crate::node::NodeIdError;
+use crate::wire::BlobError;
 use ep_kernels::GpuError;
 
 /// Errors of process mode.

@@ -5,7 +5,7 @@
 use crate::error::GroupError;
 use crate::handshake::exchange::{exchange_records, AllGather};
 use crate::handshake::record::Hello;
-use crate::topology::node::{node_id, NodeId};
+use crate::node::{node_id, NodeId};
 use crate::topology::plan::plan;
 use ep_kernels::runtime::{GpuGroup, GpuOptions, ProcessRank};
 use ep_reference::Config;

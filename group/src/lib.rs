@@ -9,8 +9,11 @@
 //!   ([`topology`]: CUDA IPC to those, NCCL to the others) and the group;
 //! - [`handshake`]: nothing a peer says about its memory is trusted unchecked (versions,
 //!   kernel fingerprint, config, transport, allocation size, node), before anything is mapped;
-//! - [`topology`]: the node id of a process (`EP_NODE_ID`, `GROUP_RANK`, the hostname), the
-//!   plan of every peer's transport, and emulated nodes on one machine;
+//! - [`topology`]: the plan of every peer's transport from the ranks' node ids, and emulated
+//!   nodes on one machine;
+//! - [`node`]: the node id of a process (`EP_NODE_ID`, `GROUP_RANK`, the hostname), and
+//!   [`wire`]: the handshake record's wire format; both below the handshake, the topology and
+//!   [`GroupError`] (which wraps their errors), so that no folder imports another in a circle;
 //! - [`mp`]: the rank's side of a launched job (rendezvous, group, checks against the oracle),
 //!   what each rank of `ep-bench --nprocs` runs (ep-bench times its calls in between);
 //! - [`GroupError`]: the GPU library's [`ep_kernels::GpuError`] and what process mode adds.
@@ -19,7 +22,9 @@ mod error;
 mod form;
 pub mod handshake;
 pub mod mp;
+pub mod node;
 pub mod topology;
+pub mod wire;
 
 pub use error::GroupError;
 pub use form::new_process;

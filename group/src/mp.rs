@@ -245,7 +245,7 @@ pub fn run_rank_with<T>(
         ..Default::default()
     };
     let transport = transport_name(o.transport);
-    let node = crate::topology::node::node_id()
+    let node = crate::node::node_id()
         .map(|n| n.to_string())
         .map_err(|e| fail(format!("rank {rank}: {e}"), false))?;
     trace.step("forming the group");

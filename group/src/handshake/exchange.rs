@@ -4,7 +4,7 @@
 
 use crate::error::GroupError;
 use crate::handshake::record::Hello;
-use crate::handshake::wire::BlobError;
+use crate::wire::BlobError;
 
 /// Process mode's exchange: every rank's blob, in rank order (e.g. `Rendezvous::all_gather`).
 pub type AllGather<'a> = dyn FnMut(&[u8]) -> Result<Vec<Vec<u8>>, String> + 'a;

@@ -37,14 +37,15 @@
 pub mod compare;
 pub mod exchange;
 pub mod record;
-pub mod wire;
 
-pub use exchange::{exchange, exchange_records, verify_all, verify_records, AllGather};
-pub use record::{kernel_fingerprint, Hello};
-pub use wire::{
+/// The record's wire format, at its old path (now [`crate::wire`]).
+pub use crate::wire;
+pub use crate::wire::{
     BlobError, LIBRARY, MAGIC, MAX_ALLOC, MAX_BLOB, MAX_COUNT, MAX_PAYLOAD, MAX_VERSION_LEN,
     PROTOCOL,
 };
+pub use exchange::{exchange, exchange_records, verify_all, verify_records, AllGather};
+pub use record::{kernel_fingerprint, Hello};
 
 #[cfg(test)]
 mod tests;

@@ -3,11 +3,11 @@
 //! kernels' sources.
 
 use crate::error::GroupError;
-use crate::handshake::wire::{
+use crate::node::{NodeId, NodeSource, MAX_NODE_ID_LEN};
+use crate::wire::{
     BlobError, Reader, FIXED, LIBRARY, MAGIC, MAX_ALLOC, MAX_BLOB, MAX_COUNT, MAX_PAYLOAD,
     MAX_VERSION_LEN, PROTOCOL,
 };
-use crate::topology::node::{NodeId, NodeSource, MAX_NODE_ID_LEN};
 use ep_kernels::runtime::{GpuOptions, NcclSizes, Transport};
 use ep_reference::{Config, Mode};
 

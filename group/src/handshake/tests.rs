@@ -3,7 +3,7 @@
 use super::*;
 use crate::error::GroupError;
 use crate::handshake::record::fingerprint;
-use crate::topology::{NodeId, NodeSource};
+use crate::node::{NodeId, NodeSource};
 use ep_kernels::runtime::{GpuOptions, NcclSizes, Transport};
 use ep_reference::{Config, Mode};
 

@@ -1,7 +1,7 @@
 //! One machine as several nodes: the node of each rank, and the variables a launcher sets for
 //! it (`EP_NODE_ID`, `NCCL_HOSTID`; see [`crate::topology`]).
 
-use crate::topology::node::{EP_NODE_ID, NCCL_HOSTID};
+use crate::node::{EP_NODE_ID, NCCL_HOSTID};
 
 /// Emulated nodes on one machine: rank `rank` of `nprocs` is on node `rank / (nprocs / nodes)`.
 /// Fails unless `nodes` is in 1..=nprocs and divides `nprocs`.
@@ -41,7 +41,7 @@ pub fn emulation_envs(nprocs: usize, nodes: usize) -> Result<Vec<Vec<(String, St
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::topology::node::NodeId;
+    use crate::node::NodeId;
 
     #[test]
     fn emulated_nodes_split_the_ranks_in_blocks() {

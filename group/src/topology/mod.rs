@@ -35,12 +35,13 @@
 //! - [`emulate`]: several nodes on one machine.
 
 pub mod emulate;
-pub mod node;
 pub mod plan;
 
-pub use emulate::{emulated_node, emulation_env, emulation_envs};
-pub use node::{
+/// The node id, at its old path (now [`crate::node`]).
+pub use crate::node;
+pub use crate::node::{
     check_id, node_id, node_id_from, NodeId, NodeIdError, NodeSource, EP_NODE_ID, GROUP_RANK,
     MAX_NODE_ID_LEN, NCCL_HOSTID,
 };
+pub use emulate::{emulated_node, emulation_env, emulation_envs};
 pub use plan::{plan, Plan};

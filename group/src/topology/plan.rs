@@ -2,7 +2,7 @@
 //! kernels reach through NCCL (see [`crate::topology`]).
 
 use crate::error::GroupError;
-use crate::topology::node::NodeId;
+use crate::node::NodeId;
 use ep_kernels::runtime::{all_peers, PeerPlan, Transport};
 use ep_kernels::GpuError;
 
@@ -60,7 +60,7 @@ pub fn plan(transport: Transport, nodes: &[NodeId], rank: usize) -> Result<PeerP
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::topology::node::NodeSource;
+    use crate::node::NodeSource;
 
     fn nodes(ids: &[&str]) -> Vec<NodeId> {
         ids.iter().map(|i| NodeId::named(i).unwrap()).collect()

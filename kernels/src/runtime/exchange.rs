@@ -1,10 +1,10 @@
 //! The NCCL transport's plan: which point-to-point messages a rank posts, and how large, for
 //! every step of a call. Pure (the layout, the rank's addresses, the checked batch headers in,
 //! the operation lists out), so that the sizing of both modes and the header checks run in CI
-//! without a GPU: the tests below pair every rank's plan on a CPU network (`nccl::Network`,
-//! `MockNet`) as NCCL pairs them (in order, per (sender, receiver)), and a size that differs on
-//! the two sides of a message is an error there, as it would be a hang or a corruption on the
-//! wire.
+//! without a GPU: the tests below pair every rank's plan on a CPU network (`nccl::mock`, a
+//! `Network` under the same abort logic as NCCL) as NCCL pairs them (in order, per (sender,
+//! receiver)), and a size that differs on the two sides of a message is an error there, as it
+//! would be a hang or a corruption on the wire.
 //!
 //! - Dispatch, first group: every (me, peer) header both ways; under `Capacity` also the whole
 //!   T-entry batch, in the same group ([`dispatch_headers`]).
@@ -14,7 +14,7 @@
 //! - Combine: the rows back to their sources, sized from the dispatch's headers (`Exact`) or by
 //!   T x min(K, L) rows per peer (`Capacity`) ([`combine_ops`]).
 //!
-//! Zero-byte operations stay in the lists; `nccl::grouped` leaves them out on both sides.
+//! Zero-byte operations stay in the lists; the network's post leaves them out on both sides.
 
 use crate::error::GpuError;
 use crate::runtime::layout::{pe_messages, prod, RankPtrs};
@@ -280,76 +280,10 @@ pub(crate) fn combine_ops(
 mod tests {
     use super::*;
     use crate::runtime::layout::{carve_rank, rank_sizes, total_bytes};
-    use crate::runtime::nccl::{check_header, Network};
+    use crate::runtime::nccl::check_header;
+    use crate::runtime::nccl::mock::{CpuComms, CpuNet};
     use ep_reference::{Config, Mode};
-
-    /// A CPU network of R ranks, one per "device", each with the memory of its one allocation
-    /// at a base of its own. A group pairs, for every (sender, receiver), the sender's sends to
-    /// the receiver with the receiver's receives from the sender, in order, as NCCL does;
-    /// zero-byte operations are left out on both sides (as `nccl::grouped` leaves them out).
-    /// Sizes that differ on the two sides of a message are an error naming both; otherwise the
-    /// bytes are copied.
-    struct MockNet {
-        mem: Vec<Vec<u8>>,
-        base: Vec<u64>,
-    }
-
-    impl MockNet {
-        fn addr(&mut self, a: u64, n: usize) -> &mut [u8] {
-            for (m, &b) in self.mem.iter_mut().zip(&self.base) {
-                if a >= b && a + n as u64 <= b + m.len() as u64 {
-                    let o = (a - b) as usize;
-                    return &mut m[o..o + n];
-                }
-            }
-            panic!("address {a:#x} + {n} outside every rank's allocation");
-        }
-    }
-
-    impl Network for MockNet {
-        fn group(&mut self, ops: &[Vec<P2p>]) -> Result<(), GpuError> {
-            let r = ops.len();
-            for src in 0..r {
-                for dst in 0..r {
-                    let sends: Vec<(u64, usize)> = ops[src]
-                        .iter()
-                        .filter_map(|o| match *o {
-                            P2p::Send { buf, bytes, peer } if peer == dst && bytes > 0 => {
-                                Some((buf, bytes))
-                            }
-                            _ => None,
-                        })
-                        .collect();
-                    let recvs: Vec<(u64, usize)> = ops[dst]
-                        .iter()
-                        .filter_map(|o| match *o {
-                            P2p::Recv { buf, bytes, peer } if peer == src && bytes > 0 => {
-                                Some((buf, bytes))
-                            }
-                            _ => None,
-                        })
-                        .collect();
-                    if sends.len() != recvs.len() {
-                        return Err(GpuError::Nccl(format!(
-                            "rank {src} posts {} sends to rank {dst}, which posts {} receives",
-                            sends.len(),
-                            recvs.len()
-                        )));
-                    }
-                    for (i, (&(sa, sn), &(ra, rn))) in sends.iter().zip(&recvs).enumerate() {
-                        if sn != rn {
-                            return Err(GpuError::Nccl(format!(
-                                "message {i} from rank {src} to rank {dst}: {sn} bytes sent, {rn} expected"
-                            )));
-                        }
-                        let data = self.addr(sa, sn).to_vec();
-                        self.addr(ra, rn).copy_from_slice(&data);
-                    }
-                }
-            }
-            Ok(())
-        }
-    }
+    use std::time::Duration;
 
     /// The sizes of `cfg`'s NCCL plans (the group's, `GpuGroup::nccl_*_exchange`).
     fn sizing(cfg: &Config) -> Sizing {
@@ -367,23 +301,16 @@ mod tests {
 
     /// R ranks of `cfg`, each with its allocation (NCCL staging included) at base (r+1) << 40,
     /// every rank's NCCL peers every rank (Transport::Nccl).
-    fn net(cfg: &Config) -> (MockNet, Vec<RankPtrs>) {
+    fn net(cfg: &Config) -> (CpuComms, Vec<RankPtrs>) {
         let sizes = rank_sizes(cfg, true).unwrap();
-        let total = total_bytes(&sizes).unwrap();
-        let base: Vec<u64> = (0..cfg.num_ranks).map(|r| (r as u64 + 1) << 40).collect();
-        let ptrs = base.iter().map(|&b| carve_rank(b, &sizes)).collect();
-        (
-            MockNet {
-                mem: vec![vec![0u8; total]; cfg.num_ranks],
-                base,
-            },
-            ptrs,
-        )
+        let net = CpuNet::new(cfg.num_ranks, total_bytes(&sizes).unwrap());
+        let ptrs = net.base.iter().map(|&b| carve_rank(b, &sizes)).collect();
+        (CpuComms::cpu(net, Duration::from_secs(5)), ptrs)
     }
 
     /// Writes the batch headers every rank's pack stage would write for `topk[s]` (the expert
     /// of every selection of every token of source s) into its `snd_hdr`.
-    fn write_headers(m: &mut MockNet, s: &Sizing, ptrs: &[RankPtrs], topk: &[Vec<Vec<usize>>]) {
+    fn write_headers(m: &mut CpuComms, s: &Sizing, ptrs: &[RankPtrs], topk: &[Vec<Vec<usize>>]) {
         let hw = s.header_words();
         for (src, toks) in topk.iter().enumerate() {
             for d in 0..s.r_all {
@@ -405,7 +332,7 @@ mod tests {
         }
     }
 
-    fn words(m: &mut MockNet, a: u64, n: usize) -> Vec<i32> {
+    fn words(m: &mut CpuComms, a: u64, n: usize) -> Vec<i32> {
         m.addr(a, n * 4)
             .chunks_exact(4)
             .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
@@ -458,7 +385,7 @@ mod tests {
                     .iter()
                     .map(|p| dispatch_headers(&s, p, &peers, capacity).unwrap())
                     .collect();
-                m.group(&first).unwrap();
+                m.exchange(&first).unwrap();
                 let mut sels = vec![(vec![0; r], vec![0; r]); r];
                 let mut hdrs = vec![(Vec::new(), Vec::new()); r];
                 if !capacity {
@@ -496,7 +423,7 @@ mod tests {
                         hdrs[me] = (sh, rh);
                         payload.push(ops.into_iter().map(|(_, o)| o).collect::<Vec<_>>());
                     }
-                    m.group(&payload).unwrap();
+                    m.exchange(&payload).unwrap();
                 }
                 let back: Vec<Vec<P2p>> = ptrs
                     .iter()
@@ -509,7 +436,7 @@ mod tests {
                             .collect()
                     })
                     .collect();
-                m.group(&back).unwrap();
+                m.exchange(&back).unwrap();
                 // Combine sends back exactly the selections received (exact), or the capacity.
                 for (me, ops) in back.iter().enumerate() {
                     for d in 0..r {
@@ -534,7 +461,7 @@ mod tests {
 
     /// A peer's header that is out of bounds stops the plan before any payload is sized by
     /// it (the error names the peer and the field); a plan whose two sides disagree on a size
-    /// is caught by the network.
+    /// is caught by the network, which is then aborted and refuses the next exchange.
     #[test]
     fn a_bad_header_stops_the_plan_and_a_size_mismatch_is_caught() {
         let cfg = Config::new(2, 4, 8, 256, 2, Mode::Bf16).unwrap();
@@ -547,7 +474,7 @@ mod tests {
             .iter()
             .map(|p| dispatch_headers(&s, p, &[0, 1], false).unwrap())
             .collect();
-        m.group(&first).unwrap();
+        m.exchange(&first).unwrap();
         let sh = words(&mut m, ptrs[0].snd_hdr, 2 * hw);
         let mut rh = words(&mut m, ptrs[0].rcv_hdr, 2 * hw);
         rh[hw] = 9; // rank 1 claims 9 tokens for rank 0, T = 8
@@ -574,8 +501,14 @@ mod tests {
             bytes: s.eb,
             peer: 0,
         }];
-        let e = m.group(&[a, b]).unwrap_err();
+        let e = m.exchange(&[a, b]).unwrap_err();
         assert!(e.to_string().contains("bytes sent"), "{e}");
+        assert!(m.is_aborted());
+        let e = m.exchange(&first).unwrap_err().to_string();
+        assert!(
+            e.contains("aborted after an earlier error") && e.contains("bytes sent"),
+            "{e}"
+        );
         // Per-expert combine before an exact-size dispatch: refused, nothing sized.
         let e = combine_ops(
             &s,

@@ -5,7 +5,6 @@ use crate::runtime::device::cuda;
 use crate::runtime::exchange::{combine_ops, dispatch_headers, dispatch_payload, Sizing, Tagged};
 use crate::runtime::group::{kind, GpuGroup};
 use crate::runtime::layout::{combine_capacity_rows, prod, IoTable, KParams, NTHREADS};
-use crate::runtime::nccl::{NcclNet, Network};
 use crate::runtime::options::{NcclSizes, Path};
 use cudarc::driver::{result, sys};
 use ep_reference::{Error, Op, Phase, Side};
@@ -383,7 +382,7 @@ impl GpuGroup {
         ops: &[Vec<crate::runtime::nccl::P2p>],
         streams: &[sys::CUstream],
     ) -> Result<(), GpuError> {
-        let comms = self.comms.as_ref().ok_or_else(|| {
+        let comms = self.comms.as_mut().ok_or_else(|| {
             GpuError::Nccl(
                 "NCCL peers but no communicators (the group was not built for NCCL)".into(),
             )
@@ -391,7 +390,7 @@ impl GpuGroup {
         for d in &self.devs {
             d.bind()?;
         }
-        let r = NcclNet { comms, streams }.group(ops);
+        let r = comms.group(streams, ops);
         if let Err(e) = &r {
             self.broken = Some(e.clone());
         }
@@ -445,7 +444,7 @@ impl GpuGroup {
                         waited_ms: t0.elapsed().as_millis() as u64,
                     };
                     if let Some(c) = self.comms.as_mut() {
-                        c.abort();
+                        c.abort(&e);
                     }
                     self.broken = Some(GpuError::from(e.clone()));
                     return Err(e.into());

@@ -1,7 +1,9 @@
-//! The record's wire constants (magic, protocol, bounds of every field) and the reader of a
-//! peer's bytes, with why a record cannot be read ([`BlobError`]).
+//! The handshake record's wire constants (magic, protocol, bounds of every field) and the
+//! reader of a peer's bytes, with why a record cannot be read ([`BlobError`]). Below the
+//! handshake (which encodes and decodes records with it) and [`GroupError`](crate::GroupError)
+//! (which wraps [`BlobError`]); also at its old path, `handshake::wire`.
 
-use crate::topology::node::MAX_NODE_ID_LEN;
+use crate::node::MAX_NODE_ID_LEN;
 
 /// First bytes of every record.
 pub const MAGIC: [u8; 4] = *b"EPhs";
@@ -17,7 +19,7 @@ pub const MAX_VERSION_LEN: usize = 64;
 pub const MAX_PAYLOAD: usize = 1024;
 /// Bytes of a record without its version string and payload.
 pub(crate) const FIXED: usize = 4 + 1 + 1 + 8 + 5 * 8 + 5 + 3 * 8 + 2 + 2;
-/// Largest blob [`Hello::decode`] reads.
+/// Largest blob [`Hello::decode`](crate::handshake::Hello::decode) reads.
 pub const MAX_BLOB: usize = FIXED + MAX_VERSION_LEN + MAX_NODE_ID_LEN + MAX_PAYLOAD;
 /// Bound of each of R, E, T, H, K on the wire (the config's own limits are checked by
 /// `Config::validate`; this only keeps a hostile value from being taken as a size anywhere).
