@@ -636,7 +636,10 @@ mod tests {
         }
         let auto = options(Transport::Auto, t, false);
         assert!(!auto.trap_on_error);
-        assert!(auto.scales_column_major, "the Buffer allocates DeepEP's scale strides");
+        assert!(
+            auto.scales_column_major,
+            "the Buffer allocates DeepEP's scale strides"
+        );
         assert!(options(Transport::Auto, t, true).trap_on_error);
         let default = GpuOptions::default();
         assert_eq!(auto.transport, Transport::Auto);
