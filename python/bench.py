@@ -48,6 +48,9 @@ def parse():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pairs", type=int, default=300,
                    help="pairs for the host enqueue, event and graph replay figures (0: none)")
+    p.add_argument("--host-profile", type=int, default=0, metavar="PAIRS",
+                   help="after the figures, cProfile PAIRS eager pairs (stream kept busy) and "
+                        "print the functions that took the host's time")
     return p.parse_args()
 
 
@@ -162,6 +165,33 @@ def engine_view(torch, dist, step, pairs):
     return host["eager"], host["hooks"], median(ev), a.elapsed_time(b) * 1e3 / pairs
 
 
+def host_profile(torch, fn, pairs, rank):
+    """Where the host's time per eager pair goes: cProfile over `pairs` pairs enqueued behind a
+    long sleep kernel (no launch waits for the GPU); the top functions by own time, per pair.
+    (cProfile's own overhead inflates Python-level frames; native and torch calls less.)"""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(4e8))
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(pairs):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(prof, stream=io.StringIO())
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:22]
+    total = sum(v[2] for v in st.stats.values())
+    print(f"[rank {rank}] host profile: {total / pairs * 1e6:.1f} us per pair in profiled "
+          f"frames (own time); top functions, us per pair (calls per pair):", flush=True)
+    for (file, line, func), (cc, nc, tt, ct, _) in rows:
+        where = f"{os.path.basename(file)}:{line}" if line else file
+        print(f"[rank {rank}]   {tt / pairs * 1e6:7.2f}  ({nc / pairs:4.1f})  {func}  [{where}]",
+              flush=True)
+
+
 def run(torch, dist, module, a, x, topk_idx, topk_weights, rank, R):
     T, H, E = a.tokens, a.hidden, a.experts
     use_fp8 = not a.no_fp8
@@ -198,6 +228,8 @@ def run(torch, dist, module, a, x, topk_idx, topk_weights, rank, R):
         print(f"[rank {rank}] Host enqueue per pair: {host:.2f} us (hooks: {host_hook:.2f} us) | "
               f"Event time per eager pair: {event:.2f} us | Graph replay per pair: "
               f"{replay:.2f} us", flush=True)
+    if a.host_profile > 0:
+        host_profile(torch, step(False), a.host_profile, rank)
     if hasattr(buf, "check"):
         buf.check()  # ours: raise anything the kernels recorded (timeouts, bad routing)
     if hasattr(buf, "destroy") and getattr(buf, "explicitly_destroy", True):
