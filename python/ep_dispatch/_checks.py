@@ -28,17 +28,29 @@ def flag(name, v):
 
 def tensor(name, t, dtype, shape, device):
     """`t` is a tensor of `dtype`, `shape` (None entries match any size), on `device` (the
-    Buffer's ``torch.device``), contiguous. Returns its shape as a tuple."""
-    # The hot path: one attribute read each, no loop; anything off goes to the naming path.
+    Buffer's ``torch.device``), contiguous. Returns its shape."""
+    # The hot path (every call, every tensor): one attribute read each, the shape compared as
+    # a whole; anything off, or a shape with wildcards, goes to the naming path.
     try:
-        got = tuple(t.shape)
-        if (t.dtype == dtype and len(got) == len(shape) and t.device == device
-                and all(w is None or g == w for g, w in zip(got, shape)) and t.is_contiguous()
-                and hasattr(t, "data_ptr")):
+        got = t.shape
+        if t.dtype == dtype and got == shape and t.device == device and t.is_contiguous():
             return got
     except AttributeError:
         pass
     return _tensor_error(name, t, dtype, shape, device)
+
+
+def matrix(name, t, dtype, rows, device):
+    """`t` is a 2-D contiguous tensor of `dtype` on `device` with `rows` rows (None: any) and
+    any number of columns. Returns its shape."""
+    try:
+        got = t.shape
+        if (t.dtype == dtype and len(got) == 2 and (rows is None or got[0] == rows)
+                and t.device == device and t.is_contiguous()):
+            return got
+    except AttributeError:
+        pass
+    return _tensor_error(name, t, dtype, (rows, None), device)
 
 
 def _tensor_error(name, t, dtype, shape, device):
@@ -91,10 +103,10 @@ def dispatch_args(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, sh
     """
     T = integer("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
     E = integer("num_experts", num_experts)
-    n, H = tensor("x", x, dt.bf16, (None, None), device)
+    n, H = matrix("x", x, dt.bf16, None, device)
     if H < 1:
         raise argument_error("x", "hidden (its second dimension) is 0")
-    _, K = tensor("topk_idx", topk_idx, dt.i64, (n, None), device)
+    _, K = matrix("topk_idx", topk_idx, dt.i64, n, device)
     if not 1 <= K <= MAX_TOP_K:
         raise argument_error("topk_idx", f"{K} experts per token, expected 1..={MAX_TOP_K}")
     if n > T:

@@ -71,6 +71,18 @@ class Handle(tuple):
             setattr(h, k, v)
         return h
 
+    @classmethod
+    def _of_dispatch(cls, src_info, pairs, tokens, hidden, experts, recv_count, num_tokens,
+                     top_k, use_fp8, path, key, buffer, hid, seq, topk_idx):
+        """The handle a dispatch returns (the hot path: no keyword loop)."""
+        h = tuple.__new__(cls, (src_info, None, tokens, hidden, experts))
+        h.src_info, h._packed, h._pairs = src_info, None, pairs
+        h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts = tokens, hidden, experts
+        h.recv_count, h.num_tokens, h.top_k, h.use_fp8, h.path = (recv_count, num_tokens, top_k,
+                                                                   use_fp8, path)
+        h._key, h._buffer, h._id, h._seq, h._topk_idx = key, buffer, hid, seq, topk_idx
+        return h
+
     @property
     def layout_range(self):
         if self._pairs is None:
@@ -259,6 +271,9 @@ class Buffer:
             self.rank, self.group_size = comm.Get_rank(), comm.Get_size()
         self._comm = comm if group is None else None
         self._device = torch.cuda.current_device()
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._raw_stream = raw if raw is not None else (
+            lambda d: torch.cuda.current_stream(d).cuda_stream)
         # Where every tensor of a call must be, and where outputs are allocated.
         self._dev = torch.device("cuda", self._device)
         if self._shape.experts is not None and self._shape.experts % self.group_size:
@@ -439,7 +454,9 @@ class Buffer:
         return key, g
 
     def _stream(self):
-        return self._torch.cuda.current_stream(self._device).cuda_stream
+        # torch's current stream of the Buffer's device as the raw CUstream (what
+        # `current_stream(dev).cuda_stream` returns, without building a Stream object).
+        return self._raw_stream(self._device)
 
     def _event(self, async_finish, tensors):
         if not async_finish:
@@ -496,16 +513,17 @@ class Buffer:
             recv_x = torch.empty((L, RT, H), dtype=dt.fp8, device=dev)
             # DeepEP's layout: column-major in the last two dims, strides (RT*G, 1, RT); the
             # kernels write it so (the group's scales_column_major option).
-            if use_ue8m0:
-                scales = torch.empty((L, H // 512, RT), dtype=dt.i32, device=dev).transpose(1, 2)
-            else:
-                scales = torch.empty((L, H // 128, RT), dtype=dt.f32, device=dev).transpose(1, 2)
+            G = H // 512 if use_ue8m0 else H // 128
+            scales = torch.empty_strided((L, RT, G), (RT * G, 1, RT),
+                                         dtype=dt.i32 if use_ue8m0 else dt.f32, device=dev)
         else:
             recv_x = torch.empty((L, RT, H), dtype=dt.bf16, device=dev)
             scales = None
         recv_count = torch.empty((L,), dtype=dt.i32, device=dev)
         src_info = torch.empty((L, RT), dtype=dt.i32, device=dev)
-        layout_range = torch.empty((L, R), dtype=dt.i64, device=dev)
+        # The kernels write (begin, count) int32 pairs; the handle packs DeepEP's int64
+        # `layout_range` from them on demand.
+        pairs = torch.empty((L, R, 2), dtype=dt.i32, device=dev)
         # (data_ptr, elements) of each tensor; bytes for recv_x and its scales. The element
         # counts follow from the checked shapes: (n, H), (n, K), (L, RT, H), ...
         xrow = H if use_fp8 else 2 * H
@@ -513,10 +531,10 @@ class Buffer:
                 (recv_x.data_ptr(), L * RT * xrow),
                 None if scales is None else (scales.data_ptr(), scales.numel() * 4),
                 (recv_count.data_ptr(), L), (src_info.data_ptr(), L * RT),
-                (layout_range.data_ptr(), L * R))
+                (pairs.data_ptr(), L * R))
         stats = cumulative_local_expert_recv_stats
 
-        tensors = (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range, stats)
+        tensors = (x, topk_idx, recv_x, scales, recv_count, src_info, pairs, stats)
         if return_recv_hook:
             hid = g.dispatch(self._stream(), "send", *ptrs)
             # The send half's tensors stay referenced until its receive half is enqueued: by
@@ -541,13 +559,10 @@ class Buffer:
             if stats is not None:
                 stats.add_(recv_count)
             hook = None
-        # The kernels write (begin, count) int32 pairs; the handle packs DeepEP's view on demand.
-        pairs = layout_range.view(dt.i32).view(L, R, 2)
         self._seq += 1
         self._due[key[0]][key[1]] = self._seq
-        handle = Handle(src_info, None, T, H, E, layout_pairs=pairs, recv_count=recv_count,
-                        num_tokens=n, top_k=K, use_fp8=use_fp8, path=self.path, _key=key,
-                        _buffer=id(self), _id=hid, _seq=self._seq, _topk_idx=topk_idx)
+        handle = Handle._of_dispatch(src_info, pairs, T, H, E, recv_count, n, K, use_fp8,
+                                     self.path, key, id(self), hid, self._seq, topk_idx)
         out = (recv_x, scales) if use_fp8 else recv_x
         return out, recv_count, handle, self._event(async_finish, tensors), hook
 
