@@ -382,9 +382,9 @@ impl RankGroup {
         self.group.describe_devices()
     }
 
-    /// Bit d set when this rank reaches peer d through NCCL (the others through CUDA IPC).
-    pub fn nccl_mask(&self) -> u32 {
-        self.group.nccl_mask()
+    /// The peers this rank reaches through NCCL (the others through CUDA IPC), ascending.
+    pub fn nccl_peers(&self) -> Vec<usize> {
+        self.group.nccl_mask().ranks()
     }
 
     /// Errors the kernels recorded (a timed-out wait, bad routing, bad peer data), as the
