@@ -264,9 +264,9 @@ pub fn run_rank_with<T>(
         .map_err(|e| fail(format!("rank {rank}: {e}"), false))?;
     let device = format!("GPU {ordinal} ({})", g.describe_devices());
     let mask = g.nccl_mask();
-    let nccl_peers: Vec<usize> = (0..world).filter(|&d| (mask >> d) & 1 == 1).collect();
+    let nccl_peers: Vec<usize> = (0..world).filter(|&d| mask.contains(d)).collect();
     let ipc_peers: Vec<usize> = (0..world)
-        .filter(|&d| d != rank && (mask >> d) & 1 == 0)
+        .filter(|&d| d != rank && !mask.contains(d))
         .collect();
     let mut paths: Vec<Path> = vec![Path::PerExpert, Path::Batched];
     let mut unsupported = Vec::new();

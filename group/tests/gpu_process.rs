@@ -63,6 +63,18 @@ const TESTS: &[Test] = &[
         true,
         gpu_two_tier_four_processes_on_two_emulated_nodes_match_the_oracle,
     ),
+    (
+        "gpu_process_40_ranks_over_ipc_on_one_gpu_match_the_oracle",
+        1,
+        false,
+        gpu_process_40_ranks_over_ipc_on_one_gpu_match_the_oracle,
+    ),
+    (
+        "gpu_two_tier_36_ranks_on_4_emulated_nodes_match_the_oracle",
+        2,
+        true,
+        gpu_two_tier_36_ranks_on_4_emulated_nodes_match_the_oracle,
+    ),
 ];
 
 fn main() {
@@ -126,6 +138,12 @@ fn read_blob(r: &mut impl BufRead) -> Result<Vec<u8>, String> {
 fn child(role: &str) -> i32 {
     if role == "two-tier" {
         return two_tier_rank();
+    }
+    if role == "many-ipc" {
+        return many_rank(Transport::Auto, MANY_IPC, 1);
+    }
+    if role == "many-two-tier" {
+        return many_rank(Transport::TwoTier, MANY_TWO_TIER, 2);
     }
     let (cfg, opts, ordinal) = match role {
         "mismatch" => (cfg(2048), opts(Transport::Auto), 0),
@@ -512,5 +530,134 @@ fn gpu_two_tier_four_processes_on_two_emulated_nodes_match_the_oracle() {
             "{line}"
         );
         assert!(line.contains("checks=12 "), "{line}");
+    }
+}
+
+/// Past 32 ranks in process mode (issue 22): 40 processes on one GPU over CUDA IPC, and 36 on two
+/// GPUs as 4 emulated nodes of 9 (two-tier: IPC inside a node, NCCL across).
+const MANY_IPC: usize = 40;
+const MANY_TWO_TIER: usize = 36;
+
+/// One rank of a many-rank group (started by `spawn_local_with`): 2 rounds bitwise against the
+/// oracle on every path the group supports, one `MANY` line.
+fn many_rank(transport: Transport, world: usize, gpus: usize) -> i32 {
+    let o = MpOptions {
+        experts: 2 * world,
+        tokens: 8,
+        hidden: 512,
+        top_k: 4,
+        mode: Mode::FP8,
+        transport,
+        nccl_sizes: NcclSizes::default(),
+        gpus,
+        rounds: 2,
+        iters: 0,
+        seed: 22,
+        masked: 0.1,
+        // Every GPU time-slices between the processes it hosts: generous bounds.
+        timeout: Duration::from_secs(120),
+        die_rank: None,
+        stall_rank: None,
+    };
+    match ep_group::mp::run_rank(&o) {
+        Ok(rep) => {
+            let unsupported: Vec<&str> = rep.unsupported.iter().map(|(p, _)| *p).collect();
+            println!(
+                "MANY rank={} world={} node={} ipc={} nccl={} checks={} unsupported={:?}",
+                rep.rank,
+                rep.world,
+                rep.node,
+                rep.ipc_peers.len(),
+                rep.nccl_peers.len(),
+                rep.checks,
+                unsupported
+            );
+            0
+        }
+        Err(f) => {
+            eprintln!("many-rank rank: {f}");
+            if f.caused_by_peer {
+                ep_launch::EXIT_PEER_FAILURE
+            } else {
+                1
+            }
+        }
+    }
+}
+
+/// Starts `n` ranks of `role` (on `nodes` emulated nodes) and returns each rank's MANY line.
+fn run_many(role: &str, n: usize, nodes: usize) -> Vec<String> {
+    let exe = std::env::current_exe().expect("test binary path");
+    let rank_env = emulation_envs(n, nodes).expect("ranks on emulated nodes");
+    let opts = ep_launch::LaunchOptions {
+        rank_env,
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    let launch = ep_launch::spawn_local_with(
+        &opts,
+        n,
+        exe,
+        Vec::<String>::new(),
+        &[
+            (CHILD_ENV.to_string(), role.to_string()),
+            ("NCCL_NVLS_ENABLE".to_string(), "0".to_string()),
+        ],
+    )
+    .unwrap_or_else(|e| panic!("start {n} ranks: {e}"));
+    let report = launch
+        .wait(Duration::from_secs(900))
+        .unwrap_or_else(|e| panic!("the {n} ranks failed: {e}"));
+    println!("{n} ranks done in {:.1} s", t0.elapsed().as_secs_f64());
+    (0..n)
+        .map(|rank| {
+            report.output[rank]
+                .iter()
+                .find(|l| l.contains("MANY"))
+                .unwrap_or_else(|| {
+                    panic!("rank {rank} printed no verdict: {:?}", report.output[rank])
+                })
+                .clone()
+        })
+        .collect()
+}
+
+/// 40 processes, one rank each, all on GPU 0, one node: every peer over CUDA IPC (the wide build,
+/// a 40-rank group); both paths, 2 rounds, each rank bitwise against the oracle.
+fn gpu_process_40_ranks_over_ipc_on_one_gpu_match_the_oracle() {
+    let lines = run_many("many-ipc", MANY_IPC, 1);
+    for (rank, line) in lines.iter().enumerate() {
+        println!("{line}");
+        assert!(
+            line.contains(&format!("rank={rank} world={MANY_IPC} ")),
+            "{line}"
+        );
+        assert!(
+            line.contains(&format!("ipc={} nccl=0 ", MANY_IPC - 1)),
+            "{line}"
+        );
+        // 2 rounds x (dispatch, combine) x 2 paths.
+        assert!(
+            line.contains("checks=8 ") && line.contains("unsupported=[]"),
+            "{line}"
+        );
+    }
+}
+
+/// 36 processes on 2 GPUs as 4 emulated nodes of 9 ranks: 8 peers over CUDA IPC, 27 over NCCL
+/// (peers past rank 32 in the NCCL mask); both paths, each rank bitwise against the oracle.
+fn gpu_two_tier_36_ranks_on_4_emulated_nodes_match_the_oracle() {
+    let lines = run_many("many-two-tier", MANY_TWO_TIER, 4);
+    for (rank, line) in lines.iter().enumerate() {
+        println!("{line}");
+        assert!(
+            line.contains(&format!("rank={rank} world={MANY_TWO_TIER} ")),
+            "{line}"
+        );
+        assert!(line.contains("ipc=8 nccl=27 "), "{line}");
+        assert!(
+            line.contains("checks=8 ") && line.contains("unsupported=[]"),
+            "{line}"
+        );
     }
 }

@@ -13,6 +13,7 @@
 pub mod cache;
 
 use crate::error::GpuError;
+use crate::runtime::Variant;
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
@@ -92,6 +93,12 @@ impl Family {
     pub fn full_source(&self) -> String {
         format!("{COMMON_CUH}\n{FP8_CUH}\n{}", self.source)
     }
+
+    /// The translation unit of build `v`: its defines, then [`Family::full_source`] (the narrow
+    /// build has none: its source, and so its cache key, is the files as they are).
+    pub fn source_for(&self, v: &Variant) -> String {
+        format!("{}{}", v.defines(), self.full_source())
+    }
 }
 
 /// Whether libnvrtc can be opened (it is loaded dynamically).
@@ -140,15 +147,30 @@ pub fn nvrtc_version() -> Result<(i32, i32), GpuError> {
 
 /// Compiles one family to a CUBIN for `arch` (e.g. "sm_90").
 pub fn compile(f: &Family, arch: &str, verbose: bool) -> Result<Compiled, GpuError> {
-    compile_with(f, arch, &options(arch, verbose))
+    compile_variant(f, &Variant::default(), arch, verbose)
 }
 
-/// [`compile`] with the NVRTC options given (`opts` names `arch` already).
-fn compile_with(f: &Family, arch: &str, opts: &[String]) -> Result<Compiled, GpuError> {
+/// [`compile`] of build `v` ([`Variant`]).
+pub fn compile_variant(
+    f: &Family,
+    v: &Variant,
+    arch: &str,
+    verbose: bool,
+) -> Result<Compiled, GpuError> {
+    compile_with(f, &f.source_for(v), arch, &options(arch, verbose))
+}
+
+/// [`compile`] of `source` with the NVRTC options given (`opts` names `arch` already).
+fn compile_with(
+    f: &Family,
+    source: &str,
+    arch: &str,
+    opts: &[String],
+) -> Result<Compiled, GpuError> {
     if !nvrtc_present() {
         return Err(no_nvrtc());
     }
-    let src = CString::new(f.full_source()).map_err(|e| GpuError::Compile(e.to_string()))?;
+    let src = CString::new(source).map_err(|e| GpuError::Compile(e.to_string()))?;
     let name = CString::new(f.name).map_err(|e| GpuError::Compile(e.to_string()))?;
     let prog = nvrtc::create_program(&src, Some(&name))
         .map_err(|e| GpuError::Compile(format!("{}: {e:?}", f.name)))?;
@@ -200,9 +222,14 @@ fn compile_with(f: &Family, arch: &str, opts: &[String]) -> Result<Compiled, Gpu
 /// The disk-cache key of `f`'s CUBIN for `arch`, with the options [`cubin`] compiles with and
 /// the NVRTC that is loaded (which must be there: its version is part of the key).
 pub fn cache_key(f: &Family, arch: &str) -> Result<cache::Key, GpuError> {
+    cache_key_variant(f, &Variant::default(), arch)
+}
+
+/// [`cache_key`] of build `v`.
+pub fn cache_key_variant(f: &Family, v: &Variant, arch: &str) -> Result<cache::Key, GpuError> {
     Ok(cache::key(
         f.name,
-        &f.full_source(),
+        &f.source_for(v),
         &options(arch, false),
         arch,
         nvrtc_version()?,
@@ -231,20 +258,23 @@ pub fn cubin_cached(
     arch: &str,
     dir: Option<&Path>,
 ) -> Result<(Vec<u8>, Origin), GpuError> {
+    cubin_cached_variant(f, &Variant::default(), arch, dir)
+}
+
+/// [`cubin_cached`] of build `v`.
+pub fn cubin_cached_variant(
+    f: &Family,
+    v: &Variant,
+    arch: &str,
+    dir: Option<&Path>,
+) -> Result<(Vec<u8>, Origin), GpuError> {
     let opts = options(arch, false);
+    let source = f.source_for(v);
     through_cache(
         dir,
         // Without NVRTC there is no version for the key, and nothing to compile with either.
-        || {
-            Ok(cache::key(
-                f.name,
-                &f.full_source(),
-                &opts,
-                arch,
-                nvrtc_version()?,
-            ))
-        },
-        || Ok(compile_with(f, arch, &opts)?.cubin),
+        || Ok(cache::key(f.name, &source, &opts, arch, nvrtc_version()?)),
+        || Ok(compile_with(f, &source, arch, &opts)?.cubin),
     )
 }
 
@@ -283,14 +313,19 @@ fn through_cache(
     ))
 }
 
-/// CUBINs by (family, arch).
-type CubinCache = HashMap<(&'static str, String), Vec<u8>>;
+/// CUBINs by (family, build, arch).
+type CubinCache = HashMap<(&'static str, Variant, String), Vec<u8>>;
 static CUBINS: Mutex<Option<CubinCache>> = Mutex::new(None);
 
 /// `f`'s CUBIN for `arch`: from memory after the first call in a process, else through the disk
 /// cache at [`cache::dir`] ([`cubin_cached`]), else compiled.
 pub fn cubin(f: &Family, arch: &str) -> Result<Vec<u8>, GpuError> {
-    let key = (f.name, arch.to_string());
+    cubin_variant(f, &Variant::default(), arch)
+}
+
+/// [`cubin`] of build `v`.
+pub fn cubin_variant(f: &Family, v: &Variant, arch: &str) -> Result<Vec<u8>, GpuError> {
+    let key = (f.name, *v, arch.to_string());
     if let Some(c) = CUBINS
         .lock()
         .ok()
@@ -298,7 +333,7 @@ pub fn cubin(f: &Family, arch: &str) -> Result<Vec<u8>, GpuError> {
     {
         return Ok(c);
     }
-    let (c, _) = cubin_cached(f, arch, cache::dir().as_deref())?;
+    let (c, _) = cubin_cached_variant(f, v, arch, cache::dir().as_deref())?;
     if let Ok(mut m) = CUBINS.lock() {
         m.get_or_insert_with(HashMap::new).insert(key, c.clone());
     }

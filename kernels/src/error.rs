@@ -21,9 +21,13 @@ pub enum GpuError {
     /// No usable GPU (no driver, no NVRTC, too few devices).
     #[error("no usable GPU: {0}")]
     NoDevice(String),
-    /// A config outside what the GPU kernels support (e.g. more than 32 ranks).
+    /// A config outside what the GPU kernels support (e.g. uneven ranks per GPU).
     #[error("unsupported on the GPU: {0}")]
     Unsupported(String),
+    /// More ranks than the GPU kernels take (`ep_kernels::runtime::MAX_RANKS`, 256); the
+    /// specification and the CPU paths go further.
+    #[error("{ranks} ranks; the GPU kernels support at most {max}")]
+    TooManyRanks { ranks: usize, max: usize },
     /// A peer-supplied count or header field outside its bound (caught on the device before use).
     #[error("rank {rank}: rank {peer} sent {field} = {value}, outside [0, {limit}]")]
     PeerData {

@@ -89,9 +89,16 @@
 //!   a caller-supplied `all_gather` such as `ep_launch::Rendezvous`), and the peers' handles are
 //!   opened to build the address table ([`runtime::ProcessRank::join`]). The kernels are the
 //!   same.
-//! - **Limits** (a clear `GpuError::Unsupported`): R <= 32, ranks spread evenly over the GPUs, the
-//!   routing tables must fit in shared memory (about 227 KB: roughly 16·T·K + 8·T·R + 8·E·⌈T/32⌉
-//!   + 8·L·R bytes + 6 KB).
+//! - **Limits**: R <= 256 ([`runtime::MAX_RANKS`]; past it `GpuError::TooManyRanks`, before any
+//!   device work); a clear `GpuError::Unsupported` for ranks not spread evenly over the GPUs, and
+//!   the routing tables must fit in shared memory (about 227 KB: [`runtime::smem_bytes`], roughly
+//!   16·T·K + 8·T·R + 8·E·⌈T/32⌉ + 8·L·R bytes + 6 KB for R <= 32; past 32 ranks the wide build
+//!   keeps positions per top-k slot instead of the T x R table: 24·T·K + 8·E·⌈T/32⌉ + 8·L·R +
+//!   12·R·⌈T/32⌉ bytes + 6 KB).
+//! - **Builds** ([`runtime::Variant`]): a group of at most 32 ranks loads the kernels as the
+//!   files are; past 32 ranks the wide build (peer sets of 8 words in shared memory), past 32
+//!   ranks on one GPU an IoTable of 256 entries (a 22.7 KB kernel parameter, CUDA >= 12.1), and
+//!   past the GPU's SM count two blocks per SM. Each build is its own cache entry.
 //! - **FP8.** `cvt.rn.satfinite.e4m3x2.f32`; every NaN becomes 0x7F, as in the reference (the
 //!   GPU's f32 multiply already returns the positive canonical NaN).
 //! - **Kernel cache.** NVRTC takes seconds per process, so the CUBINs are kept on disk

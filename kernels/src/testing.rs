@@ -36,6 +36,8 @@ pub enum Routing {
     Random { masked: f32 },
     /// Every token selects expert 0 (in one slot), the other slots -1.
     AllToOne,
+    /// Every token selects one expert on each of K ranks (`workload::Routing::EveryRank`).
+    EveryRank,
 }
 
 /// One rank's inputs.
@@ -59,6 +61,7 @@ pub fn random_inputs(
             masked: masked as f64,
         },
         Routing::AllToOne => workload::Routing::OneExpert,
+        Routing::EveryRank => workload::Routing::EveryRank,
     };
     let w = Workload::generate(cfg, tokens, routing, rng.next_u64());
     w.x.into_iter()

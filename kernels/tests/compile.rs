@@ -5,6 +5,7 @@
 //! reports the checks as skipped, not passed; a failure exits non-zero.
 
 use ep_kernels::compile::{self, cache, Origin, FAMILIES};
+use ep_kernels::runtime::Variant;
 use std::time::Instant;
 
 fn main() {
@@ -52,6 +53,40 @@ fn every_kernel_compiles() {
         );
     }
     println!("compiled {} modules for sm_90", FAMILIES.len());
+    // The builds past 32 ranks (runtime::Variant): wide peer sets, a 256-entry IoTable (a
+    // 22.7 KB kernel parameter), two blocks per SM. Each must compile, its kernels must take no
+    // stack frame (a copied parameter or a local array would show there), and only the
+    // two-blocks build (64 registers a thread) may spill: its spills are printed.
+    for v in Variant::all().into_iter().skip(1) {
+        for f in FAMILIES {
+            let c = compile::compile_variant(&f, &v, "sm_90", true)
+                .unwrap_or_else(|e| panic!("{} ({v:?}) failed to compile: {e}", f.name));
+            println!("== {} {v:?}\n{}", f.name, c.log.trim_end());
+            for k in f.kernels {
+                assert!(
+                    c.log.contains(&format!("'{}'", k.symbol)),
+                    "{} ({v:?}): no {}",
+                    f.name,
+                    k.symbol
+                );
+            }
+            if !v.two_blocks {
+                assert!(
+                    c.log
+                        .lines()
+                        .filter(|l| l.contains("spill stores"))
+                        .all(|l| l.contains(" 0 bytes spill stores")),
+                    "{} ({v:?}): a kernel spills registers:\n{}",
+                    f.name,
+                    c.log
+                );
+            }
+        }
+    }
+    println!(
+        "compiled the {} builds past 32 ranks for sm_90",
+        Variant::all().len() - 1
+    );
     // The moe_layer example's own kernels (ep-group's example), with the options the example uses.
     let opts = cudarc::nvrtc::CompileOptions {
         fmad: Some(false),

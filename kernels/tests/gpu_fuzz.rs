@@ -7,7 +7,8 @@
 //! always runs: the case generator's configs are valid and cover what the fuzz promises.
 //!
 //! Each config: R in 1..=8 (even R over two GPUs), L in 1..=6 (E = R*L), T in 1..=48, K in
-//! 1..=min(16, E), one of the four modes, H any size in bf16, a multiple of 128 (fp8) or 512
+//! 1..=min(16, E); one config in eight (not with `EP_GPU_FUZZ_SMALL`) is a wide one (issue 22):
+//! R in 33..=256 (half of them 33, 64, 128 or 256), L in 1..=2, T in 1..=8, H small; one of the four modes, H any size in bf16, a multiple of 128 (fp8) or 512
 //! (ue8m0), `zero_copy_local` on or off, and now and then a small forced `blocks_per_rank`. It
 //! runs `EP_GPU_FUZZ_ROUNDS` inputs on one group (buffer reuse across calls), each with its own
 //! routing (uniform, masked at 10-100 %, all to one expert, all to one rank, one expert on every
@@ -198,20 +199,37 @@ fn pick<T: Copy>(rng: &mut Rng, xs: &[T]) -> T {
 fn draw_case(seed: u64, two_gpus: bool, small: bool, rounds: usize) -> Case {
     let mut rng = Rng::new(seed);
     let gpus = if two_gpus && rng.below(3) == 0 { 2 } else { 1 };
+    // Past 32 ranks (the wide build of the kernels): small T and H, so that 256 virtual ranks
+    // fit one GPU and the oracle's host work stays small.
+    let wide = !small && rng.below(8) == 0;
     let max_r = if small { 4 } else { 8 };
-    let r = if gpus == 2 {
+    let r = if wide {
+        let r = if rng.below(2) == 0 {
+            pick(&mut rng, &[33, 64, 128, 256])
+        } else {
+            33 + rng.below(224)
+        };
+        if gpus == 2 {
+            r + r % 2
+        } else {
+            r
+        }
+    } else if gpus == 2 {
         2 * (1 + rng.below(max_r / 2))
     } else {
         1 + rng.below(max_r)
     };
-    let l = 1 + rng.below(6);
+    let l = 1 + rng.below(if wide { 2 } else { 6 });
     let e = r * l;
     let k = 1 + rng.below(16.min(e));
-    let t = 1 + rng.below(if small { 8 } else { 48 });
+    let t = 1 + rng.below(if small || wide { 8 } else { 48 });
     let mode = MODES[rng.below(4)];
     // Rows per rank that combine's y holds: keep the host work per case small.
-    let big_ok = !small && r * l * r * t <= 512;
+    let big_ok = !small && !wide && r * l * r * t <= 512;
     let h = match mode {
+        Mode::Bf16 if wide => 1 + rng.below(512),
+        Mode::Fp8 { ue8m0: false, .. } if wide => 128 * (1 + rng.below(4)),
+        Mode::Fp8 { ue8m0: true, .. } if wide => 512,
         Mode::Bf16 => match rng.below(10) {
             0..=4 => 1 + rng.below(256),
             5..=8 => 257 + rng.below(if small { 256 } else { 1792 }),
@@ -232,7 +250,7 @@ fn draw_case(seed: u64, two_gpus: bool, small: bool, rounds: usize) -> Case {
     let cfg = Config::new(r, e, t, h, k, mode)
         .unwrap_or_else(|err| panic!("case seed {seed}: drew an invalid config: {err}"));
     let zero_copy_local = rng.below(2) == 0;
-    let blocks_per_rank = if rng.below(4) == 0 {
+    let blocks_per_rank = if !wide && rng.below(4) == 0 {
         Some(1 + rng.below(4))
     } else {
         None
@@ -312,6 +330,7 @@ fn generator_self_test(s: &Settings) -> Result<(), String> {
     let mut modes = [0usize; 4];
     let mut routings: BTreeMap<&str, usize> = BTreeMap::new();
     let mut ranks = [0usize; 9];
+    let (mut wide, mut wide_256) = (0, 0);
     let (mut empty, mut full, mut zc, mut two) = (0, 0, 0, 0);
     for c in &cases {
         c.cfg
@@ -329,7 +348,25 @@ fn generator_self_test(s: &Settings) -> Result<(), String> {
             return Err(format!("case {}: L = {l}", c.seed));
         }
         modes[MODES.iter().position(|m| *m == cfg.mode).unwrap()] += 1;
-        ranks[cfg.num_ranks] += 1;
+        if cfg.num_ranks > 8 {
+            // A wide case: 33..=256 ranks, small shapes.
+            if cfg.num_ranks < 33
+                || cfg.num_ranks > ep_kernels::runtime::MAX_RANKS
+                || cfg.max_tokens_per_rank > 8
+                || l > 2
+                || cfg.hidden > 512
+            {
+                return Err(format!(
+                    "case {}: wide case out of range: {}",
+                    c.seed,
+                    c.describe()
+                ));
+            }
+            wide += 1;
+            wide_256 += (cfg.num_ranks == 256) as usize;
+        } else {
+            ranks[cfg.num_ranks] += 1;
+        }
         zc += c.zero_copy_local as usize;
         two += (c.gpus == 2) as usize;
         for r in &c.rounds {
@@ -351,11 +388,14 @@ fn generator_self_test(s: &Settings) -> Result<(), String> {
         }
     }
     println!(
-        "  {n} cases: modes {modes:?}, R 1..8 {:?}, routings {routings:?}, empty ranks {empty}, full ranks {full}, zero_copy_local {zc}, on 2 GPUs {two}",
+        "  {n} cases: modes {modes:?}, R 1..8 {:?}, R 33..256 {wide} ({wide_256} at 256), routings {routings:?}, empty ranks {empty}, full ranks {full}, zero_copy_local {zc}, on 2 GPUs {two}",
         &ranks[1..]
     );
     if modes.contains(&0) || ranks[1..].contains(&0) || routings.len() < 5 {
         return Err("a mode, rank count or routing is never drawn".into());
+    }
+    if wide == 0 || wide_256 == 0 {
+        return Err("no case past 32 ranks, or none at 256".into());
     }
     if empty == 0 || full == 0 || zc == 0 || zc == n || two == 0 {
         return Err(

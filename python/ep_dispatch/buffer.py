@@ -140,7 +140,7 @@ class Buffer:
             for it, and the selections of its experts count as -1 (on every unmasked rank the
             outputs equal the same call with those slots set to -1 and the masked ranks sending
             nothing). The mask: ``low_latency_query_mask_buffer``, ``..._update_...``,
-            ``..._clean_...``. CUDA IPC only (transport='auto'), at most 32 ranks.
+            ``..._clean_...``. CUDA IPC only (transport='auto'), at most 256 ranks.
         explicitly_destroy: accepted; ``destroy()`` works either way, and buffers are freed
             when the Buffer is garbage-collected.
 

@@ -65,7 +65,7 @@ class NoDeviceError(DeviceError):
 
 
 class UnsupportedError(EpError, NotImplementedError):
-    """Outside what the GPU kernels support (e.g. more than 32 ranks)."""
+    """Outside what the GPU kernels support (e.g. more than 256 ranks: kind ``TooManyRanks``)."""
 
 
 class NotBuiltError(UnsupportedError):

@@ -96,6 +96,8 @@ pub fn size_hint(
         Mode::Bf16,
     )?;
     check_dims(&cfg)?;
+    // The GPU's rank limit (256): a hint for a group the kernels refuse would mislead.
+    ep_kernels::runtime::check_ranks(cfg.num_ranks)?;
     Ok(bytes_per_rank_with(&cfg, has_staging(transport))? as u64)
 }
 
@@ -384,9 +386,9 @@ impl RankGroup {
         self.group.describe_devices()
     }
 
-    /// Bit d set when this rank reaches peer d through NCCL (the others through CUDA IPC).
-    pub fn nccl_mask(&self) -> u32 {
-        self.group.nccl_mask()
+    /// The peers this rank reaches through NCCL (the others through CUDA IPC), ascending.
+    pub fn nccl_peers(&self) -> Vec<usize> {
+        self.group.nccl_mask().ranks()
     }
 
     /// Errors the kernels recorded (a timed-out wait, bad routing, bad peer data), as the
@@ -594,6 +596,23 @@ mod tests {
         // No top_k: the bound over every top_k, so at least the K = 8 figure.
         let bound = size_hint(128, 7168, 8, 256, None, Transport::Auto).unwrap();
         assert!(bound > got, "{bound} vs {got}");
+    }
+
+    #[test]
+    fn size_hint_follows_the_ranks_up_to_256_and_refuses_past() {
+        let mut last = 0;
+        for r in [8, 16, 32, 64, 128, 256] {
+            let got = size_hint(128, 7168, r, 2 * r, Some(8), Transport::Auto).unwrap();
+            assert!(got > last, "R = {r}: {got} <= {last}");
+            last = got;
+        }
+        assert!(matches!(
+            size_hint(128, 7168, 257, 257, Some(8), Transport::Auto),
+            Err(BindError::Gpu(GpuError::TooManyRanks {
+                ranks: 257,
+                max: 256
+            }))
+        ));
     }
 
     #[test]

@@ -219,6 +219,17 @@ def test_size_hint_is_ours_and_needs_no_gpu():
     assert k8 > 2 * (256 // 8) * (8 * 128) * 7168 * 2
 
 
+def test_size_hint_follows_the_ranks_up_to_256_and_refuses_past():
+    hint = Buffer.get_low_latency_rdma_size_hint
+    # E = R * L with L = 2: per-rank memory grows with R (recv_x and y hold L x R*T rows).
+    sizes = [hint(128, 7168, r, 2 * r, num_topk=8) for r in (8, 16, 32, 64, 128, 256)]
+    assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes), sizes
+    assert sizes[3] == ep._native.size_hint(128, 7168, 64, 128, 8, "auto")
+    with pytest.raises(ep.UnsupportedError) as e:
+        hint(128, 7168, 257, 257)
+    assert e.value.kind == "TooManyRanks" and e.value.ranks == 257 and e.value.max == 256
+
+
 def test_size_hint_refuses_bad_shapes():
     hint = Buffer.get_low_latency_rdma_size_hint
     with pytest.raises(ep.ConfigError, match="num_experts = 256 is not a multiple of"):

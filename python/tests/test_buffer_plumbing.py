@@ -385,3 +385,42 @@ def test_a_buffer_collected_during_capture_releases_its_groups_later(monkeypatch
     bufs[0]._rank_group(T, H, E, K, True, False, False)
     assert bufmod._DEFERRED == [], "released by the next call outside capture"
     assert len(res) == R
+
+
+def test_a_64_rank_group_through_the_buffer(monkeypatch):
+    """64 ranks (past the kernels' old limit of 32) through the Buffer's plumbing: every rank's
+    tensors, shapes and byte counts for R = 64, dispatch and combine equal to the oracle."""
+    R64, E64, T64, H64, K64 = 64, 128, 2, 128, 2
+    world = World(R64)
+    monkeypatch.setattr(native, "probe_devices", lambda n: 1)
+    monkeypatch.setattr(native, "probe_transport", lambda t: None)
+    monkeypatch.setattr(native, "GpuRank", world.rank)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    bufs = []
+    for r in range(R64):
+        b = ep.Buffer(Group(r, R64), 0, 1 << 20, True, E64 // R64, timeout_s=3)
+        b._dev = torch.device("cpu")
+        b._stream = lambda: 0
+        bufs.append(b)
+    g = torch.Generator().manual_seed(64)
+    ins = []
+    for r in range(R64):
+        n = r % (T64 + 1)
+        x = (torch.randn(n, H64, generator=g) * 3).to(torch.bfloat16)
+        topk = torch.rand(n, E64, generator=g).argsort(dim=1)[:, :K64].to(torch.int64).contiguous()
+        w = torch.randn(n, K64, generator=g)
+        y = torch.randn(E64 // R64, R64 * T64, H64, generator=g).to(torch.bfloat16)
+        ins.append((x, topk, w, y))
+    want = oracle.dispatch([i[0] for i in ins], [i[1] for i in ins], T64, E64, use_fp8=False)
+    got = [b.low_latency_dispatch(i[0], i[1], T64, E64, use_fp8=False)
+           for b, i in zip(bufs, ins)]
+    for r, (recv_x, recv_count, handle, _, _) in enumerate(got):
+        assert recv_x.shape == (E64 // R64, R64 * T64, H64)
+        assert handle.layout_range.shape == (E64 // R64, R64)
+        assert oracle.diff(got_of(recv_x, recv_count, handle), want[r]) is None, r
+    want_c = oracle.combine([i[3] for i in ins], [i[1] for i in ins], [i[2] for i in ins], T64,
+                            E64)
+    outs = [b.low_latency_combine(i[3], i[1], i[2], h[2])
+            for b, i, h in zip(bufs, ins, got)]
+    for r, (combined, _, _) in enumerate(outs):
+        assert oracle.combine_diff(combined, want_c[r]) is None, r

@@ -257,6 +257,7 @@ def test_argument_errors_name_the_argument():
     ("Nccl", ep.DeviceError, {}),
     ("Process", ep.PeerError, {}),
     ("Unsupported", ep.UnsupportedError, {}),
+    ("TooManyRanks", ep.UnsupportedError, dict(ranks=257, max=256)),
     ("NotBuilt", ep.NotBuiltError, {}),
 ])
 def test_every_error_kind_raises_its_class_with_its_fields(kind, cls, fields):

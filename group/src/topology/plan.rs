@@ -3,22 +3,21 @@
 
 use crate::error::GroupError;
 use crate::node::NodeId;
-use ep_kernels::runtime::{all_peers, PeerPlan, Transport};
+use ep_kernels::runtime::{all_peers, check_ranks, PeerMask, PeerPlan, Transport};
 use ep_kernels::GpuError;
 
 /// How one rank reaches its peers: the GPU library's [`PeerPlan`], which [`plan`] computes.
 pub use ep_kernels::runtime::PeerPlan as Plan;
 
 /// The plan of rank `rank` in a group whose rank i runs on node `nodes[i]` (see the module
-/// docs). Fails for more than 32 ranks (the mask's width), a rank outside the group, or, under
-/// `Transport::Auto`, a peer on another node.
+/// docs). Fails for more than the kernels' [`MAX_RANKS`](ep_kernels::runtime::MAX_RANKS) ranks
+/// ([`GpuError::TooManyRanks`]), a rank outside the group, or, under `Transport::Auto`, a peer on
+/// another node.
 pub fn plan(transport: Transport, nodes: &[NodeId], rank: usize) -> Result<PeerPlan, GroupError> {
     let r = nodes.len();
-    if r > 32 || rank >= r {
-        return Err(GpuError::Unsupported(format!(
-            "rank {rank} of {r} ranks (a plan covers at most 32)"
-        ))
-        .into());
+    check_ranks(r)?;
+    if rank >= r {
+        return Err(GpuError::Unsupported(format!("rank {rank} of {r} ranks")).into());
     }
     let mut distinct: Vec<&NodeId> = Vec::new();
     for n in nodes {
@@ -41,12 +40,10 @@ pub fn plan(transport: Transport, nodes: &[NodeId], rank: usize) -> Result<PeerP
                     peer: p,
                 });
             }
-            (0, others().collect())
+            (PeerMask::EMPTY, others().collect())
         }
         Transport::TwoTier => {
-            let mask = others()
-                .filter(|&p| nodes[p] != *me)
-                .fold(0u32, |m, p| m | 1 << p);
+            let mask = PeerMask::of(others().filter(|&p| nodes[p] != *me));
             (mask, others().filter(|&p| nodes[p] == *me).collect())
         }
     };
@@ -79,7 +76,7 @@ mod tests {
         for (rank, (mask, ipc)) in want.into_iter().enumerate() {
             let p = plan(Transport::TwoTier, &n, rank).unwrap();
             assert_eq!(
-                (p.nccl_mask, &p.ipc_peers, p.nodes),
+                (p.nccl_mask.low_word(), &p.ipc_peers, p.nodes),
                 (mask, &ipc, 2),
                 "rank {rank}"
             );
@@ -93,11 +90,11 @@ mod tests {
         let n = nodes(&["a", "b", "a", "c", "a"]);
         let p = plan(Transport::TwoTier, &n, 2).unwrap();
         assert_eq!(
-            (p.nccl_mask, p.ipc_peers, p.nodes),
+            (p.nccl_mask.low_word(), p.ipc_peers, p.nodes),
             (0b01010, vec![0, 4], 3)
         );
         let p = plan(Transport::TwoTier, &n, 3).unwrap();
-        assert_eq!((p.nccl_mask, p.ipc_peers), (0b10111, vec![]));
+        assert_eq!((p.nccl_mask.low_word(), p.ipc_peers), (0b10111, vec![]));
         // One node: exactly Auto (no NCCL at all).
         let one = nodes(&["x"; 4]);
         for rank in 0..4 {
@@ -107,7 +104,10 @@ mod tests {
             );
         }
         let p = plan(Transport::Auto, &one, 2).unwrap();
-        assert_eq!((p.nccl_mask, &p.ipc_peers, p.nodes), (0, &vec![0, 1, 3], 1));
+        assert_eq!(
+            (p.nccl_mask, &p.ipc_peers, p.nodes),
+            (PeerMask::EMPTY, &vec![0, 1, 3], 1)
+        );
         assert!(!p.uses_nccl());
     }
 
@@ -115,7 +115,7 @@ mod tests {
     fn nccl_reaches_everyone_and_auto_refuses_a_second_node() {
         let n = nodes(&["0", "0", "1", "1"]);
         let p = plan(Transport::Nccl, &n, 1).unwrap();
-        assert_eq!((p.nccl_mask, p.ipc_peers.len()), (0b1111, 0));
+        assert_eq!((p.nccl_mask.low_word(), p.ipc_peers.len()), (0b1111, 0));
         match plan(Transport::Auto, &n, 1) {
             Err(GroupError::PeerMismatch {
                 field,
@@ -140,23 +140,54 @@ mod tests {
                 id: "1".into(),
             },
         ];
-        assert_eq!(plan(Transport::TwoTier, &mixed, 0).unwrap().nccl_mask, 0b10);
-        // Bounds: 32 ranks fit the mask, 33 do not; the rank must be in the group.
+        assert_eq!(
+            plan(Transport::TwoTier, &mixed, 0)
+                .unwrap()
+                .nccl_mask
+                .low_word(),
+            0b10
+        );
+        // Bounds: 32 ranks fill the first word, 256 fit the mask, 257 do not; the rank must be
+        // in the group.
         let many = nodes(
             &(0..32)
                 .map(|i| if i < 16 { "a" } else { "b" })
                 .collect::<Vec<_>>(),
         );
         let p = plan(Transport::TwoTier, &many, 0).unwrap();
-        assert_eq!(p.nccl_mask, 0xffff_0000);
+        assert_eq!(p.nccl_mask.low_word(), 0xffff_0000);
         assert_eq!(
-            plan(Transport::Nccl, &many, 31).unwrap().nccl_mask,
+            plan(Transport::Nccl, &many, 31)
+                .unwrap()
+                .nccl_mask
+                .low_word(),
             u32::MAX
         );
-        let too_many = nodes(&["a"; 33]);
+        // 40 ranks on 5 emulated nodes of 8: rank 33 (node 4) reaches 0..32 over NCCL and its
+        // node's other 7 over IPC; 256 over NCCL reach every rank.
+        let forty = nodes(
+            &(0..40)
+                .map(|i| ["0", "1", "2", "3", "4"][i / 8])
+                .collect::<Vec<_>>(),
+        );
+        let p = plan(Transport::TwoTier, &forty, 33).unwrap();
+        assert_eq!(p.nccl_mask.ranks(), (0..32).collect::<Vec<_>>());
+        assert_eq!(p.ipc_peers, vec![32, 34, 35, 36, 37, 38, 39]);
+        assert_eq!(p.nodes, 5);
+        let p = plan(Transport::TwoTier, &forty, 2).unwrap();
+        assert_eq!(p.nccl_mask.ranks(), (8..40).collect::<Vec<_>>());
+        let all = nodes(&["a"; 256]);
+        assert_eq!(
+            plan(Transport::Nccl, &all, 255).unwrap().nccl_mask.ranks(),
+            (0..256).collect::<Vec<_>>()
+        );
+        let too_many = nodes(&["a"; 257]);
         assert!(matches!(
             plan(Transport::TwoTier, &too_many, 0),
-            Err(GroupError::Gpu(GpuError::Unsupported(_)))
+            Err(GroupError::Gpu(GpuError::TooManyRanks {
+                ranks: 257,
+                max: 256
+            }))
         ));
         assert!(matches!(
             plan(Transport::TwoTier, &n, 4),

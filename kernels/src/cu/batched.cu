@@ -19,8 +19,8 @@
 // `ep_batched::dispatch` and `ep_batched::combine`, the names DeepEP's test (tests/utils.py bench_kineto)
 // and engines' traces look for. compile.rs loads them by their mangled symbols.
 namespace ep_batched {
-__global__ void __launch_bounds__(NTHREADS, 1) dispatch(KParams p, IoTable iot);
-__global__ void __launch_bounds__(NTHREADS, 1) combine(KParams p, IoTable iot);
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) dispatch(KParams p, IoTable iot);
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) combine(KParams p, IoTable iot);
 }  // namespace ep_batched
 
 #define KIND KIND_BAT_DISPATCH
@@ -32,7 +32,7 @@ struct XUnit {
     u32 lx, ix;   // lanes < K: local expert of slot `lane` (or NO_LOCAL), index within (l, s)
     uint4 v;      // c < Cx: this lane's 16 payload bytes
 };
-__global__ void __launch_bounds__(NTHREADS, 1) ep_batched::dispatch(KParams p, IoTable iot) {
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(KParams p, IoTable iot) {
     extern __shared__ int smem_raw[];
     const RankPtrs* tab = (const RankPtrs*)p.table;
     const int bid = blockIdx.x % p.blocks_per_rank;
@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::dispatch(KParams p, I
     __shared__ u64 s_epoch;
     __shared__ int s_n, s_bad;
     __shared__ IoPtrs s_io;
-    __shared__ u32 s_gone;  // shrink mode: masked peers, then the ones lost in this call
+    GONE_SHARED;  // shrink mode: masked peers, then the ones lost in this call
     // Thread 32 + d waits for destination d's acknowledgement of the previous call (below); its
     // first load is issued here, so that its latency overlaps the prologue and the routing loads.
     // loom: gpu_protocol::preload_acks, model batched_consecutive_calls.
@@ -59,17 +59,19 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::dispatch(KParams p, I
         s_epoch = ld_epoch(state, KIND) + 1ull;
         s_bad = 0;
         s_n = read_ntok(p, s_io, rank, &s_bad);
-        s_gone = masked_peers(p, me);
+        GONE_INIT();
     }
     // The per-token and per-expert tallies start at zero (their whole extent: n is not known yet).
     for (int i = tid; i < E * W; i += NTHREADS) sm.bm[i] = 0;
+#if !WIDE
     for (int i = tid; i < T * R; i += NTHREADS) sm.tokpos[i] = 0;
+#endif
     __syncthreads();
     const IoPtrs& io = s_io;
     const u64 epoch = s_epoch;
     const int n = s_n;
-    const u32 gone0 = s_gone;  // masked before this block started: not routed to, not waited for
-    u32 gone = gone0;          // ... and the peers lost in this call (agreed by every block)
+    const PeerSet gone0 = GONE0();  // masked before this block started: not routed to, not waited for
+    PeerSet gone = gone0;           // ... and the peers lost in this call (agreed by every block)
     PROF(0);
     // This warp's first send unit (token, 512-channel segment): its x loads are issued now and
     // stay in flight through the routing set-up (reads only: nothing is written before the checks).
@@ -77,7 +79,11 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::dispatch(KParams p, I
     const int u_first = bid * NWARPS + warp;
     // One rank, whole call, no NCCL: the rank is its only destination and source, and its rows
     // go straight to the canonical layout (below).
-    const bool direct = R == 1 && p.stage == 0 && p.nccl_mask == 0u;
+#if WIDE
+    const bool direct = false;  // R > 32
+#else
+    const bool direct = R == 1 && p.stage == 0 && p.nccl_mask[0] == 0u;
+#endif
     Seg pre = {};
     if (p.stage != 2 && u_first < n * segs) pre = seg_fetch(p, (const u16*)io.x + (u64)(u_first / segs) * p.H, (u_first % segs) * 512);
     // Routing, checked (topk_idx may come from the caller's device memory): an index outside
@@ -102,7 +108,9 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::dispatch(KParams p, I
             if (e >= 0 && !is_gone(gone0, e / L)) {
                 const int t = i / K, d = e / L;
                 dl = (d << 16) | (e - d * L);
+#if !WIDE
                 atomicAdd(&sm.tokpos[t * R + d], 1);
+#endif
                 atomicOr((u32*)&sm.bm[e * W + (t >> 5)], 1u << (t & 31));
             }
             sm.sdl[i] = dl;
@@ -137,6 +145,42 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::dispatch(KParams p, I
             run += __popc((u32)sm.bm[e * W + w]);
         }
     }
+#if WIDE
+    // Per destination d (a thread each): the bitmap of the tokens bound for d (the OR of its
+    // experts' bitmaps), tokens and selections before each word, the totals.
+    for (int d = tid; d < R; d += NTHREADS) {
+        int rt = 0, rs = 0;
+        for (int w = 0; w < W; w++) {
+            u32 word = 0u;
+            int sc = 0;
+            for (int l = 0; l < L; l++) {
+                const u32 b = (u32)sm.bm[(d * L + l) * W + w];
+                word |= b;
+                sc += __popc(b);
+            }
+            sm.dbm[d * W + w] = (int)word;
+            sm.dpw[d * W + w] = rt;
+            sm.spw[d * W + w] = rs;
+            rt += __popc(word);
+            rs += sc;
+        }
+        sm.tot[d] = rt;
+        sm.tot[R + d] = rs;
+    }
+    __syncthreads();
+    // Per slot (t, k) bound for d: t's batch position in batch(me -> d) and its selection offset
+    // there (selections of d's experts by earlier tokens), the values the T x R table holds.
+    for (int i = tid; i < n * K; i += NTHREADS) {
+        const int dl = sm.sdl[i];
+        if (dl < 0) continue;
+        const int t = i / K, d = dl >> 16, w = t >> 5;
+        const u32 below = (1u << (t & 31)) - 1u;
+        int sp = sm.spw[d * W + w];
+        for (int l = 0; l < L; l++) sp += __popc((u32)sm.bm[(d * L + l) * W + w] & below);
+        sm.tokpos[i] = sm.dpw[d * W + w] + __popc((u32)sm.dbm[d * W + w] & below);
+        sm.selpos[i] = sp;
+    }
+#else
     // Per destination (warp d): batch position of each token and selection offset.
     for (int d = warp; d < R; d += NWARPS) {
         int base_tok = 0, base_sel = 0;
@@ -162,6 +206,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::dispatch(KParams p, I
             sm.tot[R + d] = base_sel;
         }
     }
+#endif
     {
         // Bad routing (or token count) is caught here, before anything is written: the rank goes to
         // the end unsent, unsignalled; peers stop on this GPU's error flag, time out on others.
@@ -176,7 +221,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::dispatch(KParams p, I
             if (!is_gone(gone0, ackd)) {
                 const int r = wait_peer_ack(peer_wait(p, me, KIND, DEC_ACK, rank, ackd, PH_DISPATCH_SEND), sig_bat_ack(me, R) + ackd,
                                             epoch - 1ull, epoch);
-                if (r == PEER_LOST) atomicOr(&s_gone, 1u << ackd);
+                if (r == PEER_LOST) GONE_ADD(ackd);
                 else wbad = !r;
             }
         } else if (!in_bad && acker && ack0 < epoch - 1ull)
@@ -184,7 +229,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::dispatch(KParams p, I
         if (__syncthreads_or(wbad) || in_bad) goto finish;
     }
     // Masked, or lost at the acknowledgement: nothing is sent there (agreed by every block).
-    gone = s_gone;
+    GONE_SNAPSHOT(gone);
     PROF(1);
     // The device API's routing and token count, kept for this call's combine (its handle): sk
     // holds the checked indices, equal to topk_idx's values.
@@ -259,6 +304,15 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::dispatch(KParams p, I
             // before this unit's stores.
             Seg sg = nxt;
             if (u + stride < n * segs) nxt = seg_fetch(p, (const u16*)io.x + (u64)((u + stride) / segs) * p.H, ((u + stride) % segs) * 512);
+#if WIDE
+            // The token's destinations, from its K slots (each at its first slot, below).
+            bool any = false;
+            for (int k = 0; k < K; k++) {
+                const int dl = sm.sdl[t * K + k];
+                any |= dl >= 0 && !is_gone(gone, dl >> 16);
+            }
+            if (!any) continue;
+#else
             u32 mask = 0u;
             for (int k = 0; k < K; k++) {
                 const int dl = sm.sdl[t * K + k];
@@ -266,6 +320,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::dispatch(KParams p, I
             }
             mask &= ~gone;
             if (mask == 0u) continue;
+#endif
             const u16* xr = (const u16*)io.x + (u64)t * p.H;
             seg_quant(p, sg);
             // this lane's slot (lanes < K): owner, local expert, index within the expert
@@ -278,6 +333,35 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::dispatch(KParams p, I
                     my_idx = sm.pw[e * W + (t >> 5)] + __popc(word & ((1u << (t & 31)) - 1u));
                 }
             }
+#if WIDE
+            // The token's entry in batch(me -> d) for each of its destinations, at the first slot
+            // bound there: `at` = t*K + k indexes tokpos and selpos (POS_ENTRIES).
+            for (int k0 = 0; k0 < K; k0++) {
+                const int dl0 = sm.sdl[t * K + k0];
+                if (dl0 < 0 || is_gone(gone, dl0 >> 16)) continue;
+                const int d = dl0 >> 16;
+                bool seen = false;
+                for (int k1 = 0; k1 < k0; k1++) {
+                    const int dl1 = sm.sdl[t * K + k1];
+                    seen |= dl1 >= 0 && (dl1 >> 16) == d;
+                }
+                if (seen) continue;
+                const int at = t * K + k0;
+                u8* entry = via_nccl(p, d) ? (u8*)me.snd_buf + ((u64)d * T + sm.tokpos[at]) * p.entry_bytes
+                                           : (u8*)tab[d].bat_buf + ((u64)rank * T + sm.tokpos[at]) * p.entry_bytes;
+                seg_store(p, sg, xr, g * 512, entry + HDR_BYTES);
+                if (g == 0) {
+                    if (lane < MAX_K) {
+                        const bool mine = my_dl >= 0 && (my_dl >> 16) == d;
+                        ((u16*)(entry + 16))[lane] = mine ? (u16)(my_dl & 0xFFFF) : (u16)NO_LOCAL;
+                        ((u16*)(entry + 48))[lane] = mine ? (u16)my_idx : (u16)0;
+                    } else if (lane == 16) {
+                        ((int*)entry)[0] = t;
+                        ((int*)entry)[1] = sm.selpos[at];
+                    }
+                }
+            }
+#else
             for (u32 m = mask; m != 0u; m &= m - 1u) {
                 const int d = __ffs(m) - 1;
                 u8* entry = via_nccl(p, d) ? (u8*)me.snd_buf + ((u64)d * T + sm.tokpos[t * R + d]) * p.entry_bytes
@@ -294,6 +378,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::dispatch(KParams p, I
                     }
                 }
             }
+#endif
             // Where (t, k) will come back in combine: its place in batch(owner -> me).
             if (g == 0 && lane < K) {
                 int pos = -1;
@@ -304,7 +389,11 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::dispatch(KParams p, I
                         const int dl2 = sm.sdl[t * K + k];
                         r += (dl2 >= 0 && (dl2 >> 16) == d);
                     }
+#if WIDE
+                    pos = sm.selpos[t * K + lane] + r;
+#else
                     pos = sm.selpos[t * R + d] + r;
+#endif
                 }
                 ((int*)me.comb_pos)[t * K + lane] = pos;
             }
@@ -356,14 +445,14 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::dispatch(KParams p, I
             // loom: gpu_protocol::batched_receive, models batched_two_senders_one_receiver, batched_consecutive_calls, batched_tag_wrap.
             else c = wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
             if (c == PEER_LOST) {
-                atomicOr(&s_gone, 1u << tid);
+                GONE_ADD(tid);
                 c = 0;
             }
             bad = c < 0 || peer_bad(p, rank, tid, PF_BATCH_TOKENS, c, T);
             sm.rcnt[tid] = bad ? 0 : (int)c;
         }
         if (__syncthreads_or(bad)) goto finish;
-        gone = s_gone;  // + the sources lost in this call: their counts below are 0
+        GONE_SNAPSHOT(gone);  // + the sources lost in this call: their counts below are 0
         PROF(3);
         {
             const u64 RT = (u64)R * T;
@@ -531,10 +620,10 @@ finish:
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
-            const u32 masked = masked_peers(p, me);  // shrink: no ack to a masked peer
+            MASKED_AT_END();  // shrink: no ack to a masked peer
             for (int s = 0; s < R; s++)
                 // loom: gpu_protocol::finish (the ack), models batched_consecutive_calls, batched_one_sender_two_receivers; shrink_* (no ack to a masked peer).
-                if (!via_nccl(p, s) && !is_gone(masked, s)) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
+                if (!via_nccl(p, s) && !END_MASKED(s)) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
         }
     }
 }
@@ -542,7 +631,7 @@ finish:
 
 #define KIND KIND_BAT_COMBINE
 #define SEGB 2048
-__global__ void __launch_bounds__(NTHREADS, 1) ep_batched::combine(KParams p, IoTable iot) {
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(KParams p, IoTable iot) {
     extern __shared__ int smem_raw[];
     const RankPtrs* tab = (const RankPtrs*)p.table;
     const int bid = blockIdx.x % p.blocks_per_rank;
@@ -557,12 +646,12 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::combine(KParams p, Io
     __shared__ int s_n;
     __shared__ IoPtrs s_io;
     __shared__ u64 s_y[MAX_LOCAL];  // y of every rank of this launch (zero-copy reads)
-    __shared__ u32 s_gone;          // shrink mode: masked peers, then the ones lost in this call
+    GONE_SHARED;                    // shrink mode: masked peers, then the ones lost in this call
     if (tid == 0) {
         s_io = resolve_io(iot.r[rank - p.rank_base], me);
         s_epoch = ld_epoch(state, KIND) + 1ull;
         s_n = ((const int*)me.meta)[0];  // the dispatch's count and routing (the handle)
-        s_gone = masked_peers(p, me);
+        GONE_INIT();
     }
     if (tid < p.ranks_here) {
         const u64 y = iot.r[tid].y;
@@ -589,8 +678,8 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::combine(KParams p, Io
     const u64 epoch = s_epoch;
     PROF(0);
     const int n = s_n;
-    const u32 gone0 = s_gone;  // a selection of a masked owner's expert counts as -1
-    u32 gone = gone0;
+    const PeerSet gone0 = GONE0();  // a selection of a masked owner's expert counts as -1
+    PeerSet gone = gone0;
     // With zero_copy, sources on this GPU read the rows in place: only other GPUs get a put.
     auto local = [&](int s) { return p.zero_copy && !via_nccl(p, s) && s >= p.rank_base && s < p.rank_base + p.ranks_here; };
     {
@@ -607,7 +696,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::combine(KParams p, Io
             return local(d) ? ((const int*)tab[d].comb_map)[(u64)rank * TK + pos] : -1;
         };
         auto route = [&](int i, i64 v, int pos, int mrow) {
-            const int e = is_gone(gone0, (int)v / p.L) && v >= 0 ? -1 : (int)v;
+            const int e = v >= 0 && is_gone(gone0, (int)v / p.L) ? -1 : (int)v;
             int dl = -1;
             u64 a = 0;
             if (e >= 0) {
@@ -639,19 +728,19 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::combine(KParams p, Io
         if (!is_gone(gone0, ackd)) {
             const int r = wait_peer_ack(peer_wait(p, me, KIND, DEC_ACK, rank, ackd, PH_COMBINE_SEND), sig_cb_ack(me, R) + ackd,
                                         epoch - 1ull, epoch);
-            if (r == PEER_LOST) atomicOr(&s_gone, 1u << ackd);
+            if (r == PEER_LOST) GONE_ADD(ackd);
             else bad = !r;
         }
     } else if (acker && ack0 < epoch - 1ull)
         // loom: not modelled itself; the same wait_ack as batched dispatch (model batched_consecutive_calls).
         bad = !wait_ack(p, sig_cb_ack(me, R) + ackd, epoch - 1ull, epoch, rank, ackd, PH_COMBINE_SEND);
     if (__syncthreads_or(bad)) goto finish;
-    gone = s_gone;  // masked, or lost at the acknowledgement: nothing goes back there
+    GONE_SNAPSHOT(gone);  // masked, or lost at the acknowledgement: nothing goes back there
     PROF(1);
     {
         // Every rank on this GPU and zero_copy: every row is read in place, and every row and
         // handle was complete when this launch started, so no put and no signal is needed.
-        const bool all_local = p.zero_copy && p.ranks_here == R && p.nccl_mask == 0u;
+        const bool all_local = p.zero_copy && p.ranks_here == R && !any_nccl(p);
         // ---- send: batch(me -> s) = rows comb_map[s][0..cnt), to s's area for me.
         // Units of 512 bytes (16 per lane), eight in flight per warp.
         // Sources this rank sends nothing to: on this GPU (zero-copy), masked or lost.
@@ -726,7 +815,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::combine(KParams p, Io
             if (p.shrink) {
                 if (is_gone(gone, d)) continue;
                 const long long c = wait_peer_signals(peer_wait(p, me, KIND, DEC_RECV, rank, d, PH_COMBINE_RECV), sig_cb(me, R) + d, 0, 1, 0, epoch);
-                if (c == PEER_LOST) atomicOr(&s_gone, 1u << d);
+                if (c == PEER_LOST) GONE_ADD(d);
                 else bad |= c < 0;
             } else {
                 // loom: not modelled itself; the same wait_signal as batched dispatch (model batched_two_senders_one_receiver).
@@ -734,9 +823,9 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_batched::combine(KParams p, Io
             }
         }
         if (__syncthreads_or(bad)) goto finish;
-        if (s_gone != gone0) {
+        if (gone_differs(GONE_LIVE(), gone0)) {
             // Owners lost in this call: their selections count as -1 in the reduction.
-            const u32 g = s_gone;
+            const PeerSet g = GONE_LIVE();
             for (int i = tid; i < n * K; i += NTHREADS)
                 if (sm.sk[i] >= 0 && is_gone(g, sm.sk[i] / p.L)) sm.sk[i] = -1;
             __syncthreads();
@@ -753,10 +842,10 @@ finish:
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
-            const u32 masked = masked_peers(p, me);  // shrink: no ack to a masked peer
+            MASKED_AT_END();  // shrink: no ack to a masked peer
             for (int d = 0; d < R; d++)
                 // loom: not modelled itself; the same ack as batched dispatch (model batched_consecutive_calls).
-                if (!via_nccl(p, d) && !is_gone(masked, d)) st_release(p, sig_cb_ack(tab[d], R) + rank, (u64)epoch);
+                if (!via_nccl(p, d) && !END_MASKED(d)) st_release(p, sig_cb_ack(tab[d], R) + rank, (u64)epoch);
         }
     }
 }

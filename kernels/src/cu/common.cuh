@@ -10,6 +10,31 @@ typedef long long i64;
 
 #define NTHREADS 512
 #define NWARPS (NTHREADS / 32)
+
+// Build variants (`Variant` in kernels/src/runtime/layout.rs): the host prepends these defines to
+// the source for groups past 32 ranks; a group of at most 32 ranks compiles this file as it is.
+//   EP_MASK_WORDS: u32 words of a set of peers (the call's masked peers, the NCCL peers): 1 for
+//     R <= 32 (one word in a register, as ever), MAX_RANKS / 32 past that (shared-memory words).
+//   EP_MAX_LOCAL: entries of the IoTable (ranks of one launch): 32, or MAX_RANKS past 32 ranks on
+//     one GPU (a kernel parameter of 22.5 KB: CUDA 12.1+ takes up to 32764 bytes).
+//   EP_MIN_BLOCKS: __launch_bounds__' minimum blocks per SM: 2 when a GPU runs more ranks than it
+//     has SMs (every block of a launch must be resident at once), else 1.
+#ifndef EP_MASK_WORDS
+#define EP_MASK_WORDS 1
+#endif
+#ifndef EP_MAX_LOCAL
+#define EP_MAX_LOCAL 32
+#endif
+#ifndef EP_MIN_BLOCKS
+#define EP_MIN_BLOCKS 1
+#endif
+// The kernels' rank limit (MAX_RANKS in kernels/src/runtime/layout.rs) and the words of the NCCL
+// peer mask in KParams (always MAX_RANKS bits: one KParams layout for every variant).
+#define MAX_RANKS 256
+#define NCCL_WORDS (MAX_RANKS / 32)
+// The wide build (R > 32): peer sets in shared memory, per-slot batch positions (a T x R table
+// does not fit shared memory at R = 256), destinations found from the K slots.
+#define WIDE (EP_MASK_WORDS > 1)
 #define HDR_BYTES 80
 #define MAX_K 16
 #define NO_LOCAL 0xFFFFu
@@ -78,7 +103,7 @@ __device__ __forceinline__ u64* sig_pc(const RankPtrs& p, int R, int L) {       
 // buffer of that name for this call (`IoPtrs` in kernels/src/runtime/layout.rs). `ntok`: an int
 // holding the rank's token count (else meta[0]). Passed by value as the kernels' second
 // parameter (one entry per rank of this launch), read once per block into shared memory.
-#define MAX_LOCAL 32
+#define MAX_LOCAL EP_MAX_LOCAL
 struct IoPtrs {
     u64 x, topk, weights, y, out, recv_x, recv_scales, recv_count, layout, src_info, ntok;
 };
@@ -117,14 +142,15 @@ struct KParams {
     int zero_copy;           // 1: combine reads the rows of owners on this GPU in place
     int pad1;
     u64 prof;                // 0, or u64[grid * 8]: %globaltimer stamps per block and phase
-    u32 nccl_mask;           // bit d: peer d is reached through NCCL (staging + host send/recv)
+    u32 nccl_mask[NCCL_WORDS];  // bit d of word d/32: peer d is reached through NCCL (staging + host send/recv)
     int stage;               // 0: whole call; 1: send side only (pack); 2: receive side only (unpack)
+    int pad2;
     u64 err_host;            // u32[8] in mapped pinned host memory: the error word's host mirror
     int trap;                // 1: trap after recording an error (DeepEP's crash), 0: exit cleanly
     int shrink;              // 1: shrink mode: a peer whose wait runs out is masked, not an error
     int scol;                // recv_scales: 0 row-major [L, RT, spr]; 1 DeepEP's column-major
                              // last two dims (word strides RT*spr, 1, RT)
-    int pad2;
+    int pad3;
 };
 
 // Where row `row` (= l * RT + r) of recv_scales keeps its words: word w at p[w * step].
@@ -140,7 +166,24 @@ __device__ __forceinline__ ScaleRow scale_row(const KParams& p, void* scales, u6
 }
 
 // Is peer d reached through NCCL (its data goes through this rank's staging buffers)?
-__device__ __forceinline__ bool via_nccl(const KParams& p, int d) { return ((p.nccl_mask >> d) & 1u) != 0u; }
+__device__ __forceinline__ bool via_nccl(const KParams& p, int d) {
+#if WIDE
+    return ((p.nccl_mask[d >> 5] >> (d & 31)) & 1u) != 0u;
+#else
+    return ((p.nccl_mask[0] >> d) & 1u) != 0u;
+#endif
+}
+// Is any peer reached through NCCL?
+__device__ __forceinline__ bool any_nccl(const KParams& p) {
+#if WIDE
+    u32 a = 0u;
+#pragma unroll
+    for (int i = 0; i < NCCL_WORDS; i++) a |= p.nccl_mask[i];
+    return a != 0u;
+#else
+    return p.nccl_mask[0] != 0u;
+#endif
+}
 #define HDR_WORDS(L) (2 + (L))
 
 #define PROF(i) \
@@ -350,9 +393,20 @@ __device__ __forceinline__ int* shr_mask(const RankPtrs& me, int R) { return (in
 __device__ __forceinline__ bool peer_masked(const KParams& p, const RankPtrs& me, int d) {
     return p.shrink && ld_volatile_u32((const u32*)shr_mask(me, p.R) + d) != 0u;
 }
+// A call's set of gone peers (masked, or lost in this call). R <= 32: one u32 in a register
+// (bit d: peer d). Wide (R > 32): EP_MASK_WORDS u32 in shared memory (bit d % 32 of word d / 32).
+// Each kernel keeps the live set `s_gone` (blocks add the peers they lose to it) and reads
+// snapshots of it taken at block barriers: `gone0` (at entry) and `gone` (after each wait phase).
+// loom model: gpu_protocol::shrink (PeerSet, the snapshots; models shrink_* and shrink_wide_*).
+#if WIDE
+typedef const u32* PeerSet;
+__device__ __forceinline__ bool is_gone(const u32* g, int d) { return ((g[d >> 5] >> (d & 31)) & 1u) != 0u; }
+#else
+typedef u32 PeerSet;
 // Whether peer d is in the bit set g (0 whenever shrink is off, so no shift runs past 31).
 __device__ __forceinline__ bool is_gone(u32 g, int d) { return g != 0u && ((g >> d) & 1u) != 0u; }
-// Bit d set for every masked peer (R <= 32 under shrink: the host checks it).
+#endif
+// Bit d set for every masked peer (the narrow build: R <= 32, the host picks the wide one past).
 __device__ __forceinline__ u32 masked_peers(const KParams& p, const RankPtrs& me) {
     if (!p.shrink) return 0u;
     u32 m = 0u;
@@ -360,6 +414,57 @@ __device__ __forceinline__ u32 masked_peers(const KParams& p, const RankPtrs& me
         if (ld_volatile_u32((const u32*)shr_mask(me, p.R) + d) != 0u) m |= 1u << d;
     return m;
 }
+// The wide build's masked peers, EP_MASK_WORDS words into `out` (one thread).
+__device__ __forceinline__ void masked_peers_into(const KParams& p, const RankPtrs& me, u32* out) {
+    for (int i = 0; i < EP_MASK_WORDS; i++) out[i] = 0u;
+    if (!p.shrink) return;
+    for (int d = 0; d < p.R; d++)
+        if (ld_volatile_u32((const u32*)shr_mask(me, p.R) + d) != 0u) out[d >> 5] |= 1u << (d & 31);
+}
+// The sets' shared words and their snapshots, as every kernel declares and uses them
+// (`tid` is threadIdx.x; GONE_SNAPSHOT is a block barrier in the wide build: call it where every
+// thread of the block does, after the barrier that ends the phase whose losses it takes).
+#if WIDE
+#define GONE_SHARED __shared__ u32 s_gone[EP_MASK_WORDS], s_gone0[EP_MASK_WORDS], s_gone1[EP_MASK_WORDS]
+#define GONE_INIT()                                                 \
+    do {                                                            \
+        masked_peers_into(p, me, s_gone);                           \
+        for (int i_ = 0; i_ < EP_MASK_WORDS; i_++) s_gone0[i_] = s_gone[i_]; \
+    } while (0)
+#define GONE0() ((PeerSet)s_gone0)
+#define GONE_LIVE() ((PeerSet)s_gone)
+#define GONE_ADD(d) atomicOr(&s_gone[(d) >> 5], 1u << ((d) & 31))
+#define GONE_SNAPSHOT(g)                                                        \
+    do {                                                                        \
+        if (threadIdx.x < EP_MASK_WORDS) s_gone1[threadIdx.x] = s_gone[threadIdx.x]; \
+        __syncthreads();                                                        \
+        g = s_gone1;                                                            \
+    } while (0)
+__device__ __forceinline__ bool gone_differs(const u32* a, const u32* b) {
+    u32 x = 0u;
+    for (int i = 0; i < EP_MASK_WORDS; i++) x |= a[i] ^ b[i];
+    return x != 0u;
+}
+__device__ __forceinline__ bool gone_any(const u32* a) {
+    u32 x = 0u;
+    for (int i = 0; i < EP_MASK_WORDS; i++) x |= a[i];
+    return x != 0u;
+}
+// The finish's look at the mask (no acknowledgement to a masked peer): per peer, when it acks.
+#define MASKED_AT_END() (void)0
+#define END_MASKED(s) peer_masked(p, me, (s))
+#else
+#define GONE_SHARED __shared__ u32 s_gone
+#define GONE_INIT() (s_gone = masked_peers(p, me))
+#define GONE0() s_gone
+#define GONE_LIVE() s_gone
+#define GONE_ADD(d) atomicOr(&s_gone, 1u << (d))
+#define GONE_SNAPSHOT(g) (g = s_gone)
+__device__ __forceinline__ bool gone_differs(u32 a, u32 b) { return a != b; }
+__device__ __forceinline__ bool gone_any(u32 a) { return a != 0u; }
+#define MASKED_AT_END() const u32 masked = masked_peers(p, me)
+#define END_MASKED(s) is_gone(masked, (s))
+#endif
 // The verdict of this call on one peer: the first installed wins (see above). Returns 1: lost.
 __device__ __noinline__ int agree_at(u64 word, u64 mask_word, u64 epoch, int lost) {
     u64* w = (u64*)word;
@@ -743,16 +848,28 @@ struct Smem {
     int* pw;       // E*W: selections of the expert in the words before
     int* cls;      // L*R: rows of (l, s)
     int* beg;      // L*R: first row of (l, s)
-    int* rcnt;     // 80: entries per source [0, 32), their total at 32 + R
+    int* rcnt;     // entries per source: 80 (R <= 32), R (wide)
+#if WIDE
+    int* dbm;      // R*W: bitmap of the tokens bound for each destination
+    int* dpw;      // R*W: tokens bound for the destination in the words before
+    int* spw;      // R*W: selections bound for the destination in the words before
+#endif
 };
+// Per-(token, destination) batch positions: T*R entries indexed t*R+d (R <= 32), or per slot,
+// T*K entries indexed t*K+k (wide: a T x R table does not fit shared memory at R = 256).
+#if WIDE
+#define POS_ENTRIES(p) ((p).T * (p).K)
+#else
+#define POS_ENTRIES(p) ((p).T * (p).R)
+#endif
 __device__ __forceinline__ Smem carve(const KParams& p, int* base) {
     Smem s;
     s.rowp = (u64*)base;
     s.sk = base + 2 * p.T * p.K;
     s.sdl = s.sk + p.T * p.K;
     s.tokpos = s.sdl + p.T * p.K;
-    s.selpos = s.tokpos + p.T * p.R;
-    s.tot = s.selpos + p.T * p.R;
+    s.selpos = s.tokpos + POS_ENTRIES(p);
+    s.tot = s.selpos + POS_ENTRIES(p);
     s.scratch = s.tot + 2 * p.R;
     s.m_a = s.scratch + 32;
     s.m_b = s.m_a + NTHREADS;
@@ -763,6 +880,11 @@ __device__ __forceinline__ Smem carve(const KParams& p, int* base) {
     s.cls = s.pw + p.E * W;
     s.beg = s.cls + p.L * p.R;
     s.rcnt = s.beg + p.L * p.R;
+#if WIDE
+    s.dbm = s.rcnt + p.R;
+    s.dpw = s.dbm + p.R * W;
+    s.spw = s.dpw + p.R * W;
+#endif
     return s;
 }
 

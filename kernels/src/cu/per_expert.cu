@@ -26,12 +26,12 @@
 // `ep_per_expert::dispatch` and `ep_per_expert::combine`, the names DeepEP's test (tests/utils.py bench_kineto)
 // and engines' traces look for. compile.rs loads them by their mangled symbols.
 namespace ep_per_expert {
-__global__ void __launch_bounds__(NTHREADS, 1) dispatch(KParams p, IoTable iot);
-__global__ void __launch_bounds__(NTHREADS, 1) combine(KParams p, IoTable iot);
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) dispatch(KParams p, IoTable iot);
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) combine(KParams p, IoTable iot);
 }  // namespace ep_per_expert
 
 #define KIND KIND_PE_DISPATCH
-__global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert::dispatch(KParams p, IoTable iot) {
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::dispatch(KParams p, IoTable iot) {
     extern __shared__ int smem_raw[];
     const RankPtrs* tab = (const RankPtrs*)p.table;
     const int bid = blockIdx.x % p.blocks_per_rank;
@@ -44,21 +44,21 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert::dispatch(KParams p
     __shared__ u64 s_epoch;
     __shared__ int s_n, s_cnt, s_bad;
     __shared__ IoPtrs s_io;
-    __shared__ u32 s_gone;  // shrink mode: masked peers, then the ones lost in this call
+    GONE_SHARED;  // shrink mode: masked peers, then the ones lost in this call
     if (tid == 0) {
         s_io = resolve_io(iot.r[rank - p.rank_base], me);
         s_epoch = ld_epoch(state, KIND) + 1ull;
         s_bad = 0;
         s_n = read_ntok(p, s_io, rank, &s_bad);
-        s_gone = masked_peers(p, me);
+        GONE_INIT();
     }
     __syncthreads();
     const IoPtrs& io = s_io;
     const u64 epoch = s_epoch;
     PROF(0);
     const int n = s_n;
-    const u32 gone0 = s_gone;  // masked peers: their experts are neither sent to nor waited for
-    u32 gone = gone0;
+    const PeerSet gone0 = GONE0();  // masked peers: their experts are neither sent to nor waited for
+    PeerSet gone = gone0;
     // loom: gpu_protocol::sender_wait_acks, model per_expert_consecutive_calls.
     // Bad routing (or token count) is caught here, before anything is written (see batched.cu).
     const int in_bad = load_topk(p, (const i64*)io.topk, n, sm.sk, sm.sdl, rank, true) | s_bad;
@@ -69,12 +69,12 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert::dispatch(KParams p
         } else if (!is_gone(gone0, tid)) {
             const int r = wait_peer_ack(peer_wait(p, me, KIND, DEC_ACK, rank, tid, PH_DISPATCH_SEND), sig_pe_ack(me, R) + tid,
                                         epoch - 1ull, epoch);
-            if (r == PEER_LOST) atomicOr(&s_gone, 1u << tid);
+            if (r == PEER_LOST) GONE_ADD(tid);
             else bad = !r;
         }
     }
     if (__syncthreads_or(bad)) goto finish;
-    gone = s_gone;  // masked, or lost at the acknowledgement: nothing is sent there
+    GONE_SNAPSHOT(gone);  // masked, or lost at the acknowledgement: nothing is sent there
     PROF(1);
     // The device API's routing and token count, kept for this call's combine (its handle).
     if (bid == 0 && io.topk != me.topk) {
@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert::dispatch(KParams p
         // ---- NCCL destinations: rows per expert (bm[e]), packed position of each expert's first
         // row over the NCCL experts (pw[e]), tokens per destination (tot[d]); block 0 writes the
         // headers. Routing only: no peer data.
-        if (p.nccl_mask != 0u && p.stage != 2) {
+        if (any_nccl(p) && p.stage != 2) {
             for (int i = tid; i < E; i += NTHREADS) sm.bm[i] = 0;
             for (int i = tid; i < R; i += NTHREADS) sm.tot[i] = 0;
             __syncthreads();
@@ -95,12 +95,26 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert::dispatch(KParams p
                 if (dl >= 0 && via_nccl(p, dl >> 16)) atomicAdd(&sm.bm[sm.sk[i]], 1);
             }
             for (int t = tid; t < n; t += NTHREADS) {
+#if WIDE
+                // Each NCCL destination of the token once (at its first slot).
+                for (int k0 = 0; k0 < K; k0++) {
+                    const int dl0 = sm.sdl[t * K + k0];
+                    if (dl0 < 0 || !via_nccl(p, dl0 >> 16)) continue;
+                    bool seen = false;
+                    for (int k1 = 0; k1 < k0; k1++) {
+                        const int dl1 = sm.sdl[t * K + k1];
+                        seen |= dl1 >= 0 && (dl1 >> 16) == (dl0 >> 16);
+                    }
+                    if (!seen) atomicAdd(&sm.tot[dl0 >> 16], 1);
+                }
+#else
                 u32 mask = 0u;
                 for (int k = 0; k < K; k++) {
                     const int dl = sm.sdl[t * K + k];
                     if (dl >= 0) mask |= 1u << (dl >> 16);
                 }
-                for (u32 m = mask & p.nccl_mask; m != 0u; m &= m - 1u) atomicAdd(&sm.tot[__ffs(m) - 1], 1);
+                for (u32 m = mask & p.nccl_mask[0]; m != 0u; m &= m - 1u) atomicAdd(&sm.tot[__ffs(m) - 1], 1);
+#endif
             }
             __syncthreads();
             int run = 0;
@@ -197,7 +211,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert::dispatch(KParams p
                                                                  sig_pe(me, R) + s, (u64)R, L, l, epoch);
                     else c = wait_signal(p, sig_pe(me, R) + (u64)l * R + s, epoch, rank, s, PH_DISPATCH_RECV);
                     if (c == PEER_LOST) {
-                        atomicOr(&s_gone, 1u << s);
+                        GONE_ADD(s);
                         c = 0;  // sends nothing in this call
                     } else if ((nc || c >= 0) && peer_bad(p, rank, s, PF_PE_COUNT, c, T)) c = -1;
                     s_cnt = (int)c;
@@ -274,9 +288,9 @@ finish:
         if (threadIdx.x == 0) {
             // loom: gpu_protocol::finish (the ack), model per_expert_consecutive_calls; shrink_* (no ack to a masked peer).
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
-            const u32 masked = masked_peers(p, me);  // shrink: no ack to a masked peer
+            MASKED_AT_END();  // shrink: no ack to a masked peer
             for (int s = 0; s < R; s++)
-                if (!via_nccl(p, s) && !is_gone(masked, s)) st_release(p, sig_pe_ack(tab[s], R) + rank, (u64)epoch);
+                if (!via_nccl(p, s) && !END_MASKED(s)) st_release(p, sig_pe_ack(tab[s], R) + rank, (u64)epoch);
         }
     }
 }
@@ -284,7 +298,7 @@ finish:
 
 #define KIND KIND_PE_COMBINE
 #define SEGB 2048
-__global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert::combine(KParams p, IoTable iot) {
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::combine(KParams p, IoTable iot) {
     extern __shared__ int smem_raw[];
     const RankPtrs* tab = (const RankPtrs*)p.table;
     const int bid = blockIdx.x % p.blocks_per_rank;
@@ -299,20 +313,20 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert::combine(KParams p,
     __shared__ u64 s_epoch;
     __shared__ int s_n;
     __shared__ IoPtrs s_io;
-    __shared__ u32 s_gone;  // shrink mode: masked peers, then the ones lost in this call
+    GONE_SHARED;  // shrink mode: masked peers, then the ones lost in this call
     if (tid == 0) {
         s_io = resolve_io(iot.r[rank - p.rank_base], me);
         s_epoch = ld_epoch(state, KIND) + 1ull;
         s_n = ((const int*)me.meta)[0];  // the dispatch's count and routing (the handle)
-        s_gone = masked_peers(p, me);
+        GONE_INIT();
     }
     __syncthreads();
     const IoPtrs& io = s_io;
     const u64 epoch = s_epoch;
     PROF(0);
     const int n = s_n;
-    const u32 gone0 = s_gone;
-    u32 gone = gone0;
+    const PeerSet gone0 = GONE0();
+    PeerSet gone = gone0;
     load_topk(p, (const i64*)me.topk, n, sm.sk, sm.sdl, rank, false);
     int bad = 0;
     // loom: not modelled itself; the same wait_ack as per-expert dispatch (model per_expert_consecutive_calls).
@@ -322,12 +336,12 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert::combine(KParams p,
         } else if (!is_gone(gone0, tid)) {
             const int r = wait_peer_ack(peer_wait(p, me, KIND, DEC_ACK, rank, tid, PH_COMBINE_SEND), sig_pc_ack(me, R) + tid,
                                         epoch - 1ull, epoch);
-            if (r == PEER_LOST) atomicOr(&s_gone, 1u << tid);
+            if (r == PEER_LOST) GONE_ADD(tid);
             else bad = !r;
         }
     }
     if (__syncthreads_or(bad)) goto finish;
-    gone = s_gone;  // masked, or lost at the acknowledgement: no row goes back there
+    GONE_SNAPSHOT(gone);  // masked, or lost at the acknowledgement: no row goes back there
     PROF(1);
     {
         const int G = (int)((rowb + SEGB - 1) / SEGB);
@@ -335,7 +349,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert::combine(KParams p,
         const u64 TK = (u64)T * K;
         // NCCL sources: rows of (l, s) staged packed from s*T*K in expert order; beg[l*R+s] =
         // rows of s's earlier experts (the host sizes the messages from the same headers).
-        if (p.nccl_mask != 0u && p.stage != 2) {
+        if (any_nccl(p) && p.stage != 2) {
             for (int s = tid; s < R; s += NTHREADS) {
                 int run = 0;
                 for (int l = 0; l < L; l++) {
@@ -386,7 +400,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert::combine(KParams p,
                 if (via_nccl(p, d) || is_gone(gone, d)) continue;
                 const long long c = wait_peer_signals(peer_wait(p, me, KIND, DEC_RECV, rank, d, PH_COMBINE_RECV),
                                                       sig_pc(me, R, L) + (u64)d * L, 1, L, -1, epoch);
-                if (c == PEER_LOST) atomicOr(&s_gone, 1u << d);
+                if (c == PEER_LOST) GONE_ADD(d);
                 else bad |= c < 0;
             }
         } else {
@@ -395,9 +409,9 @@ __global__ void __launch_bounds__(NTHREADS, 1) ep_per_expert::combine(KParams p,
                 if (!via_nccl(p, e / L)) bad |= wait_signal(p, sig_pc(me, R, L) + e, epoch, rank, e / L, PH_COMBINE_RECV) < 0;
         }
         if (__syncthreads_or(bad)) goto finish;
-        if (s_gone != 0u) {
+        if (gone_any(GONE_LIVE())) {
             // Masked owners (before or in this call): their selections count as -1.
-            const u32 g = s_gone;
+            const PeerSet g = GONE_LIVE();
             for (int i = tid; i < n * K; i += NTHREADS)
                 if (sm.sk[i] >= 0 && is_gone(g, sm.sk[i] / L)) sm.sk[i] = -1;
             __syncthreads();
@@ -421,9 +435,9 @@ finish:
         if (threadIdx.x == 0) {
             // loom: not modelled itself; the same ack as per-expert dispatch (model per_expert_consecutive_calls).
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
-            const u32 masked = masked_peers(p, me);  // shrink: no ack to a masked peer
+            MASKED_AT_END();  // shrink: no ack to a masked peer
             for (int d = 0; d < R; d++)
-                if (!via_nccl(p, d) && !is_gone(masked, d)) st_release(p, sig_pc_ack(tab[d], R) + rank, (u64)epoch);
+                if (!via_nccl(p, d) && !END_MASKED(d)) st_release(p, sig_pc_ack(tab[d], R) + rank, (u64)epoch);
         }
     }
 }

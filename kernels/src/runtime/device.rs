@@ -3,7 +3,7 @@
 
 use crate::compile::{self, Family};
 use crate::error::GpuError;
-use crate::runtime::layout::{ERR_WORDS, NTHREADS};
+use crate::runtime::layout::{Variant, ERR_WORDS, NTHREADS};
 use cudarc::driver::{result, sys, CudaContext};
 use std::sync::Arc;
 
@@ -62,6 +62,8 @@ pub(crate) struct Dev {
     /// (report_error in common.cuh) and the host reads at every call's entry without a sync.
     pub(crate) err_host: HostMirror,
     pub(crate) sms: usize,
+    /// The build of the kernels loaded here (from the group's ranks and this GPU's ranks).
+    pub(crate) variant: Variant,
     pub(crate) first_rank: usize,
     pub(crate) ranks: usize,
     pub(crate) allocs: Vec<sys::CUdeviceptr>,
@@ -71,9 +73,10 @@ pub(crate) struct Dev {
 
 pub(crate) fn load_family(
     f: &Family,
+    v: &Variant,
     arch: &str,
 ) -> Result<(sys::CUmodule, Vec<sys::CUfunction>), GpuError> {
-    let cubin = compile::cubin(f, arch)?;
+    let cubin = compile::cubin_variant(f, v, arch)?;
     // SAFETY: `cubin` is a complete CUBIN image produced by NVRTC for this device's arch; the
     // right context is bound by the caller.
     let module = cuda("cuModuleLoadData", unsafe {
@@ -98,9 +101,15 @@ pub(crate) fn load_family(
 }
 
 impl Dev {
-    /// Opens device `ordinal` (its primary context), loads the three kernel modules and creates
-    /// the group's stream. On any failure, what was already loaded is unloaded (by `Drop`).
-    pub(crate) fn new(ordinal: usize, first_rank: usize, ranks: usize) -> Result<Dev, GpuError> {
+    /// Opens device `ordinal` (its primary context), loads the three kernel modules in the build
+    /// for `ranks` of a group of `group_ranks` ([`Variant::for_group`]) and creates the group's
+    /// stream. On any failure, what was already loaded is unloaded (by `Drop`).
+    pub(crate) fn new(
+        ordinal: usize,
+        first_rank: usize,
+        ranks: usize,
+        group_ranks: usize,
+    ) -> Result<Dev, GpuError> {
         let ctx = cuda("context", CudaContext::new(ordinal))?;
         cuda("bind", ctx.bind_to_thread())?;
         let (major, minor) = cuda("compute capability", ctx.compute_capability())?;
@@ -126,6 +135,7 @@ impl Dev {
             err: 0,
             err_host: HostMirror::null(),
             sms,
+            variant: Variant::for_group(group_ranks, ranks, sms),
             first_rank,
             ranks,
             allocs: Vec::new(),
@@ -133,7 +143,7 @@ impl Dev {
         };
         let mut all = Vec::new();
         for f in [compile::FP8, compile::PER_EXPERT, compile::BATCHED] {
-            let (m, fs) = load_family(&f, &arch)?;
+            let (m, fs) = load_family(&f, &dev.variant, &arch)?;
             dev.modules.push(m);
             all.extend(fs);
         }

@@ -391,7 +391,7 @@ impl GpuGroup {
         // The addresses, per device table. The SyncOnDrop guards (cudarc's event tracking:
         // the stream waits for earlier writes of each tensor, and records this use) live until
         // the launch is enqueued.
-        let mut io = vec![IoTable::default(); self.devs.len()];
+        let mut io = self.io_tables();
         let mut topk = Vec::with_capacity(ranks.len());
         let mut out_len = Vec::with_capacity(ranks.len());
         let mut guards = Vec::new();
@@ -584,7 +584,7 @@ impl GpuGroup {
             at_least(r, "topk_idx", n_max.min(t) * k, inp.topk_idx.len())?;
             self.same_ctx(r, "topk_idx", inp.topk_idx)?;
         }
-        let mut io = vec![IoTable::default(); self.devs.len()];
+        let mut io = self.io_tables();
         let mut guards = Vec::new();
         for (i, (inp, out)) in ranks.iter().zip(outs.iter_mut()).enumerate() {
             let r = self.device_ranks().start + i;

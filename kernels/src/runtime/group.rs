@@ -5,8 +5,9 @@
 use crate::error::GpuError;
 use crate::runtime::device::{cuda, probe_devices, Dev, HostMirror};
 use crate::runtime::layout::{
-    all_peers, bytes_per_rank_with, carve_rank, entry_bytes_checked, pe_entry_bytes_checked,
-    rank_sizes, smem_bytes, to_i32, total_bytes, KParams, RankPtrs, ERR_WORDS, MAX_RANKS,
+    all_peers, bytes_per_rank_with, carve_rank, check_ranks, entry_bytes_checked,
+    pe_entry_bytes_checked, rank_sizes, smem_bytes, to_i32, total_bytes, IoTable, KParams,
+    PeerMask, RankPtrs, ERR_WORDS,
 };
 use crate::runtime::options::{GpuOptions, NcclSizes, Path, Transport};
 use crate::runtime::streams::{drain_streams, Drain};
@@ -30,8 +31,8 @@ pub struct GpuGroup {
     pub(crate) last_dispatch: Option<Path>,
     pub(crate) calls: [u64; 4],
     pub(crate) broken: Option<GpuError>,
-    /// Per device: bit d set when its rank reaches peer d through NCCL.
-    pub(crate) masks: Vec<u32>,
+    /// Per device: the peers its rank reaches through NCCL.
+    pub(crate) masks: Vec<PeerMask>,
     /// The NCCL communicators (one per device) when any mask is nonzero.
     pub(crate) comms: Option<crate::runtime::nccl::Comms>,
     /// Per device, from the last dispatch's headers: selections sent to each peer (rows that
@@ -247,14 +248,11 @@ impl GpuGroup {
     /// device lacks the memory.
     pub fn new(cfg: &Config, opts: GpuOptions) -> Result<GpuGroup, GpuError> {
         cfg.validate()?;
+        // The rank limit before any device work (typed: GpuError::TooManyRanks).
+        check_ranks(cfg.num_ranks)?;
         let g = opts.num_gpus.max(1);
         probe_devices(g).map_err(GpuError::NoDevice)?;
         let r = cfg.num_ranks;
-        if r > MAX_RANKS {
-            return Err(GpuError::Unsupported(format!(
-                "{r} ranks; the GPU kernels support at most {MAX_RANKS}"
-            )));
-        }
         if !r.is_multiple_of(g) {
             return Err(GpuError::Unsupported(format!(
                 "{r} ranks cannot be spread evenly over {g} GPUs"
@@ -263,7 +261,7 @@ impl GpuGroup {
         let per = r / g;
         let mut devs = Vec::new();
         for d in 0..g {
-            devs.push(Dev::new(d, d * per, per)?);
+            devs.push(Dev::new(d, d * per, per, r)?);
         }
         if opts.transport == Transport::Nccl && per != 1 {
             return Err(GpuError::Unsupported(format!(
@@ -306,14 +304,14 @@ impl GpuGroup {
             }
         }
         // Memory.
-        let mut masks = vec![0u32; g];
+        let mut masks = vec![PeerMask::EMPTY; g];
         if opts.transport == Transport::Nccl {
             masks = vec![all_peers(r); g];
         }
         for &(a, b) in &nccl_pairs {
-            masks[a] |= 1 << b;
+            masks[a].insert(b);
         }
-        let use_nccl = masks.iter().any(|&m| m != 0);
+        let use_nccl = masks.iter().any(|m| !m.is_empty());
         check_shrink(&opts, r, use_nccl)?;
         let comms = if use_nccl {
             for d in &devs {
@@ -389,16 +387,24 @@ impl GpuGroup {
 }
 
 impl GpuGroup {
-    /// Process mode: bit d set when this rank reaches peer d through NCCL (the rest through
-    /// CUDA IPC); in a single-process group, the first device's mask.
-    pub fn nccl_mask(&self) -> u32 {
-        self.masks.first().copied().unwrap_or(0)
+    /// Process mode: the peers this rank reaches through NCCL (the rest through CUDA IPC); in a
+    /// single-process group, the first device's mask.
+    pub fn nccl_mask(&self) -> PeerMask {
+        self.masks.first().copied().unwrap_or_default()
+    }
+
+    /// One all-zero IoTable per device, as long as its build takes (the group's own buffers).
+    pub(crate) fn io_tables(&self) -> Vec<IoTable> {
+        self.devs
+            .iter()
+            .map(|d| IoTable::new(d.variant.io_capacity()))
+            .collect()
     }
 }
 
-/// Shrink mode's limits: no NCCL peer (an NCCL receive is not bounded by the kernels, so a lost
-/// peer could not be detected and masked), and at most 32 ranks (the kernels keep a call's
-/// masked peers in one 32-bit word).
+/// Shrink mode's limit: no NCCL peer (an NCCL receive is not bounded by the kernels, so a lost
+/// peer could not be detected and masked). Any number of ranks up to the kernels' limit (the
+/// wide build keeps a call's masked peers in MAX_RANKS / 32 words).
 pub(crate) fn check_shrink(opts: &GpuOptions, ranks: usize, nccl: bool) -> Result<(), GpuError> {
     if !opts.enable_shrink {
         return Ok(());
@@ -409,12 +415,7 @@ pub(crate) fn check_shrink(opts: &GpuOptions, ranks: usize, nccl: bool) -> Resul
                 .into(),
         ));
     }
-    if ranks > 32 {
-        return Err(GpuError::Unsupported(format!(
-            "shrink mode with {ranks} ranks: at most 32"
-        )));
-    }
-    Ok(())
+    check_ranks(ranks)
 }
 
 /// Uploads the rank address table to `dev` (the bound context) and allocates its error word.
@@ -445,7 +446,7 @@ pub(crate) fn kparams(
         Mode::Fp8 { round_scale, ue8m0 } => (1, round_scale as i32, ue8m0 as i32),
     };
     // Every `as i32` below is in range: the config bounds E, T and H by 65536 and a row's bytes
-    // by i32::MAX (Config::validate), the kernels take R <= MAX_RANKS, and blocks per rank are
+    // by i32::MAX (Config::validate), the kernels take R <= MAX_RANKS (256), and blocks per rank are
     // at most the device's SMs (checked against the occupancy calculator).
     Ok(KParams {
         timeout_ns: opts.timeout_ns,
@@ -473,4 +474,54 @@ pub(crate) fn kparams(
         scol: opts.scales_column_major as i32,
         ..Default::default()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::layout::MAX_RANKS;
+    use crate::runtime::process::ProcessRank;
+
+    /// Past the kernels' limit every way of forming a group fails with the typed error, before
+    /// any device work (so this runs on a machine without a GPU); up to it the limit is not
+    /// what refuses (without a GPU: NoDevice).
+    #[test]
+    fn past_256_ranks_is_a_typed_error_before_any_device_work() {
+        let too_many = Config::new(MAX_RANKS + 1, MAX_RANKS + 1, 8, 128, 2, Mode::Bf16).unwrap();
+        let want = GpuError::TooManyRanks {
+            ranks: 257,
+            max: 256,
+        };
+        assert_eq!(
+            GpuGroup::new(&too_many, GpuOptions::default()).err(),
+            Some(want.clone())
+        );
+        assert_eq!(
+            ProcessRank::check(&too_many, 0, 0).err(),
+            Some(want.clone())
+        );
+        let shrink = GpuOptions {
+            enable_shrink: true,
+            ..GpuOptions::default()
+        };
+        assert_eq!(check_shrink(&shrink, 257, false).err(), Some(want));
+        // Shrink mode takes every size up to the limit now (one word per 32 peers).
+        assert!(check_shrink(&shrink, 256, false).is_ok());
+        assert!(check_shrink(&shrink, 64, true).is_err()); // NCCL peers, as before
+        let fits = Config::new(MAX_RANKS, MAX_RANKS, 8, 128, 2, Mode::Bf16).unwrap();
+        if probe_devices(1).is_err() {
+            assert!(matches!(
+                GpuGroup::new(&fits, GpuOptions::default()),
+                Err(GpuError::NoDevice(_))
+            ));
+        }
+        assert!(
+            GpuError::TooManyRanks {
+                ranks: 300,
+                max: 256
+            }
+            .to_string()
+                == "300 ranks; the GPU kernels support at most 256"
+        );
+    }
 }

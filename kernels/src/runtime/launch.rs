@@ -65,7 +65,7 @@ impl GpuGroup {
         if nccl && what.is_some() {
             // NCCL transport: pack kernel, grouped send/recv, unpack kernel.
             let streams = self.streams_raw();
-            let io = vec![IoTable::default(); self.devs.len()];
+            let io = self.io_tables();
             self.nccl_call(op, path, &streams, &io, 0)?;
         } else {
             self.launch_stage(op, path, if what.is_none() { -1 } else { 0 })?;
@@ -85,7 +85,7 @@ impl GpuGroup {
     /// (receive side); -1 = the empty kernel. On the group's streams, with its own buffers.
     pub(crate) fn launch_stage(&self, op: Op, path: Path, stage: i32) -> Result<(), GpuError> {
         let streams = self.streams_raw();
-        let io = vec![IoTable::default(); self.devs.len()];
+        let io = self.io_tables();
         self.launch_stage_on(op, path, stage, &streams, &io)
     }
 
@@ -114,17 +114,28 @@ impl GpuGroup {
             kp.err_host = dev.err_host.dev;
             kp.rank_base = dev.first_rank as i32;
             kp.ranks_here = dev.ranks as i32;
-            kp.nccl_mask = self.masks[di];
+            kp.nccl_mask = self.masks[di].0;
             kp.stage = stage.max(0);
-            let mut iot = io[di];
+            // The table's bytes are the kernel's IoTable parameter: exactly as many entries as
+            // the device's build declares.
+            let iot: &IoTable = &io[di];
+            if iot.r.len() != dev.variant.io_capacity() {
+                return Err(GpuError::Unsupported(format!(
+                    "an IoTable of {} entries for a build that takes {}",
+                    iot.r.len(),
+                    dev.variant.io_capacity()
+                )));
+            }
             dev.bind()?;
             let mut args = [
                 (&mut kp as *mut KParams).cast::<c_void>(),
-                (&mut iot as *mut IoTable).cast::<c_void>(),
+                // Read only: the driver copies the parameter bytes at launch.
+                iot.r.as_ptr().cast_mut().cast::<c_void>(),
             ];
             let grid = (dev.ranks * self.blocks_per_rank) as u32;
             // SAFETY: `f` is a kernel of this device's module taking (KParams, IoTable) by value
-            // (the same #[repr(C)] layouts as in common.cuh); every address in them and in the
+            // (the same #[repr(C)] layouts as in common.cuh, the table as long as the build's
+            // EP_MAX_LOCAL, checked above); every address in them and in the
             // table is a live allocation of this group or a caller tensor whose size the device
             // API checked; `streams[di]` belongs to this device's context (checked by the
             // caller); the grid fits on the device at once (checked in new); the launch copies
@@ -159,9 +170,7 @@ impl GpuGroup {
         let m = self.masks[di];
         (
             self.devs[di].first_rank,
-            (0..self.cfg.num_ranks)
-                .filter(|&d| (m >> d) & 1 == 1)
-                .collect(),
+            (0..self.cfg.num_ranks).filter(|&d| m.contains(d)).collect(),
         )
     }
 

@@ -9,7 +9,147 @@ use ep_reference::Config;
 pub const NTHREADS: u32 = 512;
 pub(crate) const HDR_BYTES: usize = 80;
 pub(crate) const PE_HDR: usize = 16;
-pub(crate) const MAX_RANKS: usize = 32;
+/// The most ranks a GPU group takes (`MAX_RANKS` in common.cuh); past it a group is refused with
+/// [`GpuError::TooManyRanks`]. The specification allows more (`ep_reference::config::MAX_RANKS`).
+pub const MAX_RANKS: usize = 256;
+/// Groups of at most this many ranks load the narrow build of the kernels (one-word peer sets, a
+/// T x R position table), as before the limit was raised; larger ones the wide build ([`Variant`]).
+pub const NARROW_RANKS: usize = 32;
+/// u32 words of a set of ranks: the NCCL peer mask in [`KParams`] (`NCCL_WORDS` in common.cuh).
+pub const MASK_WORDS: usize = MAX_RANKS / 32;
+
+/// `ranks` against [`MAX_RANKS`]: the typed error past it.
+pub fn check_ranks(ranks: usize) -> Result<(), GpuError> {
+    if ranks > MAX_RANKS {
+        return Err(GpuError::TooManyRanks {
+            ranks,
+            max: MAX_RANKS,
+        });
+    }
+    Ok(())
+}
+
+/// A set of ranks below [`MAX_RANKS`] (bit d % 32 of word d / 32: rank d), e.g. the peers a rank
+/// reaches through NCCL (the kernels' `nccl_mask`).
+#[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct PeerMask(pub [u32; MASK_WORDS]);
+
+impl PeerMask {
+    /// No rank.
+    pub const EMPTY: PeerMask = PeerMask([0; MASK_WORDS]);
+
+    /// Ranks 0..r (r at most [`MAX_RANKS`]; more are clipped).
+    pub fn first(r: usize) -> PeerMask {
+        let mut m = PeerMask::EMPTY;
+        for d in 0..r.min(MAX_RANKS) {
+            m.insert(d);
+        }
+        m
+    }
+
+    /// The set of the ranks in `ranks` (each below [`MAX_RANKS`]).
+    pub fn of(ranks: impl IntoIterator<Item = usize>) -> PeerMask {
+        let mut m = PeerMask::EMPTY;
+        for d in ranks {
+            m.insert(d);
+        }
+        m
+    }
+
+    /// Adds rank d (below [`MAX_RANKS`]).
+    pub fn insert(&mut self, d: usize) {
+        self.0[d / 32] |= 1 << (d % 32);
+    }
+
+    /// Whether rank d is in the set.
+    pub fn contains(&self, d: usize) -> bool {
+        d < MAX_RANKS && (self.0[d / 32] >> (d % 32)) & 1 == 1
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.iter().all(|&w| w == 0)
+    }
+
+    /// The ranks in the set, ascending.
+    pub fn ranks(&self) -> Vec<usize> {
+        (0..MAX_RANKS).filter(|&d| self.contains(d)).collect()
+    }
+
+    /// The first 32 ranks as one word (the old mask's view; tests and logs).
+    pub fn low_word(&self) -> u32 {
+        self.0[0]
+    }
+}
+
+impl std::fmt::Debug for PeerMask {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PeerMask{:?}", self.ranks())
+    }
+}
+
+/// Which build of the kernels a device loads: the defines common.cuh reads (`EP_MASK_WORDS`,
+/// `EP_MAX_LOCAL`, `EP_MIN_BLOCKS`). A group of at most [`NARROW_RANKS`] ranks with no more
+/// ranks on a GPU than it has SMs loads the narrow build: the source as it is, no define.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Variant {
+    /// R > 32: peer sets of [`MASK_WORDS`] words, per-slot batch positions.
+    pub wide: bool,
+    /// More than 32 ranks on this GPU: an IoTable of [`MAX_RANKS`] entries.
+    pub wide_io: bool,
+    /// More ranks on this GPU than it has SMs: two blocks per SM (`__launch_bounds__`).
+    pub two_blocks: bool,
+}
+
+impl Variant {
+    /// The build for a group of `ranks` ranks, `ranks_here` of them on a GPU of `sms` SMs.
+    pub fn for_group(ranks: usize, ranks_here: usize, sms: usize) -> Variant {
+        Variant {
+            wide: ranks > NARROW_RANKS,
+            wide_io: ranks_here > MAX_LOCAL,
+            two_blocks: ranks_here > sms.max(1),
+        }
+    }
+
+    /// The defines prepended to the source ("" for the narrow build: its source, and so its
+    /// cache key, is the file as it is).
+    pub fn defines(&self) -> String {
+        let mut d = String::new();
+        if self.wide {
+            d += &format!("#define EP_MASK_WORDS {MASK_WORDS}\n");
+        }
+        if self.wide_io {
+            d += &format!("#define EP_MAX_LOCAL {MAX_RANKS}\n");
+        }
+        if self.two_blocks {
+            d += "#define EP_MIN_BLOCKS 2\n";
+        }
+        d
+    }
+
+    /// Entries of the IoTable this build's kernels take.
+    pub fn io_capacity(&self) -> usize {
+        if self.wide_io {
+            MAX_RANKS
+        } else {
+            MAX_LOCAL
+        }
+    }
+
+    /// Every build the runtime may load (the compile check builds them all).
+    pub fn all() -> [Variant; 4] {
+        let v = |wide, wide_io, two_blocks| Variant {
+            wide,
+            wide_io,
+            two_blocks,
+        };
+        [
+            v(false, false, false),
+            v(true, false, false),
+            v(true, true, false),
+            v(true, true, true),
+        ]
+    }
+}
 
 /// Every device address of one rank (`struct RankPtrs` in common.cuh).
 #[repr(C)]
@@ -50,7 +190,8 @@ pub(crate) const NUM_BUFFERS: usize = 26;
 /// (`shr_decide` in common.cuh); the rank mask (R i32) follows them.
 pub(crate) const SHRINK_DECISIONS: usize = 2 * NUM_KINDS;
 
-/// Ranks of one launch the device API can address (`MAX_LOCAL` in common.cuh).
+/// Entries of the narrow build's IoTable (`EP_MAX_LOCAL` in common.cuh): ranks of one launch;
+/// past it the wide-IO build takes [`MAX_RANKS`] ([`Variant::io_capacity`]).
 pub(crate) const MAX_LOCAL: usize = 32;
 
 /// A rank's caller-supplied tensors for one call (`struct IoPtrs` in common.cuh): each nonzero
@@ -73,10 +214,20 @@ pub(crate) struct IoPtrs {
 
 /// The kernels' second parameter (`struct IoTable`): one entry per rank of the launch, in rank
 /// order from the device's first rank. All zero: the group's own buffers (the host harness).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// As many entries as the device's build takes ([`Variant::io_capacity`]): the launch passes
+/// their bytes as the parameter.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct IoTable {
-    pub r: [IoPtrs; MAX_LOCAL],
+    pub r: Vec<IoPtrs>,
+}
+
+impl IoTable {
+    /// All zero, `entries` long.
+    pub(crate) fn new(entries: usize) -> IoTable {
+        IoTable {
+            r: vec![IoPtrs::default(); entries],
+        }
+    }
 }
 
 /// Signal counts have this many bits (SIG_COUNT_BITS in common.cuh): T*K must stay below.
@@ -117,8 +268,10 @@ pub(crate) struct KParams {
     pub zero_copy: i32,
     pub pad1: i32,
     pub prof: u64,
-    pub nccl_mask: u32,
+    /// Bit d % 32 of word d / 32: peer d is reached through NCCL ([`PeerMask`]).
+    pub nccl_mask: [u32; MASK_WORDS],
     pub stage: i32,
+    pub pad2: i32,
     /// The device's error-word mirror in mapped pinned host memory (its device address).
     pub err_host: u64,
     /// 1: the kernels trap after recording an error ([`GpuOptions::trap_on_error`]).
@@ -127,7 +280,7 @@ pub(crate) struct KParams {
     pub shrink: i32,
     /// 1: recv_scales in DeepEP's column-major layout ([`GpuOptions::scales_column_major`]).
     pub scol: i32,
-    pub pad2: i32,
+    pub pad3: i32,
 }
 
 /// `a * b * ...` for the size of `what`, or a typed error naming it (no silent wrap in release).
@@ -271,8 +424,9 @@ pub fn bytes_per_rank_with(c: &Config, nccl: bool) -> Result<usize, GpuError> {
     total_bytes(&rank_sizes(c, nccl)?)
 }
 
-/// Dynamic shared memory of every kernel (the `Smem` carve-up in common.cuh).
-pub(crate) fn smem_bytes(c: &Config) -> usize {
+/// Dynamic shared memory of every kernel (the `Smem` carve-up in common.cuh), for the build the
+/// group loads ([`Variant`]: the wide build past [`NARROW_RANKS`] ranks).
+pub fn smem_bytes(c: &Config) -> usize {
     let (r, t, k, e, l) = (
         c.num_ranks,
         c.max_tokens_per_rank,
@@ -281,7 +435,23 @@ pub(crate) fn smem_bytes(c: &Config) -> usize {
         c.num_local_experts(),
     );
     let w = t.div_ceil(32);
-    // rowp (T*K u64), sk, sdl, tokpos, selpos, tot, scratch, m_a/b/c, bm, pw, cls, beg, rcnt
+    if r > NARROW_RANKS {
+        // rowp (T*K u64), sk, sdl, tokpos and selpos (per slot: T*K each), tot, scratch,
+        // m_a/b/c, bm, pw, cls, beg, rcnt (R), dbm, dpw, spw (R*W each)
+        return 4
+            * (2 * t * k
+                + 2 * t * k
+                + 2 * t * k
+                + 2 * r
+                + 32
+                + 3 * NTHREADS as usize
+                + 2 * e * w
+                + 2 * l * r
+                + r
+                + 3 * r * w);
+    }
+    // rowp (T*K u64), sk, sdl, tokpos, selpos (T*R each), tot, scratch, m_a/b/c, bm, pw, cls,
+    // beg, rcnt
     4 * (2 * t * k
         + 2 * t * k
         + 2 * t * r
@@ -292,6 +462,9 @@ pub(crate) fn smem_bytes(c: &Config) -> usize {
         + 2 * l * r
         + 80)
 }
+
+/// The dynamic shared memory a block may use on sm_90 (H100/H200: 227 KB).
+pub const SMEM_LIMIT_SM90: usize = 227 * 1024;
 
 /// The addresses of one rank's buffers inside its one allocation at `base`.
 pub(crate) fn carve_rank(base: u64, sizes: &[usize; NUM_BUFFERS]) -> RankPtrs {
@@ -373,12 +546,8 @@ pub(crate) fn pe_messages(
 }
 
 /// The peer mask of a rank that reaches every rank in 0..r through NCCL.
-pub fn all_peers(r: usize) -> u32 {
-    if r >= 32 {
-        u32::MAX
-    } else {
-        (1u32 << r) - 1
-    }
+pub fn all_peers(r: usize) -> PeerMask {
+    PeerMask::first(r)
 }
 
 #[cfg(test)]
@@ -487,11 +656,96 @@ mod tests {
 
     #[test]
     fn kernel_parameters_fit_the_launch_limit() {
-        // The kernels take (KParams, IoTable) by value: under CUDA's 4 KiB parameter limit.
+        // The kernels take (KParams, IoTable) by value: the narrow build under the classic 4 KiB
+        // parameter limit, the wide-IO build (256 entries) under CUDA 12.1's 32764 bytes.
         let kp = std::mem::size_of::<KParams>();
-        let io = std::mem::size_of::<IoTable>();
-        assert_eq!(kp, 144); // the same fields as common.cuh's KParams
-        assert_eq!(io, MAX_LOCAL * 11 * 8);
-        assert!(kp + io <= 4096, "{kp} + {io}");
+        let entry = std::mem::size_of::<IoPtrs>();
+        assert_eq!(kp, 176); // the same fields as common.cuh's KParams
+        assert_eq!(entry, 11 * 8);
+        let narrow = Variant::for_group(32, 32, 132);
+        let wide = Variant::for_group(256, 256, 132);
+        assert_eq!(narrow, Variant::default());
+        assert!(kp + narrow.io_capacity() * entry <= 4096);
+        assert!(wide.wide && wide.wide_io && wide.two_blocks);
+        assert!(kp + wide.io_capacity() * entry <= 32764);
+        assert_eq!(IoTable::new(wide.io_capacity()).r.len(), MAX_RANKS);
+    }
+
+    #[test]
+    fn variants_follow_the_ranks_and_the_narrow_one_defines_nothing() {
+        assert_eq!(Variant::for_group(8, 8, 132).defines(), "");
+        assert_eq!(Variant::for_group(32, 1, 132), Variant::default());
+        // Process mode past 32 ranks: wide peer sets, one rank here (narrow IoTable).
+        let p = Variant::for_group(256, 1, 132);
+        assert_eq!((p.wide, p.wide_io, p.two_blocks), (true, false, false));
+        assert_eq!(p.defines(), "#define EP_MASK_WORDS 8\n");
+        assert_eq!(p.io_capacity(), MAX_LOCAL);
+        let v = Variant::for_group(64, 64, 132);
+        assert_eq!((v.wide, v.wide_io, v.two_blocks), (true, true, false));
+        assert!(v.defines().contains("EP_MAX_LOCAL 256"));
+        assert!(Variant::for_group(256, 256, 132)
+            .defines()
+            .contains("EP_MIN_BLOCKS 2"));
+        for v in [p, v] {
+            assert!(Variant::all().contains(&v));
+        }
+    }
+
+    #[test]
+    fn the_rank_limit_is_one_constant_with_a_typed_error() {
+        assert!(check_ranks(MAX_RANKS).is_ok());
+        assert_eq!(
+            check_ranks(MAX_RANKS + 1),
+            Err(GpuError::TooManyRanks {
+                ranks: 257,
+                max: 256
+            })
+        );
+        assert_eq!(MAX_RANKS, 256);
+        const { assert!(MAX_RANKS <= ep_reference::config::MAX_RANKS) };
+    }
+
+    #[test]
+    fn peer_masks_hold_every_rank_up_to_the_limit() {
+        let m = PeerMask::of([0, 31, 32, 200, 255]);
+        assert_eq!(m.ranks(), vec![0, 31, 32, 200, 255]);
+        assert!(m.contains(200) && !m.contains(201) && !m.contains(4096));
+        assert_eq!(m.low_word(), 0x8000_0001);
+        assert_eq!(all_peers(256).ranks().len(), 256);
+        assert_eq!(all_peers(33).ranks(), (0..33).collect::<Vec<_>>());
+        assert_eq!(all_peers(4).low_word(), 0b1111);
+        assert!(PeerMask::EMPTY.is_empty() && !all_peers(1).is_empty());
+        assert_eq!(format!("{:?}", PeerMask::of([1, 40])), "PeerMask[1, 40]");
+    }
+
+    /// Every kernel's dynamic shared memory fits sm_90's 227 KB up to 256 ranks at T = 128, with
+    /// H and K at the standard setting (H = 7168, K = 8) and L = 1..8 local experts (E = R * L),
+    /// in every mode. (The narrow build's T x R table would need 297 KB at R = 256.)
+    #[test]
+    fn shared_memory_fits_the_device_up_to_256_ranks() {
+        for r in [8, 16, 24, 32, 33, 48, 64, 96, 128, 160, 192, 224, 256] {
+            for l in [1, 2, 4, 8] {
+                for mode in [Mode::Bf16, Mode::FP8] {
+                    let c = Config {
+                        mode,
+                        ..cfg(r, r * l, 128, 7168, 8)
+                    };
+                    let b = smem_bytes(&c);
+                    assert!(
+                        b <= SMEM_LIMIT_SM90,
+                        "R = {r}, L = {l}: {b} bytes of shared memory > {SMEM_LIMIT_SM90}"
+                    );
+                }
+            }
+        }
+        // The narrow build's sizes are as before (R <= 32 unchanged).
+        let c = cfg(32, 256, 128, 7168, 8);
+        assert_eq!(
+            smem_bytes(&c),
+            4 * (4 * 128 * 8 + 2 * 128 * 32 + 64 + 32 + 1536 + 2 * 256 * 4 + 2 * 8 * 32 + 80)
+        );
+        // What the wide build saves at R = 256: no T x R table.
+        let wide = cfg(256, 256, 128, 7168, 8);
+        assert!(smem_bytes(&wide) < 100 * 1024, "{}", smem_bytes(&wide));
     }
 }

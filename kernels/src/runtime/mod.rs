@@ -34,7 +34,8 @@ pub use device_api::{
 };
 pub use group::GpuGroup;
 pub use layout::{
-    all_peers, bytes_per_rank, bytes_per_rank_with, entry_bytes, pe_entry_bytes, NTHREADS,
+    all_peers, bytes_per_rank, bytes_per_rank_with, check_ranks, entry_bytes, pe_entry_bytes,
+    smem_bytes, PeerMask, Variant, MAX_RANKS, NARROW_RANKS, NTHREADS, SMEM_LIMIT_SM90,
 };
 pub use options::{GpuOptions, NcclSizes, Path, Transport};
 pub use process::{PeerPlan, ProcessRank};

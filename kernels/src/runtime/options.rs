@@ -99,7 +99,7 @@ pub struct GpuOptions {
     /// waited for, and the selections of its experts count as -1 (docs/contract.md, "Masked
     /// ranks"). The mask: [`GpuGroup::mask_status`], [`GpuGroup::update_mask`],
     /// [`GpuGroup::clean_mask`]. CUDA IPC and peer access only (not over NCCL, whose receives
-    /// the kernels cannot bound), at most 32 ranks.
+    /// the kernels cannot bound), up to the kernels' 256 ranks.
     pub enable_shrink: bool,
     /// FP8 dispatch's `recv_scales` ([L, R*T, G] words, G = H/128 f32 or H/512 packed UE8M0)
     /// in DeepEP's layout: column-major in the last two dimensions, word strides

@@ -17,8 +17,8 @@ use crate::runtime::device::{cuda, probe_devices, Dev};
 use crate::runtime::group::{check_shrink, kparams, next_group_id, upload_table};
 use crate::runtime::group::{GpuGroup, IpcMappings, NcclState};
 use crate::runtime::layout::{
-    bytes_per_rank_with, carve_rank, rank_sizes, smem_bytes, total_bytes, RankPtrs, MAX_RANKS,
-    NUM_BUFFERS,
+    bytes_per_rank_with, carve_rank, check_ranks, rank_sizes, smem_bytes, total_bytes, PeerMask,
+    RankPtrs, NUM_BUFFERS,
 };
 use crate::runtime::options::{GpuOptions, Transport};
 use cudarc::driver::{result, sys};
@@ -27,8 +27,8 @@ use ep_reference::{Config, Error};
 /// How one rank reaches its peers (the process-group layer computes it from every rank's node).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerPlan {
-    /// Bit d: peer d is reached through NCCL staging (the kernels' `nccl_mask`).
-    pub nccl_mask: u32,
+    /// Peer d is in the set: reached through NCCL staging (the kernels' `nccl_mask`).
+    pub nccl_mask: PeerMask,
     /// Peers whose buffers this rank maps through CUDA IPC (this rank excluded), ascending.
     pub ipc_peers: Vec<usize>,
     /// Distinct nodes in the group.
@@ -38,12 +38,12 @@ pub struct PeerPlan {
 impl PeerPlan {
     /// Whether this rank needs NCCL communicators.
     pub fn uses_nccl(&self) -> bool {
-        self.nccl_mask != 0
+        !self.nccl_mask.is_empty()
     }
 
     /// Peers reached through NCCL, ascending.
     pub fn nccl_peers(&self) -> Vec<usize> {
-        (0..32).filter(|d| (self.nccl_mask >> d) & 1 == 1).collect()
+        self.nccl_mask.ranks()
     }
 }
 
@@ -64,18 +64,17 @@ pub struct ProcessRank {
 
 impl ProcessRank {
     /// The checks that come before anything is opened: the config, a driver with GPU `ordinal`,
-    /// and the rank within the group's (at most 32) ranks. [`ProcessRank::new`] makes them too;
+    /// and the rank within the group's (at most [`MAX_RANKS`](crate::runtime::MAX_RANKS)) ranks. [`ProcessRank::new`] makes them too;
     /// the process-group layer makes them first, so that they are reported before anything it
     /// reads itself (the node id).
     pub fn check(cfg: &Config, rank: usize, ordinal: usize) -> Result<(), GpuError> {
         cfg.validate()?;
-        probe_devices(ordinal + 1).map_err(GpuError::NoDevice)?;
         let r = cfg.num_ranks;
-        if r > MAX_RANKS || rank >= r {
-            return Err(GpuError::Unsupported(format!(
-                "rank {rank} of {r} (at most {MAX_RANKS} ranks)"
-            )));
+        check_ranks(r)?;
+        if rank >= r {
+            return Err(Error::RankOutOfRange { rank, ranks: r }.into());
         }
+        probe_devices(ordinal + 1).map_err(GpuError::NoDevice)?;
         Ok(())
     }
 
@@ -97,7 +96,7 @@ impl ProcessRank {
         // that is known after the exchange, and the allocation (whose size the handshake
         // checks) comes before it: a two-tier rank always has the staging.
         let staging = opts.transport != Transport::Auto;
-        let mut dev = Dev::new(ordinal, rank, 1)?;
+        let mut dev = Dev::new(ordinal, rank, 1, cfg.num_ranks)?;
         let smem = smem_bytes(cfg);
         let bpr = opts.blocks_per_rank.unwrap_or(dev.sms).max(1);
         dev.check_residency(smem, 1, bpr)?;

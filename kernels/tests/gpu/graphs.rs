@@ -4,7 +4,7 @@
 use crate::common::*;
 use crate::device::*;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
-use ep_kernels::runtime::{PeerPlan, ProcessRank};
+use ep_kernels::runtime::{PeerMask, PeerPlan, ProcessRank};
 use ep_kernels::testing::{random_inputs, random_y, verify_case, Rng, Routing};
 use ep_kernels::{CombineIn, DeviceDispatchOut, DeviceHandle, DispatchIn, Tokens};
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, NcclSizes, Path};
@@ -260,7 +260,7 @@ pub(crate) fn gpu_rank_ep_process_mode_equals_oracle() {
         let me = ProcessRank::new(&cfg, GpuOptions::default(), 0, 0).unwrap();
         let all = vec![me.payload().to_vec()];
         let plan = PeerPlan {
-            nccl_mask: 0,
+            nccl_mask: PeerMask::EMPTY,
             ipc_peers: Vec::new(),
             nodes: 1,
         };

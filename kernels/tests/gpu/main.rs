@@ -14,12 +14,14 @@ mod errors;
 mod graphs;
 mod nccl;
 mod paths;
+mod wide;
 
 use device::*;
 use errors::*;
 use graphs::*;
 use nccl::*;
 use paths::*;
+use wide::*;
 
 /// (name, GPUs needed, test)
 const TESTS: &[(&str, usize, fn())] = &[
@@ -157,6 +159,26 @@ const TESTS: &[(&str, usize, fn())] = &[
         "gpu_shrink_masks_a_lost_peer_and_the_group_goes_on",
         1,
         gpu_shrink_masks_a_lost_peer_and_the_group_goes_on,
+    ),
+    (
+        "gpu_virtual_r64_r128_r256_both_paths_all_modes_equal_oracle",
+        1,
+        gpu_virtual_r64_r128_r256_both_paths_all_modes_equal_oracle,
+    ),
+    (
+        "gpu_virtual_r64_standard_h_k_equal_oracle",
+        1,
+        gpu_virtual_r64_standard_h_k_equal_oracle,
+    ),
+    (
+        "gpu_device_api_r64_r256_all_modes_equal_oracle",
+        1,
+        gpu_device_api_r64_r256_all_modes_equal_oracle,
+    ),
+    (
+        "gpu_shrink_r64_masks_peers_past_the_first_word",
+        1,
+        gpu_shrink_r64_masks_peers_past_the_first_word,
     ),
 ];
 

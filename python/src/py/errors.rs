@@ -235,6 +235,11 @@ fn classify(e: &BindError) -> (&'static str, &'static str, Vec<(&'static str, Fi
             GpuError::Compile(_) => ("DeviceError", "Compile", vec![]),
             GpuError::Process(_) => ("PeerError", "Process", vec![]),
             GpuError::Unsupported(_) => ("UnsupportedError", "Unsupported", vec![]),
+            GpuError::TooManyRanks { ranks, max } => (
+                "UnsupportedError",
+                "TooManyRanks",
+                vec![("ranks", us(*ranks)), ("max", us(*max))],
+            ),
             GpuError::PathMismatch { .. } => ("InputError", "PathMismatch", vec![]),
             GpuError::Handle(_) => ("InputError", "Handle", vec![]),
             GpuError::WrongDevice {

@@ -393,9 +393,18 @@ impl GpuRank {
         self.inner.describe_devices()
     }
 
-    /// Bit d set when this rank reaches peer d through NCCL (the others through CUDA IPC).
-    fn nccl_mask(&self) -> u32 {
-        self.inner.nccl_mask()
+    /// Bit d set when this rank reaches peer d through NCCL (the others through CUDA IPC): a
+    /// Python int of up to 256 bits (groups of up to 256 ranks).
+    fn nccl_mask<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let mut bits = vec![false; self.inner.nccl_peers().last().map_or(0, |&d| d + 1)];
+        for d in self.inner.nccl_peers() {
+            bits[d] = true;
+        }
+        // Most significant first, as int(s, 2) reads it.
+        let s: String = std::iter::once('0')
+            .chain(bits.iter().rev().map(|&b| if b { '1' } else { '0' }))
+            .collect();
+        py.get_type::<pyo3::types::PyInt>().call1((s, 2))
     }
 
     /// Errors the kernels recorded (timeout, bad routing, bad peer data), raised as the
@@ -538,7 +547,14 @@ fn _raise_sample_error(kind: &str) -> PyResult<()> {
         "Cuda" => GpuError::Cuda("cuLaunchKernel: CUDA_ERROR_LAUNCH_FAILED".into()).into(),
         "Nccl" => GpuError::Nccl("ncclSend: unhandled system error".into()).into(),
         "Process" => GpuError::Process("peer 1 closed the rendezvous".into()).into(),
-        "Unsupported" => GpuError::Unsupported("64 ranks (at most 32)".into()).into(),
+        "Unsupported" => {
+            GpuError::Unsupported("8 ranks cannot be spread evenly over 3 GPUs".into()).into()
+        }
+        "TooManyRanks" => GpuError::TooManyRanks {
+            ranks: 257,
+            max: 256,
+        }
+        .into(),
         "GpuTimeout" => GpuError::Contract(Error::Timeout {
             rank: 0,
             peer: 1,

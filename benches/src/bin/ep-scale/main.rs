@@ -1,0 +1,188 @@
+//! `ep-scale`: how one rank's memory and a group's set-up time grow with the number of ranks
+//! (issue 22), at the standard setting unless told otherwise.
+//!
+//! - `ep-scale sizes` (no GPU needed): per R = 8..256 and L local experts (E = R * L), the bytes
+//!   one rank allocates (ep-kernels' layout: the size hint of the Python Buffer; CUDA IPC, and
+//!   with the NCCL staging), every kernel's dynamic shared memory against sm_90's 227 KB, and
+//!   the build of the kernels a rank loads (process mode: one rank per GPU; virtual ranks: all
+//!   on one GPU of 132 SMs). A Markdown table.
+//! - `ep-scale setup` (GPU): `GpuGroup::new` timed for each R (virtual ranks on one GPU; the
+//!   first build of each kernel variant compiles, so each R is built twice and both times
+//!   printed), or why it cannot (memory, residency).
+//!
+//! Flags: `--tokens T` (128), `--hidden H` (7168), `--top-k K` (8), `--local L1,L2,..` (1,2,4),
+//! `--ranks R1,R2,..` (8,16,32,64,128,256).
+
+use ep_kernels::runtime::{bytes_per_rank_with, smem_bytes, Variant, MAX_RANKS, SMEM_LIMIT_SM90};
+use ep_kernels::{GpuGroup, GpuOptions};
+use ep_reference::{Config, Mode};
+use std::process::ExitCode;
+use std::time::Instant;
+
+struct Opts {
+    what: String,
+    tokens: usize,
+    hidden: usize,
+    top_k: usize,
+    local: Vec<usize>,
+    ranks: Vec<usize>,
+}
+
+fn list(v: &str, flag: &str) -> Result<Vec<usize>, String> {
+    v.split(',')
+        .map(|x| {
+            x.trim()
+                .parse::<usize>()
+                .map_err(|e| format!("{flag} {v}: {e}"))
+        })
+        .collect()
+}
+
+fn parse() -> Result<Opts, String> {
+    let mut o = Opts {
+        what: String::new(),
+        tokens: 128,
+        hidden: 7168,
+        top_k: 8,
+        local: vec![1, 2, 4],
+        ranks: vec![8, 16, 32, 64, 128, 256],
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut val = || args.next().ok_or_else(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "sizes" | "setup" if o.what.is_empty() => o.what = a.clone(),
+            "--tokens" => o.tokens = val()?.parse().map_err(|e| format!("--tokens: {e}"))?,
+            "--hidden" => o.hidden = val()?.parse().map_err(|e| format!("--hidden: {e}"))?,
+            "--top-k" => o.top_k = val()?.parse().map_err(|e| format!("--top-k: {e}"))?,
+            "--local" => o.local = list(&val()?, "--local")?,
+            "--ranks" => o.ranks = list(&val()?, "--ranks")?,
+            "-h" | "--help" => {
+                return Err(
+                    "usage: ep-scale sizes|setup [--tokens T] [--hidden H] [--top-k K] \
+                            [--local L1,L2,..] [--ranks R1,R2,..]"
+                        .into(),
+                )
+            }
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    if o.what.is_empty() {
+        o.what = "sizes".into();
+    }
+    Ok(o)
+}
+
+fn mib(b: usize) -> String {
+    format!("{:.1}", b as f64 / (1 << 20) as f64)
+}
+
+fn build(v: Variant) -> &'static str {
+    match (v.wide, v.wide_io, v.two_blocks) {
+        (false, false, false) => "narrow",
+        (true, false, false) => "wide",
+        (true, true, false) => "wide + 256-entry IoTable",
+        (true, true, true) => "wide + IoTable + 2 blocks/SM",
+        _ => "other",
+    }
+}
+
+fn sizes(o: &Opts) -> Result<(), String> {
+    println!(
+        "Per-rank memory and shared memory against R (T = {}, H = {}, K = {}, BF16 payload; \
+         `cargo run --release -p ep-benches --bin ep-scale -- sizes`)\n",
+        o.tokens, o.hidden, o.top_k
+    );
+    println!("| R | L | E | MiB per rank (IPC) | MiB per rank (NCCL staging) | smem per block (KB, limit 227) | build, 1 rank/GPU | build, R virtual on 1 GPU |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for &r in &o.ranks {
+        for &l in &o.local {
+            let cfg = Config::new(r, r * l, o.tokens, o.hidden, o.top_k, Mode::Bf16)
+                .map_err(|e| format!("R = {r}, L = {l}: {e}"))?;
+            let ipc = bytes_per_rank_with(&cfg, false).map_err(|e| e.to_string())?;
+            let nccl = bytes_per_rank_with(&cfg, true).map_err(|e| e.to_string())?;
+            let smem = smem_bytes(&cfg);
+            let fits = if smem <= SMEM_LIMIT_SM90 {
+                ""
+            } else {
+                " (too large)"
+            };
+            println!(
+                "| {r} | {l} | {} | {} | {} | {:.1}{fits} | {} | {} |",
+                r * l,
+                mib(ipc),
+                mib(nccl),
+                smem as f64 / 1024.0,
+                build(Variant::for_group(r, 1, 132)),
+                build(Variant::for_group(r, r, 132)),
+            );
+        }
+    }
+    println!("\nGPU limit: {MAX_RANKS} ranks (past it: GpuError::TooManyRanks).");
+    Ok(())
+}
+
+fn setup(o: &Opts) -> Result<(), String> {
+    if let Err(e) = ep_kernels::runtime::probe_devices(1) {
+        return Err(format!("setup needs a GPU: {e}"));
+    }
+    println!(
+        "GpuGroup::new, R virtual ranks on one GPU (T = {}, H = {}, K = {}, FP8), two builds each\n",
+        o.tokens, o.hidden, o.top_k
+    );
+    println!("| R | L | MiB per rank | first build (ms) | second build (ms) |");
+    println!("|---|---|---|---|---|");
+    for &r in &o.ranks {
+        for &l in &o.local {
+            let cfg = Config::new(r, r * l, o.tokens, o.hidden, o.top_k, Mode::FP8)
+                .map_err(|e| format!("R = {r}, L = {l}: {e}"))?;
+            let per = bytes_per_rank_with(&cfg, false).map_err(|e| e.to_string())?;
+            let mut times = Vec::new();
+            let mut why = None;
+            for _ in 0..2 {
+                let t0 = Instant::now();
+                match GpuGroup::new(&cfg, GpuOptions::default()) {
+                    Ok(g) => {
+                        times.push(t0.elapsed().as_secs_f64() * 1e3);
+                        drop(g);
+                    }
+                    Err(e) => {
+                        why = Some(e.to_string());
+                        break;
+                    }
+                }
+            }
+            match why {
+                None => println!(
+                    "| {r} | {l} | {} | {:.0} | {:.0} |",
+                    mib(per),
+                    times[0],
+                    times[1]
+                ),
+                Some(e) => println!("| {r} | {l} | {} | not built: {e} | |", mib(per)),
+            }
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let o = match parse() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("ep-scale: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let r = match o.what.as_str() {
+        "setup" => setup(&o),
+        _ => sizes(&o),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ep-scale: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
