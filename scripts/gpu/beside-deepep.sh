@@ -9,8 +9,8 @@
 #
 #   bash scripts/gpu/beside-deepep.sh BIN_DIR DEEPEP_SRC        (BIN_DIR from pack.sh with a wheel)
 #
-# BESIDE_STEPS="test bench strides" picks steps; BESIDE_TEST_ARGS / BESIDE_BENCH_ARGS add
-# arguments. Logs and a summary go to $OUT (at most 8 files come back).
+# BESIDE_STEPS="test bench strides" picks steps; BESIDE_TEST_VARIANTS="plain logfmt" the test's
+# runs; BESIDE_TEST_ARGS / BESIDE_BENCH_ARGS add arguments. Logs and a summary go to $OUT (at most 8 files come back).
 set -u
 BIN=$(cd "${1:?usage: beside-deepep.sh BIN_DIR DEEPEP_SRC}" && pwd)
 SRC=$(cd "${2:?usage: beside-deepep.sh BIN_DIR DEEPEP_SRC}" && pwd)
@@ -41,7 +41,8 @@ if ! ls "$SRC"/deep_ep_cpp*.so > /dev/null 2>&1; then
 fi
 
 if [[ " $STEPS " == *" test "* ]]; then
-  for extra in "" "--use-logfmt"; do
+  for variant in ${BESIDE_TEST_VARIANTS:-plain logfmt}; do
+    extra=""; [ "$variant" = logfmt ] && extra="--use-logfmt"
     name=test${extra:+-logfmt}
     say "[$(el) s] DeepEP's test_low_latency.py $extra on ours and on DeepEP"
     timeout 240 "$PY" "$BIN/python/deepep_compat/run.py" "$SRC" --impl both \

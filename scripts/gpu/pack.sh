@@ -7,7 +7,7 @@
 #
 # DEST gets the test binaries gpu, gpu_fuzz, gpu_soak, gpu_process (custom runners; paths from
 # `cargo test --no-run --message-format=json`), ep-bench (also process mode's program: the
-# fault runs start its ranks), moe_layer, and BUILD-INFO (the commit
+# fault runs start its ranks), ep-scale (set-up time and memory against R), moe_layer, and BUILD-INFO (the commit
 # and whether the tree had changes). Then, on the GPU machine: bash scripts/gpu/run-all.sh DEST.
 
 set -euo pipefail
@@ -19,7 +19,7 @@ mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)
 command -v jq > /dev/null || { echo "pack.sh: jq is needed to read cargo's JSON" >&2; exit 2; }
 
-cargo build --release -p ep-benches --bin ep-bench
+cargo build --release -p ep-benches --bin ep-bench --bin ep-scale
 cargo build --release -p ep-group --example moe_layer
 # gpu, gpu_fuzz, gpu_soak: ep-kernels; gpu_process: ep-group.
 json=$(cargo test --release -p ep-kernels -p ep-group --no-run --message-format=json)
@@ -34,6 +34,7 @@ for t in gpu gpu_fuzz gpu_soak gpu_process; do
   strip -o "$DEST/$t" "$exe"
 done
 strip -o "$DEST/ep-bench" target/release/ep-bench
+strip -o "$DEST/ep-scale" target/release/ep-scale
 strip -o "$DEST/moe_layer" target/release/examples/moe_layer
 # The Python Buffer, where maturin is at hand (PACK_WHEEL=1): the abi3 wheel plus what
 # python/gpu.sh runs beside it (its tests and bench.py).
