@@ -608,3 +608,36 @@ def test_outputs_have_deepeps_shapes_dtypes_and_strides(group, R, mode):
     theirs.destroy()
     assert got == want, {k: (got[k], want[k]) for k in got if got[k] != want[k]}
     print(f"ok: {mode}: every output's shape, dtype and strides equal DeepEP's ({want})")
+
+
+@pytest.mark.parametrize("order", ["hooks", "hooks-combine-hooks", "no-hooks"])
+def test_two_dispatches_in_flight_equal_one_at_a_time(group, R, E, order):
+    """[issue 21 item 2] Two micro-batches in flight, as vLLM's dual-batch overlap and SGLang's
+    two-batch overlap call them: dispatch A, dispatch B, (hook A, hook B,) combine A, combine B
+    (combine A with a copy of its topk_idx at another address, as EPLB passes it). Every output
+    equals the oracle of the same calls made one at a time, each batch with its own inputs."""
+    rank = group.rank()
+    ins_a, ins_b = inputs(31, R, E), inputs(32, R, E)
+    (wa, wca), (wb, wcb) = expect(ins_a, E, MODES["fp8"]), expect(ins_b, E, MODES["fp8"])
+    xa, ta, wta, ya = (on_gpu(t) for t in ins_a[rank])
+    xb, tb, wtb, yb = (on_gpu(t) for t in ins_b[rank])
+    b = make_buffer(group, R, E)
+    hooked = order != "no-hooks"
+    ra = b.low_latency_dispatch(xa, ta, T, E, return_recv_hook=hooked)
+    rb = b.low_latency_dispatch(xb, tb, T, E, return_recv_hook=hooked)
+    if hooked:
+        ra[4]()
+        rb[4]()
+    ch = order == "hooks-combine-hooks"
+    ca = b.low_latency_combine(ya, ta.clone(), wta, ra[2], return_recv_hook=ch)
+    cb = b.low_latency_combine(yb, tb, wtb, rb[2], return_recv_hook=ch)
+    if ch:
+        ca[2]()
+        cb[2]()
+    torch.cuda.synchronize()
+    b.check()
+    assert oracle.diff(got_of(ra[0], ra[1], ra[2]), wa[rank]) is None
+    assert oracle.diff(got_of(rb[0], rb[1], rb[2]), wb[rank]) is None
+    assert oracle.combine_diff(ca[0], wca[rank]) is None
+    assert oracle.combine_diff(cb[0], wcb[rank]) is None
+    b.destroy()
