@@ -13,7 +13,7 @@
 pub mod cache;
 
 use crate::error::GpuError;
-use crate::runtime::Variant;
+use crate::variant::Variant;
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};

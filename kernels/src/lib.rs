@@ -114,6 +114,7 @@ pub mod compile;
 mod error;
 pub mod runtime;
 pub mod testing;
+pub mod variant;
 
 /// The cudarc this crate is built on (its `CudaStream`, `CudaView`, ... are the device API's types).
 pub use cudarc;

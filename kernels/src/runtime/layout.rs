@@ -9,14 +9,7 @@ use ep_reference::Config;
 pub const NTHREADS: u32 = 512;
 pub(crate) const HDR_BYTES: usize = 80;
 pub(crate) const PE_HDR: usize = 16;
-/// The most ranks a GPU group takes (`MAX_RANKS` in common.cuh); past it a group is refused with
-/// [`GpuError::TooManyRanks`]. The specification allows more (`ep_reference::config::MAX_RANKS`).
-pub const MAX_RANKS: usize = 256;
-/// Groups of at most this many ranks load the narrow build of the kernels (one-word peer sets, a
-/// T x R position table), as before the limit was raised; larger ones the wide build ([`Variant`]).
-pub const NARROW_RANKS: usize = 32;
-/// u32 words of a set of ranks: the NCCL peer mask in [`KParams`] (`NCCL_WORDS` in common.cuh).
-pub const MASK_WORDS: usize = MAX_RANKS / 32;
+pub use crate::variant::{Variant, MASK_WORDS, MAX_RANKS, NARROW_RANKS};
 
 /// `ranks` against [`MAX_RANKS`]: the typed error past it.
 pub fn check_ranks(ranks: usize) -> Result<(), GpuError> {
@@ -87,70 +80,6 @@ impl std::fmt::Debug for PeerMask {
     }
 }
 
-/// Which build of the kernels a device loads: the defines common.cuh reads (`EP_MASK_WORDS`,
-/// `EP_MAX_LOCAL`, `EP_MIN_BLOCKS`). A group of at most [`NARROW_RANKS`] ranks with no more
-/// ranks on a GPU than it has SMs loads the narrow build: the source as it is, no define.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-pub struct Variant {
-    /// R > 32: peer sets of [`MASK_WORDS`] words, per-slot batch positions.
-    pub wide: bool,
-    /// More than 32 ranks on this GPU: an IoTable of [`MAX_RANKS`] entries.
-    pub wide_io: bool,
-    /// More ranks on this GPU than it has SMs: two blocks per SM (`__launch_bounds__`).
-    pub two_blocks: bool,
-}
-
-impl Variant {
-    /// The build for a group of `ranks` ranks, `ranks_here` of them on a GPU of `sms` SMs.
-    pub fn for_group(ranks: usize, ranks_here: usize, sms: usize) -> Variant {
-        Variant {
-            wide: ranks > NARROW_RANKS,
-            wide_io: ranks_here > MAX_LOCAL,
-            two_blocks: ranks_here > sms.max(1),
-        }
-    }
-
-    /// The defines prepended to the source ("" for the narrow build: its source, and so its
-    /// cache key, is the file as it is).
-    pub fn defines(&self) -> String {
-        let mut d = String::new();
-        if self.wide {
-            d += &format!("#define EP_MASK_WORDS {MASK_WORDS}\n");
-        }
-        if self.wide_io {
-            d += &format!("#define EP_MAX_LOCAL {MAX_RANKS}\n");
-        }
-        if self.two_blocks {
-            d += "#define EP_MIN_BLOCKS 2\n";
-        }
-        d
-    }
-
-    /// Entries of the IoTable this build's kernels take.
-    pub fn io_capacity(&self) -> usize {
-        if self.wide_io {
-            MAX_RANKS
-        } else {
-            MAX_LOCAL
-        }
-    }
-
-    /// Every build the runtime may load (the compile check builds them all).
-    pub fn all() -> [Variant; 4] {
-        let v = |wide, wide_io, two_blocks| Variant {
-            wide,
-            wide_io,
-            two_blocks,
-        };
-        [
-            v(false, false, false),
-            v(true, false, false),
-            v(true, true, false),
-            v(true, true, true),
-        ]
-    }
-}
-
 /// Every device address of one rank (`struct RankPtrs` in common.cuh).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -189,10 +118,6 @@ pub(crate) const NUM_BUFFERS: usize = 26;
 /// u64 decision words per peer in the shrink buffer: one per (kernel kind, recv or ack)
 /// (`shr_decide` in common.cuh); the rank mask (R i32) follows them.
 pub(crate) const SHRINK_DECISIONS: usize = 2 * NUM_KINDS;
-
-/// Entries of the narrow build's IoTable (`EP_MAX_LOCAL` in common.cuh): ranks of one launch;
-/// past it the wide-IO build takes [`MAX_RANKS`] ([`Variant::io_capacity`]).
-pub(crate) const MAX_LOCAL: usize = 32;
 
 /// A rank's caller-supplied tensors for one call (`struct IoPtrs` in common.cuh): each nonzero
 /// address replaces the group's own buffer of that name; `ntok` points to an i32 token count.
@@ -553,6 +478,7 @@ pub fn all_peers(r: usize) -> PeerMask {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::variant::MAX_LOCAL;
     use ep_reference::Mode;
 
     fn cfg(r: usize, e: usize, t: usize, h: usize, k: usize) -> Config {

@@ -1,0 +1,81 @@
+//! Which build of the kernels a group loads, and the rank limits that choose it. Below both the
+//! compiler (`compile`, which prepends a build's defines) and the runtime (which picks the build
+//! for its group): neither imports the other for it.
+
+/// The most ranks a GPU group takes (`MAX_RANKS` in common.cuh); past it a group is refused with
+/// `GpuError::TooManyRanks` (`runtime::check_ranks`). The specification allows more
+/// (`ep_reference::config::MAX_RANKS`).
+pub const MAX_RANKS: usize = 256;
+/// Groups of at most this many ranks load the narrow build of the kernels (one-word peer sets, a
+/// T x R position table), as before the limit was raised; larger ones the wide build ([`Variant`]).
+pub const NARROW_RANKS: usize = 32;
+/// u32 words of a set of ranks: the NCCL peer mask in the kernel parameters (`NCCL_WORDS` in
+/// common.cuh).
+pub const MASK_WORDS: usize = MAX_RANKS / 32;
+/// Entries of the narrow build's IoTable (`EP_MAX_LOCAL` in common.cuh): ranks of one launch;
+/// past it the wide-IO build takes [`MAX_RANKS`] ([`Variant::io_capacity`]).
+pub(crate) const MAX_LOCAL: usize = 32;
+
+/// Which build of the kernels a device loads: the defines common.cuh reads (`EP_MASK_WORDS`,
+/// `EP_MAX_LOCAL`, `EP_MIN_BLOCKS`). A group of at most [`NARROW_RANKS`] ranks with no more
+/// ranks on a GPU than it has SMs loads the narrow build: the source as it is, no define.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Variant {
+    /// R > 32: peer sets of [`MASK_WORDS`] words, per-slot batch positions.
+    pub wide: bool,
+    /// More than 32 ranks on this GPU: an IoTable of [`MAX_RANKS`] entries.
+    pub wide_io: bool,
+    /// More ranks on this GPU than it has SMs: two blocks per SM (`__launch_bounds__`).
+    pub two_blocks: bool,
+}
+
+impl Variant {
+    /// The build for a group of `ranks` ranks, `ranks_here` of them on a GPU of `sms` SMs.
+    pub fn for_group(ranks: usize, ranks_here: usize, sms: usize) -> Variant {
+        Variant {
+            wide: ranks > NARROW_RANKS,
+            wide_io: ranks_here > MAX_LOCAL,
+            two_blocks: ranks_here > sms.max(1),
+        }
+    }
+
+    /// The defines prepended to the source ("" for the narrow build: its source, and so its
+    /// cache key, is the file as it is).
+    pub fn defines(&self) -> String {
+        let mut d = String::new();
+        if self.wide {
+            d += &format!("#define EP_MASK_WORDS {MASK_WORDS}\n");
+        }
+        if self.wide_io {
+            d += &format!("#define EP_MAX_LOCAL {MAX_RANKS}\n");
+        }
+        if self.two_blocks {
+            d += "#define EP_MIN_BLOCKS 2\n";
+        }
+        d
+    }
+
+    /// Entries of the IoTable this build's kernels take.
+    pub fn io_capacity(&self) -> usize {
+        if self.wide_io {
+            MAX_RANKS
+        } else {
+            MAX_LOCAL
+        }
+    }
+
+    /// Every build the runtime may load (the compile check builds them all).
+    pub fn all() -> [Variant; 4] {
+        let v = |wide, wide_io, two_blocks| Variant {
+            wide,
+            wide_io,
+            two_blocks,
+        };
+        [
+            v(false, false, false),
+            v(true, false, false),
+            v(true, true, false),
+            v(true, true, true),
+        ]
+    }
+}
