@@ -479,33 +479,8 @@ fn back_to_back(run: &mut RankRun<'_>, o: &MpOptions) -> Result<Vec<&'static str
 /// checks its own outputs bit for bit against the oracle; this test checks that every rank
 /// did, with the expected peers on each tier, and that both paths were checked and called.
 fn gpu_two_tier_four_processes_on_two_emulated_nodes_match_the_oracle() {
-    let exe = std::env::current_exe().expect("test binary path");
-    let rank_env = emulation_envs(4, 2).expect("4 ranks on 2 nodes");
-    let opts = ep_launch::LaunchOptions {
-        rank_env,
-        ..Default::default()
-    };
-    let t0 = Instant::now();
-    let launch = ep_launch::spawn_local_with(
-        &opts,
-        4,
-        exe,
-        Vec::<String>::new(),
-        &[
-            (CHILD_ENV.to_string(), "two-tier".to_string()),
-            ("NCCL_NVLS_ENABLE".to_string(), "0".to_string()),
-        ],
-    )
-    .expect("start 4 ranks");
-    let report = launch
-        .wait(Duration::from_secs(180))
-        .unwrap_or_else(|e| panic!("the two-tier ranks failed: {e}"));
-    println!("4 ranks done in {:.1} s", t0.elapsed().as_secs_f64());
-    for rank in 0..4 {
-        let line = report.output[rank]
-            .iter()
-            .find(|l| l.contains("TWO-TIER"))
-            .unwrap_or_else(|| panic!("rank {rank} printed no verdict: {:?}", report.output[rank]));
+    let lines = run_ranks("two-tier", 4, 2, "TWO-TIER", Duration::from_secs(180));
+    for (rank, line) in lines.iter().enumerate() {
         println!("{line}");
         let node = rank / 2;
         let (same, other) = if node == 0 {
@@ -587,6 +562,12 @@ fn many_rank(transport: Transport, world: usize, gpus: usize) -> i32 {
 
 /// Starts `n` ranks of `role` (on `nodes` emulated nodes) and returns each rank's MANY line.
 fn run_many(role: &str, n: usize, nodes: usize) -> Vec<String> {
+    run_ranks(role, n, nodes, "MANY", Duration::from_secs(900))
+}
+
+/// Starts `n` ranks of `role` on `nodes` emulated nodes, waits for them (at most `wait`) and
+/// returns each rank's verdict: its first output line containing `marker`.
+fn run_ranks(role: &str, n: usize, nodes: usize, marker: &str, wait: Duration) -> Vec<String> {
     let exe = std::env::current_exe().expect("test binary path");
     let rank_env = emulation_envs(n, nodes).expect("ranks on emulated nodes");
     let opts = ep_launch::LaunchOptions {
@@ -606,14 +587,14 @@ fn run_many(role: &str, n: usize, nodes: usize) -> Vec<String> {
     )
     .unwrap_or_else(|e| panic!("start {n} ranks: {e}"));
     let report = launch
-        .wait(Duration::from_secs(900))
-        .unwrap_or_else(|e| panic!("the {n} ranks failed: {e}"));
+        .wait(wait)
+        .unwrap_or_else(|e| panic!("the {n} {role} ranks failed: {e}"));
     println!("{n} ranks done in {:.1} s", t0.elapsed().as_secs_f64());
     (0..n)
         .map(|rank| {
             report.output[rank]
                 .iter()
-                .find(|l| l.contains("MANY"))
+                .find(|l| l.contains(marker))
                 .unwrap_or_else(|| {
                     panic!("rank {rank} printed no verdict: {:?}", report.output[rank])
                 })

@@ -32,6 +32,29 @@ struct XUnit {
     u32 lx, ix;   // lanes < K: local expert of slot `lane` (or NO_LOCAL), index within (l, s)
     uint4 v;      // c < Cx: this lane's 16 payload bytes
 };
+// Token t's entry in batch(this rank -> d) at position `pos` (d's receive region for this rank,
+// or this rank's staging slot for d when d is reached through NCCL): payload segment g, and with
+// the first segment the header: per slot (lanes < MAX_K) the local expert and index when the slot
+// is bound for d, else NO_LOCAL; the token and its selection offset (*selp, read by lane 16 only).
+__device__ __forceinline__ void store_entry(const KParams& p, const RankPtrs* tab, const RankPtrs& me, int rank, int d,
+                                            int pos, const int* selp, const Seg& sg, const u16* xr, int g, int t,
+                                            int my_dl, int my_idx) {
+    const int lane = threadIdx.x & 31;
+    u8* entry = via_nccl(p, d) ? (u8*)me.snd_buf + ((u64)d * p.T + pos) * p.entry_bytes
+                               : (u8*)tab[d].bat_buf + ((u64)rank * p.T + pos) * p.entry_bytes;
+    seg_store(p, sg, xr, g * 512, entry + HDR_BYTES);
+    if (g == 0) {
+        if (lane < MAX_K) {
+            const bool mine = my_dl >= 0 && (my_dl >> 16) == d;
+            ((u16*)(entry + 16))[lane] = mine ? (u16)(my_dl & 0xFFFF) : (u16)NO_LOCAL;
+            ((u16*)(entry + 48))[lane] = mine ? (u16)my_idx : (u16)0;
+        } else if (lane == 16) {
+            ((int*)entry)[0] = t;
+            ((int*)entry)[1] = *selp;
+        }
+    }
+}
+
 __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(KParams p, IoTable iot) {
     extern __shared__ int smem_raw[];
     const RankPtrs* tab = (const RankPtrs*)p.table;
@@ -347,36 +370,12 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
                 }
                 if (seen) continue;
                 const int at = t * K + k0;
-                u8* entry = via_nccl(p, d) ? (u8*)me.snd_buf + ((u64)d * T + sm.tokpos[at]) * p.entry_bytes
-                                           : (u8*)tab[d].bat_buf + ((u64)rank * T + sm.tokpos[at]) * p.entry_bytes;
-                seg_store(p, sg, xr, g * 512, entry + HDR_BYTES);
-                if (g == 0) {
-                    if (lane < MAX_K) {
-                        const bool mine = my_dl >= 0 && (my_dl >> 16) == d;
-                        ((u16*)(entry + 16))[lane] = mine ? (u16)(my_dl & 0xFFFF) : (u16)NO_LOCAL;
-                        ((u16*)(entry + 48))[lane] = mine ? (u16)my_idx : (u16)0;
-                    } else if (lane == 16) {
-                        ((int*)entry)[0] = t;
-                        ((int*)entry)[1] = sm.selpos[at];
-                    }
-                }
+                store_entry(p, tab, me, rank, d, sm.tokpos[at], &sm.selpos[at], sg, xr, g, t, my_dl, my_idx);
             }
 #else
             for (u32 m = mask; m != 0u; m &= m - 1u) {
                 const int d = __ffs(m) - 1;
-                u8* entry = via_nccl(p, d) ? (u8*)me.snd_buf + ((u64)d * T + sm.tokpos[t * R + d]) * p.entry_bytes
-                                           : (u8*)tab[d].bat_buf + ((u64)rank * T + sm.tokpos[t * R + d]) * p.entry_bytes;
-                seg_store(p, sg, xr, g * 512, entry + HDR_BYTES);
-                if (g == 0) {
-                    if (lane < MAX_K) {
-                        const bool mine = my_dl >= 0 && (my_dl >> 16) == d;
-                        ((u16*)(entry + 16))[lane] = mine ? (u16)(my_dl & 0xFFFF) : (u16)NO_LOCAL;
-                        ((u16*)(entry + 48))[lane] = mine ? (u16)my_idx : (u16)0;
-                    } else if (lane == 16) {
-                        ((int*)entry)[0] = t;
-                        ((int*)entry)[1] = sm.selpos[t * R + d];
-                    }
-                }
+                store_entry(p, tab, me, rank, d, sm.tokpos[t * R + d], &sm.selpos[t * R + d], sg, xr, g, t, my_dl, my_idx);
             }
 #endif
             // Where (t, k) will come back in combine: its place in batch(owner -> me).
