@@ -20,6 +20,17 @@ pub(crate) fn test_opts() -> GpuOptions {
     o
 }
 
+/// Shrink mode with a short wait bound (50 ms: a lost peer is masked quickly) and the owners' rows
+/// put rather than read in place, as the shrink tests run it.
+pub(crate) fn shrink_opts() -> GpuOptions {
+    GpuOptions {
+        enable_shrink: true,
+        zero_copy_local: false,
+        timeout_ns: 50_000_000,
+        ..test_opts()
+    }
+}
+
 pub(crate) fn group(cfg: &Config, gpus: usize) -> GpuGroup {
     group_with(cfg, gpus, true)
 }

@@ -291,16 +291,7 @@ pub(crate) fn gpu_shrink_masks_a_lost_peer_and_the_group_goes_on() {
         for path in [Path::Batched, Path::PerExpert] {
             for fail_in in [Op::Dispatch, Op::Combine] {
                 let cfg = Config::new(4, 8, 8, 256, 3, mode).unwrap();
-                let mut g = GpuGroup::new(
-                    &cfg,
-                    GpuOptions {
-                        enable_shrink: true,
-                        zero_copy_local: false,
-                        timeout_ns: 50_000_000,
-                        ..test_opts()
-                    },
-                )
-                .unwrap();
+                let mut g = GpuGroup::new(&cfg, shrink_opts()).unwrap();
                 let what = format!("{} {} fail in {fail_in:?}", mode.name(), path.name());
                 let call = |g: &mut GpuGroup, masked: &[bool; 4], rng: &mut Rng| {
                     let tokens: Vec<usize> = (0..4).map(|_| rng.below(9)).collect();

@@ -7,7 +7,7 @@ use crate::common::*;
 use crate::device::*;
 use ep_kernels::runtime::Variant;
 use ep_kernels::testing::{random_inputs, random_y, verify_case, verify_masked, Rng, Routing};
-use ep_kernels::{GpuGroup, GpuOptions, Path};
+use ep_kernels::{GpuGroup, Path};
 use ep_reference::{Config, Mode};
 
 /// Small shapes at R ranks: every mode, L = 1 or 2, T <= 8, H small, K up to 8; three rounds of
@@ -142,16 +142,7 @@ pub(crate) fn gpu_shrink_r64_masks_peers_past_the_first_word() {
     for mode in [Mode::Bf16, Mode::FP8] {
         for path in [Path::Batched, Path::PerExpert] {
             let cfg = Config::new(r, 2 * r, 4, 256, 4, mode).unwrap();
-            let mut g = GpuGroup::new(
-                &cfg,
-                GpuOptions {
-                    enable_shrink: true,
-                    zero_copy_local: false,
-                    timeout_ns: 50_000_000,
-                    ..test_opts()
-                },
-            )
-            .unwrap();
+            let mut g = GpuGroup::new(&cfg, shrink_opts()).unwrap();
             let what = format!("{} {}", mode.name(), path.name());
             let call = |g: &mut GpuGroup, masked: &[bool], rng: &mut Rng| {
                 let tokens: Vec<usize> = (0..r).map(|_| rng.below(5)).collect();
