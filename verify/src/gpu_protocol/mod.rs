@@ -204,9 +204,11 @@
 mod batched;
 mod block;
 mod dispatch;
+mod gone;
 mod host;
 mod nccl;
 mod orderings;
+mod peers;
 mod per_expert;
 mod shrink;
 mod state;
@@ -216,13 +218,15 @@ mod words;
 #[cfg(all(test, not(ep_loom)))]
 mod tests;
 
-pub use dispatch::dispatch_block;
+pub use dispatch::{dispatch_block, dispatch_block_in};
+pub use gone::{gone_word_thread, BlockShared};
 pub use host::{ack_word, device_error, entry_at, DeviceError, Host};
 pub use nccl::{
     batched_pack_block, batched_unpack_block, nccl_capacity_exchange, poison_send_headers,
     POISON_HDR,
 };
-pub use shrink::{clean_mask, is_gone, mask_status, update_mask, DEC_ACK, DEC_RECV};
+pub use peers::{is_gone, Build, PeerSet, WideMutant, MASK_WORDS, WORD_BITS};
+pub use shrink::{clean_mask, mask_status, update_mask, DEC_ACK, DEC_RECV};
 pub use state::{
     merged, payload, BlockReport, Entry, ErrorWord, Group, Input, Kind, Launch, Rank, Setup,
     WaitEnd,
