@@ -22,11 +22,14 @@
 //! receive loop's) are left out of the word threads' part: their accesses all come before
 //! the snapshot's barrier, and thread 0's after it.
 
-use std::time::Duration;
+#[cfg(ep_loom)]
+use loom::sync::{Condvar, Mutex};
+#[cfg(not(ep_loom))]
+use std::sync::{Condvar, Mutex};
 
-use ep_reference::sync::{AtomicU64, Deadline, SharedRows};
+use ep_reference::sync::{AtomicU64, SharedRows};
 
-use crate::gpu_protocol::orderings::{BARRIER_ARRIVE, BARRIER_WAIT, RELAXED};
+use crate::gpu_protocol::orderings::RELAXED;
 use crate::gpu_protocol::peers::{Build, PeerSet, WideMutant};
 use crate::gpu_protocol::shrink::masked_peers;
 use crate::gpu_protocol::state::{Group, Kind, Launch, Rank};
@@ -51,8 +54,12 @@ pub struct BlockShared {
     /// `s_gone1[W]`: the latest snapshot.
     snap: SharedRows,
     /// Arrivals at the block's barriers so far: every thread passes them in the same order, so
-    /// barrier k is passed once `(k + 1) * W` have arrived.
-    arrived: AtomicU64,
+    /// barrier k is passed once `(k + 1) * W` have arrived. A lock and a condition variable
+    /// (loom's under `--cfg ep_loom`): `bar.sync` orders every access of the block's threads
+    /// before it before every access after it (the PTX memory model), as the lock's release
+    /// and acquire do; and a thread blocked on it is no spin loop for loom to unroll.
+    arrived: Mutex<u64>,
+    all_in: Condvar,
     /// Thread 0's vote at each `__syncthreads_or` ([`OR_ACKS`], [`OR_RECEIVE`]).
     votes: [AtomicU64; 2],
 }
@@ -73,7 +80,8 @@ impl BlockShared {
             live: (0..w).map(|_| AtomicU64::new(0)).collect(),
             first: SharedRows::new(w, 4),
             snap: SharedRows::new(w, 4),
-            arrived: AtomicU64::new(0),
+            arrived: Mutex::new(0),
+            all_in: Condvar::new(),
             votes: [AtomicU64::new(0), AtomicU64::new(0)],
         }
     }
@@ -86,11 +94,16 @@ impl BlockShared {
     /// `__syncthreads()`: arrives, and waits until every thread arrived at the `passed`-th
     /// barrier of this thread (counting from 0), which it then has passed.
     fn barrier(&self, passed: &mut u64) {
-        self.arrived.fetch_add(1, BARRIER_ARRIVE);
         let all = (*passed + 1) * self.threads() as u64;
+        let mut n = self.arrived.lock().expect("no thread panics holding it");
+        *n += 1;
+        if *n >= all {
+            self.all_in.notify_all();
+        }
         // Unbounded: a barrier does not time out (every thread of the block gets there).
-        let wait = Deadline::after(Duration::from_secs(3600));
-        wait.spin_until(|| (self.arrived.load(BARRIER_WAIT) >= all).then_some(()));
+        while *n < all {
+            n = self.all_in.wait(n).expect("no thread panics holding it");
+        }
         *passed += 1;
     }
 

@@ -99,10 +99,3 @@ pub(crate) fn tag_matches(word_tag: u64, tag: u64) -> bool {
     #[cfg(ep_mutant = "gpu_tag_ge")]
     return word_tag >= tag;
 }
-
-/// `__syncthreads()` / `__syncthreads_or()` of the wide build's block threads (the `gone`
-/// module): a thread's arrival at the barrier (`bar.sync` orders every access of the block's
-/// threads before it before every access after it, in the PTX memory model).
-pub(crate) const BARRIER_ARRIVE: Ordering = Ordering::AcqRel;
-/// The barrier's wait for every thread of the block to have arrived.
-pub(crate) const BARRIER_WAIT: Ordering = Ordering::Acquire;
