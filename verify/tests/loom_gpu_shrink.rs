@@ -14,6 +14,18 @@
 //!   call's tag, and its region are left alone, and the masked peer masks back at its next ack
 //!   wait (mutant `gpu_masked_peer_waited`); `shrink_unmask_with_clean`: a peer lost in call 1 is
 //!   taken back after every rank's clean, bit for bit (mutant `gpu_clean_keeps_signals`).
+//!
+//! `shrink_wide_*`: the wide build past 32 ranks (common.cuh `WIDE`: the gone set in
+//!   `EP_MASK_WORDS` shared words, `GONE_INIT`, `GONE_ADD`, `GONE_SNAPSHOT`), at a word of 2
+//!   bits so that rank 2 of 3 is where rank 32 of 33 is (the first peer of word 1; see
+//!   `gpu_protocol`'s `peers` module): a block's thread 1 copies word 1 at each snapshot.
+//!   `shrink_wide_receive_loses_rank_past_the_first_word`: two survivors lose a dead rank 2 at
+//!   their receive and leave it out (the snapshot after the receive); `shrink_wide_ack_*` (both
+//!   kernels): rank 0 loses it at its ack wait and writes nothing more to it. Their mutants are
+//!   the model's runtime `WideMutant`s (not cfg mutants: these tests run them and require the
+//!   model to fail, `must_fail`): `FirstWordOnly` (the snapshot copies word 0 only: the
+//!   models' assertions) and `NoSnapshotBarrier` (no barrier after the copies: loom's causality
+//!   violation).
 #![cfg(ep_loom)]
 
 mod loom_gpu;
@@ -350,15 +362,15 @@ fn must_fail(want: &str, body: impl FnOnce()) {
 fn wide_receive_loses_rank_past_the_first_word(mutant: Option<WideMutant>) {
     model(move || {
         let g = wide_group(Kind::Batched, vec![(2, 0), (2, 1)], mutant);
-        let c = vec![Input {
+        let c = Input {
             call: 1,
             route: vec![vec![], vec![], vec![vec![(0, 0)], vec![(1, 0)]]],
-        }];
+        };
         let done: Vec<Done> = (0..2)
             .map(|rank| Done {
                 rank,
-                reps: launch(g, shrink(bounded(1)), &c[0], rank),
-                input: c[0].clone(),
+                reps: launch(g, shrink(bounded(1)), &c, rank),
+                input: c.clone(),
             })
             .collect();
         for d in &done {
