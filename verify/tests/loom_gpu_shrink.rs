@@ -14,6 +14,18 @@
 //!   call's tag, and its region are left alone, and the masked peer masks back at its next ack
 //!   wait (mutant `gpu_masked_peer_waited`); `shrink_unmask_with_clean`: a peer lost in call 1 is
 //!   taken back after every rank's clean, bit for bit (mutant `gpu_clean_keeps_signals`).
+//!
+//! `shrink_wide_*`: the wide build past 32 ranks (common.cuh `WIDE`: the gone set in
+//!   `EP_MASK_WORDS` shared words, `GONE_INIT`, `GONE_ADD`, `GONE_SNAPSHOT`), at a word of 2
+//!   bits so that rank 2 of 3 is where rank 32 of 33 is (the first peer of word 1; see
+//!   `gpu_protocol`'s `peers` module): a block's thread 1 copies word 1 at each snapshot.
+//!   `shrink_wide_receive_loses_rank_past_the_first_word`: two survivors lose a dead rank 2 at
+//!   their receive and leave it out (the snapshot after the receive); `shrink_wide_ack_*` (both
+//!   kernels): rank 0 loses it at its ack wait and writes nothing more to it. Their mutants are
+//!   the model's runtime `WideMutant`s (not cfg mutants: these tests run them and require the
+//!   model to fail, `must_fail`): `FirstWordOnly` (the snapshot copies word 0 only: the
+//!   models' assertions) and `NoSnapshotBarrier` (no barrier after the copies: loom's causality
+//!   violation).
 #![cfg(ep_loom)]
 
 mod loom_gpu;
@@ -75,7 +87,8 @@ fn shrink_check(g: &Group, done: &[Done], before_clean: u64) -> bool {
         assert_eq!(
             merged(&d.reps),
             want,
-            "rank {rank} consumed call {call}'s entries, less the peers left out ({gone:#b})"
+            "rank {rank} consumed call {call}'s entries, less the peers left out ({:#b})",
+            gone.flat()
         );
     }
     true
@@ -194,6 +207,7 @@ fn shrink_masked_peer_signals_ignored() {
             links: vec![(0, 1), (2, 1)],
             max_tokens: 2,
             local_experts: 1,
+            build: Build::Narrow,
         })));
         update_mask(g, 1, 0, true);
         let c: Vec<Input> = (1..=2)
@@ -213,9 +227,9 @@ fn shrink_masked_peer_signals_ignored() {
             let d = done.iter().find(|d| d.rank == rank && d.input.call == call);
             d.expect("launched").reps[0].gone
         };
-        assert_eq!(gone(0, 1), 0, "rank 0 does not know");
+        assert_eq!(gone(0, 1).flat(), 0, "rank 0 does not know");
         assert_eq!(
-            gone(0, 2),
+            gone(0, 2).flat(),
             0b010,
             "rank 0 lost rank 1 at the ack wait of call 2"
         );
@@ -235,7 +249,7 @@ fn shrink_masked_peer_signals_ignored() {
                 "rank 0 wrote nothing to rank 1 in call 2"
             );
         }
-        if gone(1, 2) == 0b001 {
+        if gone(1, 2).flat() == 0b001 {
             seen.store(true, StdOrdering::Relaxed);
         }
         true
@@ -280,7 +294,7 @@ fn shrink_unmask_with_clean() {
         let c2 = vec![input(2, 0, 0)];
         let done = run_calls(g, never, c2.clone(), c2);
         assert!(shrink_check(g, &done, 1), "nothing can run out");
-        assert_eq!(done[1].reps[0].gone, 0, "rank 1 took rank 0 back");
+        assert_eq!(done[1].reps[0].gone.flat(), 0, "rank 1 took rank 0 back");
         assert_eq!(merged(&done[1].reps), g.expected(&done[1].input, 1));
         true
     });
@@ -288,4 +302,189 @@ fn shrink_unmask_with_clean() {
         masked.load(StdOrdering::Relaxed),
         "no interleaving masked rank 0 in call 1"
     );
+}
+
+// ---------------------------------------------------------------- the wide build (past 32 ranks)
+
+/// Three ranks (one block each, one device each) in the wide build at 2 bits a word
+/// (`ep_verify::gpu_protocol::Build`; the scaling in its `peers` module's docs): W = 2 words,
+/// rank 2 is bit 0 of word 1, where rank 32 of 33 sits in the kernel's 32-bit words. Every
+/// block has a second thread (`gone_word_thread`) that copies word 1 at each
+/// `GONE_SNAPSHOT`; word 0 is block thread 0's.
+fn wide_group(
+    kind: Kind,
+    links: Vec<(usize, usize)>,
+    mutant: Option<WideMutant>,
+) -> &'static Group {
+    let g = Box::leak(Box::new(Group::new(Setup {
+        kind,
+        ranks: vec![(0, 1), (1, 1), (2, 1)],
+        links,
+        max_tokens: 2,
+        local_experts: 1,
+        build: Build::Wide {
+            word_bits: 2,
+            mutant,
+        },
+    })));
+    let at = PeerSet::empty(2).place(2);
+    assert_eq!(at, (1, 1), "rank 2 is the first peer of word 1");
+    g
+}
+
+/// Runs a model that must fail under its mutant, and requires the failure to say `want` (an
+/// assertion of the model, or loom's "Causality violation").
+fn must_fail(want: &str, body: impl FnOnce()) {
+    let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body))
+        .expect_err("the mutant survived: the model passed");
+    let msg = err
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| err.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default();
+    assert!(
+        msg.contains(want),
+        "the mutant failed, but not with {want:?}: {msg}"
+    );
+}
+
+/// Shrink mode, wide build, batched, one call: ranks 0 and 1 are rank 2's destinations, but
+/// rank 2 (past the first word) is dead: it never launches. Each survivor's receive waits for
+/// rank 2 for one poll, proposes "lost", agrees, masks rank 2 and adds it to word 1 of its live
+/// set (`GONE_ADD`: an `atomicOr` by thread 0); after the `__syncthreads_or`, word 1 reaches
+/// the snapshot the expansion reads only through thread 1's copy and the barrier after it.
+/// Every survivor must leave rank 2 out (its snapshot holds it and nothing else), mask it, not
+/// ack it, and read nothing. The survivors share nothing here (rank 2 is dead), so their
+/// launches run one after the other on this thread: interleaved, with their word threads, the
+/// model ran for over five minutes and could find nothing more. Mutants: `FirstWordOnly` (the snapshot misses rank
+/// 2), `NoSnapshotBarrier` (thread 0 reads word 1 of `s_gone1` while thread 1 may still write
+/// it: loom's causality violation).
+fn wide_receive_loses_rank_past_the_first_word(mutant: Option<WideMutant>) {
+    model(move || {
+        let g = wide_group(Kind::Batched, vec![(2, 0), (2, 1)], mutant);
+        let c = Input {
+            call: 1,
+            route: vec![vec![], vec![], vec![vec![(0, 0)], vec![(1, 0)]]],
+        };
+        let done: Vec<Done> = (0..2)
+            .map(|rank| Done {
+                rank,
+                reps: launch(g, shrink(bounded(1)), &c, rank),
+                input: c.clone(),
+            })
+            .collect();
+        for d in &done {
+            for r in &d.reps {
+                assert!(
+                    is_gone(r.gone, 2),
+                    "rank {} did not leave out rank 2 (word 1): {:#b}",
+                    d.rank,
+                    r.gone.flat()
+                );
+                assert_eq!(r.gone.flat(), 0b100, "rank {} lost rank 2 only", d.rank);
+            }
+        }
+        // One block per rank: no wait again, nothing can report.
+        assert!(shrink_check(g, &done, 0), "no error in shrink mode here");
+        for rank in 0..2 {
+            assert_eq!(
+                mask_status(g, rank),
+                [false, false, true],
+                "rank {rank}'s mask"
+            );
+            assert_eq!(ack_word(g, 2, rank), 0, "rank {rank} acks rank 2 nothing");
+        }
+        true
+    });
+}
+
+#[test]
+fn shrink_wide_receive_loses_rank_past_the_first_word() {
+    wide_receive_loses_rank_past_the_first_word(None);
+}
+
+#[test]
+fn shrink_wide_receive_mutant_first_word_only() {
+    must_fail("did not leave out rank 2", || {
+        wide_receive_loses_rank_past_the_first_word(Some(WideMutant::FirstWordOnly))
+    });
+}
+
+#[test]
+fn shrink_wide_receive_mutant_no_snapshot_barrier() {
+    must_fail("Causality violation", || {
+        wide_receive_loses_rank_past_the_first_word(Some(WideMutant::NoSnapshotBarrier))
+    });
+}
+
+/// Shrink mode, wide build, three calls of rank 0 with no sync between them; rank 0 sends both
+/// its tokens to rank 2 (past the first word), which is dead: it never launches, so it never
+/// acks. Call 1 writes rank 2's region and signals. Call 2's ack wait for rank 2 runs out:
+/// "lost", agreed, rank 2 masked and added to word 1 of the live set; the snapshot after the
+/// `__syncthreads_or` (thread 1 copies word 1, then the barrier) must hold it, so that call 2
+/// neither writes nor signals rank 2: its region keeps call 1's entries. Call 3 starts with
+/// rank 2 masked (`GONE_INIT`: every word, by thread 0) and leaves it out from the start.
+/// Mutants: `FirstWordOnly` (call 2's snapshot misses rank 2, and call 2 writes the lost
+/// peer's region), `NoSnapshotBarrier` (loom's causality violation on word 1 of `s_gone1`).
+fn wide_ack_loses_rank_past_the_first_word(kind: Kind, mutant: Option<WideMutant>) {
+    model(move || {
+        let g = wide_group(kind, vec![(0, 2)], mutant);
+        let c: Vec<Input> = (1..=3)
+            .map(|call| Input {
+                call,
+                route: vec![vec![vec![(2, 0)], vec![(2, 0)]], vec![], vec![]],
+            })
+            .collect();
+        let done = run_ranks(g, shrink(bounded(1)), vec![c]);
+        for t in 0..2 {
+            assert_eq!(
+                entry_at(g, 2, t).1,
+                payload(1, 0, t),
+                "rank 0 wrote to rank 2, lost at its ack wait, after call 1"
+            );
+        }
+        // One block: no wait again, nothing can report.
+        assert!(shrink_check(g, &done, 0), "no error in shrink mode here");
+        for d in &done {
+            assert_eq!(
+                is_gone(d.reps[0].gone, 2),
+                d.input.call > 1,
+                "rank 0 leaves out rank 2 (word 1) from call 2 on"
+            );
+        }
+        assert_eq!(
+            mask_status(g, 0),
+            [false, false, true],
+            "rank 0 masks rank 2"
+        );
+        true
+    });
+}
+
+#[test]
+fn shrink_wide_ack_loses_rank_past_the_first_word() {
+    wide_ack_loses_rank_past_the_first_word(Kind::Batched, None);
+}
+
+#[test]
+fn shrink_wide_per_expert_ack_loses_rank_past_the_first_word() {
+    wide_ack_loses_rank_past_the_first_word(Kind::PerExpert, None);
+}
+
+#[test]
+fn shrink_wide_ack_mutant_first_word_only() {
+    for kind in [Kind::Batched, Kind::PerExpert] {
+        must_fail("wrote to rank 2", || {
+            wide_ack_loses_rank_past_the_first_word(kind, Some(WideMutant::FirstWordOnly))
+        });
+    }
+}
+
+#[test]
+fn shrink_wide_ack_mutant_no_snapshot_barrier() {
+    for kind in [Kind::Batched, Kind::PerExpert] {
+        must_fail("Causality violation", || {
+            wide_ack_loses_rank_past_the_first_word(kind, Some(WideMutant::NoSnapshotBarrier))
+        });
+    }
 }

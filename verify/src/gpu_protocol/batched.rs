@@ -2,10 +2,12 @@
 //! memory: a block's share of every batch, the count of blocks out and the signal of the block
 //! that completes it; then the receive's waits for every source and its share of the entries.
 
+use crate::gpu_protocol::gone::{Gone, OR_RECEIVE};
 use crate::gpu_protocol::orderings::{
     fence_after_last_sent, fence_before_sent_add, RELAXED, SIGNAL_STORE,
 };
-use crate::gpu_protocol::shrink::{is_gone, receive_skips, wait_peer_signals, Peer};
+use crate::gpu_protocol::peers::{is_gone, PeerSet};
+use crate::gpu_protocol::shrink::{receive_skips, wait_peer_signals, Peer};
 use crate::gpu_protocol::state::{
     payload, read_entry, write_entry, BlockReport, Entry, Group, Input, Launch, WaitEnd,
 };
@@ -26,7 +28,7 @@ pub(crate) fn batched_send(
     rank: usize,
     bid: usize,
     epoch: u64,
-    gone: u32,
+    gone: PeerSet,
 ) {
     let me = &g.ranks[rank];
     let t_n = g.setup.max_tokens;
@@ -73,14 +75,18 @@ pub(crate) fn batched_send(
 /// by the error word), bounds the count, then reads its share of the entries
 /// (batched dispatch, the block under "`if (p.stage != 1 && !direct)`"). Shrink mode: a source
 /// in `gone` is not waited for, the others with [`wait_peer_signals`]; one agreed lost joins
-/// `rep.gone` ("`atomicOr(&s_gone, 1u << tid); c = 0;`"): nothing of either is read.
+/// the block's live set (`GONE_ADD(tid); c = 0;`): nothing of either is read. Then the
+/// `__syncthreads_or(bad)` and, if no wait failed, the snapshot that the expansion reads
+/// (`GONE_SNAPSHOT(gone)`), which becomes `rep.gone`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn batched_receive(
     g: &Group,
     kp: &Launch,
     rank: usize,
     bid: usize,
     epoch: u64,
-    gone: u32,
+    gone: PeerSet,
+    set: &mut Gone<'_>,
     rep: &mut BlockReport,
 ) {
     let me = &g.ranks[rank];
@@ -100,8 +106,8 @@ pub(crate) fn batched_receive(
             wait_signal(g, kp, &me.sig[s], epoch, rank, s, PH_DISPATCH_RECV).map(Peer::Arrived)
         };
         match got {
-            // if (c == PEER_LOST) { atomicOr(&s_gone, 1u << tid); c = 0; }
-            Ok(Peer::Lost) => rep.gone |= 1 << s,
+            // if (c == PEER_LOST) { GONE_ADD(tid); c = 0; }
+            Ok(Peer::Lost) => set.add(s),
             Ok(Peer::Arrived(c)) => {
                 // bad = c < 0 || peer_bad(p, rank, tid, PF_BATCH_TOKENS, c, T);
                 if peer_bad(g.err(rank), rank, s, PF_BATCH_TOKENS, c as i64, t_n as i64) {
@@ -116,9 +122,12 @@ pub(crate) fn batched_receive(
         }
     }
     // if (__syncthreads_or(bad)) goto finish;
-    if rep.failed_wait.is_some() {
+    if set.sync_or(OR_RECEIVE, rep.failed_wait.is_some()) {
+        rep.gone = set.live();
         return;
     }
+    // GONE_SNAPSHOT(gone);  // + the sources lost in this call: their counts below are 0
+    rep.gone = set.snapshot();
     // units u0 = bid * NWARPS + warp, u0 += nw (load_unit / store_unit): entry j of every source's
     // batch, one after the other (sm.rcnt), belongs to block j % blocks.
     let mut j = 0;

@@ -3,10 +3,12 @@
 //! (with batched dispatch's pre-load of the acks), and at the end `last_block_out` and `finish`,
 //! which publish the epoch and the acks.
 
+use crate::gpu_protocol::gone::Gone;
 use crate::gpu_protocol::orderings::{
     fence_after_last_exit, fence_before_exit_add, ACK_LOAD, ACK_STORE, RELAXED,
 };
-use crate::gpu_protocol::shrink::{is_gone, masked_peers, wait_peer_ack, Peer};
+use crate::gpu_protocol::peers::{is_gone, Build, PeerSet};
+use crate::gpu_protocol::shrink::{masked_peers, peer_masked, wait_peer_ack, Peer};
 use crate::gpu_protocol::state::{BlockReport, Group, Launch, Rank, WaitEnd};
 use crate::gpu_protocol::waits::{report_error, wait_ack};
 use crate::gpu_protocol::words::{ERR_EXPERT_RANGE, PH_DISPATCH_SEND};
@@ -58,7 +60,7 @@ pub(crate) fn preload_acks(g: &Group, rank: usize) -> Vec<u64> {
 /// p.stage != 2 && !via_nccl(p, tid)) bad = !wait_ack(...)`".
 /// Shrink mode (both kernels; `ack0` unused): a destination masked at the block's start
 /// (`gone0`) is not waited for, the others with [`wait_peer_ack`]; one agreed lost joins `gone`
-/// (batched "`if (r == PEER_LOST) atomicOr(&s_gone, 1u << ackd); else wbad = !r;`").
+/// (batched "`if (r == PEER_LOST) GONE_ADD(ackd); else wbad = !r;`").
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn sender_wait_acks(
     g: &Group,
@@ -66,8 +68,8 @@ pub(crate) fn sender_wait_acks(
     rank: usize,
     epoch: u64,
     ack0: Option<&[u64]>,
-    gone0: u32,
-    gone: &mut u32,
+    gone0: PeerSet,
+    gone: &mut Gone<'_>,
     rep: &mut BlockReport,
 ) -> Option<WaitEnd> {
     let mut bad = None;
@@ -80,7 +82,8 @@ pub(crate) fn sender_wait_acks(
             }
             // wait_peer_ack(peer_wait(p, me, KIND, DEC_ACK, rank, ackd, PH_DISPATCH_SEND), sig_bat_ack(me, R) + ackd, epoch - 1ull, epoch)
             match wait_peer_ack(g, kp, rank, d, epoch - 1, epoch, rep) {
-                Ok(Peer::Lost) => *gone |= 1 << d,
+                // if (r == PEER_LOST) GONE_ADD(ackd);
+                Ok(Peer::Lost) => gone.add(d),
                 Ok(Peer::Arrived(_)) => {}
                 Err(e) => {
                     bad.get_or_insert(e);
@@ -133,7 +136,8 @@ fn last_block_out(me: &Rank) -> bool {
 /// neither epoch nor acks ("`if (last_out && p.stage != 1)`"); 2 (unpack): the epoch, and no
 /// ack to its sources, which the model's stage 2 only has over NCCL ("`if (!via_nccl(p, s))`").
 /// Shrink mode: no ack to a source masked now (the mask read again by the last block out,
-/// "`const u32 masked = masked_peers(p, me)`": masked before the call or lost in it).
+/// "`const u32 masked = masked_peers(p, me)`": masked before the call or lost in it; the wide
+/// build reads the mask per peer as it acks, `END_MASKED(s)`).
 pub(crate) fn finish(
     g: &Group,
     kp: &Launch,
@@ -153,11 +157,17 @@ pub(crate) fn finish(
             me.epoch
                 .with_row_mut(0, |b| b.copy_from_slice(&epoch.to_le_bytes()))
         };
-        // const u32 masked = masked_peers(p, me);  // shrink: no ack to a masked peer
-        let masked = masked_peers(kp, me);
+        // MASKED_AT_END();  // shrink: no ack to a masked peer
+        // (narrow: const u32 masked = masked_peers(p, me); wide: nothing)
+        let masked = (g.setup.build == Build::Narrow).then(|| masked_peers(g, kp, me));
         for s in g.sources(rank).filter(|_| stage == 0) {
-            // if (!via_nccl(p, s) && !is_gone(masked, s)) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
-            if !is_gone(masked, s) {
+            // if (!via_nccl(p, s) && !END_MASKED(s)) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
+            // (END_MASKED(s): narrow is_gone(masked, s), wide peer_masked(p, me, s))
+            let end_masked = match masked {
+                Some(m) => is_gone(m, s),
+                None => peer_masked(kp, me, s),
+            };
+            if !end_masked {
                 g.ranks[s].ack[rank].store(epoch, ACK_STORE);
             }
         }

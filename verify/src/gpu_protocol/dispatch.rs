@@ -6,12 +6,12 @@ use crate::gpu_protocol::batched::{batched_receive, batched_send};
 use crate::gpu_protocol::block::{
     block_epoch, finish, input_check, preload_acks, sender_wait_acks,
 };
+use crate::gpu_protocol::gone::{BlockShared, Gone, OR_ACKS};
 use crate::gpu_protocol::per_expert::{per_expert_receive, per_expert_send};
-use crate::gpu_protocol::shrink::masked_peers;
 use crate::gpu_protocol::state::{BlockReport, Group, Input, Kind, Launch};
 
 /// One block of one stage-0 dispatch launch, every role in kernel order (batched.cu
-/// `ep_batched::dispatch` / per_expert.cu `ep_per_expert::dispatch`).
+/// `ep_batched::dispatch` / per_expert.cu `ep_per_expert::dispatch`), in the narrow build.
 pub fn dispatch_block(
     g: &Group,
     kp: &Launch,
@@ -19,12 +19,29 @@ pub fn dispatch_block(
     rank: usize,
     bid: usize,
 ) -> BlockReport {
+    dispatch_block_in(g, kp, input, rank, bid, None)
+}
+
+/// [`dispatch_block`] in either build: thread 0 of the block, whose gone set lives in `shared`
+/// in the wide build (the block's other threads run [`gone_word_thread`] on it), and in thread
+/// 0 alone in the narrow build (`None`).
+///
+/// [`gone_word_thread`]: crate::gpu_protocol::gone_word_thread
+pub fn dispatch_block_in(
+    g: &Group,
+    kp: &Launch,
+    input: &Input,
+    rank: usize,
+    bid: usize,
+    shared: Option<&BlockShared>,
+) -> BlockReport {
     let me = &g.ranks[rank];
     // Batched: thread 32 + d's first ld_acquire of the ack, before anything else.
     let ack0 = (g.setup.kind == Kind::Batched).then(|| preload_acks(g, rank));
     let epoch = block_epoch(me);
-    // s_gone = masked_peers(p, me); ... const u32 gone0 = s_gone;
-    let gone0 = masked_peers(kp, me);
+    // GONE_INIT(); ... __syncthreads(); ... const PeerSet gone0 = GONE0();
+    let mut set = Gone::new(g, shared);
+    let gone0 = set.init(g, kp, me);
     let mut rep = BlockReport {
         epoch,
         gone: gone0,
@@ -33,7 +50,6 @@ pub fn dispatch_block(
     // batched: in_bad = __syncthreads_or(bad) | s_bad; per-expert: load_topk(...) | s_bad
     rep.bad_input = input_check(g, kp, rank);
     // if (!in_bad && acker && ack0 < epoch - 1ull) wbad = !wait_ack(...) (per-expert: tid < R)
-    let mut gone = gone0;
     if !rep.bad_input {
         rep.failed_wait = sender_wait_acks(
             g,
@@ -42,24 +58,28 @@ pub fn dispatch_block(
             epoch,
             ack0.as_deref(),
             gone0,
-            &mut gone,
+            &mut set,
             &mut rep,
         );
     }
-    // gone = s_gone;  // masked, or lost at the acknowledgement: nothing is sent there
-    rep.gone = gone;
     // if (__syncthreads_or(wbad) || in_bad) goto finish; (per-expert: __syncthreads_or(bad))
-    if !rep.bad_input && rep.failed_wait.is_none() {
+    if !set.sync_or(OR_ACKS, rep.bad_input || rep.failed_wait.is_some()) {
+        // GONE_SNAPSHOT(gone);  // masked, or lost at the acknowledgement: nothing is sent there
+        let gone = set.snapshot();
+        rep.gone = gone;
         match g.setup.kind {
             Kind::Batched => {
                 batched_send(g, kp, input, rank, bid, epoch, gone);
-                batched_receive(g, kp, rank, bid, epoch, gone, &mut rep);
+                batched_receive(g, kp, rank, bid, epoch, gone, &mut set, &mut rep);
             }
             Kind::PerExpert => {
                 per_expert_send(g, kp, input, rank, bid, epoch, gone);
-                per_expert_receive(g, kp, rank, bid, epoch, gone, &mut rep);
+                per_expert_receive(g, kp, rank, bid, epoch, gone, &mut set, &mut rep);
+                rep.gone = set.live();
             }
         }
+    } else {
+        rep.gone = set.live();
     }
     finish(g, kp, rank, epoch, &mut rep, 0);
     rep

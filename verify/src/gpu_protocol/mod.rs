@@ -14,9 +14,11 @@
 //! # Modules
 //! By role, from the bottom up; each imports only modules before it here, by name
 //! (`crate::gpu_protocol::<module>::<item>`): `words` (entry size, codes, the signal word),
-//! `orderings` (every fence, load and store ordering, with its mutants), `state` (the model's
-//! shape and memory), `waits` (the error word, the bounded waits), `shrink` (the rank mask:
-//! agreement, masked waits, the host's mask calls), `block` (what every block runs around its
+//! `peers` (sets of peers in the build's words: [`PeerSet`], [`Build`]), `orderings` (every
+//! fence, load and store ordering, with its mutants), `state` (the model's shape and memory),
+//! `waits` (the error word, the bounded waits), `shrink` (the rank mask: agreement, masked
+//! waits, the host's mask calls), `gone` (a block's set of gone peers: the narrow build's
+//! word, the wide build's shared words, their copies and barriers), `block` (what every block runs around its
 //! sends and receives: epoch, input check, ack waits, last block out), `batched` and
 //! `per_expert` (each kernel's send and receive), `dispatch` ([`dispatch_block`]), `nccl`
 //! (capacity mode's poison, pack, exchange and unpack), `host` (the error word as the host
@@ -54,11 +56,23 @@
 //! - **Bounded waits.** `%globaltimer` is a [`Deadline`]: under loom a timeout of N ms is N polls
 //!   and one of an hour or more never expires. The kernels look at the error word and the clock
 //!   every 64 polls, the model on every poll.
+//! - **Builds** ([`Setup::build`], [`Build`]; layout.rs `Variant`, common.cuh `WIDE`). A set of
+//!   peers is a [`PeerSet`]: one u32 in the narrow build (R <= 32), `EP_MASK_WORDS` words in
+//!   the wide one (bit d % 32 of word d / 32). The wide build keeps a block's gone set in
+//!   shared memory and copies it between barriers (`GONE_SNAPSHOT`: thread `tid < W` copies
+//!   word `tid`, then `__syncthreads()`); its model block is thread 0 (everything, as above)
+//!   plus one thread per word past the first ([`gone_word_thread`] over a [`BlockShared`]),
+//!   and its models scale the word down (2 bits: rank 2 of 3 is the first peer of word 1, as
+//!   rank 32 of 33 is in the kernel's words). Its mutants ([`WideMutant`]: a snapshot of word
+//!   0 only, no barrier after the copies) are runtime values that the `shrink_wide_*` models
+//!   run and must fail. The wide build's finish reads the mask per peer (`END_MASKED`).
+//!   Not modelled: the NCCL peer mask (the model's NCCL stages take every peer over NCCL, and
+//!   shrink mode is CUDA IPC only), combine's sets (the same macros).
 //! - **Shrink mode** ([`Launch::shrink`]; common.cuh, "shrink mode (the rank mask)"). Each
 //!   rank's mask words (`int`: `ld.volatile` reads, `atomicExch`) and decision words (u64, one
 //!   per (recv | ack, peer) of the model's kernel kind: a volatile read, then `atomicCAS`) are
 //!   relaxed atomics of its [`Rank`]. A block reads the mask at its start (`masked_peers`:
-//!   `gone0`); a masked peer is neither waited for nor sent to nor read (no count, no entry),
+//!   `gone0`, a [`PeerSet`]); a masked peer is neither waited for nor sent to nor read (no count, no entry),
 //!   and the last block out acks no peer masked by then. Any other peer's wait
 //!   (`wait_peer_signals`, `wait_peer_ack`) proposes "arrived" once every word the peer owes is
 //!   there, "lost" when the peer turns out masked or the [`Deadline`] runs out, and `agree`
@@ -204,9 +218,11 @@
 mod batched;
 mod block;
 mod dispatch;
+mod gone;
 mod host;
 mod nccl;
 mod orderings;
+mod peers;
 mod per_expert;
 mod shrink;
 mod state;
@@ -216,13 +232,15 @@ mod words;
 #[cfg(all(test, not(ep_loom)))]
 mod tests;
 
-pub use dispatch::dispatch_block;
+pub use dispatch::{dispatch_block, dispatch_block_in};
+pub use gone::{gone_word_thread, BlockShared};
 pub use host::{ack_word, device_error, entry_at, DeviceError, Host};
 pub use nccl::{
     batched_pack_block, batched_unpack_block, nccl_capacity_exchange, poison_send_headers,
     POISON_HDR,
 };
-pub use shrink::{clean_mask, is_gone, mask_status, update_mask, DEC_ACK, DEC_RECV};
+pub use peers::{is_gone, Build, PeerSet, WideMutant, MASK_WORDS, WORD_BITS};
+pub use shrink::{clean_mask, mask_status, update_mask, DEC_ACK, DEC_RECV};
 pub use state::{
     merged, payload, BlockReport, Entry, ErrorWord, Group, Input, Kind, Launch, Rank, Setup,
     WaitEnd,

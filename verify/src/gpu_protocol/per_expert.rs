@@ -2,8 +2,10 @@
 //! message per selection, stamped with the epoch, and one signal per expert; then the receive's
 //! wait per (local expert, source) and its search for this call's messages by their stamp.
 
+use crate::gpu_protocol::gone::Gone;
 use crate::gpu_protocol::orderings::{fence_before_pe_signal, SIGNAL_STORE};
-use crate::gpu_protocol::shrink::{is_gone, receive_skips, wait_peer_signals, Peer};
+use crate::gpu_protocol::peers::{is_gone, PeerSet};
+use crate::gpu_protocol::shrink::{receive_skips, wait_peer_signals, Peer};
 use crate::gpu_protocol::state::{
     payload, read_entry, write_entry, BlockReport, Entry, Group, Input, Launch, WaitEnd,
 };
@@ -21,7 +23,7 @@ pub(crate) fn per_expert_send(
     rank: usize,
     bid: usize,
     epoch: u64,
-    gone: u32,
+    gone: PeerSet,
 ) {
     let me = &g.ranks[rank];
     let (r_n, t_n, l_n) = (g.ranks.len(), g.setup.max_tokens, g.setup.local_experts);
@@ -63,16 +65,18 @@ pub(crate) fn per_expert_send(
 /// for the (l, s) signal, then finds this call's messages by their epoch stamp
 /// (per-expert dispatch, "`---- receive`"). Shrink mode: a source in `gone` is not waited for,
 /// the others with [`wait_peer_signals`] over all L of the source's words (`mine` = l: "arrived"
-/// is proposed once every expert's signal is there); one agreed lost joins `rep.gone` and
-/// counts 0 (`gone` itself is not refreshed in the loop, as in the kernel: the next wait for it
-/// sees the mask).
+/// is proposed once every expert's signal is there); one agreed lost joins the block's live set
+/// (`GONE_ADD(s)`) and counts 0 (`gone` itself is not refreshed in the loop, as in the kernel:
+/// the next wait for it sees the mask).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn per_expert_receive(
     g: &Group,
     kp: &Launch,
     rank: usize,
     bid: usize,
     epoch: u64,
-    gone: u32,
+    gone: PeerSet,
+    set: &mut Gone<'_>,
     rep: &mut BlockReport,
 ) {
     let me = &g.ranks[rank];
@@ -102,11 +106,11 @@ pub(crate) fn per_expert_receive(
                 )
                 .map(Peer::Arrived)
             };
-            // if (c == PEER_LOST) { atomicOr(&s_gone, 1u << s); c = 0; }
+            // if (c == PEER_LOST) { GONE_ADD(s); c = 0; }
             // else if ((nc || c >= 0) && peer_bad(p, rank, s, PF_PE_COUNT, c, T)) c = -1;
             let got = got.and_then(|c| match c {
                 Peer::Lost => {
-                    rep.gone |= 1 << s;
+                    set.add(s);
                     Ok(0)
                 }
                 Peer::Arrived(c) => {

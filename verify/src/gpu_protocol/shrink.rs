@@ -6,6 +6,7 @@
 use ep_reference::sync::Deadline;
 
 use crate::gpu_protocol::orderings::{tag_matches, ACK_LOAD, RELAXED, SIGNAL_LOAD};
+use crate::gpu_protocol::peers::{is_gone, PeerSet};
 use crate::gpu_protocol::state::{BlockReport, Group, Kind, Launch, Rank, WaitEnd};
 use crate::gpu_protocol::waits::{failed, report_timeout};
 use crate::gpu_protocol::words::{
@@ -16,27 +17,35 @@ use crate::gpu_protocol::words::{
 pub const DEC_RECV: usize = 0;
 pub const DEC_ACK: usize = 1;
 
-/// common.cuh `is_gone`: whether peer d is in the bit set `gone`.
-pub fn is_gone(gone: u32, d: usize) -> bool {
-    gone != 0 && (gone >> d) & 1 != 0
-}
-
-/// common.cuh `masked_peers`: bit d set for every peer masked on this rank (0 without shrink).
-pub(crate) fn masked_peers(kp: &Launch, me: &Rank) -> u32 {
+/// common.cuh `masked_peers` (narrow) / `masked_peers_into` (wide): every peer masked on this
+/// rank, in the build's words (empty without shrink).
+pub(crate) fn masked_peers(g: &Group, kp: &Launch, me: &Rank) -> PeerSet {
+    let mut m = PeerSet::empty(g.setup.build.word_bits());
     // if (!p.shrink) return 0u;
     if !kp.shrink {
-        return 0;
+        return m;
     }
     // for (int d = 0; d < p.R; d++) if (ld_volatile_u32((const u32*)shr_mask(me, p.R) + d) != 0u) m |= 1u << d;
-    (0..me.mask.len())
-        .filter(|&d| me.mask[d].load(RELAXED) != 0)
-        .fold(0, |m, d| m | 1 << d)
+    // (wide: out[d >> 5] |= 1u << (d & 31))
+    for d in 0..me.mask.len() {
+        if me.mask[d].load(RELAXED) != 0 {
+            m.insert(d);
+        }
+    }
+    m
+}
+
+/// common.cuh `peer_masked`: the wide build's look at the mask at the end, per peer, when it
+/// acks (`END_MASKED(s)`: "`p.shrink && ld_volatile_u32((const u32*)shr_mask(me, p.R) + d) !=
+/// 0u`").
+pub(crate) fn peer_masked(kp: &Launch, me: &Rank, d: usize) -> bool {
+    kp.shrink && me.mask[d].load(RELAXED) != 0
 }
 
 /// The receive's skip of a peer already gone (batched "`c = is_gone(gone, tid) ? PEER_LOST :
 /// wait_peer_signals(...)`", per-expert "`c = is_gone(gone, s) ? PEER_LOST : ...`").
 #[inline]
-pub(crate) fn receive_skips(gone: u32, s: usize) -> bool {
+pub(crate) fn receive_skips(gone: PeerSet, s: usize) -> bool {
     #[cfg(not(ep_mutant = "gpu_masked_peer_waited"))]
     return is_gone(gone, s);
     // Mutant (with `receive_sees_mask`): the receive ignores the mask and waits for a masked

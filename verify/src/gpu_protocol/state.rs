@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use ep_reference::sync::{AtomicU64, SharedRows};
 
+use crate::gpu_protocol::peers::{Build, PeerSet};
 use crate::gpu_protocol::words::{signal_word, ROW_BYTES};
 
 /// Which kernel a model runs.
@@ -30,6 +31,9 @@ pub struct Setup {
     pub max_tokens: usize,
     /// L: local experts per rank.
     pub local_experts: usize,
+    /// The kernel build, which decides the shape of its peer sets (`peers`): [`Build::Narrow`]
+    /// up to 32 ranks, as the host picks it, or the wide build at a scaled-down word size.
+    pub build: Build,
 }
 
 /// One rank's words (common.cuh `RankPtrs`: `state`, `sig`, `bat_buf` / `pe_buf`).
@@ -155,10 +159,12 @@ pub struct BlockReport {
     pub bad_input: bool,
     /// This block was the last out: it published the epoch and the acks.
     pub last_out: bool,
-    /// Shrink mode: bit d set for every peer this block left out: masked at its start (`gone0`,
-    /// common.cuh `masked_peers`) and lost in this call (`s_gone`, agreed by every block that
-    /// waited for the peer).
-    pub gone: u32,
+    /// Shrink mode: every peer this block left out: masked at its start (`gone0`, common.cuh
+    /// `masked_peers`) and lost in this call (`s_gone`, agreed by every block that waited for
+    /// the peer), as the block's thread 0 last took the set: batched dispatch's snapshot after
+    /// the receive (`GONE_SNAPSHOT(gone)`; the wide build's copy of every word through shared
+    /// memory), else the live set at the block's end.
+    pub gone: PeerSet,
     /// Shrink mode: this block's own wait for a peer ran out while the agreed verdict was
     /// "arrived", and it waited again (`wait_peer_signals` / `wait_peer_ack` after `agree_at`).
     pub waited_again: bool,
@@ -173,6 +179,7 @@ impl Group {
     /// `base` with count 0): the tag-wrap models start just before the wrap.
     pub fn after_calls(setup: Setup, base: u64) -> Group {
         let r_n = setup.ranks.len();
+        setup.build.check(r_n);
         let (t_n, l_n) = (setup.max_tokens, setup.local_experts);
         let n_dev = setup.ranks.iter().map(|r| r.0).max().map_or(0, |d| d + 1);
         let ranks = setup

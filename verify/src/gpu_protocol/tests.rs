@@ -12,6 +12,7 @@ use crate::gpu_protocol::nccl::{
     POISON_HDR,
 };
 use crate::gpu_protocol::orderings::RELAXED;
+use crate::gpu_protocol::peers::Build;
 use crate::gpu_protocol::shrink::{clean_mask, mask_status};
 use crate::gpu_protocol::state::{merged, BlockReport, Group, Input, Kind, Launch, Setup};
 use crate::gpu_protocol::words::{
@@ -25,6 +26,7 @@ fn two_calls(kind: Kind) {
         links: vec![(0, 1)],
         max_tokens: 2,
         local_experts: 2,
+        build: Build::Narrow,
     };
     let g = Arc::new(Group::new(setup));
     let kp = Launch {
@@ -84,6 +86,7 @@ fn fault_rank_times_out_and_the_host_refuses_the_next_call() {
         links: vec![(0, 1)],
         max_tokens: 1,
         local_experts: 1,
+        build: Build::Narrow,
     };
     let g = Arc::new(Group::new(setup));
     let kp = Launch {
@@ -145,6 +148,7 @@ fn bad_input_rank_skips_its_sends_acks_and_the_host_names_it() {
         links: vec![(0, 1)],
         max_tokens: 1,
         local_experts: 1,
+        build: Build::Narrow,
     };
     let g = Arc::new(Group::new(setup));
     let kp = Launch {
@@ -184,6 +188,7 @@ fn shrink_lost_rank_is_masked_not_reported_and_clean_takes_it_back() {
         links: vec![(0, 1)],
         max_tokens: 2,
         local_experts: 1,
+        build: Build::Narrow,
     };
     let g = Arc::new(Group::new(setup));
     let input = |call| Input {
@@ -209,7 +214,7 @@ fn shrink_lost_rank_is_masked_not_reported_and_clean_takes_it_back() {
     };
     let reps = run(lossy, &input(1));
     for r in &reps[1..] {
-        assert_eq!((r.gone, r.failed_wait), (0b01, None));
+        assert_eq!((r.gone.flat(), r.failed_wait), (0b01, None));
         assert!(r.read.is_empty());
     }
     assert_eq!(Host::default().sync(&g), Ok(()), "a lost peer is no error");
@@ -225,7 +230,7 @@ fn shrink_lost_rank_is_masked_not_reported_and_clean_takes_it_back() {
     let c2 = input(2);
     let reps = run(good, &c2);
     for r in &reps {
-        assert_eq!((r.epoch, r.gone, r.failed_wait), (1, 0, None));
+        assert_eq!((r.epoch, r.gone.flat(), r.failed_wait), (1, 0, None));
     }
     assert_eq!(merged(&reps[1..]), g.expected(&c2, 1));
     assert_eq!(ack_word(&g, 0, 1), 1);
@@ -253,6 +258,7 @@ fn capacity_poisoned_header_of_a_bad_sender_is_rejected_by_the_peer() {
         links: vec![(0, 1)],
         max_tokens: 2,
         local_experts: 1,
+        build: Build::Narrow,
     };
     let g = Group::new(setup);
     let kp = Launch {

@@ -8,9 +8,10 @@ pub use std::time::Duration;
 
 pub use ep_verify::gpu_protocol::{
     ack_word, batched_pack_block, batched_unpack_block, clean_mask, device_error, dispatch_block,
-    entry_at, is_gone, mask_status, merged, nccl_capacity_exchange, payload, poison_send_headers,
-    update_mask, BlockReport, DeviceError, Entry, Group, Host, Input, Kind, Launch, Setup, WaitEnd,
-    PF_BATCH_TOKENS, PH_DISPATCH_RECV, POISON_HDR,
+    dispatch_block_in, entry_at, gone_word_thread, is_gone, mask_status, merged,
+    nccl_capacity_exchange, payload, poison_send_headers, update_mask, BlockReport, BlockShared,
+    Build, DeviceError, Entry, Group, Host, Input, Kind, Launch, PeerSet, Setup, WaitEnd,
+    WideMutant, PF_BATCH_TOKENS, PH_DISPATCH_RECV, POISON_HDR,
 };
 pub use loom::thread;
 
@@ -44,6 +45,7 @@ pub fn group_after(
             links: vec![(0, 1)],
             max_tokens: 2,
             local_experts,
+            build: Build::Narrow,
         },
         base,
     )))
@@ -58,15 +60,35 @@ pub fn input(call: u64, l0: usize, l1: usize) -> Input {
 }
 
 /// One launch of every block of `rank`: blocks 1.. on loom threads, block 0 on this one. It
-/// returns when every block has ended (the stream's order before the next launch).
+/// returns when every block has ended (the stream's order before the next launch). The wide
+/// build: each block also gets its word threads (`gone_word_thread`, threads 1..W of the block,
+/// on loom threads) over a new `BlockShared`, joined with it.
 pub fn launch(g: &'static Group, kp: Launch, input: &Input, rank: usize) -> Vec<BlockReport> {
+    let wide = matches!(g.setup.build, Build::Wide { .. });
+    let block = move |input: Input, b: usize| -> Box<dyn FnOnce() -> BlockReport + Send> {
+        if !wide {
+            return Box::new(move || dispatch_block(g, &kp, &input, rank, b));
+        }
+        // Leaked: loom threads need 'static borrows (a new block memory per launch).
+        let shared: &'static BlockShared = Box::leak(Box::new(BlockShared::new(g)));
+        let words: Vec<_> = (1..shared.threads())
+            .map(|tid| thread::spawn(move || gone_word_thread(shared, tid)))
+            .collect();
+        Box::new(move || {
+            let rep = dispatch_block_in(g, &kp, &input, rank, b, Some(shared));
+            for t in words {
+                t.join().unwrap();
+            }
+            rep
+        })
+    };
     let others: Vec<_> = (1..g.ranks[rank].blocks)
         .map(|b| {
-            let input = input.clone();
-            thread::spawn(move || dispatch_block(g, &kp, &input, rank, b))
+            let run = block(input.clone(), b);
+            thread::spawn(run)
         })
         .collect();
-    let mut reps = vec![dispatch_block(g, &kp, input, rank, 0)];
+    let mut reps = vec![block(input.clone(), 0)()];
     reps.extend(others.into_iter().map(|t| t.join().unwrap()));
     reps
 }
