@@ -476,8 +476,8 @@ class Buffer:
 
         ``recv_x``: ``(float8_e4m3fn [L, R*T, H], float32 [L, R*T, H/128])`` with FP8 (UE8M0:
         ``int32 [L, R*T, H/512]`` scales), else ``bfloat16 [L, R*T, H]``. The scales are
-        column-major in the last two dimensions, as DeepEP's: strides ``(R*T*G, 1, R*T)``. ``recv_count``:
-        ``int32 [L]``. Rows at or past ``recv_count[l]`` carry no meaning. With
+        column-major in the last two dimensions, as DeepEP's: strides ``(R*T*G, 1, R*T)``.
+        ``recv_count``: ``int32 [L]``. Rows at or past ``recv_count[l]`` carry no meaning. With
         ``return_recv_hook=True`` only the send half is enqueued, and calling ``hook()``
         enqueues the receive half (on the then-current stream). ``cumulative_local_expert_recv_stats``
         (``int32 [L]``) is incremented by ``recv_count``; ``dispatch_wait_recv_cost_stats``
