@@ -104,8 +104,15 @@ pub fn run_with(
             .collect();
         let want = oracle::dispatch(cfg, &inputs).map_err(|e| e.to_string())?;
         // Expert outputs: y derived from the received rows would need a dequantization; any y
-        // in the dispatch layout is a valid combine input, so use a fixed random one.
-        let y = ep_kernels::testing::random_y(cfg, &mut ep_kernels::testing::Rng::new(7));
+        // in the dispatch layout is a valid combine input, so use a fixed random one, drawn for
+        // the received rows only (drawing the whole L x R*T capacity took ep-bench past its
+        // time limit at 64 ranks: 15 GB of values, most of them never read).
+        let counts: Vec<Vec<i32>> = want.iter().map(|o| o.recv_count.clone()).collect();
+        let y = ep_kernels::testing::random_y_received(
+            cfg,
+            &counts,
+            &mut ep_kernels::testing::Rng::new(7),
+        );
         let cin: Vec<CombineInput> = (0..cfg.num_ranks)
             .map(|r| CombineInput {
                 y: &y[r],
