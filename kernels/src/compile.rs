@@ -22,8 +22,12 @@ use std::sync::Mutex;
 
 /// Shared types, signals, bounded waits, bf16 rounding, the combine reduction.
 pub const COMMON_CUH: &str = include_str!("cu/common.cuh");
+/// Shrink mode: the rank mask, the blocks' agreement on a lost peer, the lost-peer set.
+pub const SHRINK_CUH: &str = include_str!("cu/shrink.cuh");
 /// The FP8 cast (bit-identical to `ep_reference::numerics::fp8`) and the payload encoder.
 pub const FP8_CUH: &str = include_str!("cu/fp8.cuh");
+/// The shared headers, in the order every family is compiled with them.
+pub const HEADERS: [&str; 3] = [COMMON_CUH, SHRINK_CUH, FP8_CUH];
 
 /// One module: a `.cu` file and the kernels it defines.
 #[derive(Debug, Clone, Copy)]
@@ -91,7 +95,10 @@ pub const FAMILIES: [Family; 3] = [FP8, PER_EXPERT, BATCHED];
 impl Family {
     /// The translation unit NVRTC compiles: the headers, then the family's file.
     pub fn full_source(&self) -> String {
-        format!("{COMMON_CUH}\n{FP8_CUH}\n{}", self.source)
+        let mut src = HEADERS.join("\n");
+        src.push('\n');
+        src.push_str(self.source);
+        src
     }
 
     /// The translation unit of build `v`: its defines, then [`Family::full_source`] (the narrow

@@ -329,14 +329,9 @@ impl Hello {
 /// FNV-1a (64 bit) over every CUDA source the kernels are compiled from, in a fixed order: two
 /// builds whose kernels could lay out or signal differently get different fingerprints.
 pub fn kernel_fingerprint() -> u64 {
-    use ep_kernels::compile::{BATCHED, COMMON_CUH, FP8, FP8_CUH, PER_EXPERT};
-    fingerprint(&[
-        COMMON_CUH,
-        FP8_CUH,
-        FP8.source,
-        PER_EXPERT.source,
-        BATCHED.source,
-    ])
+    use ep_kernels::compile::{BATCHED, FP8, HEADERS, PER_EXPERT};
+    let families = [FP8.source, PER_EXPERT.source, BATCHED.source];
+    fingerprint(&[&HEADERS[..], &families[..]].concat())
 }
 
 /// FNV-1a (64 bit) over `sources`, each followed by a NUL (so bytes cannot move between them).

@@ -116,7 +116,7 @@ pub(crate) struct RankPtrs {
 pub(crate) const NUM_BUFFERS: usize = 26;
 
 /// u64 decision words per peer in the shrink buffer: one per (kernel kind, recv or ack)
-/// (`shr_decide` in common.cuh); the rank mask (R i32) follows them.
+/// (`shr_decide` in shrink.cuh); the rank mask (R i32) follows them.
 pub(crate) const SHRINK_DECISIONS: usize = 2 * NUM_KINDS;
 
 /// A rank's caller-supplied tensors for one call (`struct IoPtrs` in common.cuh): each nonzero

@@ -1,6 +1,6 @@
 //! Shrink mode's rank mask (DeepEP's `enable_shrink` and its three mask calls): query, update
 //! and clean, enqueued in stream order. The kernels' side (the mask words, the agreement of a
-//! rank's blocks on a lost peer) is in common.cuh ("shrink mode").
+//! rank's blocks on a lost peer) is in shrink.cuh.
 //!
 //! Each rank of a group keeps its own mask: `mask[d] != 0` means rank d is masked on that rank.
 //! A wait that runs out masks the peer it waited for (every survivor waits for every peer in

@@ -1,4 +1,4 @@
-//! A block's set of gone peers in shrink mode (common.cuh `GONE_SHARED`, `GONE_INIT`, `GONE0`,
+//! A block's set of gone peers in shrink mode (shrink.cuh `GONE_SHARED`, `GONE_INIT`, `GONE0`,
 //! `GONE_ADD`, `GONE_SNAPSHOT`, `GONE_LIVE`), in both builds (`peers::Build`).
 //!
 //! - **Narrow** (R <= 32): `s_gone` is one shared u32; thread 0 writes it at the start, waiting

@@ -68,7 +68,7 @@
 //!   run and must fail. The wide build's finish reads the mask per peer (`END_MASKED`).
 //!   Not modelled: the NCCL peer mask (the model's NCCL stages take every peer over NCCL, and
 //!   shrink mode is CUDA IPC only), combine's sets (the same macros).
-//! - **Shrink mode** ([`Launch::shrink`]; common.cuh, "shrink mode (the rank mask)"). Each
+//! - **Shrink mode** ([`Launch::shrink`]; shrink.cuh). Each
 //!   rank's mask words (`int`: `ld.volatile` reads, `atomicExch`) and decision words (u64, one
 //!   per (recv | ack, peer) of the model's kernel kind: a volatile read, then `atomicCAS`) are
 //!   relaxed atomics of its [`Rank`]. A block reads the mask at its start (`masked_peers`:

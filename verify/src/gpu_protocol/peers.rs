@@ -1,4 +1,4 @@
-//! Sets of peers (common.cuh `PeerSet`, `is_gone`) and the kernel build that decides their
+//! Sets of peers (shrink.cuh `PeerSet`, `is_gone`) and the kernel build that decides their
 //! shape (runtime::Variant; common.cuh `EP_MASK_WORDS`, `WIDE`): the narrow build's one u32
 //! (R <= 32: bit d is peer d), the wide build's words (R > 32: bit d % 32 of word d / 32).
 //!
@@ -12,7 +12,7 @@
 /// The most words a model's set has (common.cuh `EP_MASK_WORDS` of the wide build: 256 / 32).
 pub const MASK_WORDS: usize = 8;
 
-/// The kernel's word: 32 peers (common.cuh, bit d % 32 of word d / 32).
+/// The kernel's word: 32 peers (shrink.cuh, bit d % 32 of word d / 32).
 pub const WORD_BITS: u32 = 32;
 
 /// A runtime mutant of the wide build's copy of its gone set (the model's own; the cfg
@@ -35,7 +35,7 @@ pub enum Build {
     /// thread copies into its register (`gone = s_gone`); the model's block is one thread.
     Narrow,
     /// `EP_MASK_WORDS > 1` (R > 32): the gone set is words in shared memory, copied by threads
-    /// `tid < W` between block barriers (common.cuh `GONE_SNAPSHOT`); the model's block is one
+    /// `tid < W` between block barriers (shrink.cuh `GONE_SNAPSHOT`); the model's block is one
     /// thread for everything else and W - 1 more threads for the copies of words 1.. (the
     /// `gone` module). `word_bits`: the model's word size (32 is the kernel's; see the module
     /// docs for the scaling).
@@ -126,7 +126,7 @@ impl PeerSet {
         (d / b, 1 << (d % b))
     }
 
-    /// common.cuh `is_gone`: "`(g[d >> 5] >> (d & 31)) & 1u`" (narrow: "`(g >> d) & 1u`").
+    /// shrink.cuh `is_gone`: "`(g[d >> 5] >> (d & 31)) & 1u`" (narrow: "`(g >> d) & 1u`").
     pub fn contains(&self, d: usize) -> bool {
         let (w, bit) = self.at(d);
         self.words[w] & bit != 0
@@ -162,7 +162,7 @@ impl PeerSet {
     }
 }
 
-/// common.cuh `is_gone`: whether peer `d` is in `gone` (both builds).
+/// shrink.cuh `is_gone`: whether peer `d` is in `gone` (both builds).
 pub fn is_gone(gone: PeerSet, d: usize) -> bool {
     gone.contains(d)
 }

@@ -1,4 +1,4 @@
-//! Shrink mode (the rank mask; common.cuh, "shrink mode (the rank mask)"): a block's look at
+//! Shrink mode (the rank mask; shrink.cuh): a block's look at
 //! the mask (`masked_peers`, `is_gone`), the call's one verdict on a peer (`agree`), the waits
 //! that propose "arrived" or "lost" (`wait_peer_signals`, `wait_peer_ack`); then the host's side
 //! of the mask (runtime/mask.rs: [`update_mask`], [`clean_mask`], [`mask_status`]).
@@ -13,11 +13,11 @@ use crate::gpu_protocol::words::{
     sig_tag, PH_DISPATCH_RECV, PH_DISPATCH_SEND, SIG_COUNT_BITS, SIG_COUNT_MASK,
 };
 
-/// common.cuh `DEC_RECV`, `DEC_ACK`: the decision word of a receive wait, of an ack wait.
+/// shrink.cuh `DEC_RECV`, `DEC_ACK`: the decision word of a receive wait, of an ack wait.
 pub const DEC_RECV: usize = 0;
 pub const DEC_ACK: usize = 1;
 
-/// common.cuh `masked_peers` (narrow) / `masked_peers_into` (wide): every peer masked on this
+/// shrink.cuh `masked_peers` (narrow) / `masked_peers_into` (wide): every peer masked on this
 /// rank, in the build's words (empty without shrink).
 pub(crate) fn masked_peers(g: &Group, kp: &Launch, me: &Rank) -> PeerSet {
     let mut m = PeerSet::empty(g.setup.build.word_bits());
@@ -35,7 +35,7 @@ pub(crate) fn masked_peers(g: &Group, kp: &Launch, me: &Rank) -> PeerSet {
     m
 }
 
-/// common.cuh `peer_masked`: the wide build's look at the mask at the end, per peer, when it
+/// shrink.cuh `peer_masked`: the wide build's look at the mask at the end, per peer, when it
 /// acks (`END_MASKED(s)`: "`p.shrink && ld_volatile_u32((const u32*)shr_mask(me, p.R) + d) !=
 /// 0u`").
 pub(crate) fn peer_masked(kp: &Launch, me: &Rank, d: usize) -> bool {
@@ -71,7 +71,7 @@ fn receive_sees_mask(me: &Rank, peer: usize) -> bool {
     };
 }
 
-/// How a shrink-mode wait for a peer ended when it reported nothing (common.cuh: a count, or
+/// How a shrink-mode wait for a peer ended when it reported nothing (shrink.cuh: a count, or
 /// `PEER_LOST`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Peer {
@@ -91,7 +91,7 @@ enum Poll {
     Masked,
 }
 
-/// common.cuh `agree` (`agree_at`): this call's verdict on `peer`, one decision word per
+/// shrink.cuh `agree` (`agree_at`): this call's verdict on `peer`, one decision word per
 /// (rank, kernel kind, `which`, peer). The first verdict installed for the call wins: a CAS
 /// loop from any older call's value ("`(old >> 1) < epoch`") to `(epoch << 1) | lost`; then
 /// every block uses the installed verdict, whatever it proposed. A lost verdict masks the peer
@@ -129,7 +129,7 @@ fn agree(me: &Rank, which: usize, peer: usize, epoch: u64, lost: bool) -> bool {
     final_lost
 }
 
-/// common.cuh `wait_peer_signals`, shrink mode's receive wait (batched "`wait_peer_signals(
+/// shrink.cuh `wait_peer_signals`, shrink mode's receive wait (batched "`wait_peer_signals(
 /// peer_wait(p, me, KIND, DEC_RECV, rank, tid, PH_DISPATCH_RECV), sig_bat(me) + tid, 0, 1, 0,
 /// epoch)`"; per-expert over the L words of source s, "`sig_pe(me, R) + s, (u64)R, L, l,
 /// epoch`"): waits for every word of `words` (this rank's signal words) to carry this call's
@@ -219,7 +219,7 @@ pub(crate) fn wait_peer_signals(
     Ok(Peer::Arrived(cmine))
 }
 
-/// common.cuh `wait_peer_ack`, shrink mode's ack wait: as [`wait_ack`] (the ack word at least
+/// shrink.cuh `wait_peer_ack`, shrink mode's ack wait: as [`wait_ack`] (the ack word at least
 /// `need`), but a wait that runs out, or finds the peer masked, proposes "lost" and reports
 /// nothing; then [`agree`]s on the `DEC_ACK` word, and waits again (bounded, reported) if it ran
 /// out while "arrived" was agreed.

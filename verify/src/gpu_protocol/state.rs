@@ -104,7 +104,7 @@ pub struct Launch {
     /// `route` lambda; per-expert: `load_topk`) reports it (`ERR_EXPERT_RANGE`) and the rank
     /// takes the `in_bad` path.
     pub bad_input: Option<usize>,
-    /// `shrink`: shrink mode (the rank mask; common.cuh, "shrink mode"). A wait for a peer that
+    /// `shrink`: shrink mode (the rank mask; shrink.cuh). A wait for a peer that
     /// runs out masks the peer instead of reporting an error.
     pub shrink: bool,
 }
@@ -159,7 +159,7 @@ pub struct BlockReport {
     pub bad_input: bool,
     /// This block was the last out: it published the epoch and the acks.
     pub last_out: bool,
-    /// Shrink mode: every peer this block left out: masked at its start (`gone0`, common.cuh
+    /// Shrink mode: every peer this block left out: masked at its start (`gone0`, shrink.cuh
     /// `masked_peers`) and lost in this call (`s_gone`, agreed by every block that waited for
     /// the peer), as the block's thread 0 last took the set: batched dispatch's snapshot after
     /// the receive (`GONE_SNAPSHOT(gone)`; the wide build's copy of every word through shared
