@@ -161,7 +161,9 @@ impl GpuGroup {
     /// waits time out).
     #[doc(hidden)]
     pub fn set_fault_rank(&mut self, rank: Option<usize>) {
-        self.params.fault_rank = rank.map(|r| r as i32).unwrap_or(-1);
+        // A rank past i32 names no rank of the group (R <= MAX_RANKS), as i32::MAX does: never
+        // truncated onto a real one.
+        self.params.fault_rank = rank.map_or(-1, |r| i32::try_from(r).unwrap_or(i32::MAX));
     }
 
     /// The NCCL transport's sizing mode (see [`NcclSizes`]).

@@ -547,7 +547,7 @@ impl Rendezvous {
             Op::Connect,
             0,
             0,
-            &(world as u32).to_le_bytes(),
+            &(world as u32).to_le_bytes(), // world <= u32::MAX (RendezvousConfig::validate)
         );
         let send_deadline = after(cfg.op_timeout.min(Duration::from_secs(10)));
         for i in 0..links.len() {

@@ -191,7 +191,7 @@ pub(crate) fn encode(kind: Kind, op: Op, seq: u64, src: usize, payload: &[u8]) -
     v.push(kind as u8);
     v.push(op.code());
     v.extend_from_slice(&seq.to_le_bytes());
-    v.extend_from_slice(&(src as u32).to_le_bytes());
+    v.extend_from_slice(&(src as u32).to_le_bytes()); // src < world <= u32::MAX (RendezvousConfig::validate)
     v.extend_from_slice(&(payload.len() as u64).to_le_bytes());
     v.extend_from_slice(payload);
     v
@@ -272,7 +272,7 @@ pub(crate) fn parse(
 pub(crate) fn encode_blobs(blobs: &[Vec<u8>]) -> Vec<u8> {
     let total: usize = blobs.iter().map(|b| b.len() + 8).sum();
     let mut v = Vec::with_capacity(4 + total);
-    v.extend_from_slice(&(blobs.len() as u32).to_le_bytes());
+    v.extend_from_slice(&(blobs.len() as u32).to_le_bytes()); // one per rank: <= world <= u32::MAX
     for b in blobs {
         v.extend_from_slice(&(b.len() as u64).to_le_bytes());
         v.extend_from_slice(b);
