@@ -77,36 +77,23 @@ pub fn random_inputs(
 
 /// Random expert outputs y (L x R*T x H) for every rank (`Workload::expert_outputs`).
 pub fn random_y(cfg: &Config, rng: &mut Rng) -> Vec<Vec<bf16>> {
-    let w = Workload {
+    no_inputs(cfg).expert_outputs(rng.next_u64())
+}
+
+/// A workload of `cfg` without token inputs: what drawing expert outputs needs.
+fn no_inputs(cfg: &Config) -> Workload {
+    Workload {
         config: *cfg,
         x: Vec::new(),
         topk_idx: Vec::new(),
         topk_weights: Vec::new(),
-    };
-    w.expert_outputs(rng.next_u64())
+    }
 }
 
-/// Expert outputs `y` for the rows a dispatch filled: rows `0..recv_counts[r][l]` of each local
-/// expert l on rank r drawn in [-8, 8) (as [`random_y`] draws every row), every other row zero
-/// (rows past a count carry no meaning; combine never reads them). [`random_y`] draws the whole
-/// L x R*T capacity, which grows as R^2 per rank: 7.5 G values (15 GB) for 64 ranks with two
-/// experts each at T = 128, H = 7168, against 0.47 G here (R*T*K received rows at most).
+/// [`random_y`] for the rows a dispatch filled only (`Workload::expert_outputs_received`):
+/// drawing the whole L x R*T capacity grows as R^2 per rank.
 pub fn random_y_received(cfg: &Config, recv_counts: &[Vec<i32>], rng: &mut Rng) -> Vec<Vec<bf16>> {
-    let (h, rows) = (cfg.hidden, cfg.rows_per_expert());
-    let len = cfg.num_local_experts() * rows * h;
-    recv_counts
-        .iter()
-        .map(|counts| {
-            let mut y = vec![bf16::ZERO; len];
-            for (l, &n) in counts.iter().enumerate() {
-                let n = usize::try_from(n).unwrap_or(0).min(rows);
-                for v in &mut y[l * rows * h..(l * rows + n) * h] {
-                    *v = bf16::from_f32(8.0 * rng.unit());
-                }
-            }
-            y
-        })
-        .collect()
+    no_inputs(cfg).expert_outputs_received(rng.next_u64(), recv_counts)
 }
 
 use crate::runtime::{GpuGroup, Path};

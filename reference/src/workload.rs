@@ -230,6 +230,31 @@ impl Workload {
             .collect()
     }
 
+    /// As [`Workload::expert_outputs`], drawn only for the rows a dispatch filled: rows
+    /// `0..recv_counts[r][l]` of local expert l on rank r (a count is clamped to 0..R*T), every
+    /// other row zero (rows past a count carry no meaning; combine never reads them). The whole
+    /// L x R*T capacity grows as R^2 per rank (7.5 G values for 64 ranks with two experts each at
+    /// T = 128, H = 7168); the received rows are at most R*T*K.
+    pub fn expert_outputs_received(&self, seed: u64, recv_counts: &[Vec<i32>]) -> Vec<Vec<bf16>> {
+        let cfg = &self.config;
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x9E37_79B9_7F4A_7C15);
+        let (h, rows) = (cfg.hidden, cfg.rows_per_expert());
+        let len = cfg.num_local_experts() * rows * h;
+        recv_counts
+            .iter()
+            .map(|counts| {
+                let mut y = vec![bf16::ZERO; len];
+                for (l, &n) in counts.iter().enumerate() {
+                    let n = usize::try_from(n).unwrap_or(0).min(rows);
+                    for v in &mut y[l * rows * h..(l * rows + n) * h] {
+                        *v = bf16::from_f32(rng.random_range(-8.0f32..8.0));
+                    }
+                }
+                y
+            })
+            .collect()
+    }
+
     pub fn combine_inputs<'a>(&'a self, ys: &'a [Vec<bf16>]) -> Vec<CombineInput<'a>> {
         (0..self.x.len())
             .map(|r| CombineInput {
