@@ -426,11 +426,6 @@ class Buffer:
         with both still due, the older one's handle becomes stale (combining it raises). A
         Buffer that never overlaps two dispatches keeps one set."""
         shape = (T, H, E, K, use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0)
-        # An error any group recorded raises here, before a call on another group (the other
-        # buffer set, another shape) could pass for a good one or form a group: each group's
-        # native call reads only its own error words (a host read each, no sync).
-        for o in self._ranks.values():
-            o.poll()
         due = self._due.setdefault(shape, [None, None])  # per set: the dispatch to combine
         if due[0] is None or (shape, 0) not in self._ranks:
             i = 0
@@ -442,6 +437,7 @@ class Buffer:
         if _DEFERRED:
             _release_deferred(self._torch)
         g = self._ranks.get(key)
+        self._poll_others(g)  # before a group forms, too
         if g is None:
             _native.validate_config(self.group_size, E, T, H, K, use_fp8, round_scale, use_ue8m0)
             g = _native.GpuRank(self.rank, self.group_size, E, T, H, K, use_fp8, round_scale,
@@ -452,6 +448,15 @@ class Buffer:
             s = self._shape
             s.tokens, s.hidden, s.experts, s.top_k = T, H, E, K
         return key, g
+
+    def _poll_others(self, g):
+        """Raises an error any group of this Buffer but `g` recorded (g's native call checks its
+        own at entry): each group's call reads only its own error words, so without this a call
+        on another group (the other buffer set, another mode) could pass for a good one after an
+        error. A host read per group, no sync."""
+        for o in self._ranks.values():
+            if o is not g:
+                o.poll()
 
     def _stream(self):
         # torch's current stream of the Buffer's device as the raw CUstream (what
@@ -590,9 +595,7 @@ class Buffer:
         g = self._ranks.get(handle._key)
         if g is None:
             raise InputError("argument `handle`: its group was destroyed")
-        for o in self._ranks.values():  # as in dispatch (`_rank_group`); g polls in its call
-            if o is not g:
-                o.poll()
+        self._poll_others(g)
         R, T = self.group_size, handle.num_max_dispatch_tokens_per_rank
         H, E = handle.hidden, handle.num_experts
         L, RT, n, K = E // R, R * T, handle.num_tokens, handle.top_k
