@@ -24,10 +24,12 @@ use std::sync::Mutex;
 pub const COMMON_CUH: &str = include_str!("cu/common.cuh");
 /// Shrink mode: the rank mask, the blocks' agreement on a lost peer, the lost-peer set.
 pub const SHRINK_CUH: &str = include_str!("cu/shrink.cuh");
+/// What a rank whose group failed stores instead of its signals (the poison of a call).
+pub const POISON_CUH: &str = include_str!("cu/poison.cuh");
 /// The FP8 cast (bit-identical to `ep_reference::numerics::fp8`) and the payload encoder.
 pub const FP8_CUH: &str = include_str!("cu/fp8.cuh");
 /// The shared headers, in the order every family is compiled with them.
-pub const HEADERS: [&str; 3] = [COMMON_CUH, SHRINK_CUH, FP8_CUH];
+pub const HEADERS: [&str; 4] = [COMMON_CUH, SHRINK_CUH, POISON_CUH, FP8_CUH];
 
 /// One module: a `.cu` file and the kernels it defines.
 #[derive(Debug, Clone, Copy)]

@@ -37,6 +37,16 @@ pub enum GpuError {
         value: i64,
         limit: u64,
     },
+    /// A peer published that its group failed (a poisoned signal or batch header: its kernels
+    /// send nothing valid once its group recorded an error, or its input was bad), so this
+    /// rank's call `call` of `phase` could not complete; its outputs are the failed call's.
+    #[error("rank {rank}: rank {peer} failed (its group recorded an error), so {phase} call {call} could not complete")]
+    PeerFailed {
+        rank: usize,
+        peer: usize,
+        phase: ep_reference::Phase,
+        call: u64,
+    },
     /// A caller's stream (or tensor) belongs to another device or context than the group's.
     #[error("{what} belongs to device {got}, the group's ranks there run on device {expected}")]
     WrongDevice {

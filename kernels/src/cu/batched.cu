@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     Smem sm = carve(p, smem_raw);
     __shared__ u64 s_epoch;
-    __shared__ int s_n, s_bad;
+    __shared__ int s_n, s_bad, s_fail;
     __shared__ IoPtrs s_io;
     GONE_SHARED;  // shrink mode: masked peers, then the ones lost in this call
     // Thread 32 + d waits for destination d's acknowledgement of the previous call (below); its
@@ -78,6 +78,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
     u64 ack0 = 0;
     if (acker) ack0 = ld_acquire(p, sig_bat_ack(me, R) + ackd);
     if (tid == 0) {
+        s_fail = p.refused || failed(p);  // the group failed before this block started: poison (poison.cuh)
         s_io = resolve_io(iot.r[rank - p.rank_base], me);
         s_epoch = ld_epoch(state, KIND) + 1ull;
         s_bad = 0;
@@ -236,6 +237,13 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
         // loom: gpu_protocol::input_check and dispatch_block, models bad_input_sender_peer_*, bad_input_receiver_then_good_call.
         const int in_bad = __syncthreads_or(bad) | s_bad;
         PROF(7);  // routing checked, positions known
+        // A failed group, or this call's bad input, sends nothing valid: the poison instead of
+        // this call's signals, so that every peer's matching call ends at once, naming this rank.
+        // loom: gpu_protocol::poison_signals, models failed_rank_poisons_enqueued_calls, bad_input_sender_*.
+        if (s_fail || in_bad) {
+            poison_peers(p, tab, KIND, rank, gone0, epoch);
+            goto finish;
+        }
         // The previous call's batches must have been consumed before this call overwrites them.
         // loom: gpu_protocol::sender_wait_acks, model batched_consecutive_calls (ack0 was its first load: preload_acks).
         int wbad = 0;
@@ -434,7 +442,15 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
         if (tid < R) {
             long long c;
             // loom: gpu_protocol::batched_unpack_block (NCCL, capacity: a poisoned count fails peer_bad), model capacity_bad_input_sender_header_poisoned.
-            if (via_nccl(p, tid)) c = ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L)];
+            if (via_nccl(p, tid)) {
+                c = ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L)];
+                // The host's poison left in place: the source's pack stage wrote no header (its
+                // group had failed, or its input was bad), so nothing it sent is this call's.
+                if (c == HDR_POISON) {
+                    report_peer_failed(p, rank, tid, PH_DISPATCH_RECV, epoch);
+                    c = -1;
+                }
+            }
             // Shrink mode: a masked source is not waited for, one whose wait runs out is masked
             // now (agreed by every block); either sends nothing in this call.
             // loom: gpu_protocol::wait_peer_signals (agreement), models shrink_* (mutants gpu_no_agreement, gpu_masked_peer_waited).
@@ -613,7 +629,7 @@ finish:
     bool last_out = last_block_out(p, state, KIND);
     PROF(5);
     // A failed call leaves defined outputs (common.cuh); the pack stage leaves them to its unpack.
-    if (last_out && p.stage != 1 && failed(p)) fail_dispatch_outputs(p, io, me);
+    if (last_out && p.stage != 1 && (s_fail || failed(p))) fail_dispatch_outputs(p, io, me);
     // The pack stage (1) leaves the epoch for its unpack stage (2). NCCL peers need no ack: the
     // stream orders this call's unpack before the next call's send/recv into the same buffers.
     if (last_out && p.stage != 1) {
@@ -642,11 +658,12 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(K
     const u64 rowb = 2ull * p.H;
     Smem sm = carve(p, smem_raw);
     __shared__ u64 s_epoch;
-    __shared__ int s_n;
+    __shared__ int s_n, s_fail;
     __shared__ IoPtrs s_io;
     __shared__ u64 s_y[MAX_LOCAL];  // y of every rank of this launch (zero-copy reads)
     GONE_SHARED;                    // shrink mode: masked peers, then the ones lost in this call
     if (tid == 0) {
+        s_fail = p.refused || failed(p);  // the group failed before this block started: poison (poison.cuh)
         s_io = resolve_io(iot.r[rank - p.rank_base], me);
         s_epoch = ld_epoch(state, KIND) + 1ull;
         s_n = ((const int*)me.meta)[0];  // the dispatch's count and routing (the handle)
@@ -723,6 +740,12 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(K
     }
     if (tid < R) sm.tot[tid] = ((const int*)me.comb_cnt)[tid];
     int bad = 0;
+    // A failed group sends nothing valid (the rows of a failed dispatch are not this call's):
+    // the poison instead of this call's signals. loom: gpu_protocol::poison_signals.
+    if (s_fail) {
+        poison_peers(p, tab, KIND, rank, gone0, epoch);
+        goto finish;
+    }
     if (acker && p.shrink) {
         if (!is_gone(gone0, ackd)) {
             const int r = wait_peer_ack(peer_wait(p, me, KIND, DEC_ACK, rank, ackd, PH_COMBINE_SEND), sig_cb_ack(me, R) + ackd,
@@ -837,7 +860,7 @@ finish:
     bool last_out = last_block_out(p, state, KIND);
     PROF(5);
     // A failed call leaves defined outputs (common.cuh); the pack stage leaves them to its unpack.
-    if (last_out && p.stage != 1 && failed(p)) fail_combine_outputs(p, io, n);
+    if (last_out && p.stage != 1 && (s_fail || failed(p))) fail_combine_outputs(p, io, n);
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;

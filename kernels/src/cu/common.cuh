@@ -150,7 +150,7 @@ struct KParams {
     int shrink;              // 1: shrink mode: a peer whose wait runs out is masked, not an error
     int scol;                // recv_scales: 0 row-major [L, RT, spr]; 1 DeepEP's column-major
                              // last two dims (word strides RT*spr, 1, RT)
-    int pad3;
+    int refused;             // 1: a call the host refused (its group failed): poison only (poison.cuh)
 };
 
 // Where row `row` (= l * RT + r) of recv_scales keeps its words: word w at p[w * step].
@@ -242,12 +242,15 @@ __device__ __forceinline__ u64 globaltimer() {
 //   ERR_DUP_EXPERT:   [1] rank, [2] token, [3] second slot, [4] expert, [6] first slot
 //   ERR_TOKENS:       [1] rank, [2] token count, [6] T
 //   ERR_PEER_DATA:    [1] rank, [2] peer, [3] field (PF_*), [4] value, [6] limit
+//   ERR_PEER_FAILED:  [1] rank, [2] peer, [3] phase, [4] call (low), [6] call (high): the peer
+//                     published that its group failed (a poisoned signal or header, below)
 // [7] is the claim word: the first error wins, later ones only see the code.
 #define ERR_TIMEOUT 1
 #define ERR_EXPERT_RANGE 2
 #define ERR_DUP_EXPERT 3
 #define ERR_TOKENS 4
 #define ERR_PEER_DATA 5
+#define ERR_PEER_FAILED 6
 // Peer-supplied fields that are bounded before use (ERR_PEER_DATA's field).
 #define PF_BATCH_TOKENS 0
 #define PF_EXPERT_ROWS 1
@@ -329,15 +332,37 @@ __device__ __forceinline__ u64 ld_epoch(const u32* state, int kind) {
     asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"((const u64*)state + ST_EPOCH64 + kind) : "memory");
     return v;
 }
+// A failed rank's signal (docs/contract.md, "A failure never spreads as data"). A rank whose
+// group has recorded an error (its device's error word, read once per block at kernel start:
+// `s_fail`) sends no data and no valid signal in any later kernel, those already enqueued behind
+// the failing one included: it stores this poison, tagged with its call, in every signal word
+// the call owes a peer, then ends as a failed call (its epoch and acks as ever, so nobody waits
+// for them). The count field all ones is never a count (the host keeps T*K below 2^24 - 1).
+// A receiver that finds a poison with any tag (the words start at 0, and only a failed group
+// stores one) reports ERR_PEER_FAILED and ends its call as failed, within a poll, instead of
+// waiting out its bound; in shrink mode the peer is lost (masked) at once.
+// loom model: gpu_protocol::poison (poison_signals, is_poison), model failed_rank_poisons_enqueued_calls.
+#define SIG_POISON SIG_COUNT_MASK
+__device__ __forceinline__ bool is_poison(u64 v) { return (v & SIG_COUNT_MASK) == SIG_POISON && (v >> SIG_COUNT_BITS) != 0ull; }
+// NCCL capacity mode's header poison (launch.rs POISON_HDR): a token count no good pack writes.
+#define HDR_POISON 0x7FFFFFFF
+__device__ void report_peer_failed(const KParams& p, int rank, int peer, int phase, u64 call) {
+    report_error(p, ERR_PEER_FAILED, (u32)rank, (u32)peer, (u32)phase, (u32)call, 0u, (u32)(call >> 32));
+}
 // Waits until the signal word carries this call's tag. Returns its count, or -1 on timeout
-// (reported) or when another wait already failed. loom model: gpu_protocol::wait_signal (tag wrap: *_tag_wrap).
+// (reported), on a poisoned signal (reported: the peer failed), or when another wait already
+// failed. loom model: gpu_protocol::wait_signal (tag wrap: *_tag_wrap; poison: failed_rank_*).
 __device__ long long wait_signal(const KParams& p, const u64* addr, u64 epoch, int rank, int peer, int phase) {
     u64 t0 = globaltimer();
     u32 spins = 0;
     const u64 tag = sig_tag(epoch);
     while (true) {
         u64 v = ld_acquire(p, addr);
-        if ((v >> SIG_COUNT_BITS) == tag) return (long long)(v & SIG_COUNT_MASK);
+        if ((v >> SIG_COUNT_BITS) == tag && (v & SIG_COUNT_MASK) != SIG_POISON) return (long long)(v & SIG_COUNT_MASK);
+        if (is_poison(v)) {
+            report_peer_failed(p, rank, peer, phase, epoch);
+            return -1;
+        }
         if ((++spins & 63u) == 0u) {
             if (failed(p)) return -1;
             u64 now = globaltimer();
@@ -367,6 +392,13 @@ __device__ bool wait_ack(const KParams& p, const u64* addr, u64 need, u64 call, 
     }
 }
 __device__ __forceinline__ u64 signal_word(u64 epoch, u32 count) { return (sig_tag(epoch) << SIG_COUNT_BITS) | ((u64)count & SIG_COUNT_MASK); }
+// Where peer d keeps this rank's signal of a call of `kind` (local expert l of the per-expert kinds).
+__device__ __forceinline__ u64* signal_slot(const KParams& p, const RankPtrs* tab, int kind, int rank, int d, int l) {
+    if (kind == KIND_BAT_DISPATCH) return sig_bat(tab[d]) + rank;
+    if (kind == KIND_BAT_COMBINE) return sig_cb(tab[d], p.R) + rank;
+    if (kind == KIND_PE_DISPATCH) return sig_pe(tab[d], p.R) + (u64)l * p.R + rank;
+    return sig_pc(tab[d], p.R, p.L) + (u64)rank * p.L + l;
+}
 
 // ---------------------------------------------------------------- bf16
 __device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }

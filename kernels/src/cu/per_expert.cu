@@ -42,10 +42,11 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::dispat
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     Smem sm = carve(p, smem_raw);
     __shared__ u64 s_epoch;
-    __shared__ int s_n, s_cnt, s_bad;
+    __shared__ int s_n, s_cnt, s_bad, s_fail;
     __shared__ IoPtrs s_io;
     GONE_SHARED;  // shrink mode: masked peers, then the ones lost in this call
     if (tid == 0) {
+        s_fail = p.refused || failed(p);  // the group failed before this block started: poison (poison.cuh)
         s_io = resolve_io(iot.r[rank - p.rank_base], me);
         s_epoch = ld_epoch(state, KIND) + 1ull;
         s_bad = 0;
@@ -63,6 +64,13 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::dispat
     // Bad routing (or token count) is caught here, before anything is written (see batched.cu).
     const int in_bad = load_topk(p, (const i64*)io.topk, n, sm.sk, sm.sdl, rank, true) | s_bad;
     int bad = in_bad;
+    // A failed group, or this call's bad input, sends nothing valid: the poison instead of
+    // this call's signals (see batched.cu). loom: gpu_protocol::poison_signals, model
+    // per_expert_failed_rank_poisons_enqueued_calls.
+    if (s_fail || in_bad) {
+        poison_peers(p, tab, KIND, rank, gone0, epoch);
+        goto finish;
+    }
     if (!in_bad && tid < R && p.stage != 2 && !via_nccl(p, tid)) {
         if (!p.shrink) {
             bad = !wait_ack(p, sig_pe_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_DISPATCH_SEND);
@@ -283,7 +291,7 @@ finish:
     bool last_out = last_block_out(p, state, KIND);
     PROF(5);
     // A failed call leaves defined outputs (common.cuh); the pack stage leaves them to its unpack.
-    if (last_out && p.stage != 1 && failed(p)) fail_dispatch_outputs(p, io, me);
+    if (last_out && p.stage != 1 && (s_fail || failed(p))) fail_dispatch_outputs(p, io, me);
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
             // loom: gpu_protocol::finish (the ack), model per_expert_consecutive_calls; shrink_* (no ack to a masked peer).
@@ -311,10 +319,11 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::combin
     const u64 RT = (u64)R * T;
     Smem sm = carve(p, smem_raw);
     __shared__ u64 s_epoch;
-    __shared__ int s_n;
+    __shared__ int s_n, s_fail;
     __shared__ IoPtrs s_io;
     GONE_SHARED;  // shrink mode: masked peers, then the ones lost in this call
     if (tid == 0) {
+        s_fail = p.refused || failed(p);  // the group failed before this block started: poison (poison.cuh)
         s_io = resolve_io(iot.r[rank - p.rank_base], me);
         s_epoch = ld_epoch(state, KIND) + 1ull;
         s_n = ((const int*)me.meta)[0];  // the dispatch's count and routing (the handle)
@@ -329,6 +338,11 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::combin
     PeerSet gone = gone0;
     load_topk(p, (const i64*)me.topk, n, sm.sk, sm.sdl, rank, false);
     int bad = 0;
+    // A failed group sends nothing valid: the poison instead of this call's signals.
+    if (s_fail) {
+        poison_peers(p, tab, KIND, rank, gone0, epoch);
+        goto finish;
+    }
     // loom: not modelled itself; the same wait_ack as per-expert dispatch (model per_expert_consecutive_calls).
     if (tid < R && p.stage != 2 && !via_nccl(p, tid)) {
         if (!p.shrink) {
@@ -430,7 +444,7 @@ finish:
     bool last_out = last_block_out(p, state, KIND);
     PROF(5);
     // A failed call leaves defined outputs (common.cuh); the pack stage leaves them to its unpack.
-    if (last_out && p.stage != 1 && failed(p)) fail_combine_outputs(p, io, n);
+    if (last_out && p.stage != 1 && (s_fail || failed(p))) fail_combine_outputs(p, io, n);
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
             // loom: not modelled itself; the same ack as per-expert dispatch (model per_expert_consecutive_calls).

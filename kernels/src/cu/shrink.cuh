@@ -157,6 +157,11 @@ __device__ __noinline__ long long wait_peer_signals(PeerWait w, const u64* addr0
         const u64* a = addr0 + (u64)i * stride;
         while (true) {
             const u64 v = pw_load(w, a);
+            // A poisoned signal (common.cuh SIG_POISON): the peer's group failed, it is lost now.
+            if (is_poison(v)) {
+                lost = 1;
+                break;
+            }
             if ((v >> SIG_COUNT_BITS) == tag) {
                 if (i == mine) cmine = (long long)(v & SIG_COUNT_MASK);
                 break;
@@ -178,6 +183,12 @@ __device__ __noinline__ long long wait_peer_signals(PeerWait w, const u64* addr0
         u32 n = 0;
         while (true) {
             const u64 v = pw_load(w, a);
+            if (is_poison(v)) {
+                // A later call's poison over this call's signal: the words are not all here.
+                report_error_at(w.err, w.err_host, w.trap, ERR_PEER_FAILED, (u32)w.rank, (u32)w.peer, (u32)w.phase, (u32)epoch, 0u,
+                                (u32)(epoch >> 32));
+                return -1;
+            }
             if ((v >> SIG_COUNT_BITS) == tag) {
                 if (i == mine) cmine = (long long)(v & SIG_COUNT_MASK);
                 break;

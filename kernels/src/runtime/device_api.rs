@@ -188,14 +188,23 @@ impl GpuGroup {
         }
     }
 
-    /// Checks a device-API call: usable group, no NCCL, one stream per device on its context,
-    /// one entry per rank of [`GpuGroup::device_ranks`]. Returns the raw streams.
+    /// Checks a device-API call of `op` on `path`: usable group (else the refused call's poison
+    /// goes to the peers on the caller's streams, `poison_refused`), no NCCL, one stream per
+    /// device on its context, one entry per rank of [`GpuGroup::device_ranks`]. Returns the raw
+    /// streams.
     fn device_call_check(
-        &self,
+        &mut self,
+        op: Op,
+        path: Path,
         streams: &[&CudaStream],
         entries: usize,
     ) -> Result<Vec<sys::CUstream>, GpuError> {
-        self.check_usable()?;
+        if let Err(e) = self.check_usable() {
+            if let Ok(raw) = self.caller_streams(streams) {
+                self.poison_refused(op, path, &raw);
+            }
+            return Err(e);
+        }
         if self.comms.is_some() && self.nx.sizes != NcclSizes::Capacity {
             return Err(GpuError::Unsupported(
                 "the device API over NCCL needs NcclSizes::Capacity: exact sizes read the batch \
@@ -300,7 +309,12 @@ impl GpuGroup {
         hook: DispatchHook,
         streams: &[&CudaStream],
     ) -> Result<DeviceHandle, GpuError> {
-        let raw = self.device_call_check(streams, hook.handle.topk.len())?;
+        let raw = self.device_call_check(
+            Op::Dispatch,
+            hook.handle.path,
+            streams,
+            hook.handle.topk.len(),
+        )?;
         if hook.handle.group != self.id {
             return Err(GpuError::Handle("a dispatch hook of another group".into()));
         }
@@ -317,7 +331,7 @@ impl GpuGroup {
         outs: Option<&mut [DeviceDispatchOut<'_>]>,
         stage: i32,
     ) -> Result<DispatchHook, GpuError> {
-        let raw = self.device_call_check(streams, ranks.len())?;
+        let raw = self.device_call_check(Op::Dispatch, path, streams, ranks.len())?;
         let cfg = self.cfg;
         let (t, h, k) = (cfg.max_tokens_per_rank, cfg.hidden, cfg.top_k);
         let sizes = self.dispatch_out_sizes();
@@ -530,7 +544,8 @@ impl GpuGroup {
         hook: CombineHook,
         streams: &[&CudaStream],
     ) -> Result<(), GpuError> {
-        let raw = self.device_call_check(streams, self.device_ranks().len())?;
+        let n = self.device_ranks().len();
+        let raw = self.device_call_check(Op::Combine, hook.path, streams, n)?;
         self.stage_on(Op::Combine, hook.path, 2, &raw, &hook.io)?;
         self.finish_device_call(Op::Combine, hook.path);
         Ok(())
@@ -544,8 +559,8 @@ impl GpuGroup {
         outs: &mut [CudaViewMut<'_, bf16>],
         stage: i32,
     ) -> Result<CombineHook, GpuError> {
-        let raw = self.device_call_check(streams, ranks.len())?;
         let path = handle.path;
+        let raw = self.device_call_check(Op::Combine, path, streams, ranks.len())?;
         if handle.group != self.id {
             return Err(GpuError::Handle("a handle of another group".into()));
         }

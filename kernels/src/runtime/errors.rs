@@ -19,6 +19,7 @@ const ERR_EXPERT_RANGE: u32 = 2;
 const ERR_DUP_EXPERT: u32 = 3;
 const ERR_TOKENS: u32 = 4;
 const ERR_PEER_DATA: u32 = 5;
+const ERR_PEER_FAILED: u32 = 6;
 
 /// Names of the peer-supplied fields (PF_* in common.cuh).
 const PEER_FIELDS: [&str; 10] = [
@@ -37,24 +38,23 @@ const PEER_FIELDS: [&str; 10] = [
 /// The typed error of an error word, or None when it is clear.
 pub(crate) fn decode(w: &[u32; ERR_WORDS], cfg: &Config) -> Option<GpuError> {
     let (a, b, c) = (w[1] as usize, w[2] as usize, w[3] as usize);
+    let call = (w[4] as u64) | ((w[6] as u64) << 32);
     Some(match w[0] {
         0 => return None,
-        ERR_TIMEOUT => {
-            let (op, side) = match w[3] {
-                0 => (Op::Dispatch, Side::Send),
-                1 => (Op::Dispatch, Side::Recv),
-                2 => (Op::Combine, Side::Send),
-                _ => (Op::Combine, Side::Recv),
-            };
-            Error::Timeout {
-                rank: a,
-                peer: b,
-                phase: Phase { op, side },
-                call: (w[4] as u64) | ((w[6] as u64) << 32),
-                waited_ms: w[5] as u64 / 1000,
-            }
-            .into()
+        ERR_TIMEOUT => Error::Timeout {
+            rank: a,
+            peer: b,
+            phase: phase(w[3]),
+            call,
+            waited_ms: w[5] as u64 / 1000,
         }
+        .into(),
+        ERR_PEER_FAILED => GpuError::PeerFailed {
+            rank: a,
+            peer: b,
+            phase: phase(w[3]),
+            call,
+        },
         ERR_EXPERT_RANGE => Error::ExpertOutOfRange {
             rank: a,
             token: b,
@@ -88,11 +88,24 @@ pub(crate) fn decode(w: &[u32; ERR_WORDS], cfg: &Config) -> Option<GpuError> {
     })
 }
 
-/// Ranks the errors of several devices: bad input is the cause; bad peer data next (over NCCL
-/// in capacity mode a rank stopped by bad input sends poisoned headers, which its peers report
-/// as `PeerData`); timeouts on other devices (waiting for the rank that stopped) last.
+/// The phase of an error word (PH_* in common.cuh).
+fn phase(word: u32) -> Phase {
+    let (op, side) = match word {
+        0 => (Op::Dispatch, Side::Send),
+        1 => (Op::Dispatch, Side::Recv),
+        2 => (Op::Combine, Side::Send),
+        _ => (Op::Combine, Side::Recv),
+    };
+    Phase { op, side }
+}
+
+/// Ranks the errors of several devices: bad input is the cause; bad peer data next; then
+/// timeouts (a wait for a rank that stopped); a peer's published failure (`PeerFailed`, the
+/// poison of a rank whose group failed or whose input was bad) last: it is always the
+/// consequence of an error recorded elsewhere.
 fn cause_first(e: &GpuError) -> u8 {
     match e {
+        GpuError::PeerFailed { .. } => 3,
         GpuError::Contract(Error::Timeout { .. }) => 2,
         GpuError::PeerData { .. } => 1,
         _ => 0,
@@ -211,6 +224,18 @@ mod tests {
             })) => assert_eq!(call, (1 << 32) + 5),
             other => panic!("{other:?}"),
         }
+        assert_eq!(
+            decode(&word(ERR_PEER_FAILED, [2, 0, 3, 7, 0, 1]), &cfg),
+            Some(GpuError::PeerFailed {
+                rank: 2,
+                peer: 0,
+                phase: Phase {
+                    op: Op::Combine,
+                    side: Side::Recv
+                },
+                call: (1 << 32) + 7,
+            })
+        );
         assert!(matches!(
             decode(&word(ERR_PEER_DATA, [0, 3, 1, 99, 0, 8]), &cfg),
             Some(GpuError::PeerData {
@@ -247,5 +272,31 @@ mod tests {
             v[0],
             GpuError::Contract(Error::TooManyTokens { .. })
         ));
+    }
+
+    #[test]
+    fn a_peers_published_failure_ranks_after_the_timeout_that_caused_it() {
+        let ph = Phase {
+            op: Op::Dispatch,
+            side: Side::Recv,
+        };
+        let mut v = [
+            GpuError::PeerFailed {
+                rank: 1,
+                peer: 0,
+                phase: ph,
+                call: 3,
+            },
+            GpuError::from(Error::Timeout {
+                rank: 0,
+                peer: 1,
+                phase: ph,
+                call: 3,
+                waited_ms: 2000,
+            }),
+        ];
+        v.sort_by_key(cause_first);
+        assert!(matches!(v[0], GpuError::Contract(Error::Timeout { .. })));
+        assert!(matches!(v[1], GpuError::PeerFailed { .. }));
     }
 }

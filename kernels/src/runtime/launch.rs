@@ -56,8 +56,13 @@ impl GpuGroup {
     }
 
     pub(crate) fn launch_inner(&mut self, what: Option<(Op, Path)>) -> Result<(), GpuError> {
-        self.check_usable()?;
         let (op, path) = what.unwrap_or((Op::Dispatch, Path::Batched));
+        if let Err(e) = self.check_usable() {
+            if what.is_some() {
+                self.poison_refused(op, path, &self.streams_raw());
+            }
+            return Err(e);
+        }
         if op == Op::Combine {
             self.check_combine_path(path)?;
         }
@@ -79,6 +84,28 @@ impl GpuGroup {
         self.last_op = Some(op);
         self.calls[kind(op, path)] += 1;
         Ok(())
+    }
+
+    /// What a call of `op` that the group refuses (it failed: `check_usable`) still does: it
+    /// tells the peers. The call's kernel is enqueued on `streams` with the group's own buffers
+    /// and `refused` set, so every block stores the poison of this call in the signal words it
+    /// owes its peers (poison.cuh) and sends nothing else; a peer's matching call then ends at
+    /// once with `GpuError::PeerFailed` naming this rank instead of waiting out its bound. The
+    /// epoch and the call count advance as for any call, so the next refused call poisons the
+    /// next call's words. Not over NCCL (a refused call exchanges nothing; its peers' NCCL waits
+    /// are bounded on their hosts). A launch that fails is dropped: the caller returns the
+    /// group's error either way.
+    pub(crate) fn poison_refused(&mut self, op: Op, path: Path, streams: &[sys::CUstream]) {
+        if self.comms.is_some() {
+            return;
+        }
+        let io = self.io_tables();
+        self.params.refused = 1;
+        let launched = self.launch_stage_on(op, path, 0, streams, &io);
+        self.params.refused = 0;
+        if launched.is_ok() {
+            self.calls[kind(op, path)] += 1;
+        }
     }
 
     /// One launch per device: stage 0 = the whole call, 1 = pack (send side), 2 = unpack
@@ -238,12 +265,13 @@ impl GpuGroup {
     }
 
     /// Capacity mode has no host look at the headers before they travel: a rank whose pack
-    /// stage stops on bad input writes none, and an earlier call's (valid-looking) header would
-    /// go out. So every send header word is first set to i32::MAX in stream order; the pack
-    /// stage overwrites it when it succeeds, and a peer's unpack rejects a token count past T
-    /// on the device (ERR_PEER_DATA naming `PF_BATCH_TOKENS` and the value), bounded, with no
-    /// host involved. (Not -1: the unpack takes a negative count for a wait that already
-    /// failed and leaves without a report of its own.)
+    /// stage stops (bad input, or a group that had already failed: the kernels' poison path)
+    /// writes none, and an earlier call's (valid-looking) header would go out. So every send
+    /// header word is first set to i32::MAX in stream order; the pack stage overwrites it when
+    /// it succeeds, and a peer's unpack reads the poison left in place as the sender's failure
+    /// (ERR_PEER_FAILED: `GpuError::PeerFailed` naming the sender and the call), on the device,
+    /// with no host involved. (Not -1: the unpack takes a negative count for a wait that
+    /// already failed and leaves without a report of its own.)
     fn poison_send_headers(&self, streams: &[sys::CUstream]) -> Result<(), GpuError> {
         let words = prod(
             "the send headers",

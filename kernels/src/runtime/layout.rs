@@ -157,6 +157,8 @@ impl IoTable {
 
 /// Signal counts have this many bits (SIG_COUNT_BITS in common.cuh): T*K must stay below.
 pub(crate) const SIG_COUNT_BITS: u32 = 24;
+/// The count field all ones (SIG_POISON in common.cuh): a failed rank's signal, never a count.
+pub(crate) const SIG_POISON: u32 = (1 << SIG_COUNT_BITS) - 1;
 
 /// Byte offset of the u64 epochs inside a rank's `state` buffer (ST_EPOCH64 in common.cuh).
 pub(crate) const STATE_EPOCH_OFFSET: u64 = 64;
@@ -205,7 +207,9 @@ pub(crate) struct KParams {
     pub shrink: i32,
     /// 1: recv_scales in DeepEP's column-major layout ([`GpuOptions::scales_column_major`]).
     pub scol: i32,
-    pub pad3: i32,
+    /// 1: a call the host refused because the group failed (`GpuGroup::poison_refused`): every
+    /// block sends the poison (poison.cuh) and nothing else, as if the error word were set.
+    pub refused: i32,
 }
 
 /// `a * b * ...` for the size of `what`, or a typed error naming it (no silent wrap in release).
@@ -243,9 +247,10 @@ pub(crate) fn rank_sizes(c: &Config, nccl: bool) -> Result<[usize; NUM_BUFFERS],
         c.hidden,
         c.top_k,
     );
-    if prod("T x K", &[t, k])? >= 1 << SIG_COUNT_BITS {
+    if prod("T x K", &[t, k])? >= SIG_POISON as usize {
         return Err(GpuError::Unsupported(format!(
-            "T x K = {} x {} must stay below 2^{SIG_COUNT_BITS} (the count field of a signal)",
+            "T x K = {} x {} must stay below 2^{SIG_COUNT_BITS} - 1 (the count field of a \
+             signal; all ones is the poison of a failed rank)",
             t, k
         )));
     }
@@ -517,6 +522,12 @@ mod tests {
         assert!(matches!(
             rank_sizes(&c, false),
             Err(GpuError::Unsupported(m)) if m.contains("2^24")
+        ));
+        // T*K = 2^24 - 1 would be the poison (common.cuh SIG_POISON): refused too.
+        let c = cfg(1, 16, ((1 << 24) - 1) / 15, 128, 15);
+        assert!(matches!(
+            rank_sizes(&c, false),
+            Err(GpuError::Unsupported(m)) if m.contains("poison")
         ));
     }
 

@@ -272,6 +272,21 @@ fn classify(e: &BindError) -> (&'static str, &'static str, Vec<(&'static str, Fi
                     ("limit", int(*limit)),
                 ],
             ),
+            GpuError::PeerFailed {
+                rank,
+                peer,
+                phase,
+                call,
+            } => (
+                "PeerError",
+                "PeerFailed",
+                vec![
+                    ("rank", us(*rank)),
+                    ("peer", us(*peer)),
+                    ("phase", Field::Str(phase.to_string())),
+                    ("call", int(*call)),
+                ],
+            ),
             GpuError::PeerMismatch {
                 field,
                 ours,
