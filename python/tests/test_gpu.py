@@ -641,3 +641,87 @@ def test_two_dispatches_in_flight_equal_one_at_a_time(group, R, E, order):
     assert oracle.combine_diff(ca[0], wca[rank]) is None
     assert oracle.combine_diff(cb[0], wcb[rank]) is None
     b.destroy()
+
+
+def _outcome(got, want, out, want_c):
+    """'good' (both outputs bitwise the oracle's), 'failed' (the contract's failed outputs: a
+    dispatch that received nothing, or a combine whose rows are all NaN, or both), else a
+    description of the finite wrong output."""
+    d_good = oracle.diff(got, want) is None
+    d_failed = int(got.recv_count.sum()) == 0 and bool((got.layout_range == 0).all())
+    c_good = oracle.combine_diff(out, want_c) is None
+    c_failed = out.numel() > 0 and bool(out.isnan().all())
+    if d_good and c_good:
+        return "good"
+    if (d_good or d_failed) and (c_good or c_failed) and (d_failed or c_failed):
+        return "failed"
+    return (f"WRONG: dispatch {'good' if d_good else 'failed' if d_failed else 'wrong'}, "
+            f"combine {'good' if c_good else 'failed' if c_failed else 'wrong'}: "
+            f"{oracle.diff(got, want)}; {oracle.combine_diff(out, want_c)}")
+
+
+@pytest.mark.parametrize("path", ["batched", "per_expert"])
+@pytest.mark.parametrize("skip", ["dispatch", "combine"])
+def test_a_peer_that_skips_a_call_hands_nobody_wrong_values(group, R, E, skip, path):
+    """[issue 28] The last rank is late for call 2 (it sleeps 3x the wait bound before that
+    call's dispatch, or before its combine), then carries on; fresh inputs every call, the
+    default options. Every output of every call on every rank is bitwise the oracle's or the
+    call's failed output (dispatch: no rows; combine: NaN rows), never finite and wrong; the
+    first failed call on each rank is followed by a raise at that rank's next call (the ranks
+    that waited: TimeoutError naming the late rank; the late rank: PeerError, kind PeerFailed,
+    from the poison of the ranks that failed). Prints each rank's time from the fault to its
+    failed output and to its raise."""
+    if R == 1:
+        pytest.skip("one rank: no peer to be late for")
+    import time
+
+    import torch.distributed as dist
+
+    rank, late, bound = group.rank(), R - 1, 0.5
+    b = make_buffer(group, R, E, timeout_s=bound, path=path)
+    dist.barrier(group=group)
+    outcomes, raised, t_fault, t_failed, t_raised = [], None, None, None, None
+    for call in range(6):
+        ins = inputs(200 + call, R, E, n=T)
+        want, want_c = expect(ins, E, MODES["bf16"])
+        x, topk, w, y = (on_gpu(t) for t in ins[rank])
+        try:
+            if rank == late and call == 2 and skip == "dispatch":
+                t_fault = time.time()
+                time.sleep(3 * bound)
+            recv_x, count, h, _, _ = b.low_latency_dispatch(x, topk, T, E, use_fp8=False)
+            if rank == late and call == 2 and skip == "combine":
+                t_fault = time.time()
+                time.sleep(3 * bound)
+            out, _, _ = b.low_latency_combine(y, topk, w, h)
+            torch.cuda.synchronize()
+        except ep.EpError as e:
+            raised, t_raised = (call, e), time.time()
+            break
+        o = _outcome(got_of(recv_x, count, h), want[rank], out, want_c[rank])
+        outcomes.append(o)
+        if o == "failed" and t_failed is None:
+            t_failed = time.time()
+    everyone = [None] * R
+    dist.all_gather_object(everyone, (t_fault, t_failed, t_raised), group=group)
+    t0 = everyone[late][0]
+    print(f"\n[rank {rank}] skip {skip} on {path}, R={R}: outcomes {outcomes}, raised "
+          f"{type(raised[1]).__name__ + ' at call ' + str(raised[0]) if raised else 'nothing'}"
+          f"; from the fault: failed output after "
+          f"{'-' if t_failed is None else f'{t_failed - t0:.3f} s'}, raise after "
+          f"{'-' if t_raised is None else f'{t_raised - t0:.3f} s'}"
+          + (f": {raised[1]}" if raised else ""))
+    b.destroy()
+    wrong = [o for o in outcomes if o not in ("good", "failed")]
+    assert not wrong, f"rank {rank} took a failed call's outputs for good ones: {wrong}"
+    assert outcomes[:2] == ["good", "good"], outcomes
+    assert raised is not None, f"rank {rank} never raised: {outcomes}"
+    assert outcomes[-1] == "failed" and "failed" not in outcomes[:-1], (
+        f"rank {rank}: its first failed call must be followed by a raise: {outcomes}")
+    err = raised[1]
+    if rank == late:
+        assert isinstance(err, ep.PeerError) and err.kind == "PeerFailed", repr(err)
+        assert err.peer != late, str(err)
+    else:
+        assert isinstance(err, (ep.TimeoutError, ep.PeerError)), repr(err)
+        assert err.peer == late or err.kind == "PeerFailed", str(err)
