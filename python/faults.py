@@ -195,19 +195,29 @@ def skip_trials_rank(a, ep, dist, torch, oracle, dev, g, inputs, expect, warm_bu
             ins = inputs()
             want, want_c = expect(ins)
             x, topk, w, y = (t.to(dev) for t in ins[rank])
+            if rank == late and call == late_call and a.skip == "dispatch":
+                t_fault = time.time()
+                time.sleep(3 * a.timeout_s)
             try:
-                if rank == late and call == late_call and a.skip == "dispatch":
-                    t_fault = time.time()
-                    time.sleep(3 * a.timeout_s)
                 rx, cnt, h, _, _ = b.low_latency_dispatch(x, topk, T, E, use_fp8=False)
-                if rank == late and call == late_call and a.skip == "combine":
-                    t_fault = time.time()
-                    time.sleep(3 * a.timeout_s)
-                out, _, _ = b.low_latency_combine(y, topk, w, h)
-                torch.cuda.synchronize()
             except ep.EpError as e:
                 raised, t_raised = f"{type(e).__name__}/{e.kind}: {e}", time.time()
                 break
+            if rank == late and call == late_call and a.skip == "combine":
+                t_fault = time.time()
+                time.sleep(3 * a.timeout_s)
+            try:
+                out, _, _ = b.low_latency_combine(y, topk, w, h)
+            except ep.EpError as e:
+                # Raised at the combine's entry (its dispatch's kernel recorded the error by
+                # then): the dispatch's outputs must be the failed ones; the combine never ran
+                # (NaN rows stand for it).
+                raised, t_raised = f"{type(e).__name__}/{e.kind}: {e}", time.time()
+                torch.cuda.synchronize()
+                out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=dev)
+                outcomes.append(outcome(oracle, rx, cnt, h, out, want, want_c))
+                break
+            torch.cuda.synchronize()
             outcomes.append(outcome(oracle, rx, cnt, h, out, want, want_c))
         mine = dict(outcomes=outcomes, raised=raised, t_raised=t_raised, t_fault=t_fault,
                     at=len(outcomes))

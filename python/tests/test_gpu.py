@@ -667,10 +667,11 @@ def test_a_peer_that_skips_a_call_hands_nobody_wrong_values(group, R, E, skip, p
     call's dispatch, or before its combine), then carries on; fresh inputs every call, the
     default options. Every output of every call on every rank is bitwise the oracle's or the
     call's failed output (dispatch: no rows; combine: NaN rows), never finite and wrong; the
-    first failed call on each rank is followed by a raise at that rank's next call (the ranks
-    that waited: TimeoutError naming the late rank; the late rank: PeerError, kind PeerFailed,
-    from the poison of the ranks that failed). Prints each rank's time from the fault to its
-    failed output and to its raise."""
+    first failed output on each rank is followed by a raise at that rank's next call (the
+    combine of a failed dispatch, whose kernel has recorded its error by then, may raise at its
+    entry already; the ranks that waited: TimeoutError naming the late rank; the late rank:
+    PeerError, kind PeerFailed, from the poison of the ranks that failed). Prints each rank's
+    time from the fault to its failed output and to its raise."""
     if R == 1:
         pytest.skip("one rank: no peer to be late for")
     import time
@@ -690,14 +691,25 @@ def test_a_peer_that_skips_a_call_hands_nobody_wrong_values(group, R, E, skip, p
                 t_fault = time.time()
                 time.sleep(3 * bound)
             recv_x, count, h, _, _ = b.low_latency_dispatch(x, topk, T, E, use_fp8=False)
-            if rank == late and call == 2 and skip == "combine":
-                t_fault = time.time()
-                time.sleep(3 * bound)
-            out, _, _ = b.low_latency_combine(y, topk, w, h)
-            torch.cuda.synchronize()
         except ep.EpError as e:
             raised, t_raised = (call, e), time.time()
             break
+        if rank == late and call == 2 and skip == "combine":
+            t_fault = time.time()
+            time.sleep(3 * bound)
+        try:
+            out, _, _ = b.low_latency_combine(y, topk, w, h)
+        except ep.EpError as e:
+            # Raised at the combine's entry: this call's dispatch failed, and its outputs must
+            # be the failed ones (an all-NaN `out` stands for the combine that never ran).
+            raised, t_raised = (call, e), time.time()
+            torch.cuda.synchronize()
+            out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=x.device)
+            outcomes.append(_outcome(got_of(recv_x, count, h), want[rank], out, want_c[rank]))
+            if outcomes[-1] == "failed" and t_failed is None:
+                t_failed = t_raised
+            break
+        torch.cuda.synchronize()
         o = _outcome(got_of(recv_x, count, h), want[rank], out, want_c[rank])
         outcomes.append(o)
         if o == "failed" and t_failed is None:

@@ -164,6 +164,7 @@ fn fault_timeout_stops_every_waiter() {
             fault_rank: Some(0),
             bad_input: None,
             shrink: false,
+            fail_receive: None,
         };
         let c1 = input(1, 0, 0);
         let blocks: Vec<_> = [(0, 0), (1, 1)]
@@ -238,10 +239,11 @@ fn slow_sender_timeout_refused_or_correct() {
 }
 
 /// Rank 0's routing is bad (`in_bad`): it reports `ERR_EXPERT_RANGE`, skips its ack waits and
-/// its sends, and still counts out, publishes epoch 1 and acks its sources. Rank 1 waits for a
-/// signal that never comes. `same_device`: its wait must stop on the error flag (a bound that
-/// never expires); otherwise it runs out of time and reports on its own device, and the host
-/// names the input error first. Either way call 2 is refused.
+/// its sends, stores the poison in its signal words instead, and still counts out, publishes
+/// epoch 1 and acks its sources. Rank 1 never takes a valid signal. `same_device`: its wait must
+/// stop on the error flag or on the poison (a bound that never expires); otherwise on the
+/// poison (`PeerFailed`) or its own bound, reported on its own device, and the host names the
+/// input error first. Either way call 2 is refused.
 fn bad_input_sender(same_device: bool) {
     loom::model(move || {
         let (dev1, timeout) = if same_device {
@@ -255,6 +257,7 @@ fn bad_input_sender(same_device: bool) {
             fault_rank: None,
             bad_input: Some(0),
             shrink: false,
+            fail_receive: None,
         };
         let c1 = input(1, 0, 0);
         let tx = {
@@ -263,14 +266,16 @@ fn bad_input_sender(same_device: bool) {
         };
         let rx = dispatch_block(g, &kp, &c1, 1, 0);
         let tx = tx.join().unwrap();
-        assert!(tx.bad_input && tx.last_out && tx.epoch == 1 && tx.failed_wait.is_none());
+        assert!(tx.bad_input && tx.poisoned && tx.last_out && tx.epoch == 1);
+        assert!(tx.failed_wait.is_none());
         assert!(rx.read.is_empty() && rx.last_out && !rx.bad_input);
-        let want_wait = if same_device {
+        let by_itself = if same_device {
             WaitEnd::SawError
         } else {
             WaitEnd::TimedOut
         };
-        assert_eq!(rx.failed_wait, Some(want_wait));
+        let end = rx.failed_wait.expect("rank 1's wait cannot succeed");
+        assert!(end == by_itself || end == WaitEnd::PeerFailed, "{end:?}");
         let mut host = Host::default();
         let want = DeviceError::BadInput { rank: 0 };
         assert_eq!(host.sync(g), Err(want), "the input error is named first");
@@ -289,11 +294,13 @@ fn bad_input_sender_peer_on_another_device() {
 }
 
 /// Rank 1 (the receiver) has bad routing in call 1 and good routing in call 2, launched back to
-/// back with no sync. Its call 1 reads nothing but acks call 1 (`finish:`, "`if (last_out && p.stage != 1)`"); rank 0's
-/// call 2 then overwrites the buffers, and rank 1's call 2 must consume exactly call 2's
-/// entries: the bad call leaves the epochs in step and its early ack is safe.
+/// back with no sync. Its call 1 reads nothing but acks call 1 (`finish:`, "`if (last_out &&
+/// p.stage != 1)`"); rank 0's call 2 then overwrites the buffers. Rank 1's call 2 finds its
+/// group failed (`s_fail`): it reads nothing and stores the poison, but still publishes epoch 2
+/// and acks: the bad call leaves the epochs in step, its early ack is safe, and rank 0, which
+/// only waits for acks, completes both calls.
 #[test]
-fn bad_input_receiver_then_good_call() {
+fn bad_input_receiver_then_enqueued_call() {
     model(|| {
         let g = group(Kind::Batched, vec![(0, 1), (1, 1)], 1);
         let c = [input(1, 0, 0), input(2, 0, 0)];
@@ -324,15 +331,10 @@ fn bad_input_receiver_then_good_call() {
             assert_eq!(r.failed_wait, None, "rank 0 only waits for rank 1's acks");
         }
         assert_eq!((tx2.epoch, rx2.epoch), (2, 2), "the epochs stay in step");
-        let completed = rx2.failed_wait.is_none();
-        if !completed {
-            assert_eq!(rx2.failed_wait, Some(WaitEnd::SawError));
-        } else {
-            assert_eq!(rx2.read, g.expected(&c[1], 1), "call 2 consumed exactly");
-        }
+        assert!(rx2.poisoned && rx2.read.is_empty() && rx2.last_out, "{rx2:?}");
         let mut host = Host::default();
         assert_eq!(host.sync(g), Err(DeviceError::BadInput { rank: 1 }));
-        completed
+        true
     });
 }
 
@@ -384,9 +386,10 @@ fn capacity_call(
 /// no host sync between them. Call 1 is good: rank 1 consumes exactly its entries. In call 2
 /// rank 0's routing is bad: its pack stage writes no header and no batch, and the exchange,
 /// with no host look, sends what is in them. The header must be the host's poison, so that
-/// rank 1's unpack reports `ERR_PEER_DATA` (tokens, i32::MAX) and reads nothing, never call 1's
+/// rank 1's unpack reports `ERR_PEER_FAILED` and reads nothing, never call 1's
 /// header and rows taken as call 2's (mutant `gpu_no_hdr_poison`); the host names the input
-/// error first (errors.rs `cause_first`), and both ranks' epochs stay in step.
+/// error first (errors.rs `cause_first`), and both ranks' epochs stay in step. The unpack takes
+/// the poison for what it is: the sender's failure (`ERR_PEER_FAILED` naming rank 0, call 2).
 #[test]
 fn capacity_bad_input_sender_header_poisoned() {
     model(|| {
@@ -422,13 +425,12 @@ fn capacity_bad_input_sender_header_poisoned() {
         assert!(rx2[1].iter().all(|r| r.failed_wait.is_some()));
         assert_eq!(
             device_error(g, 1),
-            Some(DeviceError::PeerData {
+            Some(DeviceError::PeerFailed {
                 rank: 1,
                 peer: 0,
-                field: PF_BATCH_TOKENS,
-                value: POISON_HDR,
+                call: 2,
             }),
-            "rank 1's unpack rejects the poisoned token count"
+            "rank 1's unpack takes the poisoned header for rank 0's failure"
         );
         for (rank, reps) in tx2.iter().chain(&rx2).enumerate() {
             assert!(reps.iter().all(|r| r.epoch == 2), "rank {} epoch", rank % 2);
@@ -441,4 +443,96 @@ fn capacity_bad_input_sender_header_poisoned() {
         );
         true
     });
+}
+
+/// Rank 0's call 1 fails in its receive (a wait that ran out: `Launch::fail_receive`, after its
+/// send went out) with its calls 2 and 3 already launched behind it (enqueued: no host look in
+/// between, as in process mode, graph replay or an engine that checks later); rank 1 makes
+/// calls 1 and 2 at any pace, one call behind among them. Two devices (two error words, as two
+/// processes), links both ways, one block and one token each way. What must hold in every
+/// interleaving:
+/// - no rank ever reads an entry of a rank whose group had failed (the model marks such data
+///   `STALE`; mutant `gpu_no_failed_check`: rank 0's call 2 finds rank 1's ack already there,
+///   skips its ack wait, and sends);
+/// - rank 0's calls 2 and 3 read nothing and store the poison (every block);
+/// - each of rank 1's calls either consumed exactly its entries or failed (its wait reported a
+///   timeout or the peer's failure); its call 2 never completes, rank 0 sent nothing valid for it;
+/// - in some interleaving rank 1's call ends on the poison, with `ERR_PEER_FAILED` naming rank
+///   0 (mutant `gpu_no_poison`: rank 1 only ever times out).
+fn failed_rank_poisons(kind: Kind) {
+    let learned = std::sync::Arc::new(AtomicBool::new(false));
+    let seen = learned.clone();
+    model(move || {
+        let g: &'static Group = Box::leak(Box::new(Group::new(Setup {
+            kind,
+            ranks: vec![(0, 1), (1, 1)],
+            links: vec![(0, 1), (1, 0)],
+            max_tokens: 1,
+            local_experts: 1,
+            build: Build::Narrow,
+        })));
+        let call = |c: u64| Input {
+            call: c,
+            route: vec![vec![vec![(1, 0)]], vec![vec![(0, 0)]]],
+        };
+        let kp = bounded(2);
+        let fails = Launch {
+            fail_receive: Some(0),
+            ..kp
+        };
+        let tx = thread::spawn(move || {
+            (1..=3)
+                .map(|c| launch(g, if c == 1 { fails } else { kp }, &call(c), 0))
+                .collect::<Vec<_>>()
+        });
+        let rx: Vec<Vec<BlockReport>> = (1..=2).map(|c| launch(g, kp, &call(c), 1)).collect();
+        let tx = tx.join().unwrap();
+        for reps in tx.iter().chain(&rx) {
+            for r in reps {
+                let stale: Vec<_> = r.read.iter().filter(|e| e.payload & STALE != 0).collect();
+                assert!(stale.is_empty(), "took a failed rank's data: {stale:?}");
+            }
+        }
+        assert_eq!(tx[0][0].failed_wait, Some(WaitEnd::TimedOut));
+        for reps in &tx[1..] {
+            assert!(reps.iter().all(|r| r.poisoned && r.read.is_empty()), "{reps:?}");
+        }
+        for (i, reps) in rx.iter().enumerate() {
+            let r = &reps[0];
+            if r.failed_wait.is_none() && !r.poisoned {
+                assert_eq!(r.read, g.expected(&call(i as u64 + 1), 1), "call {}", i + 1);
+            }
+        }
+        let r2 = &rx[1][0];
+        assert!(r2.failed_wait.is_some() || r2.poisoned, "rank 1's call 2 cannot complete");
+        let mut host = Host::default();
+        let first = host.sync(g).unwrap_err();
+        assert!(
+            matches!(first, DeviceError::Timeout { rank: 0, peer: 1, call: 1, .. }),
+            "{first:?}"
+        );
+        let on_rank1 = device_error(g, 1);
+        if rx.iter().any(|reps| reps[0].failed_wait == Some(WaitEnd::PeerFailed)) {
+            assert!(
+                matches!(on_rank1, Some(DeviceError::PeerFailed { rank: 1, peer: 0, .. })),
+                "{on_rank1:?}"
+            );
+            seen.store(true, StdOrdering::Relaxed);
+        }
+        rx[0][0].failed_wait.is_none()
+    });
+    assert!(
+        learned.load(StdOrdering::Relaxed),
+        "no interleaving had rank 1 learn of rank 0's failure from its poison"
+    );
+}
+
+#[test]
+fn failed_rank_poisons_enqueued_calls() {
+    failed_rank_poisons(Kind::Batched);
+}
+
+#[test]
+fn per_expert_failed_rank_poisons_enqueued_calls() {
+    failed_rank_poisons(Kind::PerExpert);
 }

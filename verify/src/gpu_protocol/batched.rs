@@ -9,9 +9,9 @@ use crate::gpu_protocol::orderings::{
 use crate::gpu_protocol::peers::{is_gone, PeerSet};
 use crate::gpu_protocol::shrink::{receive_skips, wait_peer_signals, Peer};
 use crate::gpu_protocol::state::{
-    payload, read_entry, write_entry, BlockReport, Entry, Group, Input, Launch, WaitEnd,
+    payload, read_entry, write_entry, BlockReport, Entry, Group, Input, Launch, WaitEnd, STALE,
 };
-use crate::gpu_protocol::waits::{peer_bad, wait_signal};
+use crate::gpu_protocol::waits::{peer_bad, report_timeout, wait_signal};
 use crate::gpu_protocol::words::{signal_word, PF_BATCH_TOKENS, PH_DISPATCH_RECV};
 
 /// Role: a batched sender block writes its share of every batch, then counts itself out; the
@@ -29,9 +29,12 @@ pub(crate) fn batched_send(
     bid: usize,
     epoch: u64,
     gone: PeerSet,
+    stale: bool,
 ) {
     let me = &g.ranks[rank];
     let t_n = g.setup.max_tokens;
+    // A failed group's data (reached only by mutant gpu_no_failed_check): marked STALE.
+    let mark = if stale { STALE } else { 0 };
     let mut counts = Vec::new();
     for d in g.dests(rank).filter(|&d| !is_gone(gone, d)) {
         let batch = g.batch(input, rank, d);
@@ -46,7 +49,7 @@ pub(crate) fn batched_send(
                 &g.ranks[d].buf,
                 rank * t_n + pos,
                 [t as u32, 0, 0, 0],
-                payload(input.call, rank, t),
+                payload(input.call, rank, t) | mark,
             );
         }
         counts.push((d, batch.len() as u32));
@@ -94,6 +97,12 @@ pub(crate) fn batched_receive(
     let mut counts = Vec::new();
     // if (tid < R) (not via_nccl(p, tid): NVLink source)
     for s in g.sources(rank) {
+        if kp.fail_receive == Some(rank) {
+            // The model's certain failure: this wait ran out (report_timeout, return -1).
+            report_timeout(g.err(rank), rank, s, PH_DISPATCH_RECV, epoch, 0);
+            rep.failed_wait.get_or_insert(WaitEnd::TimedOut);
+            break;
+        }
         let got = if kp.shrink {
             // else if (p.shrink) c = is_gone(gone, tid) ? PEER_LOST : wait_peer_signals(..., sig_bat(me) + tid, 0, 1, 0, epoch);
             if receive_skips(gone, s) {

@@ -8,6 +8,7 @@ use crate::gpu_protocol::block::{
 };
 use crate::gpu_protocol::gone::{BlockShared, Gone, OR_ACKS};
 use crate::gpu_protocol::per_expert::{per_expert_receive, per_expert_send};
+use crate::gpu_protocol::poison::{group_failed, poison_signals, s_fail};
 use crate::gpu_protocol::state::{BlockReport, Group, Input, Kind, Launch};
 
 /// One block of one stage-0 dispatch launch, every role in kernel order (batched.cu
@@ -38,6 +39,8 @@ pub fn dispatch_block_in(
     let me = &g.ranks[rank];
     // Batched: thread 32 + d's first ld_acquire of the ack, before anything else.
     let ack0 = (g.setup.kind == Kind::Batched).then(|| preload_acks(g, rank));
+    // s_fail = p.refused || failed(p);
+    let failed_before = group_failed(g, rank);
     let epoch = block_epoch(me);
     // GONE_INIT(); ... __syncthreads(); ... const PeerSet gone0 = GONE0();
     let mut set = Gone::new(g, shared);
@@ -49,6 +52,14 @@ pub fn dispatch_block_in(
     };
     // batched: in_bad = __syncthreads_or(bad) | s_bad; per-expert: load_topk(...) | s_bad
     rep.bad_input = input_check(g, kp, rank);
+    // if (s_fail || in_bad) { poison_peers(p, tab, KIND, rank, gone0, epoch); goto finish; }
+    if s_fail(failed_before) || rep.bad_input {
+        poison_signals(g, kp, rank, epoch, gone0);
+        rep.poisoned = true;
+        rep.gone = set.live();
+        finish(g, kp, rank, epoch, &mut rep, 0);
+        return rep;
+    }
     // if (!in_bad && acker && ack0 < epoch - 1ull) wbad = !wait_ack(...) (per-expert: tid < R)
     if !rep.bad_input {
         rep.failed_wait = sender_wait_acks(
@@ -69,11 +80,11 @@ pub fn dispatch_block_in(
         rep.gone = gone;
         match g.setup.kind {
             Kind::Batched => {
-                batched_send(g, kp, input, rank, bid, epoch, gone);
+                batched_send(g, kp, input, rank, bid, epoch, gone, failed_before);
                 batched_receive(g, kp, rank, bid, epoch, gone, &mut set, &mut rep);
             }
             Kind::PerExpert => {
-                per_expert_send(g, kp, input, rank, bid, epoch, gone);
+                per_expert_send(g, kp, input, rank, bid, epoch, gone, failed_before);
                 per_expert_receive(g, kp, rank, bid, epoch, gone, &mut set, &mut rep);
                 rep.gone = set.live();
             }

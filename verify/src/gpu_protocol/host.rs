@@ -5,7 +5,7 @@
 
 use crate::gpu_protocol::orderings::RELAXED;
 use crate::gpu_protocol::state::{read_entry, Group};
-use crate::gpu_protocol::words::{ERR_EXPERT_RANGE, ERR_TIMEOUT};
+use crate::gpu_protocol::words::{ERR_EXPERT_RANGE, ERR_PEER_FAILED, ERR_TIMEOUT};
 
 /// A device error as the host decodes it (kernels/src/runtime/errors.rs `decode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,6 +19,8 @@ pub enum DeviceError {
     },
     /// `ERR_EXPERT_RANGE`: this rank's routing was bad.
     BadInput { rank: u32 },
+    /// `ERR_PEER_FAILED`: the receiving rank found the peer's poison in its call `call`.
+    PeerFailed { rank: u32, peer: u32, call: u64 },
     /// `ERR_PEER_DATA`: the receiving rank, the peer, the field (`PF_*`) and its value.
     PeerData {
         rank: u32,
@@ -64,10 +66,11 @@ impl Host {
     }
 }
 
-/// errors.rs `cause_first`: bad input is the cause, bad peer data next (a peer of a rank stopped
-/// by bad input, over NCCL in capacity mode), timeouts (waits for the stopped rank) last.
+/// errors.rs `cause_first`: bad input is the cause, bad peer data next, then timeouts (waits
+/// for a stopped rank), a peer's published failure (its poison) last: always a consequence.
 fn cause_first(e: &DeviceError) -> u8 {
     match e {
+        DeviceError::PeerFailed { .. } => 3,
         DeviceError::Timeout { .. } => 2,
         DeviceError::PeerData { .. } => 1,
         DeviceError::BadInput { .. } => 0,
@@ -100,6 +103,11 @@ pub fn device_error(g: &Group, dev: usize) -> Option<DeviceError> {
             call: w[3] as u64 | (w[5] as u64) << 32,
         },
         ERR_EXPERT_RANGE => DeviceError::BadInput { rank: w[0] },
+        ERR_PEER_FAILED => DeviceError::PeerFailed {
+            rank: w[0],
+            peer: w[1],
+            call: w[3] as u64 | (w[5] as u64) << 32,
+        },
         _ => DeviceError::PeerData {
             rank: w[0],
             peer: w[1],

@@ -224,6 +224,7 @@ mod nccl;
 mod orderings;
 mod peers;
 mod per_expert;
+mod poison;
 mod shrink;
 mod state;
 mod waits;
@@ -243,9 +244,10 @@ pub use peers::{is_gone, Build, PeerSet, WideMutant, MASK_WORDS, WORD_BITS};
 pub use shrink::{clean_mask, mask_status, update_mask, DEC_ACK, DEC_RECV};
 pub use state::{
     merged, payload, BlockReport, Entry, ErrorWord, Group, Input, Kind, Launch, Rank, Setup,
-    WaitEnd,
+    WaitEnd, STALE,
 };
 pub use words::{
-    sig_tag, signal_word, ERR_EXPERT_RANGE, ERR_PEER_DATA, ERR_TIMEOUT, PF_BATCH_TOKENS,
-    PH_DISPATCH_RECV, PH_DISPATCH_SEND, ROW_BYTES, SIG_COUNT_BITS,
+    is_poison, sig_tag, signal_word, ERR_EXPERT_RANGE, ERR_PEER_DATA, ERR_PEER_FAILED,
+    ERR_TIMEOUT, PF_BATCH_TOKENS, PH_DISPATCH_RECV, PH_DISPATCH_SEND, ROW_BYTES, SIG_COUNT_BITS,
+    SIG_POISON,
 };

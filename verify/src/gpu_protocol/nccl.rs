@@ -8,10 +8,11 @@ use ep_reference::sync::SharedRows;
 use crate::gpu_protocol::block::{block_epoch, finish, input_check};
 use crate::gpu_protocol::orderings::{fence_after_last_sent, fence_before_sent_add, RELAXED};
 use crate::gpu_protocol::state::{
-    payload, read_entry, write_entry, BlockReport, Entry, Group, Input, Launch, WaitEnd,
+    payload, read_entry, write_entry, BlockReport, Entry, Group, Input, Launch, WaitEnd, STALE,
 };
-use crate::gpu_protocol::waits::peer_bad;
-use crate::gpu_protocol::words::PF_BATCH_TOKENS;
+use crate::gpu_protocol::poison::{group_failed, s_fail};
+use crate::gpu_protocol::waits::{peer_bad, report_peer_failed};
+use crate::gpu_protocol::words::{PF_BATCH_TOKENS, PH_DISPATCH_RECV};
 
 /// launch.rs `POISON_HDR`: what capacity mode writes into every send-header word before the
 /// pack stage, a token count (i32::MAX) no peer accepts.
@@ -65,14 +66,20 @@ pub fn batched_pack_block(
 ) -> BlockReport {
     let me = &g.ranks[rank];
     let t_n = g.setup.max_tokens;
+    // s_fail = p.refused || failed(p);
+    let failed_before = group_failed(g, rank);
     let epoch = block_epoch(me);
     let mut rep = BlockReport {
         epoch,
         ..BlockReport::default()
     };
     rep.bad_input = input_check(g, kp, rank);
-    // if (__syncthreads_or(wbad) || in_bad) goto finish;
-    if !rep.bad_input {
+    // if (s_fail || in_bad) { poison_peers(...) (no NCCL peer: its header keeps the host's
+    // poison); goto finish; }
+    rep.poisoned = s_fail(failed_before) || rep.bad_input;
+    // A failed group's data (reached only by mutant gpu_no_failed_check): marked STALE.
+    let mark = if failed_before { STALE } else { 0 };
+    if !rep.poisoned {
         for d in g.dests(rank) {
             let batch = g.batch(input, rank, d);
             for (pos, &t) in batch.iter().enumerate() {
@@ -81,7 +88,7 @@ pub fn batched_pack_block(
                         &me.snd_buf,
                         d * t_n + pos,
                         [t as u32, 0, 0, 0],
-                        payload(input.call, rank, t),
+                        payload(input.call, rank, t) | mark,
                     );
                 }
             }
@@ -138,7 +145,11 @@ pub fn batched_unpack_block(g: &Group, kp: &Launch, rank: usize, bid: usize) -> 
         let mut counts = Vec::new();
         for s in g.sources(rank) {
             let c = read_hdr(&me.rcv_hdr, s) as i32 as i64;
-            if c < 0 || peer_bad(g.err(rank), rank, s, PF_BATCH_TOKENS, c, t_n as i64) {
+            // if (c == HDR_POISON) { report_peer_failed(p, rank, tid, PH_DISPATCH_RECV, epoch); c = -1; }
+            if c == POISON_HDR as i64 {
+                report_peer_failed(g.err(rank), rank, s, PH_DISPATCH_RECV, epoch);
+                rep.failed_wait.get_or_insert(WaitEnd::PeerFailed);
+            } else if c < 0 || peer_bad(g.err(rank), rank, s, PF_BATCH_TOKENS, c, t_n as i64) {
                 rep.failed_wait.get_or_insert(WaitEnd::SawError);
             } else {
                 counts.push((s, c as usize));

@@ -7,9 +7,9 @@ use crate::gpu_protocol::orderings::{fence_before_pe_signal, SIGNAL_STORE};
 use crate::gpu_protocol::peers::{is_gone, PeerSet};
 use crate::gpu_protocol::shrink::{receive_skips, wait_peer_signals, Peer};
 use crate::gpu_protocol::state::{
-    payload, read_entry, write_entry, BlockReport, Entry, Group, Input, Launch, WaitEnd,
+    payload, read_entry, write_entry, BlockReport, Entry, Group, Input, Launch, WaitEnd, STALE,
 };
-use crate::gpu_protocol::waits::{peer_bad, wait_signal};
+use crate::gpu_protocol::waits::{peer_bad, report_timeout, wait_signal};
 use crate::gpu_protocol::words::{signal_word, PF_PE_COUNT, PH_DISPATCH_RECV};
 
 /// Role: a per-expert sender block writes one message per selection of each expert it owns,
@@ -24,10 +24,13 @@ pub(crate) fn per_expert_send(
     bid: usize,
     epoch: u64,
     gone: PeerSet,
+    stale: bool,
 ) {
     let me = &g.ranks[rank];
     let (r_n, t_n, l_n) = (g.ranks.len(), g.setup.max_tokens, g.setup.local_experts);
     let dests: Vec<usize> = g.dests(rank).collect();
+    // A failed group's data (reached only by mutant gpu_no_failed_check): marked STALE.
+    let mark = if stale { STALE } else { 0 };
     // for (int e = bid; e < E && p.stage != 2; e += p.blocks_per_rank)
     for e in (bid..r_n * l_n).step_by(me.blocks) {
         // const int d = e / L, l = e % L;
@@ -46,7 +49,7 @@ pub(crate) fn per_expert_send(
                     &g.ranks[d].buf,
                     region + t,
                     [epoch as u32, t as u32, k as u32, (epoch >> 32) as u32],
-                    payload(input.call, rank, t),
+                    payload(input.call, rank, t) | mark,
                 );
                 count += 1;
             }
@@ -85,6 +88,12 @@ pub(crate) fn per_expert_receive(
     // for (int l = bid; l < L && p.stage != 1; l += p.blocks_per_rank)
     for l in (bid..l_n).step_by(me.blocks) {
         for &s in &sources {
+            if kp.fail_receive == Some(rank) {
+                // The model's certain failure: this wait ran out (report_timeout, cnt < 0).
+                report_timeout(g.err(rank), rank, s, PH_DISPATCH_RECV, epoch, 0);
+                rep.failed_wait = Some(WaitEnd::TimedOut);
+                return;
+            }
             let got = if kp.shrink {
                 // else if (p.shrink) c = is_gone(gone, s) ? PEER_LOST : wait_peer_signals(..., sig_pe(me, R) + s, (u64)R, L, l, epoch);
                 if receive_skips(gone, s) {

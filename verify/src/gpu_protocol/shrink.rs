@@ -8,9 +8,9 @@ use ep_reference::sync::Deadline;
 use crate::gpu_protocol::orderings::{tag_matches, ACK_LOAD, RELAXED, SIGNAL_LOAD};
 use crate::gpu_protocol::peers::{is_gone, PeerSet};
 use crate::gpu_protocol::state::{BlockReport, Group, Kind, Launch, Rank, WaitEnd};
-use crate::gpu_protocol::waits::{failed, report_timeout};
+use crate::gpu_protocol::waits::{failed, report_peer_failed, report_timeout};
 use crate::gpu_protocol::words::{
-    sig_tag, PH_DISPATCH_RECV, PH_DISPATCH_SEND, SIG_COUNT_BITS, SIG_COUNT_MASK,
+    is_poison, sig_tag, PH_DISPATCH_RECV, PH_DISPATCH_SEND, SIG_COUNT_BITS, SIG_COUNT_MASK,
 };
 
 /// shrink.cuh `DEC_RECV`, `DEC_ACK`: the decision word of a receive wait, of an ack wait.
@@ -89,6 +89,8 @@ enum Poll {
     Error,
     /// The peer is masked (another block agreed "lost"): "`lost = 1`".
     Masked,
+    /// Waiting again, a later call's poison over this call's signal.
+    Poisoned,
 }
 
 /// shrink.cuh `agree` (`agree_at`): this call's verdict on `peer`, one decision word per
@@ -156,6 +158,11 @@ pub(crate) fn wait_peer_signals(
     let poll = |w: usize, mask_too: bool| {
         // const u64 v = pw_load(w, a);
         let v = me.sig[w].load(SIGNAL_LOAD);
+        // if (is_poison(v)) { lost = 1; break; }  (the peer's group failed: it is lost now)
+        // (waiting again: report_error_at(..., ERR_PEER_FAILED, ...); return -1;)
+        if is_poison(v) {
+            return Some(if mask_too { Poll::Masked } else { Poll::Poisoned });
+        }
         // if ((v >> SIG_COUNT_BITS) == tag) { if (i == mine) cmine = (long long)(v & SIG_COUNT_MASK); break; }
         if tag_matches(v >> SIG_COUNT_BITS, tag) {
             return Some(Poll::Here((v & SIG_COUNT_MASK) as u32));
@@ -187,7 +194,7 @@ pub(crate) fn wait_peer_signals(
                 }
             }
             Some(Poll::Error) => return Err(WaitEnd::SawError),
-            Some(Poll::Masked) | None => lost = true,
+            Some(Poll::Masked | Poll::Poisoned) | None => lost = true,
         }
     }
     // if (agree_at(w.decide_word, w.mask_word, epoch, lost)) return PEER_LOST;
@@ -206,6 +213,10 @@ pub(crate) fn wait_peer_signals(
                     if i == mine {
                         cmine = c;
                     }
+                }
+                Some(Poll::Poisoned) => {
+                    report_peer_failed(e, rank, peer, PH_DISPATCH_RECV, epoch);
+                    return Err(WaitEnd::PeerFailed);
                 }
                 Some(_) => return Err(WaitEnd::SawError),
                 None => {
@@ -259,7 +270,7 @@ pub(crate) fn wait_peer_ack(
         match got {
             Some(Poll::Here(_)) => {}
             Some(Poll::Error) => return Err(WaitEnd::SawError),
-            Some(Poll::Masked) | None => lost = true,
+            Some(Poll::Masked | Poll::Poisoned) | None => lost = true,
         }
     }
     // if (agree_at(w.decide_word, w.mask_word, call, lost)) return PEER_LOST;

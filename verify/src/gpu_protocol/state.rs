@@ -107,6 +107,11 @@ pub struct Launch {
     /// `shrink`: shrink mode (the rank mask; shrink.cuh). A wait for a peer that
     /// runs out masks the peer instead of reporting an error.
     pub shrink: bool,
+    /// This rank's receive fails at once as a wait that ran out (it reports `ERR_TIMEOUT` for
+    /// its first source without waiting): a failure that the timeout models already reach by
+    /// the clock, made certain so that a model can follow what the failed rank's next launches
+    /// do.
+    pub fail_receive: Option<usize>,
 }
 
 /// One call's inputs: `route[s][t]` = the (destination rank, local expert) of every valid slot of
@@ -126,6 +131,12 @@ pub struct Input {
 pub fn payload(call: u64, s: usize, t: usize) -> u64 {
     (call << 32) | ((s as u64) << 16) | t as u64
 }
+
+/// Bit 63 of a payload word: sent by a rank whose group had failed before the launch. Such a
+/// rank's data cannot be trusted (its combine sends the rows of a dispatch that failed, its
+/// handle is a failed call's), so the model marks it, and no receiver may ever read one
+/// (mutant `gpu_no_failed_check`).
+pub const STALE: u64 = 1 << 63;
 
 /// One entry a receiving block consumed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -147,6 +158,8 @@ pub enum WaitEnd {
     TimedOut,
     /// Another wait on this device had failed: this one saw the flag and left.
     SawError,
+    /// The peer's poison (`is_poison`): its group failed; reported as `ERR_PEER_FAILED`.
+    PeerFailed,
 }
 
 /// What one block did in one call.
@@ -157,6 +170,9 @@ pub struct BlockReport {
     pub failed_wait: Option<WaitEnd>,
     /// This block found its rank's input bad (`in_bad`) and went to the end.
     pub bad_input: bool,
+    /// This block found its rank's group failed at its start (`s_fail`), or its input bad, and
+    /// stored the poison instead of the call's signals (poison.cuh `poison_peers`).
+    pub poisoned: bool,
     /// This block was the last out: it published the epoch and the acks.
     pub last_out: bool,
     /// Shrink mode: every peer this block left out: masked at its start (`gone0`, shrink.cuh

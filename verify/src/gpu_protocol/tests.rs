@@ -34,6 +34,7 @@ fn two_calls(kind: Kind) {
         fault_rank: None,
         bad_input: None,
         shrink: false,
+        fail_receive: None,
     };
     let inputs: Vec<Input> = (1..=3)
         .map(|c| Input {
@@ -94,6 +95,7 @@ fn fault_rank_times_out_and_the_host_refuses_the_next_call() {
         fault_rank: Some(0),
         bad_input: None,
         shrink: false,
+        fail_receive: None,
     };
     let input = Input {
         call: 1,
@@ -156,6 +158,7 @@ fn bad_input_rank_skips_its_sends_acks_and_the_host_names_it() {
         fault_rank: None,
         bad_input: Some(1),
         shrink: false,
+        fail_receive: None,
     };
     let input = Input {
         call: 1,
@@ -211,6 +214,7 @@ fn shrink_lost_rank_is_masked_not_reported_and_clean_takes_it_back() {
         fault_rank: Some(0),
         bad_input: None,
         shrink: true,
+        fail_receive: None,
     };
     let reps = run(lossy, &input(1));
     for r in &reps[1..] {
@@ -266,6 +270,7 @@ fn capacity_poisoned_header_of_a_bad_sender_is_rejected_by_the_peer() {
         fault_rank: None,
         bad_input: None,
         shrink: false,
+        fail_receive: None,
     };
     let c1 = Input {
         call: 1,

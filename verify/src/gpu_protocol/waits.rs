@@ -7,7 +7,8 @@ use ep_reference::sync::{fence, AtomicU64, Deadline, Ordering};
 use crate::gpu_protocol::orderings::{tag_matches, ACK_LOAD, RELAXED, SIGNAL_LOAD};
 use crate::gpu_protocol::state::{ErrorWord, Group, Launch, WaitEnd};
 use crate::gpu_protocol::words::{
-    sig_tag, ERR_PEER_DATA, ERR_TIMEOUT, SIG_COUNT_BITS, SIG_COUNT_MASK,
+    is_poison, sig_tag, ERR_PEER_DATA, ERR_PEER_FAILED, ERR_TIMEOUT, SIG_COUNT_BITS,
+    SIG_COUNT_MASK, SIG_POISON,
 };
 
 /// common.cuh `failed`: `ld_volatile_u32(err) != 0`.
@@ -57,6 +58,19 @@ pub(crate) fn report_timeout(
     report_error(e, ERR_TIMEOUT, words);
 }
 
+/// common.cuh `report_peer_failed`: rank, peer, phase, call (low), 0, call (high).
+pub(crate) fn report_peer_failed(e: &ErrorWord, rank: usize, peer: usize, phase: u32, call: u64) {
+    let words = [
+        rank as u32,
+        peer as u32,
+        phase,
+        call as u32,
+        0,
+        (call >> 32) as u32,
+    ];
+    report_error(e, ERR_PEER_FAILED, words);
+}
+
 /// common.cuh `peer_bad`: a peer-supplied `value` outside [0, limit] is reported.
 pub(crate) fn peer_bad(
     e: &ErrorWord,
@@ -100,9 +114,14 @@ pub(crate) fn wait_signal(
     let got = deadline.spin_until(|| {
         // u64 v = ld_acquire(p, addr);
         let v = addr.load(SIGNAL_LOAD);
-        // if ((v >> SIG_COUNT_BITS) == tag) return (long long)(v & SIG_COUNT_MASK);
-        if tag_matches(v >> SIG_COUNT_BITS, tag) {
+        // if ((v >> SIG_COUNT_BITS) == tag && (v & SIG_COUNT_MASK) != SIG_POISON) return (long long)(v & SIG_COUNT_MASK);
+        if tag_matches(v >> SIG_COUNT_BITS, tag) && (v & SIG_COUNT_MASK) != SIG_POISON as u64 {
             return Some(Ok((v & SIG_COUNT_MASK) as u32));
+        }
+        // if (is_poison(v)) { report_peer_failed(p, rank, peer, phase, epoch); return -1; }
+        if is_poison(v) {
+            report_peer_failed(e, rank, peer, phase, epoch);
+            return Some(Err(WaitEnd::PeerFailed));
         }
         // if ((++spins & 63u) == 0u) { if (failed(p)) return -1; ... }
         if failed(e) {

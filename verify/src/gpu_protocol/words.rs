@@ -13,6 +13,8 @@ pub const PH_DISPATCH_RECV: u32 = 1;
 pub const ERR_TIMEOUT: u32 = 1;
 pub const ERR_EXPERT_RANGE: u32 = 2;
 pub const ERR_PEER_DATA: u32 = 5;
+/// common.cuh `ERR_PEER_FAILED`: a receiver found a peer's poison (the peer's group failed).
+pub const ERR_PEER_FAILED: u32 = 6;
 /// common.cuh `PF_BATCH_TOKENS`, `PF_PE_COUNT`: the peer-supplied counts the receivers bound.
 pub const PF_BATCH_TOKENS: u32 = 0;
 pub(crate) const PF_PE_COUNT: u32 = 7;
@@ -29,4 +31,13 @@ pub fn sig_tag(epoch: u64) -> u64 {
 /// common.cuh `signal_word`: `tag << 24 | count`.
 pub fn signal_word(epoch: u64, count: u32) -> u64 {
     (sig_tag(epoch) << SIG_COUNT_BITS) | (count as u64 & SIG_COUNT_MASK)
+}
+
+/// common.cuh `SIG_POISON`: the count field all ones, never a count (T*K < 2^24 - 1).
+pub const SIG_POISON: u32 = SIG_COUNT_MASK as u32;
+
+/// common.cuh `is_poison`: "`(v & SIG_COUNT_MASK) == SIG_POISON && (v >> SIG_COUNT_BITS) !=
+/// 0ull`": a poison of any call (the words start at 0; only a failed group stores one).
+pub fn is_poison(v: u64) -> bool {
+    (v & SIG_COUNT_MASK) == SIG_POISON as u64 && (v >> SIG_COUNT_BITS) != 0
 }

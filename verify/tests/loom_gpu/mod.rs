@@ -11,7 +11,7 @@ pub use ep_verify::gpu_protocol::{
     dispatch_block_in, entry_at, gone_word_thread, is_gone, mask_status, merged,
     nccl_capacity_exchange, payload, poison_send_headers, update_mask, BlockReport, BlockShared,
     Build, DeviceError, Entry, Group, Host, Input, Kind, Launch, PeerSet, Setup, WaitEnd,
-    WideMutant, PF_BATCH_TOKENS, PH_DISPATCH_RECV, POISON_HDR,
+    WideMutant, PF_BATCH_TOKENS, PH_DISPATCH_RECV, POISON_HDR, STALE,
 };
 pub use loom::thread;
 
@@ -22,6 +22,7 @@ pub fn bounded(polls: u64) -> Launch {
         fault_rank: None,
         bad_input: None,
         shrink: false,
+        fail_receive: None,
     }
 }
 
