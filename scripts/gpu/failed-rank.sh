@@ -41,7 +41,7 @@ if [[ $steps == *" faults "* ]]; then
   for kinds in skip-dispatch,skip-combine stall,kill; do
     left=$(( 560 - (SECONDS - t0) ))
     [ "$left" -lt 30 ] && { note "faults $kinds: not run (time spent)"; continue; }
-    log="$OUT/faults-${kinds//,/+}.log"
+    log="$OUT/faults-${kinds//,/_}.log"
     (cd "$site" && timeout -k 5 "$left" env PYTHONPATH="$site" "$PY" "$BIN/python/faults.py" \
       --trials "$TRIALS" --timeout-s "$BOUND" --kinds "$kinds") > "$log" 2>&1
     note "faults $kinds rc=$?"

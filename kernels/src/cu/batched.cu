@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
     {
         // Bad routing (or token count) is caught here, before anything is written: the rank goes to
         // the end unsent, unsignalled; peers stop on this GPU's error flag, time out on others.
-        // loom: gpu_protocol::input_check and dispatch_block, models bad_input_sender_peer_*, bad_input_receiver_then_good_call.
+        // loom: gpu_protocol::input_check and dispatch_block, models bad_input_sender_peer_*, bad_input_receiver_then_enqueued_call.
         const int in_bad = __syncthreads_or(bad) | s_bad;
         PROF(7);  // routing checked, positions known
         // A failed group, or this call's bad input, sends nothing valid: the poison instead of

@@ -459,6 +459,41 @@ mod tests {
         }
     }
 
+    /// A rank whose group failed (or whose input was bad) runs a capacity call's pack stage as
+    /// poison: it writes no header, so the host's poison (`POISON_HDR`, written before the pack
+    /// in stream order) is what crosses the network, in every word; the peer's unpack reads word
+    /// 0 as that rank's failure (common.cuh `HDR_POISON`, `ERR_PEER_FAILED`). The healthy rank's
+    /// header reaches the failed one unchanged.
+    #[test]
+    fn a_failed_ranks_capacity_header_arrives_as_the_poison() {
+        use crate::compile::COMMON_CUH;
+        use crate::runtime::launch::POISON_HDR;
+        assert!(
+            COMMON_CUH.contains(&format!("#define HDR_POISON 0x{POISON_HDR:08X}")),
+            "the kernels' header poison is launch.rs POISON_HDR"
+        );
+        let cfg = Config::new(2, 4, 8, 256, 2, Mode::FP8).unwrap();
+        let s = sizing(&cfg);
+        let hw = s.header_words();
+        let (mut m, ptrs) = net(&cfg);
+        write_headers(&mut m, &s, &ptrs, &routing(&cfg, 5));
+        let good = words(&mut m, ptrs[0].snd_hdr + (hw * 4) as u64, hw);
+        // Rank 1 failed: launch.rs poison_send_headers, then a pack stage that writes nothing.
+        let poison: Vec<u8> = (0..2 * hw).flat_map(|_| POISON_HDR.to_le_bytes()).collect();
+        m.addr(ptrs[1].snd_hdr, 2 * hw * 4).copy_from_slice(&poison);
+        let ops: Vec<Vec<P2p>> = ptrs
+            .iter()
+            .map(|p| dispatch_headers(&s, p, &[0, 1], true).unwrap())
+            .collect();
+        m.exchange(&ops).unwrap();
+        let from_failed = words(&mut m, ptrs[0].rcv_hdr + (hw * 4) as u64, hw);
+        assert!(
+            from_failed.iter().all(|&w| w as u32 == POISON_HDR),
+            "{from_failed:?}"
+        );
+        assert_eq!(words(&mut m, ptrs[1].rcv_hdr, hw), good);
+    }
+
     /// A peer's header that is out of bounds stops the plan before any payload is sized by
     /// it (the error names the peer and the field); a plan whose two sides disagree on a size
     /// is caught by the network, which is then aborted and refuses the next exchange.

@@ -155,24 +155,30 @@
 //!   s_bad`", per-expert "`load_topk(...) | s_bad`") skips its ack waits ("`if (!in_bad &&
 //!   acker && ...`"; its `ack0` load is left unused) and goes to `finish` in every block (each
 //!   block checks the same routing), so it neither sends nor receives nor counts itself in
-//!   `ST_SENT`; but its last block out still publishes the epoch and acks every source
+//!   `ST_SENT`; it stores the poison instead (poison.cuh `poison_peers`, "`if (s_fail ||
+//!   in_bad)`"); and its last block out still publishes the epoch and acks every source
 //!   ("`if (last_out && p.stage != 1)`") for a call whose data it never read. That is sound: an
-//!   ack only lets a source overwrite this rank's receive buffers, and the epochs stay in step,
-//!   so a next call launched without a sync is exchanged correctly (model
-//!   `bad_input_receiver_then_good_call`). Its peers see no signal: on the same device their
-//!   waits stop on the error flag within 64 polls; on another device they run the whole
-//!   `timeout_ns` and report a timeout there, which the host ranks after the input error
-//!   (errors.rs `cause_first`: input, then peer data, then timeouts; `GpuGroup::check`). If the
-//!   caller's routing changed while the launch ran, blocks could disagree on `in_bad` and the
-//!   next item applies.
+//!   ack only lets a source overwrite this rank's receive buffers, and the epochs stay in step;
+//!   a next call launched without a sync finds the group failed and is poisoned in turn (model
+//!   `bad_input_receiver_then_enqueued_call`). Its peers never see a valid signal: on the same
+//!   device their waits stop on the error flag or the poison within 64 polls; on another device
+//!   on the poison (`ERR_PEER_FAILED`) or their own bound, which the host ranks after the input
+//!   error (errors.rs `cause_first`: input, peer data, timeouts, then a peer's failure;
+//!   `GpuGroup::check`). If the caller's routing changed while the launch ran, blocks could
+//!   disagree on `in_bad` and the next item applies.
 //! - A batched dispatch block whose `wait_ack` fails skips the send side ("`if
 //!   (__syncthreads_or(wbad) || in_bad) goto finish;`" jumps over the `ST_SENT` `atomicAdd`). If
 //!   only some blocks of a rank fail, the count is left non-zero and a later launch on the same
-//!   state would signal before every block has written. The host's refusal of every call after
-//!   an error (errors.rs `GpuGroup::check` sets `broken`; runtime/mod.rs `check_usable`, first
-//!   thing in launch.rs `launch_inner` and `sync`) is what keeps this from happening: it is
-//!   needed, not just prudent. Back to back `launch`es without a sync (benchmarks, graph
-//!   replay) after an error give garbage until the next sync reports it.
+//!   state would signal before every block has written. What keeps this from happening is that
+//!   no later launch of a failed group sends at all: every block reads the error word at its
+//!   start (`s_fail`) and stores the poison instead (poison.cuh; model
+//!   `failed_rank_poisons_enqueued_calls`, mutants `gpu_no_failed_check`, `gpu_no_poison`),
+//!   launches enqueued behind the failed one (benchmarks, graph replay, process mode) included;
+//!   and the host refuses every call after an error (errors.rs `GpuGroup::check` sets `broken`;
+//!   `check_usable`, first thing in launch.rs `launch_inner` and `sync`), launching the refused
+//!   call as poison only (`poison_refused`, `KParams.refused`). Before the check, such launches
+//!   sent a failed call's state with valid signals: a peer took a combine of the rows of a
+//!   failed dispatch for good (issue 28).
 //! - Shrink mode's agreement orders nothing: `agree_at` is a relaxed CAS (and the mask a
 //!   relaxed `atomicExch`), so a block that ran out while another block's "arrived" was agreed
 //!   has no happens-before with that block's acquire of the signal. What makes its reads safe
@@ -247,7 +253,6 @@ pub use state::{
     WaitEnd, STALE,
 };
 pub use words::{
-    is_poison, sig_tag, signal_word, ERR_EXPERT_RANGE, ERR_PEER_DATA, ERR_PEER_FAILED,
-    ERR_TIMEOUT, PF_BATCH_TOKENS, PH_DISPATCH_RECV, PH_DISPATCH_SEND, ROW_BYTES, SIG_COUNT_BITS,
-    SIG_POISON,
+    is_poison, sig_tag, signal_word, ERR_EXPERT_RANGE, ERR_PEER_DATA, ERR_PEER_FAILED, ERR_TIMEOUT,
+    PF_BATCH_TOKENS, PH_DISPATCH_RECV, PH_DISPATCH_SEND, ROW_BYTES, SIG_COUNT_BITS, SIG_POISON,
 };

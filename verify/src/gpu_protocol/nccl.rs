@@ -7,10 +7,10 @@ use ep_reference::sync::SharedRows;
 
 use crate::gpu_protocol::block::{block_epoch, finish, input_check};
 use crate::gpu_protocol::orderings::{fence_after_last_sent, fence_before_sent_add, RELAXED};
+use crate::gpu_protocol::poison::{group_failed, s_fail};
 use crate::gpu_protocol::state::{
     payload, read_entry, write_entry, BlockReport, Entry, Group, Input, Launch, WaitEnd, STALE,
 };
-use crate::gpu_protocol::poison::{group_failed, s_fail};
 use crate::gpu_protocol::waits::{peer_bad, report_peer_failed};
 use crate::gpu_protocol::words::{PF_BATCH_TOKENS, PH_DISPATCH_RECV};
 

@@ -161,7 +161,11 @@ pub(crate) fn wait_peer_signals(
         // if (is_poison(v)) { lost = 1; break; }  (the peer's group failed: it is lost now)
         // (waiting again: report_error_at(..., ERR_PEER_FAILED, ...); return -1;)
         if is_poison(v) {
-            return Some(if mask_too { Poll::Masked } else { Poll::Poisoned });
+            return Some(if mask_too {
+                Poll::Masked
+            } else {
+                Poll::Poisoned
+            });
         }
         // if ((v >> SIG_COUNT_BITS) == tag) { if (i == mine) cmine = (long long)(v & SIG_COUNT_MASK); break; }
         if tag_matches(v >> SIG_COUNT_BITS, tag) {

@@ -9,14 +9,13 @@ use crate::gpu_protocol::dispatch::dispatch_block;
 use crate::gpu_protocol::host::{ack_word, device_error, DeviceError, Host};
 use crate::gpu_protocol::nccl::{
     batched_pack_block, batched_unpack_block, nccl_capacity_exchange, poison_send_headers,
-    POISON_HDR,
 };
 use crate::gpu_protocol::orderings::RELAXED;
 use crate::gpu_protocol::peers::Build;
 use crate::gpu_protocol::shrink::{clean_mask, mask_status};
 use crate::gpu_protocol::state::{merged, BlockReport, Group, Input, Kind, Launch, Setup};
 use crate::gpu_protocol::words::{
-    sig_tag, signal_word, PF_BATCH_TOKENS, PH_DISPATCH_RECV, SIG_COUNT_BITS, SIG_COUNT_MASK,
+    sig_tag, signal_word, PH_DISPATCH_RECV, SIG_COUNT_BITS, SIG_COUNT_MASK,
 };
 
 fn two_calls(kind: Kind) {
@@ -255,7 +254,7 @@ fn capacity_call(g: &Group, kp: &Launch, input: &Input) -> Vec<BlockReport> {
 }
 
 #[test]
-fn capacity_poisoned_header_of_a_bad_sender_is_rejected_by_the_peer() {
+fn capacity_poisoned_header_of_a_bad_sender_is_taken_for_its_failure() {
     let setup = Setup {
         kind: Kind::Batched,
         ranks: vec![(0, 1), (1, 1)],
@@ -287,11 +286,10 @@ fn capacity_poisoned_header_of_a_bad_sender_is_rejected_by_the_peer() {
     assert!(rx[1].read.is_empty(), "stale rows taken: {:?}", rx[1].read);
     assert_eq!(
         device_error(&g, 1),
-        Some(DeviceError::PeerData {
+        Some(DeviceError::PeerFailed {
             rank: 1,
             peer: 0,
-            field: PF_BATCH_TOKENS,
-            value: POISON_HDR
+            call: 2
         })
     );
     assert_eq!(
