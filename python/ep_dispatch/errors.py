@@ -10,7 +10,8 @@ built-in exception a caller would expect, so ``except ValueError`` or ``except T
     ├── ConfigError        (ValueError)         a bad group shape: E % R, H % 128, K, UE8M0 ...
     ├── InputError         (ValueError)         bad inputs: routing, token count, handle ...
     │   └── ArgumentError                       an argument's type/dtype/shape/device, names it
-    ├── PeerError          (RuntimeError)       a peer disagreed, or the handle exchange failed
+    ├── PeerError          (RuntimeError)       a peer disagreed or failed (kind PeerFailed: its
+    │                                           group recorded an error), or the exchange failed
     ├── TimeoutError       (builtins.TimeoutError)  a bounded wait ran out
     ├── OutOfMemoryError   (MemoryError)        the buffers do not fit; says how many bytes
     ├── DeviceError        (RuntimeError)       CUDA, NCCL or NVRTC failed
@@ -45,7 +46,9 @@ class ArgumentError(InputError):
 
 
 class PeerError(EpError, RuntimeError):
-    """A peer announced something else than expected, or the rendezvous failed."""
+    """A peer announced something else than expected, a peer failed (kind ``PeerFailed``: its
+    group recorded an error and published it; ``rank``, ``peer``, ``phase``, ``call``), or the
+    rendezvous failed."""
 
 
 class TimeoutError(EpError, builtins.TimeoutError):  # noqa: A001 (mirrors the built-in)

@@ -256,6 +256,7 @@ def test_argument_errors_name_the_argument():
     ("Cuda", ep.DeviceError, {}),
     ("Nccl", ep.DeviceError, {}),
     ("Process", ep.PeerError, {}),
+    ("PeerFailed", ep.PeerError, dict(rank=1, peer=0, phase="combine/recv", call=4)),
     ("Unsupported", ep.UnsupportedError, {}),
     ("TooManyRanks", ep.UnsupportedError, dict(ranks=257, max=256)),
     ("NotBuilt", ep.NotBuiltError, {}),

@@ -563,6 +563,13 @@ fn _raise_sample_error(kind: &str) -> PyResult<()> {
             waited_ms: 10,
         })
         .into(),
+        "PeerFailed" => GpuError::PeerFailed {
+            rank: 1,
+            peer: 0,
+            phase,
+            call: 4,
+        }
+        .into(),
         "NotBuilt" => BindError::NotBuilt("dispatch".into()),
         other => {
             return Err(to_py(BindError::argument(
