@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
 #endif
     {
         // Bad routing (or token count) is caught here, before anything is written: the rank goes to
-        // the end unsent, unsignalled; peers stop on this GPU's error flag, time out on others.
+        // the end and sends the poison instead of its batches (below).
         // loom: gpu_protocol::input_check and dispatch_block, models bad_input_sender_peer_*, bad_input_receiver_then_enqueued_call.
         const int in_bad = __syncthreads_or(bad) | s_bad;
         PROF(7);  // routing checked, positions known
@@ -741,9 +741,11 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(K
     if (tid < R) sm.tot[tid] = ((const int*)me.comb_cnt)[tid];
     int bad = 0;
     // A failed group sends nothing valid (the rows of a failed dispatch are not this call's):
-    // the poison instead of this call's signals. loom: gpu_protocol::poison_signals.
+    // the poison instead of this call's signals, NaN rows to its NCCL peers.
+    // loom: gpu_protocol::poison_signals.
     if (s_fail) {
         poison_peers(p, tab, KIND, rank, gone0, epoch);
+        poison_nccl_rows(p, me, gone0, bid);
         goto finish;
     }
     if (acker && p.shrink) {

@@ -338,9 +338,11 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::combin
     PeerSet gone = gone0;
     load_topk(p, (const i64*)me.topk, n, sm.sk, sm.sdl, rank, false);
     int bad = 0;
-    // A failed group sends nothing valid: the poison instead of this call's signals.
+    // A failed group sends nothing valid: the poison instead of this call's signals, NaN rows to
+    // its NCCL peers.
     if (s_fail) {
         poison_peers(p, tab, KIND, rank, gone0, epoch);
+        poison_nccl_rows(p, me, gone0, bid);
         goto finish;
     }
     // loom: not modelled itself; the same wait_ack as per-expert dispatch (model per_expert_consecutive_calls).

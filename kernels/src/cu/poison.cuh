@@ -19,3 +19,20 @@ __device__ __forceinline__ void poison_peers(const KParams& p, const RankPtrs* t
         if (!via_nccl(p, d) && !is_gone(gone, d)) st_release(p, signal_slot(p, tab, kind, rank, d, i % nl), w);
     }
 }
+
+// A failed rank's combine rows for its NCCL peers. They cross the network without a signal or a
+// header (the host's exchange, enqueued before the failure was known, sends whatever is staged),
+// so the staged rows are the poison themselves: bf16 NaN (0x7FFF) in every row the exchange can
+// send a peer (T * min(K, L) from its staging region, capacity or exact sizes), which the peer's
+// reduction turns into the failed combine's NaN outputs, never finite wrong values. (Its error
+// reaches that peer's host only by its own bound: this rank makes no later exchange.) The
+// rank's blocks share the stores. Not yet run on a GPU (NCCL needs two).
+__device__ __forceinline__ void poison_nccl_rows(const KParams& p, const RankPtrs& me, PeerSet gone, int bid) {
+    if (p.stage == 2 || !any_nccl(p)) return;
+    const u64 elems = (u64)p.T * (u64)(p.K < p.L ? p.K : p.L) * (u64)p.H;
+    for (int s = 0; s < p.R; s++) {
+        if (!via_nccl(p, s) || is_gone(gone, s)) continue;
+        u16* rows = (u16*)me.snd_buf + (u64)s * p.T * p.K * p.H;
+        for (u64 i = (u64)bid * NTHREADS + threadIdx.x; i < elems; i += (u64)p.blocks_per_rank * NTHREADS) rows[i] = (u16)0x7FFFu;
+    }
+}
