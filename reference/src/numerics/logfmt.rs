@@ -329,7 +329,10 @@ mod tests {
         assert!(!m(0.5, 0.5).is_packed(), "all magnitudes equal");
         assert!(!m(0.0, 0.0).is_packed(), "all zero");
         assert!(m(2f32.powi(-93), 0.0).is_packed());
-        assert!(!m(2f32.powi(-94), 0.0).is_packed(), "below 2^-93 travels raw");
+        assert!(
+            !m(2f32.powi(-94), 0.0).is_packed(),
+            "below 2^-93 travels raw"
+        );
         let nan = Meta::of([0x3F00, 0x7FC0, 0x0000]);
         assert_eq!(nan.amax, 0x7FC0);
         assert!(!nan.is_packed());
