@@ -105,7 +105,7 @@ impl Case {
     /// Drawn from a generator of its own, as the mask is.
     fn format_from_seed(seed: u64, h: usize) -> CombineFormat {
         let mut rng = StdRng::seed_from_u64(seed ^ 0x6C6F_6766_6D74_0001);
-        if h % 128 == 0 && rng.random_range(0..3) == 0 {
+        if h.is_multiple_of(128) && rng.random_range(0..3) == 0 {
             CombineFormat::LogFmt
         } else {
             CombineFormat::Bf16

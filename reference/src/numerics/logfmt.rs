@@ -419,7 +419,7 @@ mod tests {
             let g: Vec<bf16> = (0..GROUP)
                 .map(|_| {
                     let r = xorshift(&mut s);
-                    if i % 7 == 0 && r % 5 == 0 {
+                    if i % 7 == 0 && r.is_multiple_of(5) {
                         return bf16::ZERO;
                     }
                     let u = (r >> 8) as f32 / (1u32 << 24) as f32;

@@ -16,6 +16,7 @@ use half::bf16;
 
 /// Runs call `w.call` of rank `w.rank` with the rows in `format`; `skip` as in `dispatch::run`
 /// (it starts with the handle's mask as well as the mask when the call started).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn run(
     sh: &Shared,
     w: Waiter,
