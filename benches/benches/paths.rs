@@ -37,7 +37,7 @@ fn paths(c: &mut Criterion) {
             .iter()
             .map(|i| accounting::selections(i))
             .sum::<u64>();
-        let setup = Setup::new(w, SEED).expect("inputs");
+        let setup = Setup::new(w, SEED, ep_reference::CombineFormat::Bf16).expect("inputs");
         let opts = CpuOptions::default();
         let mut groups = match PATHS
             .iter()
@@ -87,7 +87,8 @@ fn paths(c: &mut Criterion) {
                     (0..iters)
                         .map(|_| {
                             mean_rank_time(
-                                &timed_combine(grp, w, &setup.ys, &handles).expect("combine"),
+                                &timed_combine(grp, w, &setup.ys, &handles, setup.format)
+                                    .expect("combine"),
                             )
                         })
                         .sum()

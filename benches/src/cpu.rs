@@ -12,7 +12,9 @@ use ep_reference::oracle;
 use ep_reference::path::run_ranks;
 use ep_reference::per_expert;
 use ep_reference::workload::Workload;
-use ep_reference::{bf16, CallStats, Config, CpuOptions, DispatchOutput, EpRank, Handle};
+use ep_reference::{
+    bf16, CallStats, CombineFormat, Config, CpuOptions, DispatchOutput, EpRank, Handle,
+};
 
 use crate::accounting;
 use crate::report::{assemble, PathSamples, PointInfo, PointResult, RankSamples, Traffic};
@@ -92,19 +94,33 @@ pub struct Setup {
     pub ys: Vec<Vec<bf16>>,
     pub oracle_dispatch: Vec<DispatchOutput>,
     pub oracle_combine: Vec<Vec<bf16>>,
+    /// The combine's format; with LogFMT the expert outputs are scaled by 2^-4 (values in
+    /// [-0.5, 0.5], as DeepEP's benchmark feeds small values) so that their groups pack.
+    pub format: CombineFormat,
 }
 
 impl Setup {
-    pub fn new(workload: Workload, seed: u64) -> ep_reference::Result<Setup> {
+    pub fn new(
+        workload: Workload,
+        seed: u64,
+        format: CombineFormat,
+    ) -> ep_reference::Result<Setup> {
         let cfg = workload.config;
+        format.check(&cfg)?;
         let oracle_dispatch = oracle::dispatch(&cfg, &workload.dispatch_inputs())?;
-        let ys = expert_outputs(&cfg, &oracle_dispatch, seed);
-        let oracle_combine = oracle::combine(&cfg, &workload.combine_inputs(&ys))?;
+        let mut ys = expert_outputs(&cfg, &oracle_dispatch, seed);
+        if format == CombineFormat::LogFmt {
+            for v in ys.iter_mut().flatten() {
+                *v = bf16::from_f32(v.to_f32() * 0.0625);
+            }
+        }
+        let oracle_combine = oracle::combine_with(&cfg, &workload.combine_inputs(&ys), format)?;
         Ok(Setup {
             workload,
             ys,
             oracle_dispatch,
             oracle_combine,
+            format,
         })
     }
 
@@ -177,12 +193,13 @@ fn combine_all(
     w: &Workload,
     ys: &[Vec<bf16>],
     handles: &[Handle],
+    format: CombineFormat,
 ) -> Result<Vec<Vec<bf16>>, BenchError> {
     let path = g.kind.name();
     run_ranks(&mut g.slots, |s| {
         let me = s.rank.rank();
-        s.rank
-            .combine(&ys[me], &w.topk_idx[me], &w.topk_weights[me], &handles[me])
+        let (idx, wt) = (&w.topk_idx[me], &w.topk_weights[me]);
+        s.rank.combine_with(&ys[me], idx, wt, &handles[me], format)
     })
     .into_iter()
     .collect::<Result<_, _>>()
@@ -247,7 +264,7 @@ pub fn verify(setup: &Setup, groups: &mut [Group]) -> Result<String, BenchError>
         let name = g.kind.name();
         let handles = dispatch_all(g, w)?;
         check_dispatch(&format!("{name} vs oracle"), &g.outputs(), &oracle)?;
-        let comb = combine_all(g, w, &setup.ys, &handles)?;
+        let comb = combine_all(g, w, &setup.ys, &handles, setup.format)?;
         check_combine(
             &format!("{name} vs oracle"),
             &comb,
@@ -301,12 +318,13 @@ pub fn timed_dispatch(g: &mut Group, w: &Workload) -> Result<Vec<Timed<Handle>>,
     .map_err(|err| BenchError::Path { path, err })
 }
 
-/// One collective combine with `handles`, timed per rank.
+/// One collective combine with `handles`, the rows in `format`, timed per rank.
 pub fn timed_combine(
     g: &mut Group,
     w: &Workload,
     ys: &[Vec<bf16>],
     handles: &[Handle],
+    format: CombineFormat,
 ) -> Result<Vec<Timed<()>>, BenchError> {
     let path = g.kind.name();
     let barrier = Barrier::new(g.slots.len());
@@ -314,9 +332,8 @@ pub fn timed_combine(
         let me = s.rank.rank();
         barrier.wait();
         let t0 = Instant::now();
-        let res = s
-            .rank
-            .combine(&ys[me], &w.topk_idx[me], &w.topk_weights[me], &handles[me]);
+        let (idx, wt) = (&w.topk_idx[me], &w.topk_weights[me]);
+        let res = s.rank.combine_with(&ys[me], idx, wt, &handles[me], format);
         let us = t0.elapsed().as_secs_f64() * 1e6;
         drop(res?);
         Ok(Timed {
@@ -376,7 +393,7 @@ pub fn run(spec: &BenchSpec, progress: &dyn Fn(&str)) -> Result<PointResult, Ben
     let total = spec.rounds()?;
     let load_average = load_average();
     progress("generating inputs, expert outputs and the oracle's results");
-    let setup = Setup::new(spec.workload(), spec.seed)?;
+    let setup = Setup::new(spec.workload(), spec.seed, spec.combine)?;
     progress("building both groups");
     let mut groups = PATHS
         .iter()
@@ -408,7 +425,7 @@ pub fn run(spec: &BenchSpec, progress: &dyn Fn(&str)) -> Result<PointResult, Ben
         for (g, s) in groups.iter_mut().zip(samples.iter_mut()) {
             let d = timed_dispatch(g, w)?;
             let handles: Vec<Handle> = d.iter().map(|t| t.value.clone()).collect();
-            let c = timed_combine(g, w, &setup.ys, &handles)?;
+            let c = timed_combine(g, w, &setup.ys, &handles, setup.format)?;
             if i < spec.warmup {
                 continue;
             }
@@ -438,7 +455,7 @@ pub fn run(spec: &BenchSpec, progress: &dyn Fn(&str)) -> Result<PointResult, Ben
         .map(|t| accounting::selections(t))
         .collect();
     let device = device();
-    Ok(assemble(
+    let mut point = assemble(
         &PointInfo {
             backend: "cpu",
             device: &device,
@@ -453,7 +470,9 @@ pub fn run(spec: &BenchSpec, progress: &dyn Fn(&str)) -> Result<PointResult, Ben
             load_average,
         },
         samples,
-    ))
+    );
+    point.config.combine = spec.combine.name();
+    Ok(point)
 }
 
 #[cfg(test)]
@@ -474,6 +493,7 @@ mod tests {
             gpus: 1,
             graph: None,
             nccl: None,
+            combine: CombineFormat::Bf16,
         }
     }
 
@@ -516,7 +536,7 @@ mod tests {
     #[test]
     fn a_flipped_byte_is_refused() {
         let spec = small(Mode::FP8);
-        let setup = Setup::new(spec.workload(), 3).unwrap();
+        let setup = Setup::new(spec.workload(), 3, spec.combine).unwrap();
         let mut bad = setup.oracle_dispatch.clone();
         let want: Vec<&DispatchOutput> = setup.oracle_dispatch.iter().collect();
         assert!(check_dispatch("x", &bad.iter().collect::<Vec<_>>(), &want).is_ok());
@@ -544,7 +564,7 @@ mod tests {
     #[test]
     fn verify_refuses_a_path_that_disagrees_with_the_oracle() {
         let spec = small(Mode::Bf16);
-        let mut setup = Setup::new(spec.workload(), 3).unwrap();
+        let mut setup = Setup::new(spec.workload(), 3, spec.combine).unwrap();
         // Pretend the oracle wanted other weights: combine outputs then differ.
         setup.oracle_combine[0][0] = bf16::from_f32(setup.oracle_combine[0][0].to_f32() + 1.0);
         let mut groups = vec![Group::new(PathKind::PerExpert, &spec.cfg, spec.cpu).unwrap()];

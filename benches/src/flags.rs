@@ -54,8 +54,16 @@ pub fn explain(e: &Error, cfg: &Config, flags: &Flags) -> String {
             cfg.num_experts, cfg.num_ranks
         ),
         Error::HiddenNotMultiple {
-            hidden, multiple, ..
+            hidden,
+            multiple,
+            mode,
         } => {
+            if *mode == "logfmt" {
+                return format!(
+                    "--hidden {hidden} is not a multiple of 128 (--logfmt encodes groups of 128 channels): use e.g. --hidden {}, or drop --logfmt",
+                    hidden.next_multiple_of(128)
+                );
+            }
             let why = if *multiple == 512 {
                 "--dispatch fp8 with --ue8m0 packs four scales of 128 channels per i32"
             } else {

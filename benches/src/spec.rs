@@ -27,6 +27,8 @@ pub struct BenchSpec {
     /// GPU backend: `Some(sizes)` runs every peer through NCCL (one rank per GPU) with that
     /// sizing for the batched path (per-expert always runs exact sizes); `None`: NVLink.
     pub nccl: Option<ep_kernels::NcclSizes>,
+    /// The combine's format (`--logfmt`: LogFMT-10, CPU backend only for now).
+    pub combine: ep_reference::CombineFormat,
 }
 
 /// The most timed iterations of one point (`--iters`). Each keeps one latency per rank, path
@@ -92,13 +94,18 @@ pub enum BenchError {
     Mismatch(String),
     /// The backend is not usable.
     Backend(String),
+    /// A flag the chosen backend does not implement (`--logfmt` on the GPU backend).
+    Unsupported {
+        flag: &'static str,
+        backend: &'static str,
+    },
 }
 
 impl BenchError {
     /// The process exit code for this error.
     pub fn exit_code(&self) -> i32 {
         match self {
-            BenchError::Config(_) => 2,
+            BenchError::Config(_) | BenchError::Unsupported { .. } => 2,
             BenchError::Mismatch(_) => 3,
             BenchError::Path { .. } | BenchError::Backend(_) => 1,
         }
@@ -115,6 +122,10 @@ impl fmt::Display for BenchError {
                 "outputs are not bitwise equal, refusing to time anything: {m}"
             ),
             BenchError::Backend(m) => write!(f, "{m}"),
+            BenchError::Unsupported { flag, backend } => write!(
+                f,
+                "{flag} is not implemented on the {backend} backend yet: drop {flag}, or add --backend cpu"
+            ),
         }
     }
 }

@@ -515,3 +515,52 @@ fn under_a_launcher_the_config_is_checked_with_world_size() {
         "{err}"
     );
 }
+
+/// The per-expert path's combine wire MB in the summary table.
+fn combine_wire_mb(stdout: &str) -> f64 {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("per-expert "))
+        .expect("a per-expert line");
+    let wire = line.split_whitespace().last().unwrap();
+    wire.split('/').nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+fn logfmt_runs_the_combine_in_logfmt_and_counts_its_bytes() {
+    let args = [
+        "--backend",
+        "cpu",
+        "--ranks",
+        "2",
+        "--experts",
+        "4",
+        "--tokens",
+        "16",
+        "--hidden",
+        "7168",
+        "--top-k",
+        "2",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+    ];
+    let bf = ep_bench(&args);
+    assert_eq!(bf.code, Some(0), "{}", bf.stderr);
+    let mut a = args.to_vec();
+    a.push("--logfmt");
+    let lf = ep_bench(&a);
+    assert_eq!(lf.code, Some(0), "{}", lf.stderr);
+    assert!(lf.stdout.contains("combine logfmt"), "{}", lf.stdout);
+    assert!(lf.stdout.contains("combine bitwise equal"), "{}", lf.stdout);
+    // Every group packs: 7168 x 10 / 8 + 56 x 4 bytes a row instead of 14336, 0.64x.
+    let (b, l) = (combine_wire_mb(&bf.stdout), combine_wire_mb(&lf.stdout));
+    let ratio = l / b;
+    assert!((0.62..0.66).contains(&ratio), "wire MB {l} vs {b}: {ratio}");
+    // H not a multiple of 128 is refused naming the flag.
+    let mut a = args.to_vec();
+    a[9] = "200";
+    a.extend(["--logfmt", "--dispatch", "bf16"]);
+    refused(&a, 2, &["--hidden 200", "--logfmt"]);
+}

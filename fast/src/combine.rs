@@ -4,11 +4,12 @@
 //! the contract's order.
 
 use ep_reference::error::{Error, Op, Phase, Side};
+use ep_reference::numerics::logfmt_wire;
 use ep_reference::numerics::reduce::fma_bf16_row;
 use ep_reference::payload::bf16_bytes;
 use ep_reference::sync::{Arc, Deadline};
 use ep_reference::transport::Waiter;
-use ep_reference::{bf16, bf16_from_f32, CallStats, Handle, RankMask, Result};
+use ep_reference::{bf16, bf16_from_f32, CallStats, CombineFormat, Handle, RankMask, Result};
 
 use crate::shared::Shared;
 
@@ -21,6 +22,7 @@ pub struct CombineCall<'a> {
     y: &'a [bf16],
     topk_weights: &'a [f32],
     handle: &'a Handle,
+    format: CombineFormat,
     /// Per destination s: (local expert, first row in the layout, rows, offset in the batch).
     segments: Vec<Vec<(usize, usize, usize, usize)>>,
     totals: Vec<usize>,
@@ -41,6 +43,7 @@ impl<'a> CombineCall<'a> {
         y: &'a [bf16],
         topk_weights: &'a [f32],
         handle: &'a Handle,
+        format: CombineFormat,
     ) -> Result<CombineCall<'a>> {
         let cfg = sh.cfg;
         let (r, l_n, rank) = (cfg.num_ranks, cfg.num_local_experts(), w.rank);
@@ -81,6 +84,7 @@ impl<'a> CombineCall<'a> {
             y,
             topk_weights,
             handle,
+            format,
             segments,
             totals,
             skip,
@@ -114,15 +118,18 @@ impl<'a> CombineCall<'a> {
             let region = &sh.combine[s * r + self.rank];
             for i in 0..count {
                 let row = l * per + begin + i;
-                let src = bf16_bytes(&self.y[row * h..(row + 1) * h]);
+                let src = &self.y[row * h..(row + 1) * h];
                 // SAFETY: batch row offset + i of region (s, rank) is this segment's alone and
                 // the segment is this worker's alone; `begin` acquired s's credit for the
                 // previous call (s is not masked: masked ranks have no segments); s reads
                 // after our signal, which follows the finish counter.
                 unsafe {
-                    region
-                        .rows
-                        .with_row_mut(offset + i, |m| m.copy_from_slice(src))
+                    region.rows.with_row_mut(offset + i, |m| match self.format {
+                        CombineFormat::Bf16 => m[..2 * h].copy_from_slice(bf16_bytes(src)),
+                        CombineFormat::LogFmt => {
+                            logfmt_wire::encode_row(src, m);
+                        }
+                    })
                 };
             }
             finish[s].staged(count as u64);
@@ -240,9 +247,12 @@ impl<'a> CombineCall<'a> {
                 // masked: the masked routing names none of its experts); it is not rewritten
                 // before our credit below.
                 unsafe {
-                    region.rows.with_rows(offset[e] + row_of[i], 1, |row| {
-                        fma_bf16_row(&mut acc, w, row)
-                    });
+                    region
+                        .rows
+                        .with_rows(offset[e] + row_of[i], 1, |row| match self.format {
+                            CombineFormat::Bf16 => fma_bf16_row(&mut acc, w, &row[..2 * h]),
+                            CombineFormat::LogFmt => logfmt_wire::fma_row(&mut acc, w, row),
+                        });
                 }
             }
             for (o, a) in out[t * h..(t + 1) * h].iter_mut().zip(&acc) {
@@ -251,6 +261,27 @@ impl<'a> CombineCall<'a> {
         }
         sh.combine_credit.grant_all(self.rank, self.epoch);
         Ok(out)
+    }
+
+    /// The bytes this call's rows take on the wire: 2H a row as bf16, each row's encoded
+    /// size as LogFMT.
+    fn wire_bytes(&self) -> u64 {
+        let h = self.sh.cfg.hidden;
+        match self.format {
+            CombineFormat::Bf16 => self.totals.iter().map(|&c| (c * 2 * h) as u64).sum(),
+            CombineFormat::LogFmt => {
+                let per = self.sh.cfg.rows_per_expert();
+                let rows = self
+                    .segments
+                    .iter()
+                    .flatten()
+                    .flat_map(|&(l, begin, count, _)| {
+                        (begin..begin + count).map(move |i| l * per + i)
+                    });
+                rows.map(|row| logfmt_wire::row_bytes(&self.y[row * h..(row + 1) * h]) as u64)
+                    .sum()
+            }
+        }
     }
 
     /// Ends the call after every worker returned (see `DispatchCall::end`).
@@ -268,11 +299,7 @@ impl<'a> CombineCall<'a> {
         let stats = CallStats {
             messages: self.totals.iter().filter(|&&c| c > 0).count() as u64,
             signals,
-            wire_bytes: self
-                .totals
-                .iter()
-                .map(|&c| (c * 2 * sh.cfg.hidden) as u64)
-                .sum(),
+            wire_bytes: self.wire_bytes(),
         };
         if res.is_err() {
             sh.combine_credit.grant_all(self.rank, self.epoch);

@@ -25,11 +25,12 @@ pub use dispatch::DispatchCall;
 pub use shared::Shared;
 
 use ep_reference::bf16;
+use ep_reference::numerics::logfmt_wire::slot_bytes;
 use ep_reference::path::next_group_id;
 use ep_reference::sync::{Arc, Deadline, SharedRows};
 use ep_reference::transport::{memory, CreditTable, MaskTable, Signal, Waiter};
 use ep_reference::{
-    CallStats, Config, CpuOptions, DispatchOutput, EpRank, Handle, RankMask, Result,
+    CallStats, CombineFormat, Config, CpuOptions, DispatchOutput, EpRank, Handle, RankMask, Result,
 };
 
 use finish::FinishCounter;
@@ -60,7 +61,7 @@ pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<BatchedRank>> {
         dispatch_credit: CreditTable::new(r),
         dispatch_finish: (0..r * r).map(|_| FinishCounter::new()).collect(),
         combine: (0..r * r)
-            .map(|_| region(Shared::combine_rows(cfg), 2 * cfg.hidden))
+            .map(|_| region(Shared::combine_rows(cfg), slot_bytes(cfg.hidden)))
             .collect(),
         combine_credit: CreditTable::new(r),
         combine_finish: (0..r * r).map(|_| FinishCounter::new()).collect(),
@@ -132,16 +133,18 @@ impl BatchedRank {
         )
     }
 
-    /// Starts a combine; drive it like a dispatch ([`CombineCall::stage`], then
-    /// [`CombineCall::receive`] and [`CombineCall::end`]).
+    /// Starts a combine with the rows in `format`; drive it like a dispatch
+    /// ([`CombineCall::stage`], then [`CombineCall::receive`] and [`CombineCall::end`]).
     pub fn combine_begin<'a>(
         &mut self,
         y: &'a [bf16],
         topk_idx: &[i64],
         topk_weights: &'a [f32],
         handle: &'a Handle,
+        format: CombineFormat,
     ) -> Result<CombineCall<'a>> {
         let sh = &self.shared;
+        format.check(&sh.cfg)?;
         ep_reference::input::check_combine_inputs(
             &sh.cfg,
             self.rank,
@@ -158,6 +161,7 @@ impl BatchedRank {
             y,
             topk_weights,
             handle,
+            format,
         )
     }
 }
@@ -282,14 +286,15 @@ impl EpRank for BatchedRank {
         Ok(handle)
     }
 
-    fn combine(
+    fn combine_with(
         &mut self,
         y: &[bf16],
         topk_idx: &[i64],
         topk_weights: &[f32],
         handle: &Handle,
+        format: CombineFormat,
     ) -> Result<Vec<bf16>> {
-        let call = self.combine_begin(y, topk_idx, topk_weights, handle)?;
+        let call = self.combine_begin(y, topk_idx, topk_weights, handle, format)?;
         let (rank, epoch) = (self.rank, self.combine_calls);
         let res = drive(
             call.workers(),

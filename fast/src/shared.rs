@@ -4,6 +4,7 @@
 use crate::batch;
 use crate::finish::FinishCounter;
 use ep_reference::config::{checked_product, checked_sum};
+use ep_reference::numerics::logfmt_wire::slot_bytes;
 use ep_reference::sync::{Deadline, SharedRows};
 use ep_reference::transport::{CreditTable, MaskTable, Signal, Waiter};
 use ep_reference::{Config, CpuOptions, RankMask, Result};
@@ -25,7 +26,8 @@ pub struct Shared {
     /// Dispatch finish counters, index `src * R + dst` (owned by the source).
     pub(crate) dispatch_finish: Vec<FinishCounter>,
     /// Combine batches, index `dst * R + src` (dst: the tokens' rank, src: the experts' rank):
-    /// up to T * min(K, L) rows of 2H bytes.
+    /// up to T * min(K, L) row slots of `logfmt_wire::slot_bytes(H)` bytes (a bf16 row's 2H, or a
+    /// LogFMT row's largest).
     pub(crate) combine: Vec<Region>,
     pub(crate) combine_credit: CreditTable,
     pub(crate) combine_finish: Vec<FinishCounter>,
@@ -59,7 +61,7 @@ impl Shared {
     }
 
     /// Communication memory of the whole group, in bytes: R x R dispatch regions of T entries
-    /// and R x R combine regions of T x min(K, L) rows of 2H bytes. Fails with
+    /// and R x R combine regions of T x min(K, L) row slots. Fails with
     /// [`ep_reference::Error::LimitExceeded`] where that does not fit in a `usize`.
     pub fn try_bytes_needed(cfg: &Config) -> Result<usize> {
         let d = checked_product(
@@ -67,8 +69,8 @@ impl Shared {
             &[cfg.max_tokens_per_rank, batch::entry_bytes(cfg)],
         )?;
         let c = checked_product(
-            "bytes of one batched combine region (max_tokens_per_rank x min(top_k, L) x 2 x hidden)",
-            &[Self::combine_rows(cfg), 2, cfg.hidden],
+            "bytes of one batched combine region (max_tokens_per_rank x min(top_k, L) x row slot bytes)",
+            &[Self::combine_rows(cfg), slot_bytes(cfg.hidden)],
         )?;
         let pair = checked_sum("bytes of one batched (source, destination) pair", &[d, c])?;
         checked_product(

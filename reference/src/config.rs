@@ -46,6 +46,39 @@ impl Mode {
     }
 }
 
+/// How combine moves the expert outputs back (DeepEP's `use_logfmt`), chosen per call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum CombineFormat {
+    /// bf16 rows, bits unchanged.
+    #[default]
+    Bf16,
+    /// LogFMT-10 rows (docs/contract.md "4.1 LogFMT", `numerics::logfmt`): a group of 128
+    /// channels in 10 bits a value plus 4 bytes, or raw where it does not qualify.
+    LogFmt,
+}
+
+impl CombineFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            CombineFormat::Bf16 => "bf16",
+            CombineFormat::LogFmt => "logfmt",
+        }
+    }
+
+    /// Fails unless `cfg` suits the format: LogFMT needs H a multiple of 128
+    /// ([`Error::HiddenNotMultiple`] with mode "logfmt").
+    pub fn check(self, cfg: &Config) -> Result<()> {
+        if self == CombineFormat::LogFmt && !cfg.hidden.is_multiple_of(128) {
+            return Err(Error::HiddenNotMultiple {
+                hidden: cfg.hidden,
+                multiple: 128,
+                mode: self.name(),
+            });
+        }
+        Ok(())
+    }
+}
+
 /// The largest number of local experts a rank may hold (local ids travel as u16).
 pub const MAX_LOCAL_EXPERTS: usize = u16::MAX as usize;
 

@@ -3,7 +3,8 @@
 //! The executable specification of ep-dispatch (see `docs/contract.md`):
 //! - the types every path shares: [`Config`], the inputs' checks, [`DispatchOutput`], [`Handle`],
 //!   [`Error`];
-//! - the contract's numerics, bit for bit: [`bf16`] rounding and the FP8 cast ([`numerics::fp8`]);
+//! - the contract's numerics, bit for bit: [`bf16`] rounding, the FP8 cast ([`numerics::fp8`])
+//!   and the LogFMT-10 combine format ([`numerics::logfmt`], chosen by [`CombineFormat`]);
 //! - the [`oracle`]: every rank's outputs computed directly from the contract, with or without a
 //!   [`RankMask`] (DeepEP's shrink mode, [`mask`]);
 //! - the CPU backend's transport ([`transport`], on the [`sync`] shim that loom swaps in);
@@ -23,7 +24,7 @@ pub mod sync;
 pub mod transport;
 pub mod workload;
 
-pub use config::{Config, Mode};
+pub use config::{CombineFormat, Config, Mode};
 pub use error::{Error, Op, Phase, Result, Side};
 pub use half::bf16;
 pub use mask::RankMask;

@@ -1,12 +1,12 @@
 //! The oracle: every rank's outputs computed straight from the contract, with no messages and no
 //! threads. It is the simplest code that is obviously right, and every path is tested against it.
 
-use crate::config::{Config, Mode};
+use crate::config::{CombineFormat, Config, Mode};
 use crate::error::{Error, Result};
 use crate::input::{check_combine_inputs, check_dispatch_inputs};
 use crate::mask::RankMask;
 use crate::numerics::bf16::{from_f32_rne, to_f32};
-use crate::numerics::fp8;
+use crate::numerics::{fp8, logfmt};
 use crate::output::{DispatchOutput, RecvScales, RecvX};
 use half::bf16;
 
@@ -183,9 +183,22 @@ pub struct CombineInput<'a> {
     pub topk_weights: &'a [f32],
 }
 
-/// Every rank's combine output (n_r x H).
+/// Every rank's combine output (n_r x H), the rows as bf16.
 pub fn combine(cfg: &Config, inputs: &[CombineInput<'_>]) -> Result<Vec<Vec<bf16>>> {
+    combine_with(cfg, inputs, CombineFormat::Bf16)
+}
+
+/// Every rank's combine output (n_r x H) with the rows in `format`: for each token, channel by
+/// channel, `acc = fma(w, v, acc)` over the slots in k order and bf16 rounding, where `v` is
+/// the channel of the expert row as bf16 gives it, or as LogFMT's round trip gives it
+/// ([`logfmt::round_trip`]).
+pub fn combine_with(
+    cfg: &Config,
+    inputs: &[CombineInput<'_>],
+    format: CombineFormat,
+) -> Result<Vec<Vec<bf16>>> {
     cfg.validate()?;
+    format.check(cfg)?;
     check_rank_count(cfg, inputs.len())?;
     for (s, inp) in inputs.iter().enumerate() {
         check_combine_inputs(cfg, s, inp.y.len(), inp.topk_idx, inp.topk_weights.len())?;
@@ -195,23 +208,35 @@ pub fn combine(cfg: &Config, inputs: &[CombineInput<'_>]) -> Result<Vec<Vec<bf16
     let (l_n, h, k) = (cfg.num_local_experts(), cfg.hidden, cfg.top_k);
     let per = cfg.rows_per_expert();
     let mut outs = Vec::with_capacity(inputs.len());
+    let mut v = vec![0f32; h];
     for (s, inp) in inputs.iter().enumerate() {
         let n = inp.topk_idx.len() / k;
         let mut out = vec![bf16::ZERO; n * h];
         for t in 0..n {
-            for c in 0..h {
-                let mut acc = 0.0f32;
-                for slot in 0..k {
-                    let e = inp.topk_idx[t * k + slot];
-                    if e < 0 {
-                        continue;
-                    }
-                    let (d, l) = (e as usize / l_n, e as usize % l_n);
-                    let row = pos.row[s][t * k + slot].unwrap();
-                    let y = inputs[d].y[(l * per + row) * h + c];
-                    acc = inp.topk_weights[t * k + slot].mul_add(to_f32(y), acc);
+            let mut acc = vec![0f32; h];
+            for slot in 0..k {
+                let e = inp.topk_idx[t * k + slot];
+                if e < 0 {
+                    continue;
                 }
-                out[t * h + c] = from_f32_rne(acc);
+                let (d, l) = (e as usize / l_n, e as usize % l_n);
+                let row = l * per + pos.row[s][t * k + slot].unwrap();
+                let y = &inputs[d].y[row * h..(row + 1) * h];
+                match format {
+                    CombineFormat::Bf16 => {
+                        for (v, y) in v.iter_mut().zip(y) {
+                            *v = to_f32(*y);
+                        }
+                    }
+                    CombineFormat::LogFmt => logfmt::round_trip(y, &mut v),
+                }
+                let w = inp.topk_weights[t * k + slot];
+                for (a, v) in acc.iter_mut().zip(&v) {
+                    *a = w.mul_add(*v, *a);
+                }
+            }
+            for (o, a) in out[t * h..(t + 1) * h].iter_mut().zip(&acc) {
+                *o = from_f32_rne(*a);
             }
         }
         outs.push(out);
@@ -231,7 +256,18 @@ pub fn combine_masked(
     inputs: &[CombineInput<'_>],
     mask: &RankMask,
 ) -> Result<Vec<Vec<bf16>>> {
+    combine_masked_with(cfg, inputs, mask, CombineFormat::Bf16)
+}
+
+/// [`combine_masked`] with the rows in `format` ([`combine_with`]).
+pub fn combine_masked_with(
+    cfg: &Config,
+    inputs: &[CombineInput<'_>],
+    mask: &RankMask,
+    format: CombineFormat,
+) -> Result<Vec<Vec<bf16>>> {
     cfg.validate()?;
+    format.check(cfg)?;
     check_rank_count(cfg, inputs.len())?;
     for (s, inp) in inputs.iter().enumerate() {
         check_combine_inputs(cfg, s, inp.y.len(), inp.topk_idx, inp.topk_weights.len())?;
@@ -248,7 +284,7 @@ pub fn combine_masked(
             topk_weights: inp.topk_weights,
         })
         .collect();
-    combine(cfg, &masked)
+    combine_with(cfg, &masked, format)
 }
 
 #[cfg(test)]

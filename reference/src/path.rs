@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::config::Config;
+use crate::config::{CombineFormat, Config};
 use crate::error::{Error, Result};
 use crate::mask::RankMask;
 use crate::output::{DispatchOutput, Handle};
@@ -36,13 +36,27 @@ pub trait EpRank: Send {
     ) -> Result<Handle>;
 
     /// Sends the expert outputs `y` (L x (R*T) x H, in the dispatch layout) back and returns this
-    /// rank's tokens, reduced with `topk_weights` in the contract's order (n x H).
+    /// rank's tokens, reduced with `topk_weights` in the contract's order (n x H): the rows
+    /// travel as bf16 ([`CombineFormat::Bf16`]).
     fn combine(
         &mut self,
         y: &[bf16],
         topk_idx: &[i64],
         topk_weights: &[f32],
         handle: &Handle,
+    ) -> Result<Vec<bf16>> {
+        self.combine_with(y, topk_idx, topk_weights, handle, CombineFormat::Bf16)
+    }
+
+    /// [`EpRank::combine`] with the rows in `format` (DeepEP's `use_logfmt`); a format the
+    /// config does not suit is refused before anything moves ([`CombineFormat::check`]).
+    fn combine_with(
+        &mut self,
+        y: &[bf16],
+        topk_idx: &[i64],
+        topk_weights: &[f32],
+        handle: &Handle,
+        format: CombineFormat,
     ) -> Result<Vec<bf16>>;
 
     /// What the last successful call put on the wire.

@@ -5,7 +5,7 @@ use ep_reference::oracle;
 use ep_reference::output::combine_diff;
 use ep_reference::path::run_ranks;
 use ep_reference::workload::Workload;
-use ep_reference::{bf16, DispatchOutput, EpRank, Handle, RankMask, Result};
+use ep_reference::{bf16, CombineFormat, DispatchOutput, EpRank, Handle, RankMask, Result};
 
 /// Every rank's dispatch, run collectively.
 pub fn dispatch_all<R: EpRank>(
@@ -25,10 +25,45 @@ pub fn combine_all<R: EpRank>(
     ys: &[Vec<bf16>],
     handles: &[Handle],
 ) -> Vec<Result<Vec<bf16>>> {
+    combine_all_with(ranks, w, ys, handles, CombineFormat::Bf16)
+}
+
+/// [`combine_all`] with the rows in `format`.
+pub fn combine_all_with<R: EpRank>(
+    ranks: &mut [R],
+    w: &Workload,
+    ys: &[Vec<bf16>],
+    handles: &[Handle],
+    format: CombineFormat,
+) -> Vec<Result<Vec<bf16>>> {
     run_ranks(ranks, |rk| {
         let r = rk.rank();
-        rk.combine(&ys[r], &w.topk_idx[r], &w.topk_weights[r], &handles[r])
+        rk.combine_with(
+            &ys[r],
+            &w.topk_idx[r],
+            &w.topk_weights[r],
+            &handles[r],
+            format,
+        )
     })
+}
+
+/// Scales the expert outputs so that LogFMT packs most groups: every group of 128 channels
+/// whose (row + group) is not a multiple of 4 is multiplied by 2^-4 (the workload's values in
+/// [-8, 8] become [-0.5, 0.5]; NaN and infinities stay); the others keep their values, and
+/// with them amax >= 1 mostly, so they travel raw.
+pub fn logfmt_packable(ys: &mut [Vec<bf16>], hidden: usize) {
+    for y in ys {
+        for (row, r) in y.chunks_exact_mut(hidden).enumerate() {
+            for (g, group) in r.chunks_mut(128).enumerate() {
+                if (row + g) % 4 != 0 {
+                    for v in group {
+                        *v = bf16::from_f32(v.to_f32() * 0.0625);
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Dispatch then combine on `ranks`, compared with the oracle; `Err` describes the first
@@ -70,7 +105,21 @@ pub fn check_against_oracle_masked<R: EpRank>(
     ys: &[Vec<bf16>],
     mask: &RankMask,
 ) -> std::result::Result<(), String> {
+    check_against_oracle_format(name, ranks, w, ys, mask, CombineFormat::Bf16)
+}
+
+/// As [`check_against_oracle_masked`], every combine with the rows in `format`, against
+/// `oracle::combine_masked_with`.
+pub fn check_against_oracle_format<R: EpRank>(
+    name: &str,
+    ranks: &mut [R],
+    w: &Workload,
+    ys: &[Vec<bf16>],
+    mask: &RankMask,
+    format: CombineFormat,
+) -> std::result::Result<(), String> {
     let cfg = &w.config;
+    let name = &format!("{name} [{}]", format.name());
     let name = if mask.is_empty() {
         name.to_string()
     } else {
@@ -82,7 +131,10 @@ pub fn check_against_oracle_masked<R: EpRank>(
             let (_, h) = g.map_err(|e| format!("{name} warm-up dispatch rank {r}: {e}"))?;
             handles.push(h);
         }
-        for (r, g) in combine_all(ranks, w, ys, &handles).into_iter().enumerate() {
+        for (r, g) in combine_all_with(ranks, w, ys, &handles, format)
+            .into_iter()
+            .enumerate()
+        {
             g.map_err(|e| format!("{name} warm-up combine rank {r}: {e}"))?;
         }
     }
@@ -116,9 +168,9 @@ pub fn check_against_oracle_masked<R: EpRank>(
         }
         handles.push(h);
     }
-    let want = oracle::combine_masked(cfg, &w.combine_inputs(ys), mask)
+    let want = oracle::combine_masked_with(cfg, &w.combine_inputs(ys), mask, format)
         .map_err(|e| format!("oracle: {e}"))?;
-    let got = combine_all(ranks, w, ys, &handles);
+    let got = combine_all_with(ranks, w, ys, &handles, format);
     for (r, (g, wo)) in got.into_iter().zip(&want).enumerate() {
         let out = g.map_err(|e| format!("{name} combine rank {r}: {e}"))?;
         if mask.is_masked(r) {

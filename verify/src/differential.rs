@@ -8,12 +8,12 @@
 //! `ep_reference::workload`, the project's one generator of test inputs.
 
 use ep_reference::workload::{Routing, Values, Workload};
-use ep_reference::{per_expert, Config, CpuOptions, Mode, RankMask};
+use ep_reference::{per_expert, CombineFormat, Config, CpuOptions, Mode, RankMask};
 use rand::rngs::StdRng;
 use rand::seq::index::sample;
 use rand::{Rng, SeedableRng};
 
-use crate::check::check_against_oracle_masked;
+use crate::check::{check_against_oracle_format, logfmt_packable};
 
 /// One random config, its inputs' shape and kind, from a seed.
 #[derive(Debug, Clone)]
@@ -29,6 +29,9 @@ pub struct Case {
     pub workers: usize,
     /// The masked ranks (never all of them).
     pub mask: RankMask,
+    /// The combine's format: LogFMT in about a third of the cases whose H is a multiple of
+    /// 128, with the expert outputs scaled so that most groups pack (`logfmt_packable`).
+    pub format: CombineFormat,
 }
 
 /// The four dispatch modes.
@@ -95,6 +98,17 @@ impl Case {
             values,
             workers,
             mask: Case::mask_from_seed(seed, r),
+            format: Case::format_from_seed(seed, h),
+        }
+    }
+
+    /// Drawn from a generator of its own, as the mask is.
+    fn format_from_seed(seed: u64, h: usize) -> CombineFormat {
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x6C6F_6766_6D74_0001);
+        if h.is_multiple_of(128) && rng.random_range(0..3) == 0 {
+            CombineFormat::LogFmt
+        } else {
+            CombineFormat::Bf16
         }
     }
 
@@ -113,14 +127,15 @@ impl Case {
     /// One line naming everything the seed chose.
     pub fn describe(&self) -> String {
         format!(
-            "seed {}: {} tokens {:?} routing {:?} values {:?} workers {} masked ranks {:?}",
+            "seed {}: {} tokens {:?} routing {:?} values {:?} workers {} masked ranks {:?} combine {}",
             self.seed,
             self.cfg.describe(),
             self.tokens,
             self.routing,
             self.values,
             self.workers,
-            self.mask.masked().collect::<Vec<_>>()
+            self.mask.masked().collect::<Vec<_>>(),
+            self.format.name()
         )
     }
 
@@ -134,14 +149,18 @@ impl Case {
             self.values,
             self.seed,
         );
-        let ys = w.expert_outputs_with(self.seed, self.values);
+        let mut ys = w.expert_outputs_with(self.seed, self.values);
+        if self.format == CombineFormat::LogFmt {
+            logfmt_packable(&mut ys, self.cfg.hidden);
+        }
         let opts = CpuOptions {
             staging_workers: self.workers,
             ..CpuOptions::default()
         };
         let mut reference = per_expert::group(&self.cfg, opts).map_err(|e| e.to_string())?;
-        check_against_oracle_masked("per-expert", &mut reference, &w, &ys, &self.mask)?;
+        let (mask, format) = (&self.mask, self.format);
+        check_against_oracle_format("per-expert", &mut reference, &w, &ys, mask, format)?;
         let mut fast = ep_fast::group(&self.cfg, opts).map_err(|e| e.to_string())?;
-        check_against_oracle_masked("batched", &mut fast, &w, &ys, &self.mask)
+        check_against_oracle_format("batched", &mut fast, &w, &ys, mask, format)
     }
 }

@@ -12,6 +12,6 @@ pub mod differential;
 pub mod gpu_protocol;
 
 pub use check::{
-    check_against_oracle, check_against_oracle_masked, check_against_oracle_with, combine_all,
-    dispatch_all,
+    check_against_oracle, check_against_oracle_format, check_against_oracle_masked,
+    check_against_oracle_with, combine_all, combine_all_with, dispatch_all, logfmt_packable,
 };

@@ -44,7 +44,7 @@ fn differential_random_configs() {
     let base = env_u64("EP_DIFF_BASE").unwrap_or(0);
     let t0 = Instant::now();
     let (mut modes, mut special, mut empty, mut skewed, mut masked) = ([0u64; 4], 0, 0, 0, 0);
-    let mut masked_ranks = 0u64;
+    let (mut masked_ranks, mut logfmt) = (0u64, 0u64);
     let mut failures = Vec::new();
     let mut ran = 0u64;
     for i in 0..n {
@@ -62,6 +62,7 @@ fn differential_random_configs() {
             Routing::Random { masked } | Routing::Skewed { masked, .. } if masked > 0.0
         ) as u64;
         masked_ranks += u64::from(!c.mask.is_empty());
+        logfmt += u64::from(c.format == ep_reference::CombineFormat::LogFmt);
         if let Err(msg) = c.run() {
             say(&format!(
                 "differential: FAILED {}\n  {msg}\n  replay: EP_DIFF_SEED={} cargo test --release -p ep-verify --test differential",
@@ -77,10 +78,14 @@ fn differential_random_configs() {
     say(&format!(
         "differential: {ran} cases (seeds {base}..{}) in {:.1} s: modes bf16/fp8/fp8+round/fp8+ue8m0 {modes:?}, \
          special values {special}, an empty rank {empty}, skewed {skewed}, masked slots {masked}, \
-         masked ranks {masked_ranks}",
+         masked ranks {masked_ranks}, logfmt combine {logfmt}",
         base.wrapping_add(ran),
         t0.elapsed().as_secs_f64()
     ));
+    assert!(
+        n < 100 || logfmt > 0,
+        "differential: no LogFMT combine among {ran} cases"
+    );
     assert!(
         failures.is_empty(),
         "differential: cases failed, seeds {failures:?} (replay each with EP_DIFF_SEED=<seed>)"

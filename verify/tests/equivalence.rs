@@ -4,8 +4,10 @@
 //! routing, mask, seed) and shrinks it.
 
 use ep_reference::workload::{Routing, Workload};
-use ep_reference::{per_expert, Config, CpuOptions, Mode, RankMask};
-use ep_verify::{check_against_oracle, check_against_oracle_masked};
+use ep_reference::{oracle, per_expert, CombineFormat, Config, CpuOptions, Mode, RankMask};
+use ep_verify::{
+    check_against_oracle, check_against_oracle_format, check_against_oracle_masked, logfmt_packable,
+};
 use proptest::prelude::*;
 
 /// Elements of all ranks' dispatch outputs (E x R*T x H) allowed per case, to bound memory.
@@ -137,6 +139,56 @@ fn standard_setting_all_modes() {
         let mut b = ep_fast::group(&cfg, CpuOptions::default()).unwrap();
         check_against_oracle("batched", &mut b, &w, 7).unwrap();
     }
+}
+
+/// The LogFMT combine (DeepEP's `use_logfmt`): both paths equal the oracle's LogFMT combine bit
+/// for bit, with and without masked ranks, on outputs whose groups mostly pack; and it differs
+/// from the bf16 combine (the format is really applied), and H not a multiple of 128 is refused.
+#[test]
+fn logfmt_combine_both_paths_equal_the_oracle() {
+    for (r, e, t, h, k, masked) in [
+        (8, 64, 16, 7168, 8, vec![]),
+        (4, 16, 24, 512, 5, vec![2]),
+        (1, 3, 9, 128, 2, vec![]),
+    ] {
+        let cfg = Config::new(r, e, t, h, k, Mode::FP8).unwrap();
+        let w = Workload::uniform(&cfg, t, Routing::Random { masked: 0.1 }, 3);
+        let mut ys = w.expert_outputs(4);
+        logfmt_packable(&mut ys, h);
+        let mask = RankMask::from_ranks(r, &masked).unwrap();
+        let f = CombineFormat::LogFmt;
+        let mut a = per_expert::group(&cfg, CpuOptions::default()).unwrap();
+        check_against_oracle_format("per-expert", &mut a, &w, &ys, &mask, f).unwrap();
+        let mut b = ep_fast::group(&cfg, CpuOptions::default()).unwrap();
+        check_against_oracle_format("batched", &mut b, &w, &ys, &mask, f).unwrap();
+        let lf = oracle::combine_with(&cfg, &w.combine_inputs(&ys), f).unwrap();
+        let bf = oracle::combine(&cfg, &w.combine_inputs(&ys)).unwrap();
+        assert_ne!(lf, bf, "r {r} h {h}: LogFMT changed nothing");
+    }
+    let cfg = Config::new(2, 4, 4, 200, 2, Mode::Bf16).unwrap();
+    let w = Workload::uniform(&cfg, 4, Routing::Random { masked: 0.0 }, 1);
+    let ys = w.expert_outputs(1);
+    let want = ep_reference::Error::HiddenNotMultiple {
+        hidden: 200,
+        multiple: 128,
+        mode: "logfmt",
+    };
+    let got = oracle::combine_with(&cfg, &w.combine_inputs(&ys), CombineFormat::LogFmt);
+    assert_eq!(got, Err(want.clone()));
+    let mut a = per_expert::group(&cfg, CpuOptions::default()).unwrap();
+    let handles = dispatch_handles(&mut a, &w);
+    let res = ep_verify::check::combine_all_with(&mut a, &w, &ys, &handles, CombineFormat::LogFmt);
+    assert!(res.iter().all(|g| g.as_ref() == Err(&want)), "{res:?}");
+}
+
+fn dispatch_handles<R: ep_reference::EpRank>(
+    ranks: &mut [R],
+    w: &Workload,
+) -> Vec<ep_reference::Handle> {
+    ep_verify::check::dispatch_all(ranks, w)
+        .into_iter()
+        .map(|g| g.unwrap().1)
+        .collect()
 }
 
 /// Many consecutive calls on the same buffers, each with new inputs, stay equal to the oracle;

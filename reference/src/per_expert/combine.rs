@@ -1,9 +1,11 @@
 //! Per-expert combine on rank `rank`: every expert row goes back to its token's rank on its own;
 //! the token's rank reduces in the contract's order.
 
+use crate::config::CombineFormat;
 use crate::error::{Result, Side};
 use crate::mask::RankMask;
 use crate::numerics::bf16::from_f32_rne;
+use crate::numerics::logfmt_wire;
 use crate::numerics::reduce::fma_bf16_row;
 use crate::output::Handle;
 use crate::payload::bf16_bytes;
@@ -12,8 +14,9 @@ use crate::sync::Deadline;
 use crate::transport::{CallStats, Waiter};
 use half::bf16;
 
-/// Runs call `w.call` of rank `w.rank`; `skip` as in `dispatch::run` (it starts with the
-/// handle's mask as well as the mask when the call started).
+/// Runs call `w.call` of rank `w.rank` with the rows in `format`; `skip` as in `dispatch::run`
+/// (it starts with the handle's mask as well as the mask when the call started).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn run(
     sh: &Shared,
     w: Waiter,
@@ -22,6 +25,7 @@ pub(super) fn run(
     topk_weights: &[f32],
     handle: &Handle,
     skip: &mut RankMask,
+    format: CombineFormat,
 ) -> Result<(Vec<bf16>, CallStats)> {
     let cfg = &sh.cfg;
     let (rank, epoch) = (w.rank, w.call);
@@ -49,13 +53,21 @@ pub(super) fn run(
             let region = &sh.combine[s * e_n + e];
             for row in begin..begin + count {
                 let t = handle.src_info[l * per + row] as usize;
-                let src = bf16_bytes(&y[(l * per + row) * h..(l * per + row + 1) * h]);
+                let src = &y[(l * per + row) * h..(l * per + row + 1) * h];
                 // SAFETY: this rank alone writes region (s, e); the credit wait ordered the
                 // previous call's reads before this write (s is not masked); s reads after our
                 // signal.
-                unsafe { region.rows.with_row_mut(t, |m| m.copy_from_slice(src)) };
+                let bytes = unsafe {
+                    region.rows.with_row_mut(t, |m| match format {
+                        CombineFormat::Bf16 => {
+                            m[..2 * h].copy_from_slice(bf16_bytes(src));
+                            2 * h
+                        }
+                        CombineFormat::LogFmt => logfmt_wire::encode_row(src, m),
+                    })
+                };
                 stats.messages += 1;
-                stats.wire_bytes += 2 * h as u64;
+                stats.wire_bytes += bytes as u64;
             }
             region.signal.post(epoch, count as u32);
             stats.signals += 1;
@@ -98,9 +110,10 @@ pub(super) fn run(
             // followed its write of this row (its rank is not masked: the masked routing names
             // none of its experts); it is not rewritten before our credit below.
             unsafe {
-                region
-                    .rows
-                    .with_rows(t, 1, |row| fma_bf16_row(&mut acc, w, row));
+                region.rows.with_rows(t, 1, |row| match format {
+                    CombineFormat::Bf16 => fma_bf16_row(&mut acc, w, &row[..2 * h]),
+                    CombineFormat::LogFmt => logfmt_wire::fma_row(&mut acc, w, row),
+                });
             }
         }
         for (o, a) in out[t * h..(t + 1) * h].iter_mut().zip(&acc) {

@@ -8,9 +8,10 @@ mod combine;
 mod dispatch;
 mod shared;
 
-use crate::config::Config;
+use crate::config::{CombineFormat, Config};
 use crate::error::{Op, Result};
 use crate::mask::RankMask;
+use crate::numerics::logfmt_wire::slot_bytes;
 use crate::output::{DispatchOutput, Handle};
 use crate::path::{next_group_id, CpuOptions, EpRank};
 use crate::sync::Arc;
@@ -57,7 +58,9 @@ pub fn group(cfg: &Config, opts: CpuOptions) -> Result<Vec<PerExpertRank>> {
             .map(|_| Region::new(t, Shared::dispatch_message_bytes(cfg)))
             .collect(),
         dispatch_credit: CreditTable::new(r),
-        combine: (0..r * e).map(|_| Region::new(t, 2 * cfg.hidden)).collect(),
+        combine: (0..r * e)
+            .map(|_| Region::new(t, slot_bytes(cfg.hidden)))
+            .collect(),
         combine_credit: CreditTable::new(r),
         mask: MaskTable::new(r),
     });
@@ -137,14 +140,16 @@ impl EpRank for PerExpertRank {
         }
     }
 
-    fn combine(
+    fn combine_with(
         &mut self,
         y: &[bf16],
         topk_idx: &[i64],
         topk_weights: &[f32],
         handle: &Handle,
+        format: CombineFormat,
     ) -> Result<Vec<bf16>> {
         let sh = &*self.shared;
+        format.check(&sh.cfg)?;
         crate::input::check_combine_inputs(
             &sh.cfg,
             self.rank,
@@ -165,7 +170,16 @@ impl EpRank for PerExpertRank {
             return Ok(vec![bf16::ZERO; handle.num_tokens() * sh.cfg.hidden]);
         }
         let w = self.waiter(Op::Combine, epoch);
-        match combine::run(sh, w, self.timeout, y, topk_weights, handle, &mut skip) {
+        match combine::run(
+            sh,
+            w,
+            self.timeout,
+            y,
+            topk_weights,
+            handle,
+            &mut skip,
+            format,
+        ) {
             Ok((out, stats)) => {
                 self.stats = stats;
                 Ok(out)

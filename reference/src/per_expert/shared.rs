@@ -4,6 +4,7 @@
 use crate::config::{checked_product, checked_sum, Config};
 use crate::error::Result;
 use crate::mask::RankMask;
+use crate::numerics::logfmt_wire::slot_bytes;
 use crate::sync::{Deadline, SharedRows};
 use crate::transport::{CreditTable, MaskTable, Signal, Waiter};
 
@@ -34,7 +35,8 @@ pub(crate) struct Shared {
     pub dispatch: Vec<Region>,
     pub dispatch_credit: CreditTable,
     /// Combine regions, index `dst * E + e` (dst: the token's rank, e: the global expert):
-    /// T rows of 2H bytes, indexed by token.
+    /// T row slots of `logfmt_wire::slot_bytes(H)` bytes (a bf16 row's 2H, or a LogFMT row's
+    /// largest), indexed by token.
     pub combine: Vec<Region>,
     /// Combine credits (src: the experts' rank, dst: the tokens' rank).
     pub combine_credit: CreditTable,
@@ -48,13 +50,13 @@ impl Shared {
     }
 
     /// Communication memory of the whole group, in bytes: R x E regions of T dispatch
-    /// messages and T combine rows. Fails with
+    /// messages and T combine row slots. Fails with
     /// [`Error::LimitExceeded`](crate::Error::LimitExceeded) where that does not fit in a
     /// `usize`.
     pub fn try_bytes_needed(cfg: &Config) -> Result<usize> {
         let row = checked_sum(
             "bytes of one per-expert message and combine row",
-            &[Self::dispatch_message_bytes(cfg), 2 * cfg.hidden],
+            &[Self::dispatch_message_bytes(cfg), slot_bytes(cfg.hidden)],
         )?;
         checked_product(
             "per-expert communication bytes (num_ranks x num_experts x max_tokens_per_rank x row bytes)",

@@ -42,6 +42,7 @@
 //! `*_rejects_*` tests feed deliberately wrong outputs to each checker and expect it to fail.
 
 mod bounds;
+mod logfmt;
 
 use std::collections::HashMap;
 

@@ -130,6 +130,12 @@ pub(crate) fn refuse_on_backend(given: &Given<'_>, backend: &Backend) -> Result<
             }
         }
         Backend::Gpu(_) => {
+            if given.has("logfmt") {
+                return Err(
+                    "--logfmt (LogFMT-10 combine) runs on the CPU backend only: the GPU kernels do not implement it yet: drop --logfmt, or add --backend cpu"
+                        .to_string(),
+                );
+            }
             if let Some(f) = given.first(&["workers", "timeout_secs"]) {
                 return Err(format!(
                     "{f} applies to the CPU backend (and {}), and this run uses the GPU backend in one process: drop {f}, or add --backend cpu",

@@ -106,9 +106,14 @@ pub(crate) struct Cli {
     /// K: experts per token (1..=16).
     #[arg(long, default_value_t = 8, value_parser = parse_count)]
     pub(crate) top_k: usize,
-    /// Dispatch payload format (combine is always BF16).
+    /// Dispatch payload format (combine is BF16, or LogFMT-10 with --logfmt).
     #[arg(long, value_enum, default_value_t = DispatchArg::Fp8)]
     pub(crate) dispatch: DispatchArg,
+    /// CPU backend: combine in LogFMT-10 (DeepEP's `use_logfmt`; needs --hidden a multiple of
+    /// 128): the expert outputs are scaled into [-0.5, 0.5] so that their groups pack, and the
+    /// combine's wire bytes are the encoded rows'. Refused on the GPU backend for now.
+    #[arg(long)]
+    pub(crate) logfmt: bool,
     /// FP8: round scales up to powers of two.
     #[arg(long)]
     pub(crate) round_scale: bool,

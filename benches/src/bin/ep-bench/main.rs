@@ -203,6 +203,11 @@ fn main() -> ExitCode {
                 enable_shrink: false,
             },
             gpus: cli.gpus as usize,
+            combine: if cli.logfmt {
+                ep_reference::CombineFormat::LogFmt
+            } else {
+                ep_reference::CombineFormat::Bf16
+            },
             graph: match cli.timing {
                 TimingArg::Auto => None,
                 TimingArg::Graph => Some(true),
