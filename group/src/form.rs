@@ -18,7 +18,7 @@ use ep_reference::Config;
 /// IPC and the NVLink kernels run between processes exactly as between ranks of one process
 /// (one node only). Transport::Nccl: every peer, self included, through NCCL; no IPC.
 /// Transport::TwoTier: the peers of this rank's node through CUDA IPC (only their handles are
-/// opened), the others through NCCL ([`crate::topology::plan`]).
+/// opened), the others through NCCL ([`crate::topology::plan()`]).
 /// All ranks must call it with the same config and options.
 pub fn new_process(
     cfg: &Config,

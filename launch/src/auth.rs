@@ -12,7 +12,7 @@
 //!
 //! The connection is then bound to that exchange: both sides derive a *session key*,
 //! `HMAC-SHA256(token, "session" | server nonce | client nonce | rank | world size | job id)`
-//! ([`session_key`]), and every later frame in either direction carries an HMAC-SHA256 tag under
+//! (`session_key`), and every later frame in either direction carries an HMAC-SHA256 tag under
 //! it over its direction, its number on the connection and its bytes (see the rendezvous' wire
 //! format). A relay in the middle can neither alter, inject, replay, reorder nor reflect a frame
 //! (the NCCL unique id, CUDA IPC handles, failure reports) without the rank that reads it

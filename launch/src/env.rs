@@ -33,7 +33,7 @@ use std::time::Duration;
 use crate::auth::{JobToken, MAX_JOB_ID_LEN};
 
 /// Names of the variables, so callers and launchers spell them the same way (defined in
-/// [`crate::vars`]).
+/// `crate::vars`).
 pub use crate::vars::{
     EP_JOB_ID, EP_JOB_TOKEN, EP_LAUNCHER, EP_RDZV_LISTEN_FD, EP_RDZV_OPEN, EP_RDZV_PORT,
     LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, RANK, TORCHELASTIC_RUN_ID, WORLD_SIZE,

@@ -410,7 +410,7 @@ impl RankGroup {
         self.group.set_fault_rank(rank);
     }
 
-    /// Copies this rank's mask (i32 [R], 1: masked) into the caller's buffer `out` on `stream`.
+    /// Copies this rank's mask (i32 `[R]`, 1: masked) into the caller's buffer `out` on `stream`.
     pub fn query_mask(&self, stream: u64, out: Ptr) -> Result<()> {
         let s = self.stream(stream);
         // SAFETY: the Python side checked `out` (int32, [R], on this device, contiguous) and

@@ -70,8 +70,8 @@ pub trait EpRank: Send {
     /// Masking is valid at any time. Unmasking is valid only while every rank of the group is
     /// between calls and all have made the same number of dispatch calls and of combine calls,
     /// and every rank's next call starts after it; a group whose counts differ is refused with
-    /// [`Error::UnmaskOutOfStep`](crate::Error::UnmaskOutOfStep), and nothing changes. A rank
-    /// outside the group is [`Error::RankOutOfRange`](crate::Error::RankOutOfRange).
+    /// [`Error::UnmaskOutOfStep`], and nothing changes. A rank
+    /// outside the group is [`Error::RankOutOfRange`].
     ///
     /// On the CPU backend the ranks share one mask: masking a rank on one endpoint masks it
     /// for all (calling it on every endpoint, as DeepEP's users do, changes nothing more).
@@ -101,7 +101,7 @@ pub struct CpuOptions {
     /// [`EpRank::update_mask`]) instead of failing the call, and the call completes as the
     /// masked contract says; the waiting rank's outputs then equal the masked oracle's
     /// (`oracle::dispatch_masked`) with that peer masked. Off (the default), such a wait fails
-    /// the call with [`Error::Timeout`](crate::Error::Timeout) and masks nothing. A wait for the
+    /// the call with [`Error::Timeout`] and masks nothing. A wait for the
     /// rank's own staging never masks.
     pub enable_shrink: bool,
 }

@@ -1,7 +1,7 @@
 //! The GPU timing harness (was `ep_kernels::bench`): what `ep-bench --backend gpu` and the
 //! criterion GPU bench time, on a group of the GPU library (ep-kernels).
 //!
-//! - [`run`]: the entry point: both paths checked bitwise against the oracle on the same
+//! - [`run()`]: the entry point: both paths checked bitwise against the oracle on the same
 //!   inputs, then timed every way below, with the wire figures of [`crate::wire`];
 //! - [`events`]: the CUDA-event timing loop (graph replay on one GPU) and the empty kernel;
 //! - [`kernel`]: kernel time from CUPTI's activity records ([`crate::cupti`]);

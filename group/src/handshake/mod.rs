@@ -2,10 +2,10 @@
 //!
 //! Before any peer allocation is mapped (or any NCCL communicator formed), every rank publishes a
 //! [`Hello`]: the library and protocol versions, a fingerprint of the CUDA sources its kernels
-//! were compiled from (they define what a peer writes where), the full [`Config`] (mode, `round_scale` and
+//! were compiled from (they define what a peer writes where), the full [`Config`](ep_reference::Config) (mode, `round_scale` and
 //! `ue8m0` included), the transport and its NCCL sizing, the wait bound, `zero_copy_local`, its rank, and the byte
 //! size of its one allocation. The record travels in the same all-gather round as the CUDA IPC
-//! handle (or the NCCL unique id): [`exchange`] prepends it to the caller's payload, and strips
+//! handle (or the NCCL unique id): [`exchange()`] prepends it to the caller's payload, and strips
 //! and checks every peer's record before handing the payloads back. Every rank compares every
 //! peer with itself, so all ranks fail together, before anything is mapped, when any two differ.
 //!
@@ -32,7 +32,7 @@
 //! - [`wire`]: the wire format's constants and bounds, the reader, [`BlobError`];
 //! - [`record`]: the record ([`Hello`]), its encoder and decoder, the kernel fingerprint;
 //! - [`compare`]: a peer's record against this rank's, field by field;
-//! - [`exchange`]: one all-gather round of records and payloads, every peer checked.
+//! - [`exchange()`]: one all-gather round of records and payloads, every peer checked.
 
 pub mod compare;
 pub mod exchange;

@@ -122,7 +122,7 @@ impl Hello {
     }
 
     /// Reads a record and its payload. Only the magic and the protocol byte are read before the
-    /// protocol is known to be this one ([`verify_all`] reports another protocol as a mismatch).
+    /// protocol is known to be this one ([`verify_all`](crate::handshake::verify_all) reports another protocol as a mismatch).
     pub fn decode(blob: &[u8]) -> Result<(Hello, &[u8]), BlobError> {
         if blob.len() > MAX_BLOB {
             return Err(BlobError::Oversized {

@@ -14,11 +14,11 @@
 //! refused there (a job where some nodes set `EP_NODE_ID` and others do not), so ids of
 //! different kinds are never compared.
 //!
-//! **The plan** ([`plan`]) is a pure function of the transport, every rank's node id and this
+//! **The plan** ([`plan()`]) is a pure function of the transport, every rank's node id and this
 //! rank: which peers' buffers it maps through CUDA IPC and which peers the kernels reach through
 //! NCCL staging (the kernels' `nccl_mask`, bit d = peer d).
 //! - `Transport::Auto`: one node only, every peer through IPC; ranks on another node are refused
-//!   with a [`GroupError::PeerMismatch`] naming both nodes (IPC cannot reach another machine).
+//!   with a [`GroupError::PeerMismatch`](crate::GroupError::PeerMismatch) naming both nodes (IPC cannot reach another machine).
 //! - `Transport::Nccl`: every rank, this one included, through NCCL; no IPC.
 //! - `Transport::TwoTier`: peers of this rank's node through IPC, the others through NCCL (on one
 //!   node that is `Auto`).

@@ -27,7 +27,7 @@ fn mask_offset(r: usize) -> u64 {
 }
 
 impl GpuGroup {
-    /// Whether the group runs in shrink mode ([`GpuOptions::enable_shrink`]).
+    /// Whether the group runs in shrink mode ([`GpuOptions::enable_shrink`](crate::GpuOptions::enable_shrink)).
     pub fn shrink_enabled(&self) -> bool {
         self.params.shrink != 0
     }

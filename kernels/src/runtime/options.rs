@@ -74,7 +74,7 @@ impl NcclSizes {
     }
 }
 
-/// Options of a [`GpuGroup`].
+/// Options of a [`GpuGroup`](crate::runtime::GpuGroup).
 #[derive(Debug, Clone, Copy)]
 pub struct GpuOptions {
     /// Devices to spread the ranks over (R % num_gpus == 0).
@@ -97,8 +97,8 @@ pub struct GpuOptions {
     /// Shrink mode (DeepEP's `enable_shrink`): a wait for a peer that runs out masks that peer
     /// on the waiting rank instead of failing the call; a masked peer is neither sent to nor
     /// waited for, and the selections of its experts count as -1 (docs/contract.md, "Masked
-    /// ranks"). The mask: [`GpuGroup::mask_status`], [`GpuGroup::update_mask`],
-    /// [`GpuGroup::clean_mask`]. CUDA IPC and peer access only (not over NCCL, whose receives
+    /// ranks"). The mask: [`GpuGroup::mask_status`](crate::runtime::GpuGroup::mask_status), [`GpuGroup::update_mask`](crate::runtime::GpuGroup::update_mask),
+    /// [`GpuGroup::clean_mask`](crate::runtime::GpuGroup::clean_mask). CUDA IPC and peer access only (not over NCCL, whose receives
     /// the kernels cannot bound), up to the kernels' 256 ranks.
     pub enable_shrink: bool,
     /// FP8 dispatch's `recv_scales` ([L, R*T, G] words, G = H/128 f32 or H/512 packed UE8M0)

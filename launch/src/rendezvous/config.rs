@@ -21,7 +21,7 @@ pub struct RendezvousConfig {
     /// Bound on each collective call.
     pub op_timeout: Duration,
     /// The job's shared secret: every rank must hold the same one. `None` runs unauthenticated,
-    /// which [`Rendezvous::connect`] allows only on a loopback `master_addr` or with `open`.
+    /// which [`Rendezvous::connect`](crate::Rendezvous::connect) allows only on a loopback `master_addr` or with `open`.
     pub token: Option<JobToken>,
     /// Allow a job without a token across hosts (`EP_RDZV_OPEN=1`): anyone who can reach the
     /// port can then join as a free rank.
@@ -86,7 +86,7 @@ impl RendezvousConfig {
         self
     }
 
-    /// Checks the configuration as [`Rendezvous::connect`] does, without touching the network.
+    /// Checks the configuration as [`Rendezvous::connect`](crate::Rendezvous::connect) does, without touching the network.
     pub fn check(&self) -> Result<()> {
         self.validate()
     }

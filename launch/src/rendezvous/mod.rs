@@ -22,10 +22,10 @@
 //! checked on the header before any payload is buffered.
 //!
 //! The handshake frames (`Challenge`, `Hello`, `Admit`, and a refusal's `Abort`) are the
-//! payload alone. Every frame after them, both ways, is sealed ([`seal`], protocol version 3):
+//! payload alone. Every frame after them, both ways, is sealed (`seal`, protocol version 3):
 //! `len` counts the payload and a 32-byte tag after it, `HMAC-SHA256(session key, direction |
 //! frame number | header | payload)`, the key derived from the handshake
-//! ([`crate::auth::session_key`]). A frame that fails its tag (altered, injected, replayed,
+//! (`auth::session_key`). A frame that fails its tag (altered, injected, replayed,
 //! reordered) fails the connection with [`RendezvousError::Unauthenticated`] naming the peer.
 //!
 //! # Who may join

@@ -9,7 +9,7 @@ use crate::rendezvous::seal::TAG_LEN;
 
 pub(crate) const MAGIC: [u8; 4] = *b"EPRZ";
 /// Bumped whenever the wire format changes; a peer with another version is refused.
-/// Version 3: every frame after the handshake carries a tag ([`seal`]).
+/// Version 3: every frame after the handshake carries a tag (`seal`).
 pub const PROTOCOL_VERSION: u16 = 3;
 pub(crate) const HEADER_LEN: usize = 28;
 /// The largest payload one frame may carry (an all-gather result included). Far above what the
