@@ -1,7 +1,7 @@
 //! How much host memory one benchmark point will take, estimated from its config before
 //! anything is generated, and the check ep-bench makes with it: a point that cannot fit fails in
 //! milliseconds with the sizes and the flags to lower, instead of building inputs for a minute
-//! and aborting in the allocator (issue 10 item 2).
+//! and aborting in the allocator.
 //!
 //! The estimate counts the bytes the run writes (touches), not the address space it reserves:
 //! the large layouts (`y`, FP8 `recv_x`, the communication regions) are allocated zeroed and

@@ -30,13 +30,13 @@ pub fn new_process(
     ProcessRank::check(cfg, rank, ordinal)?;
     let node = node_id()?;
     let me = ProcessRank::new(cfg, opts, rank, ordinal)?;
-    // [issue 10 item 4] Versions, config, transport and allocation size travel with the
+    // Versions, config, transport and allocation size travel with the
     // handle; every peer is checked before anything is mapped.
     let hello = Hello::new(cfg, &opts, rank, me.alloc_bytes(), node);
     let recs = exchange_records(all_gather, &hello, me.payload())?;
     let nodes: Vec<NodeId> = recs.iter().map(|(h, _)| h.node.clone()).collect();
     let all: Vec<Vec<u8>> = recs.into_iter().map(|(_, p)| p).collect();
-    // [issue 12 item 4] Which peers share this node (IPC) and which do not (NCCL).
+    // Which peers share this node (IPC) and which do not (NCCL).
     let plan = plan(opts.transport, &nodes, rank)?;
     Ok(me.join(&all, &plan)?)
 }

@@ -257,7 +257,7 @@ pub fn run_rank_with<T>(
     .map_err(|e| group_err(rank, "group", e))?;
     let _releasing = TraceOnDrop(&trace, "releasing the group");
     trace.step("group formed");
-    // [issue 20 item 4] From here every host wait is bounded by the job's own wait bound (the
+    // From here every host wait is bounded by the job's own wait bound (the
     // set-up above may take longer: kernels compile, NCCL connects): a peer stopped while this
     // rank is at a barrier is reported within it, as a peer stopped mid-call is by the kernels.
     rdzv.set_op_timeout(host_wait.max(Duration::from_millis(1)))

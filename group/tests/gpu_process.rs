@@ -1,6 +1,6 @@
-//! GPU tests of process mode's trust boundary (issue 10 items 4 and 5): the handshake refuses a
+//! GPU tests of process mode's trust boundary: the handshake refuses a
 //! peer with another config before anything is mapped, and NCCL set-up against a peer that never
-//! joins or dies ends within its bound. And the two-tier group (issue 12 item 4): 4 processes on
+//! joins or dies ends within its bound. And the two-tier group: 4 processes on
 //! 2 GPUs as 2 emulated nodes, CUDA IPC inside a node and NCCL across, bitwise against the
 //! oracle. A custom runner (`harness = false`), as in `gpu.rs`:
 //! a test whose GPUs, NVRTC or NCCL are missing prints `SKIPPED: <test>: <reason>` and is counted

@@ -1,4 +1,4 @@
-//! GPU differential fuzz (issue 14 item 3): N random configs, virtual ranks on one GPU (and on
+//! GPU differential fuzz: N random configs, virtual ranks on one GPU (and on
 //! two when two are present), every mode, several routings, both paths, each output compared bit
 //! for bit with `ep_reference::oracle`.
 //!

@@ -1,4 +1,4 @@
-//! GPU soak (issue 10 item 9): `EP_SOAK_CALLS` calls of each path (default 10^5; one call is a
+//! GPU soak: `EP_SOAK_CALLS` calls of each path (default 10^5; one call is a
 //! dispatch and the combine after it) on a few fixed configs, on groups that live for the whole
 //! run (the same buffers, epochs counting up). Each round draws one random input (token counts
 //! 0..=T per rank, empty and full ranks, masked slots, skew to one expert or one rank) and runs it

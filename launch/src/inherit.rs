@@ -1,4 +1,4 @@
-//! Handing rank 0's listening socket from the launcher to the child (issue 10 item 8).
+//! Handing rank 0's listening socket from the launcher to the child.
 //!
 //! Picking a free port by binding port 0 and closing it again leaves a window in which another
 //! process can take the port before rank 0 binds it. Instead [`spawn_local`](crate::spawn_local)

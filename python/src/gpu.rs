@@ -5,7 +5,8 @@
 //! [`RankGroup`] is one rank of a process-mode group (`ep_group::new_process`: the CUDA IPC
 //! handles, and rank 0's NCCL unique id on the transports that use NCCL, exchanged in one blob
 //! per rank through the caller's all-gather, i.e. `torch.distributed` over the Buffer's group),
-//! driven through ep-kernels' device API (`RankEp`): dispatch and combine are enqueued on
+//! driven through ep-kernels' device API (`GpuGroup::dispatch_device`, `dispatch_send` /
+//! `dispatch_recv`, and the same for combine): dispatch and combine are enqueued on
 //! the caller's raw `CUstream` (torch's current stream, borrowed: never synchronised) with the
 //! caller's device pointers (torch tensors' `data_ptr()`), wrapped as borrowed cudarc views that
 //! are never freed here.
@@ -25,7 +26,7 @@ use std::time::Duration;
 
 /// The device API this build enqueues through (None would mean: no GPU execution).
 pub const DEVICE_API: Option<&str> =
-    Some("ep_kernels::RankEp (process mode; caller's CUDA stream and tensors)");
+    Some("ep_kernels::GpuGroup device API (process mode; caller's CUDA stream and tensors)");
 
 /// At least `need` usable devices (driver present, NVRTC present), or `NoDevice` saying why.
 pub fn probe(need: usize) -> Result<usize> {

@@ -353,7 +353,7 @@ def test_exceptions_derive_from_the_builtins_a_caller_expects():
 
 
 def test_deepeps_other_names():
-    """[issue 21 item 5] topk_idx_t, Config and EventHandle exist under DeepEP's names; Config
+    """topk_idx_t, Config and EventHandle exist under DeepEP's names; Config
     checks what DeepEP's asserts."""
     import ep_dispatch as ep
 
@@ -380,7 +380,7 @@ def test_deepeps_other_names():
 
 
 def test_native_stubs_match_the_module():
-    """[issue 21 item 7] The wheel ships _ep_dispatch.pyi and py.typed; the stub names exactly
+    """The wheel ships _ep_dispatch.pyi and py.typed; the stub names exactly
     what the native module and its GpuRank define."""
     import ast
     import pathlib

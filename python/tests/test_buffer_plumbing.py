@@ -303,7 +303,7 @@ def test_per_expert_over_nccl_never_reaches_the_native_rank(monkeypatch, transpo
 
 
 def test_two_dispatches_in_flight(buffers):
-    """[issue 21 item 2] dispatch A and dispatch B with hooks, hook A, hook B, combine A,
+    """dispatch A and dispatch B with hooks, hook A, hook B, combine A,
     combine B (with a copy of topk_idx at another address, as vLLM's EPLB passes): B runs on a
     second buffer set (formed at its first use), every output equals the oracle, and a later
     dispatch goes back to the first set (A was combined) without forming a third."""

@@ -405,7 +405,7 @@ def _poll_until_raises(b, limit_s=5.0):
 @pytest.mark.parametrize("path", ["batched", "per_expert"])
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 def test_a_lost_peer_raises_at_the_next_call(group, R, E, op, path):
-    """[issue 20 item 1] Rank 0 stops signalling (the test hook): every rank's wait for it runs
+    """Rank 0 stops signalling (the test hook): every rank's wait for it runs
     out, the next call on each rank raises the TimeoutError naming rank 0 at its entry (no
     check(), no synchronisation), and the failed call's outputs are the contract's: a failed
     dispatch receives nothing, a failed combine's rows are NaN."""
@@ -448,7 +448,7 @@ def test_a_lost_peer_raises_at_the_next_call(group, R, E, op, path):
 
 
 def test_a_lost_hook_leaves_the_buffer_usable(group, R, E):
-    """[issue 20 item 4] A send half whose hook is never called: the next dispatch that reuses
+    """A send half whose hook is never called: the next dispatch that reuses
     its buffer set (the third, with two in flight) enqueues its receive half first instead of
     refusing (which would refuse every later call too); the lost hook, if called after all,
     does nothing. The live dispatches combine bit for bit."""
@@ -481,7 +481,7 @@ def test_a_lost_hook_leaves_the_buffer_usable(group, R, E):
 
 @pytest.mark.parametrize("path", ["batched", "per_expert"])
 def test_shrink_masks_a_lost_peer_and_cleans_back(group, R, E, path):
-    """[issue 20 item 3] DeepEP's shrink mode: the last rank stops signalling (the test hook);
+    """DeepEP's shrink mode: the last rank stops signalling (the test hook);
     every other rank masks it instead of raising, its outputs equal the oracle on the masked
     routing, and its mask (low_latency_query_mask_buffer) names the lost rank. A clean on
     every rank, then a barrier, brings the group back whole."""
@@ -559,7 +559,7 @@ def _layout(t):
 
 @pytest.mark.parametrize("mode", ["bf16", "fp8", "ue8m0"])
 def test_outputs_have_deepeps_shapes_dtypes_and_strides(group, R, mode):
-    """[issue 21 item 3] Every tensor dispatch and combine return, with DeepEP's shapes, dtypes
+    """Every tensor dispatch and combine return, with DeepEP's shapes, dtypes
     and strides; the FP8 scales column-major (strides (R*T*G, 1, R*T)). Where DeepEP's own build
     is importable (EP_DEEPEP_PATH), both Buffers make the same calls and every layout is
     compared with DeepEP's; without it the strides are compared with DeepEP's documented ones."""
@@ -612,7 +612,7 @@ def test_outputs_have_deepeps_shapes_dtypes_and_strides(group, R, mode):
 
 @pytest.mark.parametrize("order", ["hooks", "hooks-combine-hooks", "no-hooks"])
 def test_two_dispatches_in_flight_equal_one_at_a_time(group, R, E, order):
-    """[issue 21 item 2] Two micro-batches in flight, as vLLM's dual-batch overlap and SGLang's
+    """Two micro-batches in flight, as vLLM's dual-batch overlap and SGLang's
     two-batch overlap call them: dispatch A, dispatch B, (hook A, hook B,) combine A, combine B
     (combine A with a copy of its topk_idx at another address, as EPLB passes it). Every output
     equals the oracle of the same calls made one at a time, each batch with its own inputs."""

@@ -109,7 +109,7 @@ impl Drop for Events {
 
 /// A stream capture in progress. Dropped without [`Capture::end`] (an error between begin and
 /// end), it ends the capture and destroys whatever graph it produced, so the stream is no
-/// longer capturing (issue 10 item 8).
+/// longer capturing.
 struct Capture {
     ctx: std::sync::Arc<cudarc::driver::CudaContext>,
     stream: cudarc::driver::sys::CUstream,
@@ -288,8 +288,8 @@ mod tests {
     use ep_kernels::runtime::GpuOptions;
     use ep_reference::{Config, Mode};
 
-    /// A launch that fails half-way through a captured timing run must leave no capture behind
-    /// (issue 10 item 8): the stream is not capturing afterwards and the group times again.
+    /// A launch that fails half-way through a captured timing run must leave no capture behind:
+    /// the stream is not capturing afterwards and the group times again.
     /// Needs a GPU, so it is ignored by default (CI has none) and run on the GPU machine with
     /// `--ignored`; there, without a GPU, it fails rather than pass.
     #[test]

@@ -116,7 +116,7 @@ pub(crate) fn dispatch_payload(
     let mut v = Vec::new();
     let mut sels = Vec::new();
     for &d in peers {
-        // [issue 10 item 4] Every header word, ours and the peer's, is bounded (tokens <= T,
+        // Every header word, ours and the peer's, is bounded (tokens <= T,
         // selections within tokens..=tokens*K, per-expert rows summing to the selections)
         // before it sizes a transfer.
         let (sw, rw) = (&sh[d * hw..][..hw], &rh[d * hw..][..hw]);

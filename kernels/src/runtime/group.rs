@@ -72,7 +72,7 @@ impl NcclState {
 
 impl Drop for GpuGroup {
     fn drop(&mut self) {
-        // [issue 10 item 5] Communicators go before the streams and memory they use: a bounded
+        // Communicators go before the streams and memory they use: a bounded
         // wait for the streams, then destroy (idle, healthy) or abort (busy, failed).
         let t = std::time::Duration::from_nanos(self.params.timeout_ns);
         if let Some(c) = self.comms.take() {

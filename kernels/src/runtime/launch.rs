@@ -347,7 +347,7 @@ impl GpuGroup {
                     result::memcpy_dtoh_sync(&mut rh, p.rcv_hdr),
                 )?;
             }
-            // [issue 10 item 4] Every header word is bounded before it sizes a transfer; a bad
+            // Every header word is bounded before it sizes a transfer; a bad
             // one marks the group broken.
             let (v, sels) = dispatch_payload(&s, path, r, &p, &peers, &sh, &rh)
                 .inspect_err(|e| self.broken = Some(e.clone()))?;

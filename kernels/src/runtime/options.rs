@@ -2,7 +2,8 @@
 //! ([`Transport`]), how the NCCL transport sizes its messages ([`NcclSizes`]), the group's
 //! options ([`GpuOptions`]).
 
-/// Which of the two transports to run.
+/// Which of the two ways of moving the data a call runs (docs/contract.md section 6): the
+/// per-expert reference or the per-destination batches. Every transport carries either.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Path {
     /// One message per selection, one signal per (expert, source).
@@ -20,7 +21,8 @@ impl Path {
     }
 }
 
-/// How the batched path reaches a peer.
+/// How a rank reaches each peer (both paths; the per-expert path over NCCL needs
+/// [`NcclSizes::Exact`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Transport {
     /// NVLink (peer access, or CUDA IPC between processes) for every peer that shares it, NCCL

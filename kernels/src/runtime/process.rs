@@ -219,7 +219,7 @@ impl ProcessRank {
                     plan.nodes
                 )));
             }
-            // [issue 10 item 5] Non-blocking set-up, bounded by the group's timeout. Every rank
+            // Non-blocking set-up, bounded by the group's timeout. Every rank
             // of the group joins the one communicator (NCCL rank = group rank); only the pairs
             // in the mask ever connect (NCCL connects a pair on its first send/receive).
             let t = std::time::Duration::from_nanos(opts.timeout_ns);

@@ -485,7 +485,7 @@ pub(crate) fn gpu_device_api_checks_stream_and_shapes_on_the_host() {
     }
     // A process-mode-only face on a two-rank group.
     assert!(g.rank_ep().is_err());
-    // Rank checks of the harness read-back (issue 10 item 7).
+    // Rank checks of the harness read-back.
     assert!(matches!(
         g.read_dispatch_output(2),
         Err(GpuError::Contract(Error::RankOutOfRange {

@@ -111,7 +111,7 @@ pub(crate) fn poll_until_error(g: &GpuGroup) -> GpuError {
     }
 }
 
-/// [issue 20 item 1] A peer that never signals: its waiting ranks' kernels record a timeout,
+/// A peer that never signals: its waiting ranks' kernels record a timeout,
 /// which reaches the host through the error word's mirror while the stream is still busy (a
 /// 2 s spin queued behind the failed call), and the next call raises it at its entry. The
 /// failed call's outputs are the contract's: dispatch presents no row (every count and layout
@@ -261,7 +261,7 @@ pub(crate) fn trap_child() -> ! {
     std::process::exit(if trapped && named { 0 } else { 1 })
 }
 
-/// [issue 20 item 2] `trap_on_error`: the kernel traps (the context is lost, as with DeepEP's
+/// `trap_on_error`: the kernel traps (the context is lost, as with DeepEP's
 /// kernels), and the error is still named from the host mirror. Runs in a child process: a
 /// trap poisons the context of the process it happens in.
 pub(crate) fn gpu_trap_on_error_ends_the_context_and_still_names_the_error() {
@@ -277,7 +277,7 @@ pub(crate) fn gpu_trap_on_error_ends_the_context_and_still_names_the_error() {
     assert!(text.contains("trapped=true named=true"));
 }
 
-/// [issue 20 item 3] Shrink mode (DeepEP's `enable_shrink`), 4 virtual ranks, both paths, BF16
+/// Shrink mode (DeepEP's `enable_shrink`), 4 virtual ranks, both paths, BF16
 /// and FP8: rank 2 stops signalling (in dispatch, then separately in combine): its peers mask
 /// it instead of failing, and every survivor's outputs equal the oracle on the masked routing,
 /// in the call that lost it and after; every survivor's mask names it. A later call skips it
