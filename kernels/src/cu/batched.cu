@@ -2,8 +2,9 @@
 //
 // Dispatch, on source rank s, for every destination d:
 //   every token bound for d is written once (deduplicated) into d's receive region for s, as
-//   entry tokpos(t, d): a 64-byte header {src token, selection offset, -, -, local expert of each
-//   slot or 0xFFFF} and the payload (bf16 row, or e4m3 row + scales). The region is contiguous
+//   entry tokpos(t, d): an HDR_BYTES (80) header {src token, selection offset; from byte 16 per
+//   slot its local expert on d or 0xFFFF; from byte 48 per slot its index within that expert's
+//   rows from s} and the payload (bf16 row, or e4m3 row + scales). The region is contiguous
 //   (entries 0..count), i.e. one put; when every block of s has finished its stores (block finish
 //   counter), the last one stores the pair's one signal (tag << 24 | count, common.cuh) with release.
 // On destination d, block per local expert l: for every source s in order, wait for the signal,

@@ -11,7 +11,7 @@ typedef long long i64;
 #define NTHREADS 512
 #define NWARPS (NTHREADS / 32)
 
-// Build variants (`Variant` in kernels/src/runtime/layout.rs): the host prepends these defines to
+// Build variants (`Variant` in kernels/src/variant.rs): the host prepends these defines to
 // the source for groups past 32 ranks; a group of at most 32 ranks compiles this file as it is.
 //   EP_MASK_WORDS: u32 words of a set of peers (the call's masked peers, the NCCL peers): 1 for
 //     R <= 32 (one word in a register, as ever), MAX_RANKS / 32 past that (shared-memory words).
@@ -28,7 +28,7 @@ typedef long long i64;
 #ifndef EP_MIN_BLOCKS
 #define EP_MIN_BLOCKS 1
 #endif
-// The kernels' rank limit (MAX_RANKS in kernels/src/runtime/layout.rs) and the words of the NCCL
+// The kernels' rank limit (MAX_RANKS in kernels/src/variant.rs) and the words of the NCCL
 // peer mask in KParams (always MAX_RANKS bits: one KParams layout for every variant).
 #define MAX_RANKS 256
 #define NCCL_WORDS (MAX_RANKS / 32)
