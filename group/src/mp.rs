@@ -14,7 +14,9 @@
 use crate::error::GroupError;
 use crate::form::new_process;
 use ep_kernels::runtime::{GpuGroup, GpuOptions, NcclSizes, Path, Transport};
-use ep_kernels::testing::{random_inputs, random_y, RankData, Rng, Routing};
+use ep_kernels::testing::{
+    random_inputs, random_y_received, received_counts, RankData, Rng, Routing,
+};
 use ep_kernels::GpuError;
 use ep_launch::Rendezvous;
 use ep_reference::oracle::{self, CombineInput, RankInput};
@@ -289,7 +291,9 @@ pub fn run_rank_with<T>(
             })
             .collect();
         let data = random_inputs(&cfg, &tokens, masked, &mut rng);
-        let y = random_y(&cfg, &mut rng);
+        // Every rank draws every rank's y, for the received rows only (the whole L x R*T
+        // capacity of every rank grows as R^3 here).
+        let y = random_y_received(&cfg, &received_counts(&cfg, &data), &mut rng);
         let inputs: Vec<RankInput> = data
             .iter()
             .map(|d| RankInput {
@@ -370,7 +374,7 @@ pub fn run_rank_with<T>(
         }
     }
     let data = random_inputs(&cfg, &vec![o.tokens; world], masked, &mut rng);
-    let y = random_y(&cfg, &mut rng);
+    let y = random_y_received(&cfg, &received_counts(&cfg, &data), &mut rng);
     let me = &data[rank];
     let selections = me.topk_idx.iter().filter(|&&e| e >= 0).count();
     let between = between(&mut RankRun {

@@ -90,6 +90,21 @@ fn no_inputs(cfg: &Config) -> Workload {
     }
 }
 
+/// The rows the dispatch of `data` (every rank's inputs) gives each local expert of each rank:
+/// `recv_count` of every rank's dispatch output, from the routing alone (valid slots per
+/// expert, summed over the sources).
+pub fn received_counts(cfg: &Config, data: &[RankData]) -> Vec<Vec<i32>> {
+    let l = cfg.num_local_experts();
+    let mut counts = vec![vec![0i32; l]; cfg.num_ranks];
+    for d in data {
+        for &e in d.topk_idx.iter().filter(|&&e| e >= 0) {
+            let e = e as usize;
+            counts[e / l][e % l] += 1;
+        }
+    }
+    counts
+}
+
 /// [`random_y`] for the rows a dispatch filled only (`Workload::expert_outputs_received`):
 /// drawing the whole L x R*T capacity grows as R^2 per rank.
 pub fn random_y_received(cfg: &Config, recv_counts: &[Vec<i32>], rng: &mut Rng) -> Vec<Vec<bf16>> {
@@ -233,6 +248,31 @@ mod tests {
 
     /// Only the received rows are drawn: every row below its expert's count has values, every
     /// row at or past it is zero; a negative count draws nothing, one past R*T is clamped.
+    #[test]
+    fn received_counts_are_the_oracles_recv_count() {
+        let cfg = Config::new(4, 16, 8, 128, 4, Mode::Bf16).unwrap();
+        let data = random_inputs(
+            &cfg,
+            &[8, 3, 0, 8],
+            Routing::Random { masked: 0.2 },
+            &mut Rng::new(9),
+        );
+        let inputs: Vec<RankInput> = data
+            .iter()
+            .map(|d| RankInput {
+                x: &d.x,
+                topk_idx: &d.topk_idx,
+            })
+            .collect();
+        let want: Vec<Vec<i32>> = oracle::dispatch(&cfg, &inputs)
+            .unwrap()
+            .into_iter()
+            .map(|o| o.recv_count)
+            .collect();
+        assert_eq!(received_counts(&cfg, &data), want);
+        assert!(want.iter().flatten().any(|&c| c > 0));
+    }
+
     #[test]
     fn random_y_received_fills_exactly_the_received_rows() {
         let cfg = Config::new(2, 4, 3, 16, 2, Mode::Bf16).unwrap(); // L = 2, R*T = 6 rows
