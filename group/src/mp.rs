@@ -15,11 +15,11 @@ use crate::error::GroupError;
 use crate::form::new_process;
 use ep_kernels::runtime::{GpuGroup, GpuOptions, NcclSizes, Path, Transport};
 use ep_kernels::testing::{
-    random_inputs, random_y_received, received_counts, RankData, Rng, Routing,
+    random_inputs, random_y_received, rank_inputs, received_counts, RankData, Rng, Routing,
 };
 use ep_kernels::GpuError;
 use ep_launch::Rendezvous;
-use ep_reference::oracle::{self, CombineInput, RankInput};
+use ep_reference::oracle::{self, CombineInput};
 use ep_reference::{bf16, Config, Error, Mode};
 use std::time::{Duration, Instant};
 
@@ -294,13 +294,7 @@ pub fn run_rank_with<T>(
         // Every rank draws every rank's y, for the received rows only (the whole L x R*T
         // capacity of every rank grows as R^3 here).
         let y = random_y_received(&cfg, &received_counts(&cfg, &data), &mut rng);
-        let inputs: Vec<RankInput> = data
-            .iter()
-            .map(|d| RankInput {
-                x: &d.x,
-                topk_idx: &d.topk_idx,
-            })
-            .collect();
+        let inputs = rank_inputs(&data);
         let want =
             oracle::dispatch(&cfg, &inputs).map_err(|e| fail(format!("oracle: {e}"), false))?;
         let cin: Vec<CombineInput> = data

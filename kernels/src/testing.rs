@@ -48,6 +48,16 @@ pub struct RankData {
     pub topk_weights: Vec<f32>,
 }
 
+/// Every rank's dispatch inputs (x and topk_idx) as the oracle takes them.
+pub fn rank_inputs(data: &[RankData]) -> Vec<RankInput<'_>> {
+    data.iter()
+        .map(|d| RankInput {
+            x: &d.x,
+            topk_idx: &d.topk_idx,
+        })
+        .collect()
+}
+
 /// Random inputs for every rank, from the project's one generator
 /// (`ep_reference::workload::Workload`, seeded from `rng`): `tokens[r]` tokens on rank r.
 pub fn random_inputs(
@@ -132,13 +142,7 @@ pub fn verify_paths(
     let x: Vec<Vec<bf16>> = data.iter().map(|d| d.x.clone()).collect();
     let idx: Vec<Vec<i64>> = data.iter().map(|d| d.topk_idx.clone()).collect();
     let w: Vec<Vec<f32>> = data.iter().map(|d| d.topk_weights.clone()).collect();
-    let inputs: Vec<RankInput> = data
-        .iter()
-        .map(|d| RankInput {
-            x: &d.x,
-            topk_idx: &d.topk_idx,
-        })
-        .collect();
+    let inputs = rank_inputs(data);
     let want = oracle::dispatch(&cfg, &inputs).map_err(|e| format!("oracle: {e}"))?;
     let cin: Vec<CombineInput> = data
         .iter()
@@ -198,13 +202,7 @@ pub fn verify_masked(
     let w: Vec<Vec<f32>> = data.iter().map(|d| d.topk_weights.clone()).collect();
     let ranks: Vec<usize> = (0..cfg.num_ranks).filter(|&r| masked[r]).collect();
     let mask = RankMask::from_ranks(cfg.num_ranks, &ranks).map_err(|e| format!("mask: {e}"))?;
-    let inputs: Vec<RankInput> = data
-        .iter()
-        .map(|d| RankInput {
-            x: &d.x,
-            topk_idx: &d.topk_idx,
-        })
-        .collect();
+    let inputs = rank_inputs(&data);
     let want = oracle::dispatch_masked(&cfg, &inputs, &mask).map_err(|e| format!("oracle: {e}"))?;
     let cin: Vec<CombineInput> = data
         .iter()
@@ -257,13 +255,7 @@ mod tests {
             Routing::Random { masked: 0.2 },
             &mut Rng::new(9),
         );
-        let inputs: Vec<RankInput> = data
-            .iter()
-            .map(|d| RankInput {
-                x: &d.x,
-                topk_idx: &d.topk_idx,
-            })
-            .collect();
+        let inputs = rank_inputs(&data);
         let want: Vec<Vec<i32>> = oracle::dispatch(&cfg, &inputs)
             .unwrap()
             .into_iter()

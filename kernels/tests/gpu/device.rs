@@ -201,13 +201,7 @@ pub(crate) fn oracle_of(
     data: &[ep_kernels::testing::RankData],
     y: &[Vec<bf16>],
 ) -> (Vec<DispatchOutput>, Vec<Vec<bf16>>) {
-    let inputs: Vec<RankInput> = data
-        .iter()
-        .map(|d| RankInput {
-            x: &d.x,
-            topk_idx: &d.topk_idx,
-        })
-        .collect();
+    let inputs = ep_kernels::testing::rank_inputs(data);
     let want = oracle::dispatch(cfg, &inputs).unwrap();
     let cin: Vec<CombineInput> = data
         .iter()

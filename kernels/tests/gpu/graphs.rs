@@ -161,13 +161,7 @@ pub(crate) fn graph_case_on(path: Path, hook: bool, nccl: bool) {
         graph.launch().unwrap();
         s.synchronize().unwrap();
         g.check().unwrap_or_else(|e| panic!("replay {rep}: {e}"));
-        let inputs: Vec<RankInput> = data
-            .iter()
-            .map(|d| RankInput {
-                x: &d.x,
-                topk_idx: &d.topk_idx,
-            })
-            .collect();
+        let inputs = ep_kernels::testing::rank_inputs(&data);
         let want = oracle::dispatch(&cfg, &inputs).unwrap();
         let y: Vec<Vec<bf16>> = want
             .iter()
