@@ -7,7 +7,7 @@ use ep_kernels::runtime::probe_devices;
 use ep_kernels::testing::{random_inputs, random_y, Rng, Routing};
 use ep_kernels::{CombineIn, DeviceDispatchOut, DispatchIn, Tokens};
 use ep_kernels::{GpuError, GpuGroup, Path};
-use ep_reference::oracle::{self, CombineInput, RankInput};
+use ep_reference::oracle::{self, CombineInput};
 use ep_reference::{Config, Error, Mode};
 use ep_reference::{DispatchOutput, RecvScales, RecvX};
 use half::bf16;

@@ -8,7 +8,7 @@ use ep_kernels::runtime::{PeerMask, PeerPlan, ProcessRank};
 use ep_kernels::testing::{random_inputs, random_y, verify_case, Rng, Routing};
 use ep_kernels::{CombineIn, DeviceDispatchOut, DeviceHandle, DispatchIn, Tokens};
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, NcclSizes, Path};
-use ep_reference::oracle::{self, CombineInput, RankInput};
+use ep_reference::oracle::{self, CombineInput};
 use ep_reference::RecvX;
 use ep_reference::{Config, Mode};
 use half::bf16;
