@@ -168,8 +168,8 @@ class Buffer:
     Differences from DeepEP, on purpose:
         - Row order is canonical (by source rank, then token), so outputs are reproducible and
           equal the oracle bit for bit.
-        - The FP8 scales are returned row-major ``[L, R*T, H/128]`` (DeepEP's are column-major
-          in the last two dimensions).
+        - The FP8 scales have DeepEP's shape and strides: ``[L, R*T, H/128]``, column-major in
+          the last two dimensions (strides ``(R*T*G, 1, R*T)``), the values the contract's.
         - Kernels run on ``torch.cuda.current_stream()``; ``async_finish=True`` returns an event
           recorded there after them (no separate communication stream).
         - ``use_logfmt`` is accepted and ignored: combine always sends bf16, so the result is
@@ -579,7 +579,10 @@ class Buffer:
         ``combined_x``: ``bfloat16 [n, H]`` (written into ``out`` when given).
 
         ``zero_copy=True`` combines the tensor ``get_next_low_latency_combine_buffer`` returned
-        instead of ``x``. ``use_logfmt`` is accepted and ignored (see the class docstring);
+        instead of ``x``; either way the batched path's kernels read the expert rows of ranks
+        on this GPU in place (ep-kernels' ``zero_copy_local``, always on here), and ranks on
+        other GPUs get them as a put, so ``zero_copy`` only chooses which tensor is read.
+        ``use_logfmt`` is accepted and ignored (see the class docstring);
         ``combine_wait_recv_cost_stats`` (``int64 [R]``) is checked as DeepEP checks it and left
         untouched, as in dispatch.
         """
@@ -634,7 +637,9 @@ class Buffer:
 
     def get_next_low_latency_combine_buffer(self, handle):
         """A ``bfloat16 [L, R*T, H]`` tensor to write the expert outputs into; a following
-        ``low_latency_combine(..., zero_copy=True)`` combines it."""
+        ``low_latency_combine(..., zero_copy=True)`` combines it. DeepEP's zero-copy buffer:
+        here the batched path's combine reads the caller's rows in place on the same GPU with
+        or without it."""
         if not isinstance(handle, Handle) or getattr(handle, "_buffer", None) != id(self):
             raise InputError("argument `handle`: not a handle returned by this Buffer's "
                              "low_latency_dispatch")
