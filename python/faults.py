@@ -52,19 +52,11 @@ def free_port():
 # ---- one rank ---------------------------------------------------------------------------------
 
 def outcome(oracle, rx, cnt, h, out, want_d, want_c):
-    """'good' (both outputs bitwise the oracle's), 'failed' (each output good or the contract's
-    failed one: a dispatch that received nothing, a combine of NaN rows; at least one failed),
-    or 'WRONG: ...' (a finite wrong output)."""
+    """``oracle.outcome`` of one pair: 'good', 'failed' (the contract's failed outputs) or
+    'WRONG: ...' (a finite wrong output)."""
     got = types.SimpleNamespace(recv_x=rx, recv_x_scales=None, recv_count=cnt,
                                 layout_range=h.layout_range, src_info=h.src_info)
-    d1, d2 = oracle.diff(got, want_d), oracle.combine_diff(out, want_c)
-    if d1 is None and d2 is None:
-        return "good"
-    d_failed = int(cnt.sum()) == 0 and bool((h.layout_range == 0).all())
-    c_failed = out.numel() > 0 and bool(out.isnan().all())
-    if (d1 is None or d_failed) and (d2 is None or c_failed):
-        return "failed"
-    return f"WRONG: dispatch {d1}; combine {d2}"
+    return oracle.outcome(got, want_d, out, want_c)
 
 
 def rank_main(a):

@@ -298,3 +298,32 @@ def combine_diff(got, want):
         return None
     t, c = bad[0].tolist()
     return f"token {t} channel {c}: {g[t, c]:#06x} vs {w[t, c]:#06x}"
+
+
+def outcome(got, want, out, want_c):
+    """What one dispatch + combine pair of a rank returned (docs/contract.md, "A failure never
+    spreads as data"): ``"good"`` when both outputs are bitwise the oracle's (``got``/``want``
+    as for :func:`diff`, ``out``/``want_c`` as for :func:`combine_diff`); ``"failed"`` when each
+    is the oracle's or the contract's failed output (a dispatch that received nothing: every
+    ``recv_count`` and ``layout_range`` 0; a combine whose rows are all NaN) and one of them is;
+    else ``"WRONG: ..."`` naming the differences: a finite wrong output."""
+    d, c = diff(got, want), combine_diff(out, want_c)
+    if d is None and c is None:
+        return "good"
+
+    def host(a):
+        if _is_torch(a):
+            return a.detach().to("cpu").contiguous().numpy()
+        return _np.asarray(a)
+
+    d_failed = not host(got.recv_count).any() and not host(got.layout_range).any()
+    if _is_torch(out):
+        import torch
+
+        o = out.detach().to("cpu").contiguous().view(torch.int16).numpy().view(_np.uint16)
+    else:
+        o = _np.asarray(out).view(_np.uint16)
+    c_failed = o.size > 0 and bool((((o & 0x7F80) == 0x7F80) & ((o & 0x7F) != 0)).all())
+    if (d is None or d_failed) and (c is None or c_failed):
+        return "failed"
+    return f"WRONG: dispatch {d}; combine {c}"

@@ -65,6 +65,36 @@ def test_hand_checked_bf16_dispatch_and_combine():
     assert (c0[0] == 0x4000).all() and (c0[1] == 0x3F80).all() and (c1[0] == 0x4180).all()
 
 
+def test_outcome_tells_good_from_failed_from_wrong():
+    """oracle.outcome: the oracle's outputs are good; a dispatch that received nothing and a
+    combine of NaN rows are the failed outputs (either alone, or both); a finite wrong row, or
+    a failed dispatch beside a finite wrong combine, is WRONG."""
+    import copy
+
+    xs = [np.concatenate([bf16(1.0, (1, 128)), bf16(2.0, (1, 128))]), bf16(3.0, (1, 128))]
+    ts = [np.array([[1, 2], [1, -1]]), np.array([[3, -1]])]
+    d0, _ = oracle.dispatch(xs, ts, 2, 4, use_fp8=False)
+    ys = [np.stack([bf16(1.0, (4, 128)), bf16(2.0, (4, 128))]),
+          np.stack([bf16(4.0, (4, 128)), bf16(8.0, (4, 128))])]
+    ws = [np.array([[0.5, 0.25], [0.5, 7.0]], np.float32), np.array([[2.0, 5.0]], np.float32)]
+    c0, _ = oracle.combine(ys, ts, ws, 2, 4)
+    failed_d = copy.deepcopy(d0)
+    failed_d.recv_count = np.zeros_like(d0.recv_count)
+    failed_d.layout_range = np.zeros_like(d0.layout_range)
+    nan = np.full_like(c0, 0x7FFF)
+    wrong = c0.copy()
+    wrong[1, 5] = 0x4000
+    assert oracle.outcome(d0, d0, c0, c0) == "good"
+    assert oracle.outcome(failed_d, d0, nan, c0) == "failed"
+    assert oracle.outcome(d0, d0, nan, c0) == "failed"
+    assert oracle.outcome(failed_d, d0, c0, c0) == "failed"
+    assert oracle.outcome(d0, d0, wrong, c0).startswith("WRONG")
+    assert oracle.outcome(failed_d, d0, wrong, c0).startswith("WRONG")
+    half_nan = nan.copy()
+    half_nan[0] = c0[0]
+    assert oracle.outcome(d0, d0, half_nan, c0).startswith("WRONG")
+
+
 def test_hand_checked_fp8_scales():
     # One token of 512 ones, to expert 0 of a single rank (R=1, E=1, T=1, H=512, K=1).
     x = [bf16(1.0, (1, 512))]

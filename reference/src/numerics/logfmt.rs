@@ -70,6 +70,7 @@ pub const EXP2_POLY: [u32; 6] = [
 #[inline(always)]
 pub fn log2_bf16(bits: u16) -> f32 {
     debug_assert!((MIN_NORMAL_BITS..0x7F80).contains(&bits), "{bits:#x}");
+    // bits >> 7 is the 8-bit biased exponent: fits i32.
     let e = (bits >> 7) as i32 - 127;
     e as f32 + f32::from_bits(LOG2_MANTISSA[(bits & 0x7F) as usize])
 }
@@ -88,6 +89,7 @@ pub fn exp2_poly(y: f32) -> f32 {
     for i in (0..5).rev() {
         q = q.mul_add(f, a(i));
     }
+    // n = floor(y) in [-126, 0] (the grid of a packed group keeps y there): exact as i32.
     q.mul_add(f, 1.0) * pow2i(n as i32)
 }
 
@@ -192,6 +194,7 @@ impl Grid {
             0
         } else {
             let t = (log2_bf16(a) - self.log_amax) / self.step + (TOP_CODE as f32 + 0.5);
+            // Clamped to [0, TOP_CODE] first: the cast is exact (a NaN guess would give 0).
             t.clamp(0.0, TOP_CODE as f32) as u32
         };
         while c < TOP_CODE && self.threshold(c + 1) <= av {

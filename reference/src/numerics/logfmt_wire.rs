@@ -99,6 +99,7 @@ fn decode_packed(grid: &Grid, body: &[u8], mut f: impl FnMut(usize, f32)) {
         b[..5].copy_from_slice(five);
         let bits = u64::from_le_bytes(b);
         for i in 0..4 {
+            // A 10-bit field (masked): fits u32.
             f(4 * j + i, grid.decode(((bits >> (10 * i)) & 0x3FF) as u32));
         }
     }
