@@ -221,35 +221,52 @@ pub fn phase_profile(spec: &BenchSpec) -> Result<String, BenchError> {
     for path in [Path::PerExpert, Path::Batched] {
         for op in [Op::Dispatch, Op::Combine] {
             let mut stamps = Vec::new();
+            let mut halves = [Vec::new(), Vec::new()];
             for _ in 0..3 {
                 if op == Op::Combine {
                     g.launch(Op::Dispatch, path).map_err(be)?;
                 }
                 stamps = g.profile(op, path).map_err(be)?;
             }
-            let t0 = stamps
-                .iter()
-                .map(|s| s[0])
-                .filter(|&v| v > 0)
-                .min()
-                .unwrap_or(0);
-            let mut line = format!("profile {:<10} {:?}:", path.name(), op);
-            for ph in 0..8 {
-                let v: Vec<f64> = stamps
-                    .iter()
-                    .filter(|s| s[ph] > 0)
-                    .map(|s| s[ph].saturating_sub(t0) as f64 / 1e3)
-                    .collect();
-                if let Some(m) = Summary::of(&v) {
-                    let _ = write!(line, " p{ph} {:.1}/{:.1}", m.median_us, m.max_us);
+            for _ in 0..3 {
+                if op == Op::Combine {
+                    g.launch(Op::Dispatch, path).map_err(be)?;
                 }
+                halves = g.profile_halves(op, path).map_err(be)?;
             }
-            let _ = writeln!(
-                s,
-                "{line}  (phase start, us since the first block started: median/max over blocks)"
-            );
+            for (what, st) in [("", &stamps), (" send", &halves[0]), (" recv", &halves[1])] {
+                let _ = writeln!(
+                    s,
+                    "{}  (phase start, us since the first block started: median/max over blocks)",
+                    phase_line(&format!("profile {:<10} {:?}{what}:", path.name(), op), st)
+                );
+            }
         }
     }
     g.sync().map_err(be)?;
     Ok(s)
+}
+
+/// One line of the phase profile: per phase reached, the median/max over blocks of its stamp
+/// less the earliest block start, in us.
+fn phase_line(head: &str, stamps: &[[u64; 8]]) -> String {
+    use std::fmt::Write as _;
+    let t0 = stamps
+        .iter()
+        .map(|s| s[0])
+        .filter(|&v| v > 0)
+        .min()
+        .unwrap_or(0);
+    let mut line = head.to_string();
+    for ph in 0..8 {
+        let v: Vec<f64> = stamps
+            .iter()
+            .filter(|s| s[ph] > 0)
+            .map(|s| s[ph].saturating_sub(t0) as f64 / 1e3)
+            .collect();
+        if let Some(m) = Summary::of(&v) {
+            let _ = write!(line, " p{ph} {:.1}/{:.1}", m.median_us, m.max_us);
+        }
+    }
+    line
 }

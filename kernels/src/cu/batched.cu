@@ -78,19 +78,28 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
     const bool acker = ackd >= 0 && ackd < R && p.stage != 2 && !via_nccl(p, ackd);
     u64 ack0 = 0;
     if (acker) ack0 = ld_acquire(p, sig_bat_ack(me, R) + ackd);
+    // The receive half (stage 2) of a call whose send half ran before it: thread s < R makes its
+    // first acquire load of source s's signal now, beside the epoch's, so that a signal already
+    // in costs no round trip after the prologue (wait_signal_pre). loom: gpu_protocol::preload_signals.
+    const bool presig = p.stage == 2 && tid < R && !via_nccl(p, tid) && !p.shrink;
+    u64 sig0 = 0;
+    if (presig) sig0 = ld_acquire(p, sig_bat(me) + tid);
     if (tid == 0) {
         s_fail = p.refused || failed(p);  // the group failed before this block started: poison (poison.cuh)
         s_io = resolve_io(iot.r[rank - p.rank_base], me);
         s_epoch = ld_epoch(state, KIND) + 1ull;
         s_bad = 0;
-        s_n = read_ntok(p, s_io, rank, &s_bad);
+        // The receive half reads no routing: its send half checked the count and the routing.
+        s_n = p.stage == 2 ? 0 : read_ntok(p, s_io, rank, &s_bad);
         GONE_INIT();
     }
     // The per-token and per-expert tallies start at zero (their whole extent: n is not known yet).
-    for (int i = tid; i < E * W; i += NTHREADS) sm.bm[i] = 0;
+    if (p.stage != 2) {
+        for (int i = tid; i < E * W; i += NTHREADS) sm.bm[i] = 0;
 #if !WIDE
-    for (int i = tid; i < T * R; i += NTHREADS) sm.tokpos[i] = 0;
+        for (int i = tid; i < T * R; i += NTHREADS) sm.tokpos[i] = 0;
 #endif
+    }
     __syncthreads();
     const IoPtrs& io = s_io;
     const u64 epoch = s_epoch;
@@ -116,6 +125,11 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
     // selection also counts itself: per token, selections bound for each destination; per
     // expert, the bitmap of its tokens. Two selections per thread are loaded before either is used.
     int bad = 0;
+    // The receive half (stage 2) skips the routing set-up: it reads only the counts and the
+    // batches its sources sent (a failed group: nothing; poison_peers sends nothing in stage 2).
+    if (p.stage == 2) {
+        if (s_fail) goto finish;
+    } else {
     {
         const i64* topk = (const i64*)io.topk;
         auto route = [&](int i, i64 v) {
@@ -260,12 +274,13 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
             wbad = !wait_ack(p, sig_bat_ack(me, R) + ackd, epoch - 1ull, epoch, rank, ackd, PH_DISPATCH_SEND);
         if (__syncthreads_or(wbad) || in_bad) goto finish;
     }
+    }  // p.stage != 2
     // Masked, or lost at the acknowledgement: nothing is sent there (agreed by every block).
     GONE_SNAPSHOT(gone);
     PROF(1);
     // The device API's routing and token count, kept for this call's combine (its handle): sk
     // holds the checked indices, equal to topk_idx's values.
-    if (bid == 0 && io.topk != me.topk) {
+    if (bid == 0 && p.stage != 2 && io.topk != me.topk) {
         for (int i = tid; i < n * K; i += NTHREADS) ((i64*)me.topk)[i] = (i64)sm.sk[i];
         if (tid == 0) ((int*)me.meta)[0] = n;
     }
@@ -459,7 +474,8 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
                 c = is_gone(gone, tid) ? PEER_LOST
                                        : wait_peer_signals(peer_wait(p, me, KIND, DEC_RECV, rank, tid, PH_DISPATCH_RECV), sig_bat(me) + tid, 0, 1, 0, epoch);
             // loom: gpu_protocol::batched_receive, models batched_two_senders_one_receiver, batched_consecutive_calls, batched_tag_wrap.
-            else c = wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
+            else c = presig ? wait_signal_pre(p, sig_bat(me) + tid, sig0, epoch, rank, tid, PH_DISPATCH_RECV)
+                            : wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
             if (c == PEER_LOST) {
                 GONE_ADD(tid);
                 c = 0;
@@ -614,6 +630,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
                 }
             }
             __syncthreads();
+            if (p.stage == 2) PROF(6);  // the receive half: row counts and places known
             while (u0 < units) {
 #pragma unroll
                 for (int q = 0; q < 4; q++)
@@ -680,12 +697,17 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(K
     const bool acker = ackd >= 0 && ackd < R && p.stage != 2 && !via_nccl(p, ackd);
     u64 ack0 = 0;
     if (acker) ack0 = ld_acquire(p, sig_cb_ack(me, R) + ackd);
+    // The receive half (stage 2): thread s < R's first acquire load of owner s's signal, now
+    // (as in dispatch). loom: gpu_protocol::preload_signals.
+    const bool presig = p.stage == 2 && tid < R && !via_nccl(p, tid) && !p.shrink;
+    u64 sig0 = 0;
+    if (presig) sig0 = ld_acquire(p, sig_cb(me, R) + tid);
     // The routing and the batch positions of this thread's first two selections: the group's own
     // buffers (the handle), T*K entries each, so they are loaded before n is known (entries past
-    // n*K are never used).
+    // n*K are never used). The send half (stage 1) reduces nothing and needs neither.
     const i64* topk = (const i64*)me.topk;
     const int* cpos = (const int*)me.comb_pos;
-    const int TKi = T * K;
+    const int TKi = p.stage == 1 ? 0 : T * K;
     const i64 pv0 = tid < TKi ? topk[tid] : -1;
     const int pp0 = tid < TKi ? cpos[tid] : -1;
     const i64 pv1 = tid + NTHREADS < TKi ? topk[tid + NTHREADS] : -1;
@@ -725,7 +747,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(K
             sm.sdl[i] = dl;
             sm.rowp[i] = a;
         };
-        for (int i0 = tid; i0 < n * K; i0 += 2 * NTHREADS) {
+        for (int i0 = tid; i0 < (p.stage == 1 ? 0 : n * K); i0 += 2 * NTHREADS) {
             const int i1 = i0 + NTHREADS;
             const bool two = i1 < n * K;
             const bool first = i0 == tid;
@@ -844,7 +866,8 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(K
                 else bad |= c < 0;
             } else {
                 // loom: not modelled itself; the same wait_signal as batched dispatch (model batched_two_senders_one_receiver).
-                bad |= wait_signal(p, sig_cb(me, R) + d, epoch, rank, d, PH_COMBINE_RECV) < 0;
+                bad |= (presig && d == tid ? wait_signal_pre(p, sig_cb(me, R) + d, sig0, epoch, rank, d, PH_COMBINE_RECV)
+                                           : wait_signal(p, sig_cb(me, R) + d, epoch, rank, d, PH_COMBINE_RECV)) < 0;
             }
         }
         if (__syncthreads_or(bad)) goto finish;

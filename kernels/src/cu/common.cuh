@@ -373,6 +373,15 @@ __device__ long long wait_signal(const KParams& p, const u64* addr, u64 epoch, i
         }
     }
 }
+// wait_signal whose first acquire load of `addr` (v0) was made early, at kernel start: a signal
+// of this call already in is taken from it, without a further round trip (the acquire orders
+// every later load of this thread after it, as in wait_signal); else the wait as ever. A stale
+// word (an earlier call's tag) or the poison go to wait_signal, which loads the word again.
+// loom model: gpu_protocol::preload_signals (mutant gpu_preload_relaxed).
+__device__ __forceinline__ long long wait_signal_pre(const KParams& p, const u64* addr, u64 v0, u64 epoch, int rank, int peer, int phase) {
+    if ((v0 >> SIG_COUNT_BITS) == sig_tag(epoch) && (v0 & SIG_COUNT_MASK) != SIG_POISON) return (long long)(v0 & SIG_COUNT_MASK);
+    return wait_signal(p, addr, epoch, rank, peer, phase);
+}
 // Waits until an acknowledgement word is at least `need` (the peer has consumed call need).
 // loom model: gpu_protocol::wait_ack; covered by loom_gpu_protocol.rs batched_consecutive_calls
 __device__ bool wait_ack(const KParams& p, const u64* addr, u64 need, u64 call, int rank, int peer, int phase) {

@@ -41,6 +41,67 @@ impl GpuGroup {
             .collect())
     }
 
+    /// The receive-hook split of one call of (op, path) with `%globaltimer` stamps: the send half
+    /// (stage 1) and the receive half (stage 2), one launch each on the group's streams with its
+    /// own buffers, back to back; per half, for every block of device 0, the stamps of phases
+    /// 0..8 as in [`GpuGroup::profile`] (0 where a phase was not reached), in ns. Not over NCCL.
+    /// Batched dispatch, send: p0 start, p6 routing loaded, p7 routing checked, p1 set-up done,
+    /// p2 sent, p4 end; receive: p0 start, p3 signals in, p6 row counts known, p4 expanded, p5 out.
+    /// Batched combine, send: p0 start, p1 set-up, p2 sent, p4 end; receive: p0, p1, p3 signals
+    /// in, p4 reduced, p5 out.
+    pub fn profile_halves(&mut self, op: Op, path: Path) -> Result<[Vec<[u64; 8]>; 2], GpuError> {
+        self.check_usable()?;
+        if self.comms.is_some() {
+            return Err(GpuError::Unsupported(
+                "the phase profile of the halves runs on NVLink / one-GPU groups only".into(),
+            ));
+        }
+        if op == Op::Combine {
+            self.check_combine_path(path)?;
+        }
+        let grid = self.devs[0].ranks * self.blocks_per_rank;
+        self.devs[0].bind()?;
+        let bufs = [
+            self.devs[0].scratch(0, grid * 64)?,
+            self.devs[0].scratch(1, grid * 64)?,
+        ];
+        for b in bufs {
+            // SAFETY: `b` holds grid*64 bytes on the bound context; `stream` belongs to it.
+            cuda("clear profile", unsafe {
+                result::memset_d8_async(b, 0, grid * 64, self.devs[0].stream)
+            })?;
+        }
+        let mut r = Ok(());
+        for (stage, b) in [(1, bufs[0]), (2, bufs[1])] {
+            self.params.prof = b;
+            r = r.and_then(|_| self.launch_stage(op, path, stage));
+        }
+        self.params.prof = 0;
+        if r.is_ok() {
+            // Both halves went out: one call, as `launch` counts it.
+            if op == Op::Dispatch {
+                self.last_dispatch = Some(path);
+            }
+            self.last_op = Some(op);
+            self.calls[crate::runtime::group::kind(op, path)] += 1;
+        }
+        r.and_then(|_| self.sync())?;
+        let mut out = [Vec::new(), Vec::new()];
+        for (o, b) in out.iter_mut().zip(bufs) {
+            let mut host = vec![0u64; grid * 8];
+            self.devs[0].bind()?;
+            // SAFETY: `b` holds grid*8 u64 on the bound context; the device is idle (synced).
+            cuda("read profile", unsafe {
+                result::memcpy_dtoh_sync(&mut host, b)
+            })?;
+            *o = host
+                .chunks_exact(8)
+                .map(|c| c.try_into().expect("chunks of 8"))
+                .collect();
+        }
+        Ok(out)
+    }
+
     /// Runs the payload encoder alone on `rows` (n x H bf16) on device 0: per row, the bytes the
     /// wire carries (e4m3 + scales, or bf16). For testing the FP8 cast bit for bit.
     pub fn encode_rows(&mut self, rows: &[bf16]) -> Result<Vec<Vec<u8>>, GpuError> {
