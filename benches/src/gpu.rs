@@ -249,7 +249,7 @@ pub fn phase_profile(spec: &BenchSpec) -> Result<String, BenchError> {
 
 /// One line of the phase profile: per phase reached, the median/max over blocks of its stamp
 /// less the earliest block start, in us.
-fn phase_line(head: &str, stamps: &[[u64; 8]]) -> String {
+fn phase_line(head: &str, stamps: &[[u64; ep_kernels::runtime::PROF_SLOTS]]) -> String {
     use std::fmt::Write as _;
     let t0 = stamps
         .iter()
@@ -258,7 +258,7 @@ fn phase_line(head: &str, stamps: &[[u64; 8]]) -> String {
         .min()
         .unwrap_or(0);
     let mut line = head.to_string();
-    for ph in 0..8 {
+    for ph in 0..ep_kernels::runtime::PROF_SLOTS {
         let v: Vec<f64> = stamps
             .iter()
             .filter(|s| s[ph] > 0)

@@ -176,6 +176,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
                 break;
             }
     }
+    PROF(8);  // thread 0's share of the repeat check done
     // Per expert: selections before each bitmap word (the index of (t, k) within its expert).
     for (int e = tid; e < E; e += NTHREADS) {
         int run = 0;
@@ -184,6 +185,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
             run += __popc((u32)sm.bm[e * W + w]);
         }
     }
+    PROF(9);  // thread 0's share of the per-expert prefix done
 #if WIDE
     // Per destination d (a thread each): the bitmap of the tokens bound for d (the OR of its
     // experts' bitmaps), tokens and selections before each word, the totals.
@@ -246,6 +248,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
         }
     }
 #endif
+    PROF(10);  // thread 0's share of the per-destination scan done
     {
         // Bad routing (or token count) is caught here, before anything is written: the rank goes to
         // the end and sends the poison instead of its batches (below).
@@ -609,6 +612,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
                 cc = peer_bad(p, rank, tid, PF_SELECTIONS, c, T * K) ? 0 : c;
             }
             if (__syncthreads_or(bad)) goto finish;
+            PROF(11);  // every row count loaded and bounded
             if (bid == 0 && tid < R) ((int*)me.comb_cnt)[tid] = cc;
             // begin(l, s) = rows of l from sources before s (canonical order)
             for (int l = tid; l < L; l += NTHREADS) {
@@ -648,6 +652,7 @@ finish:
     PROF(5);
     // A failed call leaves defined outputs (common.cuh); the pack stage leaves them to its unpack.
     if (last_out && p.stage != 1 && (s_fail || failed(p))) fail_dispatch_outputs(p, io, me);
+    if (last_out) PROF(13);  // the last block out: the failure check done
     // The pack stage (1) leaves the epoch for its unpack stage (2). NCCL peers need no ack: the
     // stream orders this call's unpack before the next call's send/recv into the same buffers.
     if (last_out && p.stage != 1) {
@@ -659,6 +664,7 @@ finish:
                 if (!via_nccl(p, s) && !END_MASKED(s)) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
         }
     }
+    if (last_out) PROF(12);  // the last block out: epoch and acks stored
 }
 #undef KIND
 
@@ -761,6 +767,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(K
             if (two) route(i1, v1, pos1, m1);
         }
     }
+    PROF(8);  // thread 0's share of the row-address table done
     if (tid < R) sm.tot[tid] = ((const int*)me.comb_cnt)[tid];
     int bad = 0;
     // A failed group sends nothing valid (the rows of a failed dispatch are not this call's):
@@ -887,6 +894,7 @@ finish:
     PROF(5);
     // A failed call leaves defined outputs (common.cuh); the pack stage leaves them to its unpack.
     if (last_out && p.stage != 1 && (s_fail || failed(p))) fail_combine_outputs(p, io, n);
+    if (last_out) PROF(13);  // the last block out: the failure check done
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
@@ -896,6 +904,7 @@ finish:
                 if (!via_nccl(p, d) && !END_MASKED(d)) st_release(p, sig_cb_ack(tab[d], R) + rank, (u64)epoch);
         }
     }
+    if (last_out) PROF(12);  // the last block out: epoch and acks stored
 }
 #undef KIND
 #undef SEGB

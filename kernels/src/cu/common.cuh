@@ -186,8 +186,12 @@ __device__ __forceinline__ bool any_nccl(const KParams& p) {
 }
 #define HDR_WORDS(L) (2 + (L))
 
+// The phase profile (kernels/src/runtime/profile.rs PROF_SLOTS): thread 0 of every block stamps
+// %globaltimer into slot i (< PROF_SLOTS) of its block's row. Slots 0..8 are the coarse phases
+// each kernel documents; 8.. the finer ones of the batched kernels (profile.rs says which).
+#define PROF_SLOTS 16
 #define PROF(i) \
-    if (p.prof && threadIdx.x == 0) ((u64*)p.prof)[blockIdx.x * 8 + (i)] = globaltimer();
+    if (p.prof && threadIdx.x == 0) ((u64*)p.prof)[blockIdx.x * PROF_SLOTS + (i)] = globaltimer();
 
 // ---------------------------------------------------------------- memory ordering
 __device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {

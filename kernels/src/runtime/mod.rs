@@ -33,6 +33,7 @@ pub use device_api::{
     DispatchOutSizes, RankEp, Tokens,
 };
 pub use group::GpuGroup;
+pub use profile::PROF_SLOTS;
 pub use layout::{
     all_peers, bytes_per_rank, bytes_per_rank_with, check_ranks, entry_bytes, pe_entry_bytes,
     smem_bytes, PeerMask, Variant, MAX_RANKS, NARROW_RANKS, NTHREADS, SMEM_LIMIT_SM90,

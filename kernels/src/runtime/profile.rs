@@ -10,46 +10,50 @@ use ep_reference::Op;
 use half::bf16;
 use std::ffi::c_void;
 
+/// Stamps per block of the phase profile (common.cuh `PROF_SLOTS`).
+pub const PROF_SLOTS: usize = 16;
+
 impl GpuGroup {
     /// One call of (op, path) with `%globaltimer` stamps: for every block of device 0, the
-    /// stamps of phases 0..8 (0 where a phase was not reached in this call), in ns. Debugging
-    /// aid. Batched dispatch: p0 start, p6 routing loaded, p7 routing checked, p1 set-up done,
-    /// p2 sent (one rank: rows written), p3 signals in, p4 expanded, p5 out.
-    pub fn profile(&mut self, op: Op, path: Path) -> Result<Vec<[u64; 8]>, GpuError> {
+    /// stamps of slots 0..PROF_SLOTS (0 where a phase was not reached in this call), in ns,
+    /// thread 0's view. Debugging aid. Batched dispatch: p0 start, p6 routing loaded, p8 repeat
+    /// check, p9 per-expert prefix, p10 per-destination scan, p7 routing checked, p1 set-up
+    /// done, p2 sent (one rank: rows written), p3 signals in, p11 row counts loaded, p4
+    /// expanded, p5 out (exit counter); the last block out only: p13 failure check, p12 epoch
+    /// and acks stored. Batched combine: p0 start, p8 row-address table, p1 set-up done, p2
+    /// sent, p3 signals in, p4 reduced, p5, p13, p12 as dispatch.
+    pub fn profile(&mut self, op: Op, path: Path) -> Result<Vec<[u64; PROF_SLOTS]>, GpuError> {
         let grid = self.devs[0].ranks * self.blocks_per_rank;
         self.devs[0].bind()?;
-        let buf = self.devs[0].scratch(0, grid * 64)?;
+        let buf = self.devs[0].scratch(0, grid * 8 * PROF_SLOTS)?;
         // Stamps of an earlier profile must not pass for phases this call did not reach: cleared
         // on the stream the profiled launch follows on.
         // SAFETY: `buf` holds grid*64 bytes on the bound context; `stream` belongs to it.
         cuda("clear profile", unsafe {
-            result::memset_d8_async(buf, 0, grid * 64, self.devs[0].stream)
+            result::memset_d8_async(buf, 0, grid * 8 * PROF_SLOTS, self.devs[0].stream)
         })?;
         self.params.prof = buf;
         let r = self.launch(op, path).and_then(|_| self.sync());
         self.params.prof = 0;
         r?;
-        let mut host = vec![0u64; grid * 8];
+        let mut host = vec![0u64; grid * PROF_SLOTS];
         self.devs[0].bind()?;
         // SAFETY: `buf` holds grid*8 u64 on the bound context; the device is idle.
         cuda("read profile", unsafe {
             result::memcpy_dtoh_sync(&mut host, buf)
         })?;
         Ok(host
-            .chunks_exact(8)
+            .chunks_exact(PROF_SLOTS)
             .map(|c| c.try_into().unwrap())
             .collect())
     }
 
     /// The receive-hook split of one call of (op, path) with `%globaltimer` stamps: the send half
     /// (stage 1) and the receive half (stage 2), one launch each on the group's streams with its
-    /// own buffers, back to back; per half, for every block of device 0, the stamps of phases
-    /// 0..8 as in [`GpuGroup::profile`] (0 where a phase was not reached), in ns. Not over NCCL.
-    /// Batched dispatch, send: p0 start, p6 routing loaded, p7 routing checked, p1 set-up done,
-    /// p2 sent, p4 end; receive: p0 start, p3 signals in, p6 row counts known, p4 expanded, p5 out.
-    /// Batched combine, send: p0 start, p1 set-up, p2 sent, p4 end; receive: p0, p1, p3 signals
-    /// in, p4 reduced, p5 out.
-    pub fn profile_halves(&mut self, op: Op, path: Path) -> Result<[Vec<[u64; 8]>; 2], GpuError> {
+    /// own buffers, back to back; per half, for every block of device 0, the stamps as in
+    /// [`GpuGroup::profile`] (0 where a phase was not reached), in ns. Not over NCCL. The
+    /// receive half of batched dispatch also stamps p6 when its row places are known.
+    pub fn profile_halves(&mut self, op: Op, path: Path) -> Result<[Vec<[u64; PROF_SLOTS]>; 2], GpuError> {
         self.check_usable()?;
         if self.comms.is_some() {
             return Err(GpuError::Unsupported(
@@ -62,13 +66,13 @@ impl GpuGroup {
         let grid = self.devs[0].ranks * self.blocks_per_rank;
         self.devs[0].bind()?;
         let bufs = [
-            self.devs[0].scratch(0, grid * 64)?,
-            self.devs[0].scratch(1, grid * 64)?,
+            self.devs[0].scratch(0, grid * 8 * PROF_SLOTS)?,
+            self.devs[0].scratch(1, grid * 8 * PROF_SLOTS)?,
         ];
         for b in bufs {
             // SAFETY: `b` holds grid*64 bytes on the bound context; `stream` belongs to it.
             cuda("clear profile", unsafe {
-                result::memset_d8_async(b, 0, grid * 64, self.devs[0].stream)
+                result::memset_d8_async(b, 0, grid * 8 * PROF_SLOTS, self.devs[0].stream)
             })?;
         }
         let mut r = Ok(());
@@ -88,14 +92,14 @@ impl GpuGroup {
         r.and_then(|_| self.sync())?;
         let mut out = [Vec::new(), Vec::new()];
         for (o, b) in out.iter_mut().zip(bufs) {
-            let mut host = vec![0u64; grid * 8];
+            let mut host = vec![0u64; grid * PROF_SLOTS];
             self.devs[0].bind()?;
             // SAFETY: `b` holds grid*8 u64 on the bound context; the device is idle (synced).
             cuda("read profile", unsafe {
                 result::memcpy_dtoh_sync(&mut host, b)
             })?;
             *o = host
-                .chunks_exact(8)
+                .chunks_exact(PROF_SLOTS)
                 .map(|c| c.try_into().expect("chunks of 8"))
                 .collect();
         }
