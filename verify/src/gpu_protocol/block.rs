@@ -159,6 +159,16 @@ impl Stage {
         stage: 2,
         nccl: true,
     };
+    /// The receive hook's send half over NVLink: `hook_send_block`.
+    pub(crate) const HOOK_SEND: Stage = Stage {
+        stage: 1,
+        nccl: false,
+    };
+    /// The receive hook's receive half over NVLink: `hook_recv_block`.
+    pub(crate) const HOOK_RECV: Stage = Stage {
+        stage: 2,
+        nccl: false,
+    };
 }
 
 /// Role: the last block out publishes the epoch and acknowledges to every source that this rank

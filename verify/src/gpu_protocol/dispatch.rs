@@ -81,7 +81,7 @@ pub fn dispatch_block_in(
         match g.setup.kind {
             Kind::Batched => {
                 batched_send(g, kp, input, rank, bid, epoch, gone, failed_before);
-                batched_receive(g, kp, rank, bid, epoch, gone, &mut set, &mut rep);
+                batched_receive(g, kp, rank, bid, epoch, gone, None, &mut set, &mut rep);
             }
             Kind::PerExpert => {
                 per_expert_send(g, kp, input, rank, bid, epoch, gone, failed_before);
