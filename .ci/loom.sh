@@ -51,6 +51,13 @@ mutants=(
   "gpu_ack_store_relaxed:loom_gpu_protocol:batched_two_senders_one_receiver_two_calls"
   "gpu_ack_load_relaxed:loom_gpu_protocol:batched_two_senders_one_receiver_two_calls"
   "gpu_no_ack_wait:loom_gpu_protocol:batched_two_senders_one_receiver_two_calls"
+  # the receive hook's split (batched dispatch over NVLink: send half, then receive half): the
+  # receive half's pre-load of the signals, its fallback wait on a stale pre-load, the ack that
+  # only the receive half publishes, and the pre-loaded tag across the wrap
+  "gpu_preload_relaxed:loom_gpu_protocol:batched_hook_split_one_call"
+  "gpu_wait_relaxed:loom_gpu_protocol:batched_hook_split_one_call"
+  "gpu_no_ack_wait:loom_gpu_protocol:batched_hook_split_consecutive_calls"
+  "gpu_tag_ge:loom_gpu_protocol:batched_hook_split_tag_wrap"
   # not an ordering: the host's poisoning of the NCCL send headers (capacity mode) is gone, and
   # the peer must be caught taking the previous call's header and rows as this call's
   "gpu_no_hdr_poison:loom_gpu_protocol:capacity_bad_input_sender_header_poisoned:took a stale header"

@@ -44,6 +44,18 @@
 //!   stores the poison, and still counts out, publishes its epoch and acks; what its peers see
 //!   on the same device (the flag or the poison) and on another (the poison or a timeout, ranked
 //!   after the input error by errors.rs `cause_first`).
+//! - `batched_hook_split_one_call`: the receive hook's split of batched dispatch over NVLink
+//!   (a send-half launch, stage 1, then a receive-half launch, stage 2, per rank and call):
+//!   stage 2's pre-load of its sources' signals at kernel start ("`if (presig) sig0 =
+//!   ld_acquire(p, sig_bat(me) + tid)`", `preload_signals`) and `wait_signal_pre`, which takes
+//!   a count from it with no further load (mutant `gpu_preload_relaxed`), else waits as
+//!   `wait_signal` does (mutant `gpu_wait_relaxed`).
+//! - `batched_hook_split_consecutive_calls`, `batched_hook_split_tag_wrap`: two split calls:
+//!   the receive half's `finish:` acks (stage 1 publishes nothing: "`if (last_out && p.stage
+//!   != 1)`"), the send half's ack wait (mutant `gpu_no_ack_wait`), and a pre-loaded word of
+//!   call 1 never taken for call 2's (across the tag's wrap too: mutant `gpu_tag_ge`).
+//!   Batched combine's stage-2 pre-load of `sig_cb` is the same pattern and has no model of its
+//!   own.
 //! - `batched_two_senders_one_receiver_two_calls` (the slow one): all of the batched orderings
 //!   at once, two sender blocks and one receiver block over two calls.
 //! - `capacity_bad_input_sender_header_poisoned`: NCCL capacity mode (batched): the host's
@@ -129,6 +141,83 @@ fn batched_one_sender_two_receivers() {
         let c = vec![input(1, 0, 0), input(2, 0, 0)];
         calls(g, bounded(1), c.clone(), c[..1].to_vec())
     });
+}
+
+/// The receive hook's split calls `c` (batched dispatch over NVLink, rank 0 to rank 1, each
+/// rank running per call its send half then its receive half, in stream order, with no host
+/// sync; every wait bounded at one poll) on a group that completed `base` calls, checked by
+/// the host. Some interleaving must complete with `want` true of rank 1's receive halves (block
+/// 0's report, one per call), as `what` says.
+fn hook_split(
+    ranks: Vec<(usize, usize)>,
+    base: u64,
+    c: Vec<Input>,
+    want: fn(&[&BlockReport]) -> bool,
+    what: &'static str,
+) {
+    let seen = std::sync::Arc::new(AtomicBool::new(false));
+    let saw = seen.clone();
+    model(move || {
+        let g = group_after(Kind::Batched, ranks.clone(), 1, base);
+        let done = run_calls_with(g, bounded(1), c.clone(), c.clone(), run_halves);
+        let completed = host_check(g, &done);
+        let rx: Vec<&BlockReport> = done
+            .iter()
+            .filter(|d| d.rank == 1)
+            .map(|d| &d.reps[0])
+            .collect();
+        if completed && want(&rx) {
+            saw.store(true, StdOrdering::Relaxed);
+        }
+        completed
+    });
+    assert!(
+        seen.load(StdOrdering::Relaxed),
+        "no interleaving completed with {what}"
+    );
+}
+
+/// One split call: rank 0 sends its two tokens to rank 1 (two sender blocks: the signal is the
+/// last one's). Rank 1's receive half pre-loads rank 0's signal at its start
+/// (`preload_signals`); when rank 0's send half signalled before that, the count is taken from
+/// the pre-load alone (`wait_signal_pre`), whose acquire must order the entries' reads (mutant
+/// `gpu_preload_relaxed`), and some interleaving must do so; else it waits as ever.
+#[test]
+fn batched_hook_split_one_call() {
+    hook_split(
+        vec![(0, 2), (1, 1)],
+        0,
+        vec![input(1, 0, 0)],
+        |rx| rx[0].preload_taken,
+        "rank 1's count taken from its pre-load",
+    );
+}
+
+/// Two split calls on the same buffers, one block each side: the receive half's ack (its
+/// `finish:` acks every NVLink source; the send half's publishes nothing) lets rank 0's call-2
+/// send half overwrite the entries, and rank 1's call-2 receive half may pre-load call 1's
+/// signal (call 2's send half has not signalled yet): a stale tag, which it must not take for
+/// call 2's, and some interleaving must pre-load it.
+fn hook_split_consecutive(base: u64) {
+    hook_split(
+        vec![(0, 1), (1, 1)],
+        base,
+        vec![input(1, 0, 0), input(2, 0, 0)],
+        |rx| rx[1].preload_stale,
+        "rank 1's call 2 pre-loading call 1's signal",
+    );
+}
+
+#[test]
+fn batched_hook_split_consecutive_calls() {
+    hook_split_consecutive(0);
+}
+
+/// [`batched_hook_split_consecutive_calls`] across the tag's wrap ([`BEFORE_WRAP`]): the
+/// pre-loaded call-1 word has the larger tag (mutant `gpu_tag_ge`).
+#[test]
+fn batched_hook_split_tag_wrap() {
+    hook_split_consecutive(BEFORE_WRAP);
 }
 
 /// Preemption bound of [`batched_two_senders_one_receiver_two_calls`], below CI's

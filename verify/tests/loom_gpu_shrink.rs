@@ -168,11 +168,7 @@ fn run_ranks(g: &'static Group, kp: Launch, per_rank: Vec<Vec<Input>>) -> Vec<Do
     let run = move |rank: usize, inputs: Vec<Input>| {
         inputs
             .into_iter()
-            .map(|input| Done {
-                rank,
-                reps: launch(g, kp, &input, rank),
-                input,
-            })
+            .map(|input| run_whole(g, kp, input, rank))
             .collect::<Vec<_>>()
     };
     let others: Vec<_> = per_rank
@@ -367,11 +363,7 @@ fn wide_receive_loses_rank_past_the_first_word(mutant: Option<WideMutant>) {
             route: vec![vec![], vec![], vec![vec![(0, 0)], vec![(1, 0)]]],
         };
         let done: Vec<Done> = (0..2)
-            .map(|rank| Done {
-                rank,
-                reps: launch(g, shrink(bounded(1)), &c, rank),
-                input: c.clone(),
-            })
+            .map(|rank| run_whole(g, shrink(bounded(1)), c.clone(), rank))
             .collect();
         for d in &done {
             for r in &d.reps {

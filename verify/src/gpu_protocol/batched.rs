@@ -11,7 +11,9 @@ use crate::gpu_protocol::shrink::{receive_skips, wait_peer_signals, Peer};
 use crate::gpu_protocol::state::{
     payload, read_entry, write_entry, BlockReport, Entry, Group, Input, Launch, WaitEnd, STALE,
 };
-use crate::gpu_protocol::waits::{peer_bad, report_timeout, wait_signal};
+use crate::gpu_protocol::waits::{
+    peer_bad, preload_takes, report_timeout, wait_signal, wait_signal_pre,
+};
 use crate::gpu_protocol::words::{signal_word, PF_BATCH_TOKENS, PH_DISPATCH_RECV};
 
 /// Role: a batched sender block writes its share of every batch, then counts itself out; the
@@ -76,11 +78,14 @@ pub(crate) fn batched_send(
 
 /// Role: a batched receiver block waits for every source's signal (acquire, bounded, stopped
 /// by the error word), bounds the count, then reads its share of the entries
-/// (batched dispatch, the block under "`if (p.stage != 1 && !direct)`"). Shrink mode: a source
-/// in `gone` is not waited for, the others with [`wait_peer_signals`]; one agreed lost joins
-/// the block's live set (`GONE_ADD(tid); c = 0;`): nothing of either is read. Then the
+/// (batched dispatch, the block under "`if (p.stage != 1 && !direct)`": stage 0, and the
+/// receive half of the receive hook's split). Shrink mode: a source in `gone` is not waited
+/// for, the others with [`wait_peer_signals`]; one agreed lost joins the block's live set
+/// (`GONE_ADD(tid); c = 0;`): nothing of either is read. Then the
 /// `__syncthreads_or(bad)` and, if no wait failed, the snapshot that the expansion reads
-/// (`GONE_SNAPSHOT(gone)`), which becomes `rep.gone`.
+/// (`GONE_SNAPSHOT(gone)`), which becomes `rep.gone`. `sig0`: the receive half's (stage 2)
+/// pre-loaded signal words (`presig`, hook.rs `preload_signals`), in `Group::sources` order,
+/// each waited for with [`wait_signal_pre`]; `None` in stage 0 and in shrink mode.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn batched_receive(
     g: &Group,
@@ -89,6 +94,7 @@ pub(crate) fn batched_receive(
     bid: usize,
     epoch: u64,
     gone: PeerSet,
+    sig0: Option<&[u64]>,
     set: &mut Gone<'_>,
     rep: &mut BlockReport,
 ) {
@@ -96,7 +102,7 @@ pub(crate) fn batched_receive(
     let t_n = g.setup.max_tokens;
     let mut counts = Vec::new();
     // if (tid < R) (not via_nccl(p, tid): NVLink source)
-    for s in g.sources(rank) {
+    for (i, s) in g.sources(rank).enumerate() {
         if kp.fail_receive == Some(rank) {
             // The model's certain failure: this wait ran out (report_timeout, return -1).
             report_timeout(g.err(rank), rank, s, PH_DISPATCH_RECV, epoch, 0);
@@ -110,8 +116,18 @@ pub(crate) fn batched_receive(
             } else {
                 wait_peer_signals(g, kp, rank, s, &[s], 0, epoch, rep)
             }
+        } else if let Some(sig0) = sig0 {
+            // (what the model reports of it: which way wait_signal_pre went)
+            if preload_takes(sig0[i], epoch) {
+                rep.preload_taken = true;
+            } else {
+                rep.preload_stale = true;
+            }
+            // else c = presig ? wait_signal_pre(p, sig_bat(me) + tid, sig0, epoch, rank, tid, PH_DISPATCH_RECV)
+            wait_signal_pre(g, kp, &me.sig[s], sig0[i], epoch, rank, s, PH_DISPATCH_RECV)
+                .map(Peer::Arrived)
         } else {
-            // c = wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
+            //                 : wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
             wait_signal(g, kp, &me.sig[s], epoch, rank, s, PH_DISPATCH_RECV).map(Peer::Arrived)
         };
         match got {

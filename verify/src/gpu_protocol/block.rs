@@ -131,10 +131,51 @@ fn last_block_out(me: &Rank) -> bool {
     last
 }
 
+/// Which launch of a call a block is in, as `finish:` reads it: `p.stage` and the transport of
+/// the launch's sources (`via_nccl(p, s)`; a model's launch has every peer over one transport).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Stage {
+    /// `p.stage`: 0 the whole call; 1 the send half (NCCL: the pack); 2 the receive half (NCCL:
+    /// the unpack).
+    pub(crate) stage: u8,
+    /// `via_nccl(p, s)` for every source: NCCL peers get no ack (the stream orders the next
+    /// call's exchange after this call's unpack).
+    pub(crate) nccl: bool,
+}
+
+impl Stage {
+    /// Stage 0 over NVLink / peer memory: `dispatch_block`.
+    pub(crate) const WHOLE: Stage = Stage {
+        stage: 0,
+        nccl: false,
+    };
+    /// The NCCL pack stage: `batched_pack_block`.
+    pub(crate) const NCCL_PACK: Stage = Stage {
+        stage: 1,
+        nccl: true,
+    };
+    /// The NCCL unpack stage: `batched_unpack_block`.
+    pub(crate) const NCCL_UNPACK: Stage = Stage {
+        stage: 2,
+        nccl: true,
+    };
+    /// The receive hook's send half over NVLink: `hook_send_block`.
+    pub(crate) const HOOK_SEND: Stage = Stage {
+        stage: 1,
+        nccl: false,
+    };
+    /// The receive hook's receive half over NVLink: `hook_recv_block`.
+    pub(crate) const HOOK_RECV: Stage = Stage {
+        stage: 2,
+        nccl: false,
+    };
+}
+
 /// Role: the last block out publishes the epoch and acknowledges to every source that this rank
-/// consumed the call (`finish:` of both dispatch kernels). `stage` 0: the whole call; 1 (pack):
-/// neither epoch nor acks ("`if (last_out && p.stage != 1)`"); 2 (unpack): the epoch, and no
-/// ack to its sources, which the model's stage 2 only has over NCCL ("`if (!via_nccl(p, s))`").
+/// consumed the call (`finish:` of both dispatch kernels). Stage 1 (the send half, NCCL's pack)
+/// publishes neither ("`if (last_out && p.stage != 1)`": its receive half does); stages 0 and
+/// 2 the epoch, and an ack to every source not over NCCL ("`if (!via_nccl(p, s) && ...)`"):
+/// so stage 0 and the receive hook's stage 2 ack every source, NCCL's unpack none.
 /// Shrink mode: no ack to a source masked now (the mask read again by the last block out,
 /// "`const u32 masked = masked_peers(p, me)`": masked before the call or lost in it; the wide
 /// build reads the mask per peer as it acks, `END_MASKED(s)`).
@@ -144,12 +185,13 @@ pub(crate) fn finish(
     rank: usize,
     epoch: u64,
     rep: &mut BlockReport,
-    stage: u8,
+    stage: Stage,
 ) {
     let me = &g.ranks[rank];
+    // bool last_out = last_block_out(p, state, KIND);  (stage 1 too: it resets the exit counter)
     rep.last_out = last_block_out(me);
     // if (last_out && p.stage != 1)
-    if rep.last_out && stage != 1 {
+    if rep.last_out && stage.stage != 1 {
         // ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
         // SAFETY: every block of this launch read the word before its exit count, which the
         // last block out acquired (`last_block_out`); the next launch starts after this one.
@@ -160,8 +202,9 @@ pub(crate) fn finish(
         // MASKED_AT_END();  // shrink: no ack to a masked peer
         // (narrow: const u32 masked = masked_peers(p, me); wide: nothing)
         let masked = (g.setup.build == Build::Narrow).then(|| masked_peers(g, kp, me));
-        for s in g.sources(rank).filter(|_| stage == 0) {
-            // if (!via_nccl(p, s) && !END_MASKED(s)) st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
+        // for (int s = 0; s < R; s++) if (!via_nccl(p, s) && !END_MASKED(s))
+        for s in g.sources(rank).filter(|_| !stage.nccl) {
+            // st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
             // (END_MASKED(s): narrow is_gone(masked, s), wide peer_masked(p, me, s))
             let end_masked = match masked {
                 Some(m) => is_gone(m, s),

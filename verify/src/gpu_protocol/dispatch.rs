@@ -4,7 +4,7 @@
 
 use crate::gpu_protocol::batched::{batched_receive, batched_send};
 use crate::gpu_protocol::block::{
-    block_epoch, finish, input_check, preload_acks, sender_wait_acks,
+    block_epoch, finish, input_check, preload_acks, sender_wait_acks, Stage,
 };
 use crate::gpu_protocol::gone::{BlockShared, Gone, OR_ACKS};
 use crate::gpu_protocol::per_expert::{per_expert_receive, per_expert_send};
@@ -57,7 +57,7 @@ pub fn dispatch_block_in(
         poison_signals(g, kp, rank, epoch, gone0);
         rep.poisoned = true;
         rep.gone = set.live();
-        finish(g, kp, rank, epoch, &mut rep, 0);
+        finish(g, kp, rank, epoch, &mut rep, Stage::WHOLE);
         return rep;
     }
     // if (!in_bad && acker && ack0 < epoch - 1ull) wbad = !wait_ack(...) (per-expert: tid < R)
@@ -81,7 +81,7 @@ pub fn dispatch_block_in(
         match g.setup.kind {
             Kind::Batched => {
                 batched_send(g, kp, input, rank, bid, epoch, gone, failed_before);
-                batched_receive(g, kp, rank, bid, epoch, gone, &mut set, &mut rep);
+                batched_receive(g, kp, rank, bid, epoch, gone, None, &mut set, &mut rep);
             }
             Kind::PerExpert => {
                 per_expert_send(g, kp, input, rank, bid, epoch, gone, failed_before);
@@ -92,6 +92,6 @@ pub fn dispatch_block_in(
     } else {
         rep.gone = set.live();
     }
-    finish(g, kp, rank, epoch, &mut rep, 0);
+    finish(g, kp, rank, epoch, &mut rep, Stage::WHOLE);
     rep
 }

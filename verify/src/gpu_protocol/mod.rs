@@ -20,8 +20,9 @@
 //! waits, the host's mask calls), `gone` (a block's set of gone peers: the narrow build's
 //! word, the wide build's shared words, their copies and barriers), `block` (what every block runs around its
 //! sends and receives: epoch, input check, ack waits, last block out), `batched` and
-//! `per_expert` (each kernel's send and receive), `dispatch` ([`dispatch_block`]), `nccl`
-//! (capacity mode's poison, pack, exchange and unpack), `host` (the error word as the host
+//! `per_expert` (each kernel's send and receive), `dispatch` ([`dispatch_block`]), `hook` (the
+//! receive hook's two launches of batched dispatch over NVLink: [`hook_send_block`],
+//! [`hook_recv_block`]), `nccl` (capacity mode's poison, pack, exchange and unpack), `host` (the error word as the host
 //! decodes it, the check after a sync). Every public item is re-exported here
 //! (`ep_verify::gpu_protocol::<item>`); `tests` runs the model on std threads.
 //!
@@ -42,10 +43,21 @@
 //!   payload entries are plain memory (loom cells). Scopes (.gpu / .sys) are not modelled: the
 //!   kernels use the narrowest one that covers every rank.
 //! - **Launches.** [`dispatch_block`] is one block of a stage-0 launch (the whole call over
-//!   NVLink / peer memory). The NCCL transport splits a call into stage 1 (pack), a host NCCL
+//!   NVLink / peer memory). The receive hook splits a batched dispatch over NVLink into two
+//!   launches of the same kernel on the rank's stream: stage 1, the send half
+//!   ([`hook_send_block`]: the ack waits, the send and the signal; its last block out resets
+//!   the exit counter and publishes nothing, "`if (last_out && p.stage != 1)`"), then stage 2,
+//!   the receive half ([`hook_recv_block`]: a pre-load of every source's signal at kernel start,
+//!   `preload_signals`, whose value `wait_signal_pre` takes if it already carries the call's
+//!   tag; no routing, input check or ack wait; its last block out publishes the epoch and acks
+//!   every source, as stage 0's). Both halves read the same epoch. Batched combine's stage 2
+//!   pre-loads its own signal words the same way and is not modelled (the dispatch's model
+//!   covers the pattern), nor is per-expert dispatch's split, nor the split in shrink mode or
+//!   the wide build. The NCCL transport splits a call into stage 1 (pack), a host NCCL
 //!   exchange and stage 2 (unpack), with no signals or acks for NCCL peers (`via_nccl`: the
 //!   stream orders them); only its capacity mode's header poisoning is modelled
-//!   ([`batched_pack_block`], [`nccl_capacity_exchange`], [`batched_unpack_block`]). The next
+//!   ([`batched_pack_block`], [`nccl_capacity_exchange`], [`batched_unpack_block`]). `finish`
+//!   takes the launch's stage and transport (`block::Stage`). The next
 //!   launch on a device's stream starts after every block of the previous one ended (the tests
 //!   join them). Nothing else orders two calls: no host synchronisation between calls is
 //!   assumed (`GpuGroup::launch` back to back, process mode, CUDA graph replay), so only the
@@ -110,6 +122,8 @@
 //! itself a release fence: making only the store relaxed is an equivalent mutant (the protocol
 //! stays correct, and loom agrees). So `gpu_signal_relaxed` and `gpu_ack_store_relaxed` drop
 //! the store's release *and* the release half of the fences before it in that thread.
+//! `gpu_preload_relaxed` relaxes the receive half's pre-load of the signals, so that a count
+//! taken from it orders none of the entries' reads (`batched_hook_split_one_call`).
 //! `gpu_no_hdr_poison` is not an ordering: it drops the host's poisoning of the NCCL send
 //! headers, and the model `capacity_bad_input_sender_header_poisoned` must see the peer take the
 //! previous call's header as this call's (an assertion, not a causality violation).
@@ -124,7 +138,9 @@
 //! Checked against the kernels after the device-API change (u64 epochs, tagged signals, input
 //! and peer-data checks on the device, the NCCL stage split) and again after issue 11's speed
 //! work (the pre-loaded ack, the one-pass routing check, the one-rank path, per-expert over
-//! NCCL, capacity-mode NCCL sizes). No ordering is missing.
+//! NCCL, capacity-mode NCCL sizes), and after the receive halves' change (the receive hook's
+//! stage 2 of batched dispatch over NVLink: the pre-loaded signals, no routing or input check;
+//! modelled since). No ordering is missing.
 //! Observations:
 //! - The `.release` of the signal stores (batched dispatch "`st_release(p, sig_bat(tab[d]) +
 //!   rank, signal_word(epoch, ...))`", per-expert "`st_release(p, sig_pe(tab[d], R) + ...`") and
@@ -142,6 +158,21 @@
 //!   the `__syncthreads_or(wbad)` that follows, whatever thread acquired. The model now does the
 //!   same (`preload_acks`, then `sender_wait_acks` skips an ack already seen); per-expert
 //!   dispatch still waits in threads `tid < R` after `load_topk`, without a pre-load.
+//! - The receive hook's receive half (batched dispatch, stage 2 over NVLink) pre-loads its
+//!   sources' signals the same way: thread `s < R` issues "`sig0 = ld_acquire(p, sig_bat(me) +
+//!   tid)`" at kernel start, before `s_epoch` is read, and `wait_signal_pre` takes the count
+//!   from it with no further load when it carries this call's tag and is not the poison. The
+//!   same protocol as `wait_signal`: a word with this call's tag is the source's release store
+//!   after its entries (its send half's signal), and the acquire that read it orders every
+//!   later load of the block after it; a stale word (the previous call's signal, pre-loaded
+//!   before this call's send half signalled) or the poison goes to `wait_signal`, which loads
+//!   again. The model does the same (`preload_signals`, mutant `gpu_preload_relaxed`; models
+//!   `batched_hook_split_*`). The receive half skips the input check and the routing: its
+//!   send half, launched before it on the same stream, checked them and raised the error word
+//!   on bad input, so the receive half's `s_fail` is set and it reads nothing ("`if (s_fail)
+//!   goto finish;`"), then publishes the epoch and acks, as stage 0 does on bad input. No ack
+//!   wait is lost by the split: the send half waits for the acks before it sends, and the
+//!   receive half sends nothing.
 //! - In per-expert dispatch a block that owns several experts writes the second expert's
 //!   messages after the first expert's `fence_rel` (before its signal), so only the first
 //!   expert's writes rely on `wait_ack`'s acquire alone (the consecutive-calls model rewrites
@@ -225,6 +256,7 @@ mod batched;
 mod block;
 mod dispatch;
 mod gone;
+mod hook;
 mod host;
 mod nccl;
 mod orderings;
@@ -241,6 +273,7 @@ mod tests;
 
 pub use dispatch::{dispatch_block, dispatch_block_in};
 pub use gone::{gone_word_thread, BlockShared};
+pub use hook::{hook_recv_block, hook_send_block};
 pub use host::{ack_word, device_error, entry_at, DeviceError, Host};
 pub use nccl::{
     batched_pack_block, batched_unpack_block, nccl_capacity_exchange, poison_send_headers,

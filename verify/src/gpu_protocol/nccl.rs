@@ -5,7 +5,7 @@
 
 use ep_reference::sync::SharedRows;
 
-use crate::gpu_protocol::block::{block_epoch, finish, input_check};
+use crate::gpu_protocol::block::{block_epoch, finish, input_check, Stage};
 use crate::gpu_protocol::orderings::{fence_after_last_sent, fence_before_sent_add, RELAXED};
 use crate::gpu_protocol::poison::{group_failed, s_fail};
 use crate::gpu_protocol::state::{
@@ -105,7 +105,7 @@ pub fn batched_pack_block(
             // for (d ...) if (!via_nccl(p, d)) st_release(...): every destination is NCCL here.
         }
     }
-    finish(g, kp, rank, epoch, &mut rep, 1);
+    finish(g, kp, rank, epoch, &mut rep, Stage::NCCL_PACK);
     rep
 }
 
@@ -175,6 +175,6 @@ pub fn batched_unpack_block(g: &Group, kp: &Launch, rank: usize, bid: usize) -> 
             }
         }
     }
-    finish(g, kp, rank, epoch, &mut rep, 2);
+    finish(g, kp, rank, epoch, &mut rep, Stage::NCCL_UNPACK);
     rep
 }

@@ -1,6 +1,6 @@
 //! The orderings of the kernels' fences, loads and stores, each with the mutants that weaken it
-//! (the module docs' "Mutants"), and `wait_signal`'s tag match (mutant `gpu_tag_ge`): every role
-//! takes its orderings from here.
+//! (the module docs' "Mutants"), and the signal's tag match (`wait_signal`, `wait_signal_pre`;
+//! mutant `gpu_tag_ge`): every role takes its orderings from here.
 
 use ep_reference::sync::{fence, Ordering};
 
@@ -51,6 +51,15 @@ pub(crate) const SIGNAL_LOAD: Ordering = Ordering::Acquire;
 #[cfg(ep_mutant = "gpu_wait_relaxed")]
 pub(crate) const SIGNAL_LOAD: Ordering = Ordering::Relaxed;
 
+/// Batched dispatch's receive half (stage 2): the pre-load of every NVLink source's signal at
+/// kernel start, "`if (presig) sig0 = ld_acquire(p, sig_bat(me) + tid)`", whose value
+/// `wait_signal_pre` may take without another load (hook.rs `preload_signals`).
+#[cfg(not(ep_mutant = "gpu_preload_relaxed"))]
+pub(crate) const PRESIGNAL_LOAD: Ordering = Ordering::Acquire;
+// Mutant: a relaxed pre-load; a signal taken from it orders none of the entries read after it.
+#[cfg(ep_mutant = "gpu_preload_relaxed")]
+pub(crate) const PRESIGNAL_LOAD: Ordering = Ordering::Relaxed;
+
 /// common.cuh `last_block_out`: the first `fence_rel(p)`, before the exit counter's `atomicAdd`.
 #[inline]
 pub(crate) fn fence_before_exit_add() {
@@ -90,7 +99,9 @@ pub(crate) const ACK_LOAD: Ordering = Ordering::Relaxed;
 /// `ld.volatile`, `atomicAdd`, `atomicCAS`, `atomicExch` and plain stores of state counters.
 pub(crate) const RELAXED: Ordering = Ordering::Relaxed;
 
-/// common.cuh `wait_signal`'s match, "`(v >> SIG_COUNT_BITS) == tag`": the word's tag must equal this call's.
+/// common.cuh `wait_signal`'s match, "`(v >> SIG_COUNT_BITS) == tag`", and `wait_signal_pre`'s
+/// of the pre-loaded word, "`(v0 >> SIG_COUNT_BITS) == sig_tag(epoch)`": the word's tag must
+/// equal this call's.
 #[inline]
 pub(crate) fn tag_matches(word_tag: u64, tag: u64) -> bool {
     #[cfg(not(ep_mutant = "gpu_tag_ge"))]

@@ -184,6 +184,12 @@ pub struct BlockReport {
     /// Shrink mode: this block's own wait for a peer ran out while the agreed verdict was
     /// "arrived", and it waited again (`wait_peer_signals` / `wait_peer_ack` after `agree_at`).
     pub waited_again: bool,
+    /// The receive hook's receive half: a source's count was taken from the signal word
+    /// pre-loaded at the block's start (`wait_signal_pre` with no further load).
+    pub preload_taken: bool,
+    /// The receive hook's receive half: a pre-loaded signal word was not this call's (an
+    /// earlier call's tag, or none yet), and the block waited for the signal again.
+    pub preload_stale: bool,
 }
 
 impl Group {

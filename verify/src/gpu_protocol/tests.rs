@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
+use crate::gpu_protocol::block::block_epoch;
 use crate::gpu_protocol::dispatch::dispatch_block;
+use crate::gpu_protocol::hook::{hook_recv_block, hook_send_block};
 use crate::gpu_protocol::host::{ack_word, device_error, DeviceError, Host};
 use crate::gpu_protocol::nccl::{
     batched_pack_block, batched_unpack_block, nccl_capacity_exchange, poison_send_headers,
@@ -76,6 +78,119 @@ fn per_expert_two_blocks_three_calls_std() {
     for _ in 0..50 {
         two_calls(Kind::PerExpert);
     }
+}
+
+/// The receive hook's split (batched dispatch over NVLink), three calls: per rank and call the
+/// send half's blocks, then the receive half's.
+#[test]
+fn hook_split_two_blocks_three_calls_std() {
+    for _ in 0..50 {
+        let setup = Setup {
+            kind: Kind::Batched,
+            ranks: vec![(0, 2), (1, 1)],
+            links: vec![(0, 1)],
+            max_tokens: 2,
+            local_experts: 1,
+            build: Build::Narrow,
+        };
+        let g = Arc::new(Group::new(setup));
+        let kp = Launch {
+            timeout: Duration::from_secs(10),
+            fault_rank: None,
+            bad_input: None,
+            shrink: false,
+            fail_receive: None,
+        };
+        let inputs: Vec<Input> = (1..=3)
+            .map(|c| Input {
+                call: c,
+                route: vec![vec![vec![(1, 0)], vec![(1, 0)]], vec![]],
+            })
+            .collect();
+        let rx = {
+            let (g, inputs) = (g.clone(), inputs.clone());
+            thread::spawn(move || {
+                for input in &inputs {
+                    let send = hook_send_block(&g, &kp, input, 1, 0);
+                    assert!(send.read.is_empty() && send.last_out);
+                    let recv = hook_recv_block(&g, &kp, 1, 0);
+                    assert_eq!(recv.read, g.expected(input, 1), "call {}", input.call);
+                    assert!(recv.last_out && recv.epoch == input.call);
+                }
+            })
+        };
+        for input in &inputs {
+            let b1 = {
+                let (g, input) = (g.clone(), input.clone());
+                thread::spawn(move || hook_send_block(&g, &kp, &input, 0, 1))
+            };
+            let s0 = hook_send_block(&g, &kp, input, 0, 0);
+            let s1 = b1.join().unwrap();
+            assert!(s0.last_out ^ s1.last_out, "exactly one block is last out");
+            assert_eq!(
+                block_epoch(&g.ranks[0]),
+                input.call,
+                "stage 1 publishes no epoch"
+            );
+            let r0: Vec<BlockReport> = (0..2).map(|b| hook_recv_block(&g, &kp, 0, b)).collect();
+            assert!(r0
+                .iter()
+                .all(|r| r.epoch == input.call && r.read.is_empty()));
+        }
+        rx.join().unwrap();
+        assert_eq!(ack_word(&g, 0, 1), 3, "rank 1's receive half acked call 3");
+    }
+}
+
+/// The receive hook's split with a bad receiver: rank 1's send half reports its routing and
+/// publishes nothing; its receive half finds its group failed (`s_fail`), reads nothing, and
+/// publishes the epoch and its ack to rank 0.
+#[test]
+fn hook_split_bad_input_receiver_reads_nothing_but_acks_std() {
+    let setup = Setup {
+        kind: Kind::Batched,
+        ranks: vec![(0, 1), (1, 1)],
+        links: vec![(0, 1)],
+        max_tokens: 1,
+        local_experts: 1,
+        build: Build::Narrow,
+    };
+    let g = Group::new(setup);
+    let kp = Launch {
+        timeout: Duration::from_millis(50),
+        fault_rank: None,
+        bad_input: None,
+        shrink: false,
+        fail_receive: None,
+    };
+    let bad = Launch {
+        bad_input: Some(1),
+        ..kp
+    };
+    let input = Input {
+        call: 1,
+        route: vec![vec![vec![(1, 0)]], vec![]],
+    };
+    let s0 = hook_send_block(&g, &kp, &input, 0, 0);
+    assert!(s0.failed_wait.is_none() && !s0.poisoned);
+    let s1 = hook_send_block(&g, &bad, &input, 1, 0);
+    assert!(s1.bad_input && s1.poisoned && s1.last_out);
+    assert_eq!(ack_word(&g, 0, 1), 0, "the send half acks nothing");
+    assert_eq!(
+        block_epoch(&g.ranks[1]),
+        1,
+        "the send half publishes no epoch"
+    );
+    let r1 = hook_recv_block(&g, &bad, 1, 0);
+    assert!(r1.read.is_empty() && r1.last_out && r1.failed_wait.is_none());
+    assert!(
+        !r1.preload_taken,
+        "a failed group's receive half reads no signal"
+    );
+    assert_eq!(ack_word(&g, 0, 1), 1, "the receive half acks call 1");
+    assert_eq!(block_epoch(&g.ranks[1]), 2, "and publishes epoch 1");
+    let mut host = Host::default();
+    assert_eq!(host.sync(&g), Err(DeviceError::BadInput { rank: 1 }));
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! The error word (common.cuh `failed`, `report_error`, `report_timeout`, `peer_bad`) and the
-//! bounded waits of a call without shrink mode: for a signal with the call's tag (`wait_signal`)
-//! and for an ack (`wait_ack`), each stopped by the error word and bounded by a `Deadline`.
+//! bounded waits of a call without shrink mode: for a signal with the call's tag (`wait_signal`;
+//! `wait_signal_pre` after a pre-load) and for an ack (`wait_ack`), each stopped by the error
+//! word and bounded by a `Deadline`.
 
 use ep_reference::sync::{fence, AtomicU64, Deadline, Ordering};
 
@@ -134,6 +135,35 @@ pub(crate) fn wait_signal(
         report_timeout(e, rank, peer, phase, epoch, deadline.waited_ms());
         Err(WaitEnd::TimedOut)
     })
+}
+
+/// common.cuh `wait_signal_pre`: [`wait_signal`] whose first acquire load of `addr` (`v0`) was
+/// made at kernel start (batched dispatch's receive half: hook.rs `preload_signals`). A word of
+/// this call already in is taken from `v0` with no further load; a stale one (an earlier call's
+/// tag) or the poison go to `wait_signal`, which loads the word again (and reports the poison).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn wait_signal_pre(
+    g: &Group,
+    kp: &Launch,
+    addr: &AtomicU64,
+    v0: u64,
+    epoch: u64,
+    rank: usize,
+    peer: usize,
+    phase: u32,
+) -> Result<u32, WaitEnd> {
+    // if ((v0 >> SIG_COUNT_BITS) == sig_tag(epoch) && (v0 & SIG_COUNT_MASK) != SIG_POISON) return (long long)(v0 & SIG_COUNT_MASK);
+    if preload_takes(v0, epoch) {
+        return Ok((v0 & SIG_COUNT_MASK) as u32);
+    }
+    // return wait_signal(p, addr, epoch, rank, peer, phase);
+    wait_signal(g, kp, addr, epoch, rank, peer, phase)
+}
+
+/// `wait_signal_pre`'s test of the pre-loaded word: "`(v0 >> SIG_COUNT_BITS) == sig_tag(epoch)
+/// && (v0 & SIG_COUNT_MASK) != SIG_POISON`", this call's signal.
+pub(crate) fn preload_takes(v0: u64, epoch: u64) -> bool {
+    tag_matches(v0 >> SIG_COUNT_BITS, sig_tag(epoch)) && (v0 & SIG_COUNT_MASK) != SIG_POISON as u64
 }
 
 /// common.cuh `wait_ack`: waits until the ack word is at least `need` (u64 epochs).

@@ -8,10 +8,10 @@ pub use std::time::Duration;
 
 pub use ep_verify::gpu_protocol::{
     ack_word, batched_pack_block, batched_unpack_block, clean_mask, device_error, dispatch_block,
-    dispatch_block_in, entry_at, gone_word_thread, is_gone, mask_status, merged,
-    nccl_capacity_exchange, payload, poison_send_headers, update_mask, BlockReport, BlockShared,
-    Build, DeviceError, Entry, Group, Host, Input, Kind, Launch, PeerSet, Setup, WaitEnd,
-    WideMutant, PF_BATCH_TOKENS, PH_DISPATCH_RECV, POISON_HDR, STALE,
+    dispatch_block_in, entry_at, gone_word_thread, hook_recv_block, hook_send_block, is_gone,
+    mask_status, merged, nccl_capacity_exchange, payload, poison_send_headers, update_mask,
+    BlockReport, BlockShared, Build, DeviceError, Entry, Group, Host, Input, Kind, Launch, PeerSet,
+    Setup, WaitEnd, WideMutant, PF_BATCH_TOKENS, PH_DISPATCH_RECV, POISON_HDR, STALE,
 };
 pub use loom::thread;
 
@@ -66,7 +66,8 @@ pub fn input(call: u64, l0: usize, l1: usize) -> Input {
 /// on loom threads) over a new `BlockShared`, joined with it.
 pub fn launch(g: &'static Group, kp: Launch, input: &Input, rank: usize) -> Vec<BlockReport> {
     let wide = matches!(g.setup.build, Build::Wide { .. });
-    let block = move |input: Input, b: usize| -> Box<dyn FnOnce() -> BlockReport + Send> {
+    launch_blocks(g, rank, |b| -> Box<dyn FnOnce() -> BlockReport + Send> {
+        let input = input.clone();
         if !wide {
             return Box::new(move || dispatch_block(g, &kp, &input, rank, b));
         }
@@ -82,29 +83,64 @@ pub fn launch(g: &'static Group, kp: Launch, input: &Input, rank: usize) -> Vec<
             }
             rep
         })
-    };
+    })
+}
+
+/// One call of `rank` as the receive hook splits it over NVLink (batched dispatch, the narrow
+/// build): its send-half launch (stage 1, `hook_send_block`), then in stream order its
+/// receive-half launch (stage 2, `hook_recv_block`), each as [`launch`] runs one. Returns the
+/// send half's reports and the receive half's.
+pub fn launch_halves(
+    g: &'static Group,
+    kp: Launch,
+    input: &Input,
+    rank: usize,
+) -> (Vec<BlockReport>, Vec<BlockReport>) {
+    assert_eq!(
+        g.setup.build,
+        Build::Narrow,
+        "the split is modelled in the narrow build"
+    );
+    let send = launch_blocks(g, rank, |b| -> Box<dyn FnOnce() -> BlockReport + Send> {
+        let input = input.clone();
+        Box::new(move || hook_send_block(g, &kp, &input, rank, b))
+    });
+    let recv = launch_blocks(g, rank, |b| -> Box<dyn FnOnce() -> BlockReport + Send> {
+        Box::new(move || hook_recv_block(g, &kp, rank, b))
+    });
+    (send, recv)
+}
+
+/// Every block of one launch of `rank` (`block(b)` runs block b): blocks 1.. on loom threads,
+/// block 0 on this one; returns when every block has ended, the reports in block order.
+fn launch_blocks(
+    g: &Group,
+    rank: usize,
+    block: impl Fn(usize) -> Box<dyn FnOnce() -> BlockReport + Send>,
+) -> Vec<BlockReport> {
     let others: Vec<_> = (1..g.ranks[rank].blocks)
-        .map(|b| {
-            let run = block(input.clone(), b);
-            thread::spawn(run)
-        })
+        .map(|b| thread::spawn(block(b)))
         .collect();
-    let mut reps = vec![block(input.clone(), 0)()];
+    let mut reps = vec![block(0)()];
     reps.extend(others.into_iter().map(|t| t.join().unwrap()));
     reps
 }
 
-/// One rank's launch of one call, checked once the host knows that no wait failed.
+/// One rank's call (its launch, or the receive hook's two), checked once the host knows that
+/// no wait failed.
 pub struct Done {
     pub rank: usize,
     pub input: Input,
+    /// The launch that receives: stage 0 (the whole call), or the receive hook's receive half.
     pub reps: Vec<BlockReport>,
+    /// The receive hook's send half (stage 1, before `reps` on the stream); empty for stage 0.
+    pub send: Vec<BlockReport>,
 }
 
 /// The host's sync after every launch ended. A timeout: it names a waiting rank and call, and
-/// the group refuses what follows. Otherwise: on every rank exactly one block was the last
-/// out, every block ran the call's epoch, and every rank consumed exactly its call's entries.
-/// Returns whether the calls completed.
+/// the group refuses what follows. Otherwise: in every launch exactly one block was the last
+/// out, every block ran the call's epoch, every rank consumed exactly its call's entries, and
+/// a send half (the receive hook's stage 1) read none. Returns whether the calls completed.
 pub fn host_check(g: &Group, done: &[Done]) -> bool {
     let mut host = Host::default();
     if let Err(t) = host.sync(g) {
@@ -118,23 +154,31 @@ pub fn host_check(g: &Group, done: &[Done]) -> bool {
             rank < 2 && peer < 2 && call > g.base && call <= g.base + 2,
             "{t:?}"
         );
-        assert!(done
+        assert!(done.iter().any(|d| d
+            .reps
             .iter()
-            .any(|d| d.reps.iter().any(|r| r.failed_wait.is_some())));
+            .chain(&d.send)
+            .any(|r| r.failed_wait.is_some())));
         assert_eq!(host.check_usable(), Err(t), "the next call must be refused");
         return false;
     }
     for d in done {
         let rank = d.rank;
-        assert_eq!(
-            d.reps.iter().filter(|r| r.last_out).count(),
-            1,
-            "exactly one block of rank {rank} is the last out"
-        );
-        for r in &d.reps {
+        for reps in [&d.reps, &d.send].into_iter().filter(|r| !r.is_empty()) {
+            assert_eq!(
+                reps.iter().filter(|r| r.last_out).count(),
+                1,
+                "exactly one block of rank {rank}'s launch is the last out"
+            );
+        }
+        for r in d.reps.iter().chain(&d.send) {
             assert_eq!(r.epoch, g.base + d.input.call, "rank {rank}'s epoch");
             assert_eq!(r.failed_wait, None, "a failed wait raises the error word");
         }
+        assert!(
+            d.send.iter().all(|r| r.read.is_empty()),
+            "rank {rank}'s send half reads nothing"
+        );
         assert_eq!(
             merged(&d.reps),
             g.expected(&d.input, rank),
@@ -178,23 +222,45 @@ pub fn calls(g: &'static Group, kp: Launch, tx: Vec<Input>, rx: Vec<Input>) -> b
 
 /// The launches of [`calls`], unchecked: rank 0's first, then rank 1's.
 pub fn run_calls(g: &'static Group, kp: Launch, tx: Vec<Input>, rx: Vec<Input>) -> Vec<Done> {
+    run_calls_with(g, kp, tx, rx, run_whole)
+}
+
+/// One call of `rank` in one stage-0 launch.
+pub fn run_whole(g: &'static Group, kp: Launch, input: Input, rank: usize) -> Done {
+    Done {
+        rank,
+        reps: launch(g, kp, &input, rank),
+        send: Vec::new(),
+        input,
+    }
+}
+
+/// One call of `rank` in the receive hook's two launches.
+pub fn run_halves(g: &'static Group, kp: Launch, input: Input, rank: usize) -> Done {
+    let (send, reps) = launch_halves(g, kp, &input, rank);
+    Done {
+        rank,
+        reps,
+        send,
+        input,
+    }
+}
+
+/// Rank 0's calls on this thread and rank 1's on a loom thread, each call run by `run`
+/// ([`run_whole`], [`run_halves`]), unchecked: rank 0's first, then rank 1's.
+pub fn run_calls_with(
+    g: &'static Group,
+    kp: Launch,
+    tx: Vec<Input>,
+    rx: Vec<Input>,
+    run: fn(&'static Group, Launch, Input, usize) -> Done,
+) -> Vec<Done> {
     let rx_thread = thread::spawn(move || {
         rx.into_iter()
-            .map(|input| Done {
-                rank: 1,
-                reps: launch(g, kp, &input, 1),
-                input,
-            })
+            .map(|input| run(g, kp, input, 1))
             .collect::<Vec<_>>()
     });
-    let mut done: Vec<Done> = tx
-        .into_iter()
-        .map(|input| Done {
-            rank: 0,
-            reps: launch(g, kp, &input, 0),
-            input,
-        })
-        .collect();
+    let mut done: Vec<Done> = tx.into_iter().map(|input| run(g, kp, input, 0)).collect();
     done.extend(rx_thread.join().unwrap());
     done
 }
