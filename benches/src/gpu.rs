@@ -216,6 +216,33 @@ pub fn phase_profile(spec: &BenchSpec) -> Result<String, BenchError> {
         g.blocks_per_rank() * (cfg.num_ranks / g.num_gpus().max(1)),
         med(&empty)
     );
+    // The same empty kernel under CUPTI: the GPU duration of a launch of this grid that does
+    // nothing, the floor under every kernel figure (launch, block start and exit).
+    match crate::cupti::KernelTimer::start() {
+        Ok(timer) => {
+            let run = (0..200).try_for_each(|_| g.launch_empty()).and_then(|_| g.sync());
+            let recs = timer.finish();
+            let durs: Vec<f64> = recs
+                .map(|r| {
+                    r.iter()
+                        .filter(|k| k.name.starts_with("ep_empty"))
+                        .map(|k| k.duration_us())
+                        .collect()
+                })
+                .unwrap_or_default();
+            run.map_err(be)?;
+            let _ = writeln!(
+                s,
+                "profile R={}: empty kernel, CUPTI kernel time: median {:.2} us ({} records)",
+                cfg.num_ranks,
+                med(&durs),
+                durs.len()
+            );
+        }
+        Err(e) => {
+            let _ = writeln!(s, "profile: empty kernel's CUPTI time not measured: {e}");
+        }
+    }
     g.upload_dispatch_inputs(&w.x, &w.topk_idx).map_err(be)?;
     g.upload_combine_inputs(&y, &w.topk_weights).map_err(be)?;
     for path in [Path::PerExpert, Path::Batched] {

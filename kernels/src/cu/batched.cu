@@ -81,9 +81,19 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
     // The receive half (stage 2) of a call whose send half ran before it: thread s < R makes its
     // first acquire load of source s's signal now, beside the epoch's, so that a signal already
     // in costs no round trip after the prologue (wait_signal_pre). loom: gpu_protocol::preload_signals.
+    // Thread i < L*R also loads the row count of (l, s) = (i / R, i % R) behind its own acquire of
+    // s's signal (thread s < R: the selections s sent, too): taken below when that signal
+    // carries this call's tag (the count was stored before it), else loaded again after the wait.
     const bool presig = p.stage == 2 && tid < R && !via_nccl(p, tid) && !p.shrink;
+    const bool precnt = p.stage == 2 && tid < L * R && !via_nccl(p, tid % R) && !p.shrink;
     u64 sig0 = 0;
-    if (presig) sig0 = ld_acquire(p, sig_bat(me) + tid);
+    int pcnt = 0, psel = 0;
+    if (precnt) {
+        const int s = tid % R;
+        sig0 = ld_acquire(p, sig_bat(me) + s);
+        pcnt = ((const int*)me.bat_cnt)[s * L + tid / R];
+        if (presig) psel = ((const int*)me.bat_meta)[2 * tid + 1];
+    }
     if (tid == 0) {
         s_fail = p.refused || failed(p);  // the group failed before this block started: poison (poison.cuh)
         s_io = resolve_io(iot.r[rank - p.rank_base], me);
@@ -596,11 +606,14 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
             for (int q = 0; q < 4; q++)
                 if (u0 + q * nw < units) load_unit(u0 + q * nw, xq[q]);
             // Rows of each local expert from each source (peer-supplied: at most T each).
+            // Thread i's first count was loaded at the start when its acquire saw this call's signal.
+            const bool pre_in = precnt && sig_in(sig0, epoch);
             for (int i = tid; i < L * R; i += NTHREADS) {
                 const int s = i % R, l = i / R;
                 const int c = is_gone(gone, s) ? 0
                               : via_nccl(p, s) ? ((const int*)me.rcv_hdr)[s * HDR_WORDS(L) + 2 + l]
-                                               : ((const int*)me.bat_cnt)[s * L + l];
+                              : i == tid && pre_in ? pcnt
+                                                   : ((const int*)me.bat_cnt)[s * L + l];
                 const bool b = peer_bad(p, rank, s, PF_EXPERT_ROWS, c, T);
                 bad |= b;
                 sm.cls[i] = b ? 0 : c;
@@ -608,7 +621,9 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
             // Selections each source sent (rows combine sends back), block 0 only.
             int cc = 0;
             if (bid == 0 && tid < R && !is_gone(gone, tid)) {
-                const int c = via_nccl(p, tid) ? ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L) + 1] : ((const int*)me.bat_meta)[2 * tid + 1];
+                const int c = via_nccl(p, tid) ? ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L) + 1]
+                              : presig && pre_in         ? psel
+                                                         : ((const int*)me.bat_meta)[2 * tid + 1];
                 cc = peer_bad(p, rank, tid, PF_SELECTIONS, c, T * K) ? 0 : c;
             }
             if (__syncthreads_or(bad)) goto finish;
@@ -648,10 +663,11 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
     }
 finish:
     PROF(4);
-    bool last_out = last_block_out(p, state, KIND);
+    bool call_failed;
+    const bool last_out = last_block_out(p, state, KIND, s_fail, &call_failed);
     PROF(5);
     // A failed call leaves defined outputs (common.cuh); the pack stage leaves them to its unpack.
-    if (last_out && p.stage != 1 && (s_fail || failed(p))) fail_dispatch_outputs(p, io, me);
+    if (last_out && p.stage != 1 && call_failed) fail_dispatch_outputs(p, io, me);
     if (last_out) PROF(13);  // the last block out: the failure check done
     // The pack stage (1) leaves the epoch for its unpack stage (2). NCCL peers need no ack: the
     // stream orders this call's unpack before the next call's send/recv into the same buffers.
@@ -890,10 +906,11 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(K
     }
 finish:
     PROF(4);
-    bool last_out = last_block_out(p, state, KIND);
+    bool call_failed;
+    const bool last_out = last_block_out(p, state, KIND, s_fail, &call_failed);
     PROF(5);
     // A failed call leaves defined outputs (common.cuh); the pack stage leaves them to its unpack.
-    if (last_out && p.stage != 1 && (s_fail || failed(p))) fail_combine_outputs(p, io, n);
+    if (last_out && p.stage != 1 && call_failed) fail_combine_outputs(p, io, n);
     if (last_out) PROF(13);  // the last block out: the failure check done
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {

@@ -382,8 +382,10 @@ __device__ long long wait_signal(const KParams& p, const u64* addr, u64 epoch, i
 // every later load of this thread after it, as in wait_signal); else the wait as ever. A stale
 // word (an earlier call's tag) or the poison go to wait_signal, which loads the word again.
 // loom model: gpu_protocol::preload_signals (mutant gpu_preload_relaxed).
+// Does signal word v carry call `epoch`'s tag and a count (not the poison)?
+__device__ __forceinline__ bool sig_in(u64 v, u64 epoch) { return (v >> SIG_COUNT_BITS) == sig_tag(epoch) && (v & SIG_COUNT_MASK) != SIG_POISON; }
 __device__ __forceinline__ long long wait_signal_pre(const KParams& p, const u64* addr, u64 v0, u64 epoch, int rank, int peer, int phase) {
-    if ((v0 >> SIG_COUNT_BITS) == sig_tag(epoch) && (v0 & SIG_COUNT_MASK) != SIG_POISON) return (long long)(v0 & SIG_COUNT_MASK);
+    if (sig_in(v0, epoch)) return (long long)(v0 & SIG_COUNT_MASK);
     return wait_signal(p, addr, epoch, rank, peer, phase);
 }
 // Waits until an acknowledgement word is at least `need` (the peer has consumed call need).
@@ -526,28 +528,37 @@ __device__ __forceinline__ int read_ntok(const KParams& p, const IoPtrs& io, int
 
 // The end of a kernel for one rank: the last block to leave publishes the epoch, resets the
 // counters and acknowledges to every peer that this rank has consumed the call's data.
-// `ack` points to the ack array index base in each peer: ack_of(peer)[rank].
+// Every block also brings into the exit counter whether it saw the group failed (`fail_start`:
+// s_fail, the error word at its start; or the error word at its end, loaded by thread 0 before
+// its fence, so that the load overlaps the drain of the block's stores): bit 16 and up count
+// those blocks, so the last block out knows whether any block of this rank saw the call fail
+// (*call_failed) without loading the error word once more after the count. An error recorded
+// after every block of the rank had checked did not stop this rank's call: its outputs are whole.
 // loom model: gpu_protocol::last_block_out; covered by loom_gpu_protocol.rs
 // batched_one_sender_two_receivers (mutants gpu_exit_release, gpu_exit_acquire).
-__device__ __forceinline__ bool last_block_out(const KParams& p, u32* state, int kind) {
-    __shared__ int s_last;
+#define EXIT_FAILED (1u << 16)
+__device__ __forceinline__ bool last_block_out(const KParams& p, u32* state, int kind, bool fail_start, bool* call_failed) {
+    __shared__ int s_last, s_failed;
     __syncthreads();
     if (threadIdx.x == 0) {
+        const bool f = fail_start || failed(p);
         fence_rel(p);
-        u32 old = atomicAdd(state + ST_EXIT + kind, 1u);
-        s_last = (old == (u32)p.blocks_per_rank - 1u);
+        const u32 old = atomicAdd(state + ST_EXIT + kind, f ? 1u + EXIT_FAILED : 1u);
+        s_last = ((old & (EXIT_FAILED - 1u)) == (u32)p.blocks_per_rank - 1u);
+        s_failed = f || old >= EXIT_FAILED;
         if (s_last) {
             state[ST_EXIT + kind] = 0u;
             fence_rel(p);
         }
     }
     __syncthreads();
+    *call_failed = s_failed != 0;
     return s_last != 0;
 }
 
 // The outputs of a call that failed (docs/contract.md, "A failed call"), written by the last
-// block of a rank to leave when the device's error word is set (an error of this rank, or of
-// another whose failure stopped this rank's waits): nothing of an earlier call passes for this
+// block of a rank to leave when a block of the rank saw the device's error word set (an error of
+// this rank, or of another whose failure stopped this rank's waits: last_block_out): nothing of an earlier call passes for this
 // call's. Dispatch: every count and (begin, count) pair 0, so no row is presented as received.
 // Combine: every element of the n output rows NaN (bf16 0x7FFF), which no weighted sum of the
 // contract produces from finite inputs without being flagged by any check the caller makes.

@@ -288,10 +288,11 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::dispat
     }
 finish:
     PROF(4);
-    bool last_out = last_block_out(p, state, KIND);
+    bool call_failed;
+    const bool last_out = last_block_out(p, state, KIND, s_fail, &call_failed);
     PROF(5);
     // A failed call leaves defined outputs (common.cuh); the pack stage leaves them to its unpack.
-    if (last_out && p.stage != 1 && (s_fail || failed(p))) fail_dispatch_outputs(p, io, me);
+    if (last_out && p.stage != 1 && call_failed) fail_dispatch_outputs(p, io, me);
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
             // loom: gpu_protocol::finish (the ack), model per_expert_consecutive_calls; shrink_* (no ack to a masked peer).
@@ -443,10 +444,11 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::combin
     }
 finish:
     PROF(4);
-    bool last_out = last_block_out(p, state, KIND);
+    bool call_failed;
+    const bool last_out = last_block_out(p, state, KIND, s_fail, &call_failed);
     PROF(5);
     // A failed call leaves defined outputs (common.cuh); the pack stage leaves them to its unpack.
-    if (last_out && p.stage != 1 && (s_fail || failed(p))) fail_combine_outputs(p, io, n);
+    if (last_out && p.stage != 1 && call_failed) fail_combine_outputs(p, io, n);
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
             // loom: not modelled itself; the same ack as per-expert dispatch (model per_expert_consecutive_calls).
