@@ -19,9 +19,18 @@
 // The kernels are C++ functions in a namespace, as DeepEP's are: profilers show them as
 // `ep_batched::dispatch` and `ep_batched::combine`, the names DeepEP's test (tests/utils.py bench_kineto)
 // and engines' traces look for. compile.rs loads them by their mangled symbols.
+// Each operation is three kernels of one body (a template over the stage, p.stage's value, so
+// that each holds only its stage's code): the whole call (stage 0), the send half (stage 1:
+// the receive hook's send, NCCL's pack) and the receive half (stage 2: the hook's receive,
+// NCCL's unpack). The halves' names contain the operation's, as DeepEP's test matches them.
+// The host launches the kernel of p.stage (runtime/launch.rs), so the two always agree.
 namespace ep_batched {
 __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) dispatch(KParams p, IoTable iot);
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) dispatch_send(KParams p, IoTable iot);
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) dispatch_recv(KParams p, IoTable iot);
 __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) combine(KParams p, IoTable iot);
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) combine_send(KParams p, IoTable iot);
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) combine_recv(KParams p, IoTable iot);
 }  // namespace ep_batched
 
 #define KIND KIND_BAT_DISPATCH
@@ -56,7 +65,8 @@ __device__ __forceinline__ void store_entry(const KParams& p, const RankPtrs* ta
     }
 }
 
-__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(KParams p, IoTable iot) {
+template <int STAGE>
+__device__ __forceinline__ void dispatch_stage(const KParams& p, const IoTable& iot) {
     extern __shared__ int smem_raw[];
     const RankPtrs* tab = (const RankPtrs*)p.table;
     const int bid = blockIdx.x % p.blocks_per_rank;
@@ -75,7 +85,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
     // first load is issued here, so that its latency overlaps the prologue and the routing loads.
     // loom: gpu_protocol::preload_acks, model batched_consecutive_calls.
     const int ackd = tid - 32;
-    const bool acker = ackd >= 0 && ackd < R && p.stage != 2 && !via_nccl(p, ackd);
+    const bool acker = ackd >= 0 && ackd < R && STAGE != 2 && !via_nccl(p, ackd);
     u64 ack0 = 0;
     if (acker) ack0 = ld_acquire(p, sig_bat_ack(me, R) + ackd);
     // The receive half (stage 2) of a call whose send half ran before it: thread s < R makes its
@@ -84,8 +94,8 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
     // Thread i < L*R also loads the row count of (l, s) = (i / R, i % R) behind its own acquire of
     // s's signal (thread s < R: the selections s sent, too): taken below when that signal
     // carries this call's tag (the count was stored before it), else loaded again after the wait.
-    const bool presig = p.stage == 2 && tid < R && !via_nccl(p, tid) && !p.shrink;
-    const bool precnt = p.stage == 2 && tid < L * R && !via_nccl(p, tid % R) && !p.shrink;
+    const bool presig = STAGE == 2 && tid < R && !via_nccl(p, tid) && !p.shrink;
+    const bool precnt = STAGE == 2 && tid < L * R && !via_nccl(p, tid % R) && !p.shrink;
     u64 sig0 = 0;
     int pcnt = 0, psel = 0;
     if (precnt) {
@@ -100,11 +110,11 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
         s_epoch = ld_epoch(state, KIND) + 1ull;
         s_bad = 0;
         // The receive half reads no routing: its send half checked the count and the routing.
-        s_n = p.stage == 2 ? 0 : read_ntok(p, s_io, rank, &s_bad);
+        s_n = STAGE == 2 ? 0 : read_ntok(p, s_io, rank, &s_bad);
         GONE_INIT();
     }
     // The per-token and per-expert tallies start at zero (their whole extent: n is not known yet).
-    if (p.stage != 2) {
+    if (STAGE != 2) {
         for (int i = tid; i < E * W; i += NTHREADS) sm.bm[i] = 0;
 #if !WIDE
         for (int i = tid; i < T * R; i += NTHREADS) sm.tokpos[i] = 0;
@@ -126,10 +136,10 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
 #if WIDE
     const bool direct = false;  // R > 32
 #else
-    const bool direct = R == 1 && p.stage == 0 && p.nccl_mask[0] == 0u;
+    const bool direct = R == 1 && STAGE == 0 && p.nccl_mask[0] == 0u;
 #endif
     Seg pre = {};
-    if (p.stage != 2 && u_first < n * segs) pre = seg_fetch(p, (const u16*)io.x + (u64)(u_first / segs) * p.H, (u_first % segs) * 512);
+    if (STAGE != 2 && u_first < n * segs) pre = seg_fetch(p, (const u16*)io.x + (u64)(u_first / segs) * p.H, (u_first % segs) * 512);
     // Routing, checked (topk_idx may come from the caller's device memory): an index outside
     // [-1, E) is reported (ERR_EXPERT_RANGE) and read as -1, so nothing indexes with it. Each
     // selection also counts itself: per token, selections bound for each destination; per
@@ -137,7 +147,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
     int bad = 0;
     // The receive half (stage 2) skips the routing set-up: it reads only the counts and the
     // batches its sources sent (a failed group: nothing; poison_peers sends nothing in stage 2).
-    if (p.stage == 2) {
+    if (STAGE == 2) {
         if (s_fail) goto finish;
     } else {
     {
@@ -287,13 +297,13 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
             wbad = !wait_ack(p, sig_bat_ack(me, R) + ackd, epoch - 1ull, epoch, rank, ackd, PH_DISPATCH_SEND);
         if (__syncthreads_or(wbad) || in_bad) goto finish;
     }
-    }  // p.stage != 2
+    }  // STAGE != 2
     // Masked, or lost at the acknowledgement: nothing is sent there (agreed by every block).
     GONE_SNAPSHOT(gone);
     PROF(1);
     // The device API's routing and token count, kept for this call's combine (its handle): sk
     // holds the checked indices, equal to topk_idx's values.
-    if (bid == 0 && p.stage != 2 && io.topk != me.topk) {
+    if (bid == 0 && STAGE != 2 && io.topk != me.topk) {
         for (int i = tid; i < n * K; i += NTHREADS) ((i64*)me.topk)[i] = (i64)sm.sk[i];
         if (tid == 0) ((int*)me.meta)[0] = n;
     }
@@ -354,7 +364,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
             if (tid == 0) ((int*)me.comb_cnt)[0] = sm.tot[1];
         }
     }
-    if (p.stage != 2 && !direct) {
+    if (STAGE != 2 && !direct) {
         // ---- send: units (token, 512-channel segment) over all warps of this rank
         const int stride = p.blocks_per_rank * NWARPS;
         Seg nxt = pre;
@@ -464,7 +474,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
             }
         }
     }
-    if (p.stage != 1 && !direct) {
+    if (STAGE != 1 && !direct) {
         // ---- receive: every source's batch, expanded in parallel into the canonical rows
         // (NCCL sources: the batch and its header arrived before this launch, in stream order)
         bad = 0;
@@ -649,7 +659,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(
                 }
             }
             __syncthreads();
-            if (p.stage == 2) PROF(6);  // the receive half: row counts and places known
+            if (STAGE == 2) PROF(6);  // the receive half: row counts and places known
             while (u0 < units) {
 #pragma unroll
                 for (int q = 0; q < 4; q++)
@@ -667,11 +677,11 @@ finish:
     const bool last_out = last_block_out(p, state, KIND, s_fail, &call_failed);
     PROF(5);
     // A failed call leaves defined outputs (common.cuh); the pack stage leaves them to its unpack.
-    if (last_out && p.stage != 1 && call_failed) fail_dispatch_outputs(p, io, me);
+    if (last_out && STAGE != 1 && call_failed) fail_dispatch_outputs(p, io, me);
     if (last_out) PROF(13);  // the last block out: the failure check done
     // The pack stage (1) leaves the epoch for its unpack stage (2). NCCL peers need no ack: the
     // stream orders this call's unpack before the next call's send/recv into the same buffers.
-    if (last_out && p.stage != 1) {
+    if (last_out && STAGE != 1) {
         if (threadIdx.x == 0) {
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
             MASKED_AT_END();  // shrink: no ack to a masked peer
@@ -683,10 +693,14 @@ finish:
     if (last_out) PROF(12);  // the last block out: epoch and acks stored
 }
 #undef KIND
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(KParams p, IoTable iot) { dispatch_stage<0>(p, iot); }
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch_send(KParams p, IoTable iot) { dispatch_stage<1>(p, iot); }
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch_recv(KParams p, IoTable iot) { dispatch_stage<2>(p, iot); }
 
 #define KIND KIND_BAT_COMBINE
 #define SEGB 2048
-__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(KParams p, IoTable iot) {
+template <int STAGE>
+__device__ __forceinline__ void combine_stage(const KParams& p, const IoTable& iot) {
     extern __shared__ int smem_raw[];
     const RankPtrs* tab = (const RankPtrs*)p.table;
     const int bid = blockIdx.x % p.blocks_per_rank;
@@ -716,12 +730,12 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(K
     // Thread 32 + s waits for source s's acknowledgement of the previous call; its first load is
     // issued here, to overlap the prologue.
     const int ackd = tid - 32;
-    const bool acker = ackd >= 0 && ackd < R && p.stage != 2 && !via_nccl(p, ackd);
+    const bool acker = ackd >= 0 && ackd < R && STAGE != 2 && !via_nccl(p, ackd);
     u64 ack0 = 0;
     if (acker) ack0 = ld_acquire(p, sig_cb_ack(me, R) + ackd);
     // The receive half (stage 2): thread s < R's first acquire load of owner s's signal, now
     // (as in dispatch). loom: gpu_protocol::preload_signals.
-    const bool presig = p.stage == 2 && tid < R && !via_nccl(p, tid) && !p.shrink;
+    const bool presig = STAGE == 2 && tid < R && !via_nccl(p, tid) && !p.shrink;
     u64 sig0 = 0;
     if (presig) sig0 = ld_acquire(p, sig_cb(me, R) + tid);
     // The routing and the batch positions of this thread's first two selections: the group's own
@@ -729,7 +743,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(K
     // n*K are never used). The send half (stage 1) reduces nothing and needs neither.
     const i64* topk = (const i64*)me.topk;
     const int* cpos = (const int*)me.comb_pos;
-    const int TKi = p.stage == 1 ? 0 : T * K;
+    const int TKi = STAGE == 1 ? 0 : T * K;
     const i64 pv0 = tid < TKi ? topk[tid] : -1;
     const int pp0 = tid < TKi ? cpos[tid] : -1;
     const i64 pv1 = tid + NTHREADS < TKi ? topk[tid + NTHREADS] : -1;
@@ -769,7 +783,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(K
             sm.sdl[i] = dl;
             sm.rowp[i] = a;
         };
-        for (int i0 = tid; i0 < (p.stage == 1 ? 0 : n * K); i0 += 2 * NTHREADS) {
+        for (int i0 = tid; i0 < (STAGE == 1 ? 0 : n * K); i0 += 2 * NTHREADS) {
             const int i1 = i0 + NTHREADS;
             const bool two = i1 < n * K;
             const bool first = i0 == tid;
@@ -817,7 +831,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(K
         auto skip = [&](int s) { return local(s) || is_gone(gone, s); };
         int total = 0;
         for (int s = 0; s < R; s++) total += skip(s) ? 0 : sm.tot[s];
-        if (p.stage == 2) total = 0;  // unpack stage: the rows went out in the pack stage
+        if (STAGE == 2) total = 0;  // unpack stage: the rows went out in the pack stage
         const int nw = p.blocks_per_rank * NWARPS;
         const int lane = tid & 31;
         if ((rowb & 15) == 0) {
@@ -864,7 +878,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(K
         }
         __syncthreads();
         PROF(2);
-        if (tid == 0 && !all_local && p.stage != 2) {
+        if (tid == 0 && !all_local && STAGE != 2) {
             fence_rel(p);
             // loom: not modelled itself; the same counter + signal as batched dispatch (model
             // batched_two_senders_one_receiver).
@@ -877,7 +891,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(K
                         if (!via_nccl(p, s) && !is_gone(gone, s)) st_release(p, sig_cb(tab[s], R) + rank, signal_word(epoch, (u32)sm.tot[s]));
             }
         }
-        if (p.stage == 1) goto finish;  // pack stage: the reduction runs after the NCCL exchange
+        if (STAGE == 1) goto finish;  // pack stage: the reduction runs after the NCCL exchange
         // ---- receive: every owner's batch, then the reduction in k order
         bad = 0;
         for (int d = tid; d < R && !all_local; d += NTHREADS) {
@@ -910,9 +924,9 @@ finish:
     const bool last_out = last_block_out(p, state, KIND, s_fail, &call_failed);
     PROF(5);
     // A failed call leaves defined outputs (common.cuh); the pack stage leaves them to its unpack.
-    if (last_out && p.stage != 1 && call_failed) fail_combine_outputs(p, io, n);
+    if (last_out && STAGE != 1 && call_failed) fail_combine_outputs(p, io, n);
     if (last_out) PROF(13);  // the last block out: the failure check done
-    if (last_out && p.stage != 1) {
+    if (last_out && STAGE != 1) {
         if (threadIdx.x == 0) {
             ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
             MASKED_AT_END();  // shrink: no ack to a masked peer
@@ -925,3 +939,6 @@ finish:
 }
 #undef KIND
 #undef SEGB
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(KParams p, IoTable iot) { combine_stage<0>(p, iot); }
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine_send(KParams p, IoTable iot) { combine_stage<1>(p, iot); }
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine_recv(KParams p, IoTable iot) { combine_stage<2>(p, iot); }
