@@ -202,7 +202,7 @@ pub fn verify_masked(
     let w: Vec<Vec<f32>> = data.iter().map(|d| d.topk_weights.clone()).collect();
     let ranks: Vec<usize> = (0..cfg.num_ranks).filter(|&r| masked[r]).collect();
     let mask = RankMask::from_ranks(cfg.num_ranks, &ranks).map_err(|e| format!("mask: {e}"))?;
-    let inputs = rank_inputs(&data);
+    let inputs = rank_inputs(data);
     let want = oracle::dispatch_masked(&cfg, &inputs, &mask).map_err(|e| format!("oracle: {e}"))?;
     let cin: Vec<CombineInput> = data
         .iter()
