@@ -40,6 +40,13 @@ fn every_kernel_compiles() {
                 k.symbol,
                 k.name
             );
+            // The kernel's machine code, in bytes (its `.text.<symbol>` section): every SM
+            // fetches what a launch executes into a cold instruction cache, so code size is a
+            // cost of its own (the phase profile's receive halves, BENCHMARKS.md run 16).
+            let bytes = text_bytes(&c.cubin, k.symbol)
+                .unwrap_or_else(|| panic!("{}: no .text section for {}", f.name, k.symbol));
+            assert!(bytes > 0, "{}: {} has no code", f.name, k.symbol);
+            println!("code size: {} {bytes} bytes of SASS", k.name);
         }
         assert!(
             !c.log.contains("bytes spill stores")
@@ -174,4 +181,40 @@ fn disk_cache_compiles_stores_and_loads() {
         FAMILIES.len(),
         warm * 1e3
     );
+}
+
+/// The size of section `.text.<symbol>` of an ELF64 little-endian image (a CUBIN), or None
+/// when the image is not one or has no such section. Every offset is checked against the image.
+fn text_bytes(elf: &[u8], symbol: &str) -> Option<u64> {
+    let u16_at = |o: usize| -> Option<u64> {
+        Some(u16::from_le_bytes(elf.get(o..o.checked_add(2)?)?.try_into().ok()?) as u64)
+    };
+    let u32_at = |o: usize| -> Option<u64> {
+        Some(u32::from_le_bytes(elf.get(o..o.checked_add(4)?)?.try_into().ok()?) as u64)
+    };
+    let u64_at = |o: usize| -> Option<u64> {
+        Some(u64::from_le_bytes(elf.get(o..o.checked_add(8)?)?.try_into().ok()?))
+    };
+    // ELF64: e_ident[EI_CLASS] = 2 (64-bit), [EI_DATA] = 1 (little-endian).
+    if elf.get(..4)? != b"\x7fELF" || *elf.get(4)? != 2 || *elf.get(5)? != 1 {
+        return None;
+    }
+    let shoff = usize::try_from(u64_at(0x28)?).ok()?;
+    let shentsize = usize::try_from(u16_at(0x3A)?).ok()?;
+    let shnum = usize::try_from(u16_at(0x3C)?).ok()?;
+    let shstrndx = usize::try_from(u16_at(0x3E)?).ok()?;
+    let sh = |i: usize| shoff.checked_add(i.checked_mul(shentsize)?);
+    // Section header: sh_name u32 at 0, sh_offset u64 at 0x18, sh_size u64 at 0x20.
+    let strtab = usize::try_from(u64_at(sh(shstrndx)?.checked_add(0x18)?)?).ok()?;
+    let want = format!(".text.{symbol}");
+    for i in 0..shnum {
+        let h = sh(i)?;
+        let name_at = strtab.checked_add(usize::try_from(u32_at(h)?).ok()?)?;
+        let rest = elf.get(name_at..)?;
+        let name = &rest[..rest.iter().position(|&b| b == 0)?];
+        if name == want.as_bytes() {
+            return u64_at(h.checked_add(0x20)?);
+        }
+    }
+    None
 }
