@@ -34,7 +34,9 @@
 //!   match "`(v >> SIG_COUNT_BITS) == tag`"): the previous call's signal, whose tag is now the
 //!   larger, is never taken.
 //! - `batched_one_sender_two_receivers`: `last_block_out`'s exit counter, which must carry every
-//!   receiving block's reads into the last block's ack (common.cuh `last_block_out`).
+//!   receiving block's reads into the last block's ack (common.cuh `last_block_out`), and a
+//!   block's failure (a wait that ran out: "`f ? 1u + EXIT_FAILED : 1u`") into the last
+//!   block's `call_failed` (mutant `gpu_exit_no_fail_flag`).
 //! - `per_expert_two_senders_one_receiver`: the per-expert signal of each (expert, source) and
 //!   the epoch-stamped messages (per-expert dispatch's `fence_rel(p)` then "`st_release(p,
 //!   sig_pe(tab[d], R) + (u64)l * R + rank, ...)`", its `wait_signal`, and the header match
@@ -42,7 +44,10 @@
 //! - `fault_timeout_stops_every_waiter`, `slow_sender_timeout_refused_or_correct`: the bounded
 //!   waits, the error word (common.cuh `report_error`, `failed`) and the host's refusal after a
 //!   timeout (runtime/launch.rs `GpuGroup::sync`, errors.rs `GpuGroup::check`, runtime/mod.rs
-//!   `check_usable`).
+//!   `check_usable`); `fault_timeout_stops_every_waiter` also the exit count's `EXIT_FAILED`:
+//!   a block whose own report lost the claim may not see the error word at its end, and if it
+//!   is the last out it learns of the failure from the other block's flag only (mutant
+//!   `gpu_exit_no_fail_flag`).
 //! - `bad_input_sender_peer_*`, `bad_input_receiver_then_enqueued_call`: the device-side input
 //!   check (`in_bad`: batched "`__syncthreads_or(bad) | s_bad`", then "`if
 //!   (__syncthreads_or(wbad) || in_bad) goto finish;`"): the bad rank skips its waits and sends,

@@ -116,13 +116,16 @@ pub(crate) fn sender_wait_acks(
 }
 
 /// common.cuh `last_block_out`'s add, "`f ? 1u + EXIT_FAILED : 1u`": one block out, and bit
-/// 16 up one more if the block saw the group failed.
+/// 16 up one more if the block saw the group failed (mutant `gpu_exit_no_fail_flag`: always
+/// `1u`, so that no block brings its flag and the last block out knows only its own).
 fn exit_add(f: bool) -> u64 {
-    if f {
-        1 + EXIT_FAILED
-    } else {
+    #[cfg(not(ep_mutant = "gpu_exit_no_fail_flag"))]
+    return if f { 1 + EXIT_FAILED } else { 1 };
+    #[cfg(ep_mutant = "gpu_exit_no_fail_flag")]
+    return {
+        let _ = f;
         1
-    }
+    };
 }
 
 /// Role: the end of every block (common.cuh `last_block_out`, thread 0 after the block's

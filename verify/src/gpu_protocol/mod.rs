@@ -133,6 +133,12 @@
 //! `shrink_masked_peer_signals_ignored`: a masked peer's entries are read) and
 //! `gpu_clean_keeps_signals` (the clean leaves the signal and ack words; `shrink_unmask_with_clean`:
 //! a call-1 signal is taken for call 2's, a causality violation).
+//! `gpu_exit_no_fail_flag` is not an ordering either: `last_block_out` adds `1u` whatever the
+//! block saw, so no block brings its failure into the exit count and the last block out knows
+//! only its own look at the error word; `fault_timeout_stops_every_waiter` must see a last
+//! block out that misses the other block's failed wait (an assertion of the tests' `check_exit`;
+//! `batched_one_sender_two_receivers` and `batched_two_senders_one_receiver_two_calls` see it
+//! too).
 //!
 //! # What the model found in the kernels
 //! Checked against the kernels after the device-API change (u64 epochs, tagged signals, input
