@@ -10,7 +10,12 @@
 //! the interleavings where a wait runs out as well, and the models check the contract the host
 //! sees: either the host's sync reports the timeout (and the group refuses later calls), or
 //! every rank consumed exactly its call's entries. Each model also checks that some interleaving
-//! completed without a timeout, so a bound too tight to let anything finish cannot pass.
+//! completed without a timeout, so a bound too tight to let anything finish cannot pass. And in
+//! every interleaving, failed or not, each launch's end (`check_exit`): one block is the last
+//! out, and when some block saw the call fail (its `s_fail`, bad input, poison or a failed
+//! wait), the last block out knows it from the exit count (`call_failed`) and writes the failed
+//! call's outputs (common.cuh `last_block_out`, "`if (last_out && p.stage != 1 &&
+//! call_failed)`").
 //! (Unbounded spins are not an option: with two blocks waiting for a third, loom would explore
 //! the two yielding to each other for ever.)
 //!
@@ -29,7 +34,9 @@
 //!   match "`(v >> SIG_COUNT_BITS) == tag`"): the previous call's signal, whose tag is now the
 //!   larger, is never taken.
 //! - `batched_one_sender_two_receivers`: `last_block_out`'s exit counter, which must carry every
-//!   receiving block's reads into the last block's ack (common.cuh `last_block_out`).
+//!   receiving block's reads into the last block's ack (common.cuh `last_block_out`), and a
+//!   block's failure (a wait that ran out: "`f ? 1u + EXIT_FAILED : 1u`") into the last
+//!   block's `call_failed` (mutant `gpu_exit_no_fail_flag`).
 //! - `per_expert_two_senders_one_receiver`: the per-expert signal of each (expert, source) and
 //!   the epoch-stamped messages (per-expert dispatch's `fence_rel(p)` then "`st_release(p,
 //!   sig_pe(tab[d], R) + (u64)l * R + rank, ...)`", its `wait_signal`, and the header match
@@ -37,7 +44,10 @@
 //! - `fault_timeout_stops_every_waiter`, `slow_sender_timeout_refused_or_correct`: the bounded
 //!   waits, the error word (common.cuh `report_error`, `failed`) and the host's refusal after a
 //!   timeout (runtime/launch.rs `GpuGroup::sync`, errors.rs `GpuGroup::check`, runtime/mod.rs
-//!   `check_usable`).
+//!   `check_usable`); `fault_timeout_stops_every_waiter` also the exit count's `EXIT_FAILED`:
+//!   a block whose own report lost the claim may not see the error word at its end, and if it
+//!   is the last out it learns of the failure from the other block's flag only (mutant
+//!   `gpu_exit_no_fail_flag`).
 //! - `bad_input_sender_peer_*`, `bad_input_receiver_then_enqueued_call`: the device-side input
 //!   check (`in_bad`: batched "`__syncthreads_or(bad) | s_bad`", then "`if
 //!   (__syncthreads_or(wbad) || in_bad) goto finish;`"): the bad rank skips its waits and sends,
@@ -271,7 +281,7 @@ fn fault_timeout_stops_every_waiter() {
             .collect();
         let b0 = dispatch_block(g, &kp, &c1, 1, 0);
         let reps: Vec<BlockReport> = blocks.into_iter().map(|t| t.join().unwrap()).collect();
-        let rx = [&b0, &reps[1]];
+        let rx = [b0, reps[1].clone()];
         // A block that starts after the other's report is a failed group's block: poisoned at
         // its start, with no wait of its own.
         assert!(rx
@@ -281,7 +291,9 @@ fn fault_timeout_stops_every_waiter() {
         if rx.iter().any(|r| r.failed_wait == Some(WaitEnd::SawError)) {
             seen.store(true, StdOrdering::Relaxed);
         }
-        assert_eq!(rx.iter().filter(|r| r.last_out).count(), 1);
+        // Both blocks saw the call fail: the last one out knows, whichever it is.
+        check_exit(0, &reps[..1], true);
+        check_exit(1, &rx, true);
         let mut host = Host::default();
         let want = DeviceError::Timeout {
             rank: 1,
@@ -364,6 +376,8 @@ fn bad_input_sender(same_device: bool) {
         };
         let rx = dispatch_block(g, &kp, &c1, 1, 0);
         let tx = tx.join().unwrap();
+        check_exit(0, std::slice::from_ref(&tx), true);
+        check_exit(1, std::slice::from_ref(&rx), true);
         assert!(tx.bad_input && tx.poisoned && tx.last_out && tx.epoch == 1);
         assert!(tx.failed_wait.is_none());
         assert!(rx.read.is_empty() && rx.last_out && !rx.bad_input);
@@ -428,6 +442,9 @@ fn bad_input_receiver_then_enqueued_call() {
         let rx1 = dispatch_block(g, &bad, &c[0], 1, 0);
         let rx2 = dispatch_block(g, &kp, &c[1], 1, 0);
         let (tx1, tx2) = tx.join().unwrap();
+        for (rank, r) in [(0, &tx1), (0, &tx2), (1, &rx1), (1, &rx2)] {
+            check_exit(rank, std::slice::from_ref(r), true);
+        }
         assert!(rx1.bad_input && rx1.read.is_empty() && rx1.last_out);
         for r in [&tx1, &tx2] {
             assert_eq!(r.failed_wait, None, "rank 0 only waits for rank 1's acks");
@@ -469,7 +486,8 @@ fn every_block(
 
 /// One batched dispatch over NCCL in capacity mode (launch.rs `nccl_call`): the host poisons
 /// every rank's send headers, the pack launches run, the grouped exchange, the unpack launches.
-/// Returns the pack and the unpack reports per rank.
+/// Returns the pack and the unpack reports per rank, each launch's end checked
+/// ([`check_exit`]: the pack stage writes no outputs).
 fn capacity_call(
     g: &'static Group,
     kp: Launch,
@@ -484,6 +502,10 @@ fn capacity_call(
     };
     nccl_capacity_exchange(g);
     let unpacks = every_block(g, move |r, b| batched_unpack_block(g, &kp, r, b));
+    for (r, (pack, unpack)) in packs.iter().zip(&unpacks).enumerate() {
+        check_exit(r, pack, false);
+        check_exit(r, unpack, true);
+    }
     (packs, unpacks)
 }
 
@@ -592,6 +614,9 @@ fn failed_rank_poisons(kind: Kind) {
         });
         let rx: Vec<Vec<BlockReport>> = (1..=2).map(|c| launch(g, kp, &call(c), 1)).collect();
         let tx = tx.join().unwrap();
+        for (rank, reps) in tx.iter().map(|r| (0, r)).chain(rx.iter().map(|r| (1, r))) {
+            check_exit(rank, reps, true);
+        }
         for reps in tx.iter().chain(&rx) {
             for r in reps {
                 let stale: Vec<_> = r.read.iter().filter(|e| e.payload & STALE != 0).collect();

@@ -38,8 +38,9 @@ fn shrink(kp: Launch) -> Launch {
     Launch { shrink: true, ..kp }
 }
 
-/// The host's sync after every launch ended, in shrink mode. A peer lost at the timeout's edge
-/// is no error: the sync finds nothing, unless a block's wait again (its own wait ran out while
+/// The host's sync after every launch ended, in shrink mode. First every launch's end
+/// (`check_exit`: one block last out, which knows whether a block saw the call fail). A peer
+/// lost at the timeout's edge is no error: the sync finds nothing, unless a block's wait again (its own wait ran out while
 /// "arrived" was agreed) ran out too, which reports a timeout, and then the group refuses what
 /// follows. Otherwise, on every rank: one block last out, the call's epoch (`before_clean`: the
 /// calls made before the last `clean_mask`), no failed wait; every block left out the same
@@ -47,6 +48,9 @@ fn shrink(kp: Launch) -> Launch {
 /// peer left out was read, and the rank consumed exactly its call's entries from the others.
 /// Returns whether the calls completed.
 fn shrink_check(g: &Group, done: &[Done], before_clean: u64) -> bool {
+    for d in done {
+        check_exit(d.rank, &d.reps, true);
+    }
     let mut host = Host::default();
     if let Err(t) = host.sync(g) {
         assert!(matches!(t, DeviceError::Timeout { .. }), "{t:?}");

@@ -1,7 +1,8 @@
 //! The roles every dispatch block runs around its sends and receives, in both kernels and
 //! every stage: its epoch at the start, the device-side input check, the sender's ack waits
-//! (with batched dispatch's pre-load of the acks), and at the end `last_block_out` and `finish`,
-//! which publish the epoch and the acks.
+//! (with batched dispatch's pre-load of the acks), and at the end `last_block_out` (the exit
+//! count, which carries whether any block saw the call fail) and `finish`, which writes a
+//! failed call's outputs and publishes the epoch and the acks.
 
 use crate::gpu_protocol::gone::Gone;
 use crate::gpu_protocol::orderings::{
@@ -10,8 +11,8 @@ use crate::gpu_protocol::orderings::{
 use crate::gpu_protocol::peers::{is_gone, Build, PeerSet};
 use crate::gpu_protocol::shrink::{masked_peers, peer_masked, wait_peer_ack, Peer};
 use crate::gpu_protocol::state::{BlockReport, Group, Launch, Rank, WaitEnd};
-use crate::gpu_protocol::waits::{report_error, wait_ack};
-use crate::gpu_protocol::words::{ERR_EXPERT_RANGE, PH_DISPATCH_SEND};
+use crate::gpu_protocol::waits::{failed, report_error, wait_ack};
+use crate::gpu_protocol::words::{ERR_EXPERT_RANGE, EXIT_FAILED, PH_DISPATCH_SEND};
 
 /// Role: the start of every block (thread 0: "`s_epoch = ld_epoch(state, KIND) + 1ull`"): this call's epoch.
 pub(crate) fn block_epoch(me: &Rank) -> u64 {
@@ -114,21 +115,44 @@ pub(crate) fn sender_wait_acks(
     bad
 }
 
-/// Role: the end of every block (common.cuh `last_block_out`); returns whether this
-/// block is the last one out.
-fn last_block_out(me: &Rank) -> bool {
-    // __syncthreads(); if (threadIdx.x == 0) { fence_rel(p);
+/// common.cuh `last_block_out`'s add, "`f ? 1u + EXIT_FAILED : 1u`": one block out, and bit
+/// 16 up one more if the block saw the group failed (mutant `gpu_exit_no_fail_flag`: always
+/// `1u`, so that no block brings its flag and the last block out knows only its own).
+fn exit_add(f: bool) -> u64 {
+    #[cfg(not(ep_mutant = "gpu_exit_no_fail_flag"))]
+    return if f { 1 + EXIT_FAILED } else { 1 };
+    #[cfg(ep_mutant = "gpu_exit_no_fail_flag")]
+    return {
+        let _ = f;
+        1
+    };
+}
+
+/// Role: the end of every block (common.cuh `last_block_out`, thread 0 after the block's
+/// `__syncthreads()`): `fail_start` is the block's `s_fail` (the error word at its start).
+/// Returns whether this block is the last one out and `*call_failed`: whether this block or
+/// one out before it saw the group failed (at its start, or in the error word loaded here at
+/// its end); for the last block out, whether any block of the rank's launch did.
+fn last_block_out(g: &Group, rank: usize, fail_start: bool) -> (bool, bool) {
+    let me = &g.ranks[rank];
+    // __syncthreads(); if (threadIdx.x == 0) {
+    // const bool f = fail_start || failed(p);
+    let f = fail_start || failed(g.err(rank));
+    // fence_rel(p);
     fence_before_exit_add();
-    // u32 old = atomicAdd(state + ST_EXIT + kind, 1u);
-    let old = me.exit.fetch_add(1, RELAXED);
-    // s_last = (old == (u32)p.blocks_per_rank - 1u);
-    let last = old as usize == me.blocks - 1;
+    // const u32 old = atomicAdd(state + ST_EXIT + kind, f ? 1u + EXIT_FAILED : 1u);
+    let old = me.exit.fetch_add(exit_add(f), RELAXED);
+    // s_last = ((old & (EXIT_FAILED - 1u)) == (u32)p.blocks_per_rank - 1u);
+    let last = (old & (EXIT_FAILED - 1)) as usize == me.blocks - 1;
+    // s_failed = f || old >= EXIT_FAILED;
+    let call_failed = f || old >= EXIT_FAILED;
     if last {
         // state[ST_EXIT + kind] = 0u; fence_rel(p);
         me.exit.store(0, RELAXED);
         fence_after_last_exit();
     }
-    last
+    // } __syncthreads(); *call_failed = s_failed != 0; return s_last != 0;
+    (last, call_failed)
 }
 
 /// Which launch of a call a block is in, as `finish:` reads it: `p.stage` and the transport of
@@ -171,11 +195,17 @@ impl Stage {
     };
 }
 
-/// Role: the last block out publishes the epoch and acknowledges to every source that this rank
-/// consumed the call (`finish:` of both dispatch kernels). Stage 1 (the send half, NCCL's pack)
-/// publishes neither ("`if (last_out && p.stage != 1)`": its receive half does); stages 0 and
-/// 2 the epoch, and an ack to every source not over NCCL ("`if (!via_nccl(p, s) && ...)`"):
-/// so stage 0 and the receive hook's stage 2 ack every source, NCCL's unpack none.
+/// Role: the last block out writes a failed call's outputs, publishes the epoch and
+/// acknowledges to every source that this rank consumed the call (`finish:` of both dispatch
+/// kernels). Every block's `s_fail` ([`BlockReport::failed_start`], set before) goes into the
+/// exit count ([`last_block_out`]), so the last block out writes the failed call's outputs
+/// ("`if (last_out && p.stage != 1 && call_failed) fail_dispatch_outputs(p, io, me)`":
+/// [`BlockReport::failed_outputs`]) when any block of the launch saw the group failed, with
+/// no look at the error word after the count. Stage 1 (the send half, NCCL's pack) writes no
+/// outputs and publishes neither epoch nor acks ("`if (last_out && p.stage != 1)`": its
+/// receive half does); stages 0 and 2 the epoch, and an ack to every source not over NCCL
+/// ("`if (!via_nccl(p, s) && ...)`"): so stage 0 and the receive hook's stage 2 ack every
+/// source, NCCL's unpack none.
 /// Shrink mode: no ack to a source masked now (the mask read again by the last block out,
 /// "`const u32 masked = masked_peers(p, me)`": masked before the call or lost in it; the wide
 /// build reads the mask per peer as it acks, `END_MASKED(s)`).
@@ -188,8 +218,14 @@ pub(crate) fn finish(
     stage: Stage,
 ) {
     let me = &g.ranks[rank];
-    // bool last_out = last_block_out(p, state, KIND);  (stage 1 too: it resets the exit counter)
-    rep.last_out = last_block_out(me);
+    // bool call_failed;  (stage 1 too: it resets the exit counter)
+    // const bool last_out = last_block_out(p, state, KIND, s_fail, &call_failed);
+    // (s_fail: the block's `rep.failed_start`)
+    (rep.last_out, rep.call_failed) = last_block_out(g, rank, rep.failed_start);
+    // if (last_out && p.stage != 1 && call_failed) fail_dispatch_outputs(p, io, me);
+    if rep.last_out && stage.stage != 1 && rep.call_failed {
+        rep.failed_outputs = true;
+    }
     // if (last_out && p.stage != 1)
     if rep.last_out && stage.stage != 1 {
         // ((u64*)state)[ST_EPOCH64 + KIND] = epoch;

@@ -48,12 +48,13 @@ pub fn dispatch_block_in(
     let mut rep = BlockReport {
         epoch,
         gone: gone0,
+        failed_start: s_fail(failed_before),
         ..BlockReport::default()
     };
     // batched: in_bad = __syncthreads_or(bad) | s_bad; per-expert: load_topk(...) | s_bad
     rep.bad_input = input_check(g, kp, rank);
     // if (s_fail || in_bad) { poison_peers(p, tab, KIND, rank, gone0, epoch); goto finish; }
-    if s_fail(failed_before) || rep.bad_input {
+    if rep.failed_start || rep.bad_input {
         poison_signals(g, kp, rank, epoch, gone0);
         rep.poisoned = true;
         rep.gone = set.live();

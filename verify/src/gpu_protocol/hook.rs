@@ -61,13 +61,14 @@ pub fn hook_send_block(
     let mut rep = BlockReport {
         epoch,
         gone: gone0,
+        failed_start: s_fail(failed_before),
         ..BlockReport::default()
     };
     // s_n = p.stage == 2 ? 0 : read_ntok(...); the routing pass; in_bad = __syncthreads_or(bad) | s_bad;
     rep.bad_input = input_check(g, kp, rank);
     // if (s_fail || in_bad) { poison_peers(p, tab, KIND, rank, gone0, epoch); goto finish; }
     // (poison_peers stores in stage 1: "if (p.stage == 2 || rank == p.fault_rank) return;")
-    if s_fail(failed_before) || rep.bad_input {
+    if rep.failed_start || rep.bad_input {
         poison_signals(g, kp, rank, epoch, gone0);
         rep.poisoned = true;
         rep.gone = set.live();
@@ -116,10 +117,11 @@ pub fn hook_recv_block(g: &Group, kp: &Launch, rank: usize, bid: usize) -> Block
     let mut rep = BlockReport {
         epoch,
         gone: gone0,
+        failed_start: s_fail(failed_before),
         ..BlockReport::default()
     };
     // if (p.stage == 2) { if (s_fail) goto finish; }  (no poison: poison_peers stores nothing in stage 2)
-    if !s_fail(failed_before) {
+    if !rep.failed_start {
         // GONE_SNAPSHOT(gone);
         let gone = set.snapshot();
         rep.gone = gone;

@@ -19,7 +19,8 @@
 //! `waits` (the error word, the bounded waits), `shrink` (the rank mask: agreement, masked
 //! waits, the host's mask calls), `gone` (a block's set of gone peers: the narrow build's
 //! word, the wide build's shared words, their copies and barriers), `block` (what every block runs around its
-//! sends and receives: epoch, input check, ack waits, last block out), `batched` and
+//! sends and receives: epoch, input check, ack waits, last block out, a failed call's
+//! outputs), `batched` and
 //! `per_expert` (each kernel's send and receive), `dispatch` ([`dispatch_block`]), `hook` (the
 //! receive hook's two launches of batched dispatch over NVLink: [`hook_send_block`],
 //! [`hook_recv_block`]), `nccl` (capacity mode's poison, pack, exchange and unpack), `host` (the error word as the host
@@ -133,6 +134,12 @@
 //! `shrink_masked_peer_signals_ignored`: a masked peer's entries are read) and
 //! `gpu_clean_keeps_signals` (the clean leaves the signal and ack words; `shrink_unmask_with_clean`:
 //! a call-1 signal is taken for call 2's, a causality violation).
+//! `gpu_exit_no_fail_flag` is not an ordering either: `last_block_out` adds `1u` whatever the
+//! block saw, so no block brings its failure into the exit count and the last block out knows
+//! only its own look at the error word; `fault_timeout_stops_every_waiter` must see a last
+//! block out that misses the other block's failed wait (an assertion of the tests' `check_exit`;
+//! `batched_one_sender_two_receivers` and `batched_two_senders_one_receiver_two_calls` see it
+//! too).
 //!
 //! # What the model found in the kernels
 //! Checked against the kernels after the device-API change (u64 epochs, tagged signals, input
@@ -140,7 +147,8 @@
 //! work (the pre-loaded ack, the one-pass routing check, the one-rank path, per-expert over
 //! NCCL, capacity-mode NCCL sizes), and after the receive halves' change (the receive hook's
 //! stage 2 of batched dispatch over NVLink: the pre-loaded signals, no routing or input check;
-//! modelled since). No ordering is missing.
+//! modelled since), and after the exit count's failure flag (`last_block_out`'s
+//! `EXIT_FAILED`; modelled since). No ordering is missing.
 //! Observations:
 //! - The `.release` of the signal stores (batched dispatch "`st_release(p, sig_bat(tab[d]) +
 //!   rank, signal_word(epoch, ...))`", per-expert "`st_release(p, sig_pe(tab[d], R) + ...`") and
@@ -173,6 +181,29 @@
 //!   goto finish;`"), then publishes the epoch and acks, as stage 0 does on bad input. No ack
 //!   wait is lost by the split: the send half waits for the acks before it sends, and the
 //!   receive half sends nothing.
+//! - Every block's `last_block_out` brings into the exit count whether it saw the group failed
+//!   (thread 0, after the block's `__syncthreads()`: "`const bool f = fail_start ||
+//!   failed(p)`", `fail_start` the block's `s_fail`, then `fence_rel(p)` and "`atomicAdd(state +
+//!   ST_EXIT + kind, f ? 1u + EXIT_FAILED : 1u)`"; the blocks out count below bit 16, "`(old &
+//!   (EXIT_FAILED - 1u)) == (u32)p.blocks_per_rank - 1u`"), and the last block out writes a
+//!   failed call's outputs when "`s_failed = f || old >= EXIT_FAILED`" (`call_failed`), with no
+//!   load of the error word after the count. The model does the same (`block::last_block_out`,
+//!   [`BlockReport::call_failed`], [`BlockReport::failed_outputs`]), and the models check in
+//!   every interleaving that the last block out of a launch in which some block saw the call
+//!   fail (its `s_fail`, bad input, poison or a failed wait) knows it (mutant
+//!   `gpu_exit_no_fail_flag`: `fault_timeout_stops_every_waiter`, where a block whose report
+//!   lost the claim sees the error word still 0 at its end and learns of the failure only from
+//!   the other block's flag, which the mutant drops). Not covered, and open in the kernel: a
+//!   block whose own wait failed, or whose input was bad, counts as failed only through its
+//!   load of the error word, and a `report_error` that lost the claim ("`atomicCAS(w + 7, 0u,
+//!   1u)`" read 1) is not ordered after the winner's "`atomicExch(w, code)`". When the winner
+//!   is a block of another rank on the same device (one error word for every rank a launch
+//!   runs there) and no block of this rank brought the flag, this rank's last block out can
+//!   find `call_failed` false and leave a failed call's outputs unwritten. A model of two
+//!   ranks on one device, both waiting for a rank that never signals (one block each), fails
+//!   that check. The load after the count before this change had the same gap. Counting the
+//!   block's own failure in `f` (the failed wait's or `in_bad`'s `goto finish`), or a claim
+//!   loser that waits for the code to be nonzero, would close it.
 //! - In per-expert dispatch a block that owns several experts writes the second expert's
 //!   messages after the first expert's `fence_rel` (before its signal), so only the first
 //!   expert's writes rely on `wait_ack`'s acquire alone (the consecutive-calls model rewrites

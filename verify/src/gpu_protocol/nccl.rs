@@ -71,12 +71,13 @@ pub fn batched_pack_block(
     let epoch = block_epoch(me);
     let mut rep = BlockReport {
         epoch,
+        failed_start: s_fail(failed_before),
         ..BlockReport::default()
     };
     rep.bad_input = input_check(g, kp, rank);
     // if (s_fail || in_bad) { poison_peers(...) (no NCCL peer: its header keeps the host's
     // poison); goto finish; }
-    rep.poisoned = s_fail(failed_before) || rep.bad_input;
+    rep.poisoned = rep.failed_start || rep.bad_input;
     // A failed group's data (reached only by mutant gpu_no_failed_check): marked STALE.
     let mark = if failed_before { STALE } else { 0 };
     if !rep.poisoned {
@@ -127,21 +128,26 @@ pub fn nccl_capacity_exchange(g: &Group) {
 }
 
 /// One block of batched dispatch's unpack stage (`p.stage` 2) with every source over NCCL: the
-/// same prologue (the same routing, so the same `in_bad`), then per source the count from its
-/// header instead of a signal ("`if (via_nccl(p, tid)) c = ((const int*)me.rcv_hdr)[tid *
-/// HDR_WORDS(L)]`"), bounded ("`bad = c < 0 || peer_bad(p, rank, tid, PF_BATCH_TOKENS, c, T)`";
-/// the header is an `int`: the poison is i32::MAX, past T), then its share of the entries;
-/// `finish` publishes the epoch and acks no NCCL source.
+/// prologue with `s_fail` and no routing ("`if (p.stage == 2) { if (s_fail) goto finish; }`":
+/// its pack stage checked the routing, and raised the error word on bad input), then per
+/// source the count from its header instead of a signal ("`if (via_nccl(p, tid)) c = ((const
+/// int*)me.rcv_hdr)[tid * HDR_WORDS(L)]`"), bounded ("`bad = c < 0 || peer_bad(p, rank, tid,
+/// PF_BATCH_TOKENS, c, T)`"; the header is an `int`: the poison is i32::MAX, past T), then its
+/// share of the entries; `finish` writes a failed call's outputs, publishes the epoch and
+/// acks no NCCL source.
 pub fn batched_unpack_block(g: &Group, kp: &Launch, rank: usize, bid: usize) -> BlockReport {
     let me = &g.ranks[rank];
     let t_n = g.setup.max_tokens;
+    // s_fail = p.refused || failed(p);
+    let failed_before = group_failed(g, rank);
     let epoch = block_epoch(me);
     let mut rep = BlockReport {
         epoch,
+        failed_start: s_fail(failed_before),
         ..BlockReport::default()
     };
-    rep.bad_input = input_check(g, kp, rank);
-    if !rep.bad_input {
+    // if (p.stage == 2) { if (s_fail) goto finish; }
+    if !rep.failed_start {
         let mut counts = Vec::new();
         for s in g.sources(rank) {
             let c = read_hdr(&me.rcv_hdr, s) as i32 as i64;

@@ -46,7 +46,10 @@ pub struct Rank {
     pub(crate) epoch: SharedRows,
     /// `state[ST_SENT + KIND]`: blocks that finished sending in this call.
     pub(crate) sent: AtomicU64,
-    /// `state[ST_EXIT + KIND]`: blocks that left this call.
+    /// `state[ST_EXIT + KIND]`: blocks that left this call, plus [`EXIT_FAILED`] for each of
+    /// them that saw the group failed (common.cuh `last_block_out`).
+    ///
+    /// [`EXIT_FAILED`]: crate::gpu_protocol::words::EXIT_FAILED
     pub(crate) exit: AtomicU64,
     /// `sig_bat(me)[s]` (batched) or `sig_pe(me)[l * R + s]` (per-expert): from source s.
     pub(crate) sig: Vec<AtomicU64>,
@@ -173,8 +176,19 @@ pub struct BlockReport {
     /// This block found its rank's group failed at its start (`s_fail`), or its input bad, and
     /// stored the poison instead of the call's signals (poison.cuh `poison_peers`).
     pub poisoned: bool,
+    /// This block's `s_fail` (`p.refused || failed(p)` at its start): its rank's group had
+    /// failed before it started (mutant `gpu_no_failed_check`: never set).
+    pub failed_start: bool,
     /// This block was the last out: it published the epoch and the acks.
     pub last_out: bool,
+    /// `last_block_out`'s `*call_failed`: this block saw the group failed (its `s_fail`, or the
+    /// error word loaded at its end) or a block out before it did (the exit count's
+    /// `EXIT_FAILED` part). For the last block out: some block of the rank's launch did.
+    pub call_failed: bool,
+    /// The last block out of a launch that writes outputs (`p.stage != 1`) found the call
+    /// failed (`call_failed`) and wrote a failed call's outputs ("`if (last_out && p.stage != 1
+    /// && call_failed) fail_dispatch_outputs(p, io, me)`": every count 0, common.cuh).
+    pub failed_outputs: bool,
     /// Shrink mode: every peer this block left out: masked at its start (`gone0`, shrink.cuh
     /// `masked_peers`) and lost in this call (`s_gone`, agreed by every block that waited for
     /// the peer), as the block's thread 0 last took the set: batched dispatch's snapshot after

@@ -49,7 +49,7 @@ fn two_calls(kind: Kind) {
             for input in &inputs {
                 let rep = dispatch_block(&g, &kp, input, 1, 0);
                 assert_eq!(rep.read, g.expected(input, 1), "call {}", input.call);
-                assert!(rep.last_out);
+                assert!(rep.last_out && !rep.call_failed && !rep.failed_outputs);
             }
         })
     };
@@ -175,6 +175,10 @@ fn hook_split_bad_input_receiver_reads_nothing_but_acks_std() {
     assert!(s0.failed_wait.is_none() && !s0.poisoned);
     let s1 = hook_send_block(&g, &bad, &input, 1, 0);
     assert!(s1.bad_input && s1.poisoned && s1.last_out);
+    assert!(
+        s1.call_failed && !s1.failed_outputs,
+        "the send half knows, and writes no outputs"
+    );
     assert_eq!(ack_word(&g, 0, 1), 0, "the send half acks nothing");
     assert_eq!(
         block_epoch(&g.ranks[1]),
@@ -183,6 +187,10 @@ fn hook_split_bad_input_receiver_reads_nothing_but_acks_std() {
     );
     let r1 = hook_recv_block(&g, &bad, 1, 0);
     assert!(r1.read.is_empty() && r1.last_out && r1.failed_wait.is_none());
+    assert!(
+        r1.failed_start && r1.failed_outputs,
+        "the receive half writes the failed call's outputs"
+    );
     assert!(
         !r1.preload_taken,
         "a failed group's receive half reads no signal"
@@ -224,6 +232,10 @@ fn fault_rank_times_out_and_the_host_refuses_the_next_call() {
         .collect();
     let reps: Vec<BlockReport> = blocks.into_iter().map(|b| b.join().unwrap()).collect();
     assert!(reps[1].failed_wait.is_some() && reps[2].failed_wait.is_some());
+    assert!(
+        reps[1..].iter().any(|r| r.last_out && r.failed_outputs),
+        "rank 1's last block out writes the failed call's outputs"
+    );
     let mut host = Host::default();
     let want = DeviceError::Timeout {
         rank: 1,
@@ -287,6 +299,7 @@ fn bad_input_rank_skips_its_sends_acks_and_the_host_names_it() {
         .collect();
     let reps: Vec<BlockReport> = blocks.into_iter().map(|b| b.join().unwrap()).collect();
     assert!(reps[1].bad_input && reps[1].read.is_empty() && reps[1].last_out);
+    assert!(reps[1].failed_outputs && !reps[0].failed_outputs);
     assert_eq!(
         g.ranks[0].ack[1].load(RELAXED),
         1,

@@ -19,6 +19,10 @@ pub const ERR_PEER_FAILED: u32 = 6;
 pub const PF_BATCH_TOKENS: u32 = 0;
 pub(crate) const PF_PE_COUNT: u32 = 7;
 
+/// common.cuh `EXIT_FAILED`: the exit counter's unit of blocks that saw the group failed (bit
+/// 16 up; the blocks out count below it, `last_block_out`).
+pub(crate) const EXIT_FAILED: u64 = 1 << 16;
+
 /// common.cuh `SIG_COUNT_BITS`: a signal word is `tag << 24 | count`.
 pub const SIG_COUNT_BITS: u32 = 24;
 pub(crate) const SIG_COUNT_MASK: u64 = (1 << SIG_COUNT_BITS) - 1;

@@ -137,11 +137,57 @@ pub struct Done {
     pub send: Vec<BlockReport>,
 }
 
-/// The host's sync after every launch ended. A timeout: it names a waiting rank and call, and
-/// the group refuses what follows. Otherwise: in every launch exactly one block was the last
-/// out, every block ran the call's epoch, every rank consumed exactly its call's entries, and
-/// a send half (the receive hook's stage 1) read none. Returns whether the calls completed.
+/// Whether a block saw its call fail: its group had failed at its start (`s_fail`), its input
+/// was bad, it stored the poison, or a wait of its own failed.
+pub fn saw_failure(r: &BlockReport) -> bool {
+    r.failed_start || r.bad_input || r.poisoned || r.failed_wait.is_some()
+}
+
+/// The end of one launch of `rank` (`reps`: every block's report; `outputs`: the launch writes
+/// the call's outputs, `p.stage != 1`), in every interleaving, failed or not: exactly one block
+/// is the last out; when some block saw the call fail ([`saw_failure`]), the last block out
+/// knows it from the exit count (`call_failed`: common.cuh `last_block_out`, which no longer
+/// loads the error word after the count; mutant `gpu_exit_no_fail_flag`) and, if the launch
+/// writes outputs, writes the failed call's ("`if (last_out && p.stage != 1 && call_failed)
+/// fail_dispatch_outputs(...)`"); no other block writes them.
+pub fn check_exit(rank: usize, reps: &[BlockReport], outputs: bool) {
+    let last: Vec<&BlockReport> = reps.iter().filter(|r| r.last_out).collect();
+    assert_eq!(
+        last.len(),
+        1,
+        "exactly one block of rank {rank}'s launch is the last out"
+    );
+    let last = last[0];
+    if reps.iter().any(saw_failure) {
+        assert!(
+            last.call_failed,
+            "rank {rank}'s last block out must know that a block saw the call fail: {reps:?}"
+        );
+    }
+    assert_eq!(
+        last.failed_outputs,
+        outputs && last.call_failed,
+        "rank {rank}'s last block out writes a failed call's outputs iff it found the call failed"
+    );
+    assert!(
+        reps.iter().all(|r| r.last_out || !r.failed_outputs),
+        "only the last block out of rank {rank} writes outputs"
+    );
+}
+
+/// The host's sync after every launch ended. First, in every launch ([`check_exit`]): exactly
+/// one block was the last out, and it knew whether the call failed. A timeout: it names a
+/// waiting rank and call, and the group refuses what follows. Otherwise: every block ran the
+/// call's epoch, every rank consumed exactly its call's entries (and wrote no failed call's
+/// outputs), and a send half (the receive hook's stage 1) read none. Returns whether the
+/// calls completed.
 pub fn host_check(g: &Group, done: &[Done]) -> bool {
+    for d in done {
+        check_exit(d.rank, &d.reps, true);
+        if !d.send.is_empty() {
+            check_exit(d.rank, &d.send, false);
+        }
+    }
     let mut host = Host::default();
     if let Err(t) = host.sync(g) {
         let DeviceError::Timeout {
@@ -164,16 +210,13 @@ pub fn host_check(g: &Group, done: &[Done]) -> bool {
     }
     for d in done {
         let rank = d.rank;
-        for reps in [&d.reps, &d.send].into_iter().filter(|r| !r.is_empty()) {
-            assert_eq!(
-                reps.iter().filter(|r| r.last_out).count(),
-                1,
-                "exactly one block of rank {rank}'s launch is the last out"
-            );
-        }
         for r in d.reps.iter().chain(&d.send) {
             assert_eq!(r.epoch, g.base + d.input.call, "rank {rank}'s epoch");
             assert_eq!(r.failed_wait, None, "a failed wait raises the error word");
+            assert!(
+                !r.failed_outputs,
+                "rank {rank} wrote a failed call's outputs"
+            );
         }
         assert!(
             d.send.iter().all(|r| r.read.is_empty()),
