@@ -302,6 +302,15 @@ __device__ __noinline__ void report_error_at(u64 err, u64 err_host, int trap, u3
             h[0] = code;
             __threadfence_system();
         }
+    } else {
+        // Lost the claim: the winner raises the code right after its six words, with no wait
+        // in between. Wait for it (bounded: 100 us of %globaltimer; the word is the channel
+        // every report goes through, so a wait that runs out has nothing left to report), so
+        // that whoever reported sees failed(p) from here on: last_block_out counts a block as
+        // failed by what it sees. loom: gpu_protocol::report_error (the loser's wait).
+        const u64 t0 = globaltimer();
+        while (ld_volatile_u32(w) == 0u && globaltimer() - t0 < 100000ull) {
+        }
     }
     // Opt-in (GpuOptions::trap_on_error): the host mirror above survives the trap, so the host
     // still names the error after the context is lost.
