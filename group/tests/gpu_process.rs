@@ -11,10 +11,6 @@
 //! `BLOB <hex>` each way). The two-tier test starts its 4 ranks with `ep_launch::spawn_local_with`
 //! (the rendezvous, as under torchrun) and each runs `ep_group::mp::run_rank_with`.
 
-// The one runner of the GPU test binaries, shared with ep-kernels' (not a copy).
-#[path = "../../kernels/tests/runner/mod.rs"]
-mod runner;
-
 use ep_group::handshake::Hello;
 use ep_group::mp::{run_rank_with, sizes_for, MpFailure, MpOptions, RankRun};
 use ep_group::topology::{emulation_envs, node_id, NodeId};
@@ -24,6 +20,7 @@ use ep_kernels::runtime::bytes_per_rank_with;
 use ep_kernels::testing::{random_inputs, Rng, Routing};
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, NcclSizes, Path, Transport};
 use ep_reference::{Config, Mode, Op};
+use ep_test_runner as runner;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

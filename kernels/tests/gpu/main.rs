@@ -5,8 +5,7 @@
 //! (a launch occupies every multiprocessor). Arguments: an optional name filter; cargo's flags
 //! (`--nocapture`, `--test-threads=N`, ...) are accepted and ignored.
 
-#[path = "../runner/mod.rs"]
-mod runner;
+use ep_test_runner as runner;
 
 mod common;
 mod device;

@@ -1,11 +1,13 @@
-//! The one runner of the GPU test binaries (`harness = false`): a test that cannot run here is
-//! printed as `SKIPPED: <test>: <why>` and counted as skipped, never as passed; a panic counts as
-//! a failure; a test that ran out of its time budget counts as incomplete, never as passed. The
-//! summary line (`<label>: N passed; N failed; N skipped; N incomplete`) is what `.ci/run` sums,
-//! and the process exits 1 on a failure, 2 on an incomplete run, else 0. Arguments: an optional
-//! name filter; cargo's flags (`--nocapture`, `--test-threads=N`, ...) are accepted and ignored.
-// Each binary uses part of this module.
-#![allow(dead_code)]
+//! The one runner of ep-dispatch's GPU test binaries (`harness = false`): ep-kernels' `gpu`,
+//! `gpu_fuzz` and `gpu_soak`, ep-group's `gpu_process`. A dev-only crate (`publish = false`), a
+//! dev-dependency of the crates whose tests use it.
+//!
+//! A test that cannot run here is printed as `SKIPPED: <test>: <why>` and counted as skipped,
+//! never as passed; a panic counts as a failure; a test that ran out of its time budget counts as
+//! incomplete, never as passed. The summary line (`<label>: N passed; N failed; N skipped; N
+//! incomplete`) is what `.ci/run` sums, and the process exits 1 on a failure, 2 on an incomplete
+//! run, else 0. Arguments: an optional name filter; cargo's flags (`--nocapture`,
+//! `--test-threads=N`, ...) are accepted and ignored.
 
 use std::panic::UnwindSafe;
 use std::time::Instant;
