@@ -8,9 +8,90 @@
 //! incomplete`) is what `.ci/run` sums, and the process exits 1 on a failure, 2 on an incomplete
 //! run, else 0. Arguments: an optional name filter; cargo's flags (`--nocapture`,
 //! `--test-threads=N`, ...) are accepted and ignored.
+//!
+//! A test declares itself and what it needs beside its code: each test module of a binary keeps
+//! a `TESTS` table of [`GpuTest`]s, one [`gpu_test!`] per test function, which takes the test's
+//! name from the function's (so a name cannot drift from its function, and a function left out
+//! of its table is dead code, which the compiler reports) and states its [`Needs`] (GPUs,
+//! NCCL). The binary's `main` hands the tables to [`Runner::run_all`], in the order it runs them.
+//!
+//! ```
+//! use ep_test_runner::{gpu_test, GpuTest, Needs};
+//!
+//! pub(crate) const TESTS: &[GpuTest] = &[
+//!     gpu_test!(gpu_two_gpus_r2_equal_oracle, gpus: 2),
+//!     gpu_test!(gpu_nccl_r1_self_send_equal_oracle, gpus: 1, nccl),
+//! ];
+//!
+//! fn gpu_two_gpus_r2_equal_oracle() { /* ... */ }
+//! fn gpu_nccl_r1_self_send_equal_oracle() { /* ... */ }
+//!
+//! assert_eq!(TESTS[1].name, "gpu_nccl_r1_self_send_equal_oracle");
+//! assert_eq!(TESTS[1].needs, Needs { gpus: 1, nccl: true });
+//! // and in the binary's main: runner.run_all(&[TESTS, other_module::TESTS]);
+//! ```
 
 use std::panic::UnwindSafe;
 use std::time::Instant;
+
+/// What a test needs of the machine: where [`Needs::probe`] finds less, the test is skipped with
+/// the reason.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Needs {
+    /// CUDA devices (with the driver and NVRTC); 0: none.
+    pub gpus: usize,
+    /// NCCL (libnccl.so.2).
+    pub nccl: bool,
+}
+
+impl Needs {
+    /// `Ok` where this machine has what is needed, else the reason it cannot run (the first
+    /// thing missing: the CUDA driver, NVRTC, devices, NCCL).
+    pub fn probe(self) -> Result<(), String> {
+        if self.gpus > 0 {
+            ep_kernels::runtime::probe_devices(self.gpus)?;
+        }
+        if self.nccl && !ep_kernels::nccl::nccl_present() {
+            return Err("no NCCL (libnccl.so.2 not found)".to_string());
+        }
+        Ok(())
+    }
+}
+
+/// One declared test: its name, what it needs, its code (a panic is a failure). Written with
+/// [`gpu_test!`], which takes the name from the function.
+#[derive(Clone, Copy, Debug)]
+pub struct GpuTest {
+    /// The test's name: what the filter matches and the output prints.
+    pub name: &'static str,
+    /// What it needs to run here.
+    pub needs: Needs,
+    /// The test; it passes when it returns.
+    pub run: fn(),
+}
+
+/// The [`GpuTest`] of the test function `f` (a `fn()` in scope), named after it, with what it
+/// needs:
+///
+/// - `gpu_test!(f, gpus: N)`: N CUDA devices;
+/// - `gpu_test!(f, gpus: N, nccl)`: N CUDA devices and NCCL;
+/// - `gpu_test!(f, needs: expr)`: the [`Needs`] `expr`.
+#[macro_export]
+macro_rules! gpu_test {
+    ($test:ident, gpus: $gpus:expr, nccl $(,)?) => {
+        $crate::gpu_test!($test, needs: $crate::Needs { gpus: $gpus, nccl: true })
+    };
+    ($test:ident, gpus: $gpus:expr $(,)?) => {
+        $crate::gpu_test!($test, needs: $crate::Needs { gpus: $gpus, nccl: false })
+    };
+    ($test:ident, needs: $needs:expr $(,)?) => {
+        $crate::GpuTest {
+            name: stringify!($test),
+            needs: $needs,
+            run: $test,
+        }
+    };
+}
 
 /// How a test that ran ended.
 pub enum Verdict {
@@ -88,6 +169,21 @@ impl Runner {
                 println!("test {name} ... FAILED (panicked)");
                 self.failed += 1;
             }
+        }
+    }
+
+    /// Runs each declared test of each table in order: those the filter selects and whose
+    /// [`Needs`] this machine meets; the others it selects are skipped with the reason.
+    pub fn run_all(&mut self, tables: &[&[GpuTest]]) {
+        for test in tables.iter().copied().flatten() {
+            if !self.wanted(test.name) {
+                continue;
+            }
+            let run = test.run;
+            self.run(test.name, test.needs.probe(), move || {
+                run();
+                Verdict::Ok(String::new())
+            });
         }
     }
 
