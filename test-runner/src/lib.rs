@@ -210,15 +210,6 @@ impl Runner {
     }
 }
 
-/// The usual probe: `gpus` CUDA devices, and NCCL where `nccl` is true.
-pub fn probe(gpus: usize, nccl: bool) -> Result<(), String> {
-    ep_kernels::runtime::probe_devices(gpus)?;
-    if nccl && !ep_kernels::nccl::nccl_present() {
-        return Err("no NCCL (libnccl.so.2 not found)".to_string());
-    }
-    Ok(())
-}
-
 /// A number from the environment variable `var`: `None` where it is unset, an error naming the
 /// variable and its value where it does not parse.
 pub fn env_num<T: std::str::FromStr>(var: &str) -> Result<Option<T>, String> {
