@@ -2,18 +2,14 @@
 //! peer with another config before anything is mapped, and NCCL set-up against a peer that never
 //! joins or dies ends within its bound. And the two-tier group: 4 processes on
 //! 2 GPUs as 2 emulated nodes, CUDA IPC inside a node and NCCL across, bitwise against the
-//! oracle. A custom runner (`harness = false`), as in `gpu.rs`:
-//! a test whose GPUs, NVRTC or NCCL are missing prints `SKIPPED: <test>: <reason>` and is counted
-//! as skipped, never as passed.
+//! oracle. A custom runner (`harness = false`), as in `gpu.rs`: each test declares what it
+//! needs (`TESTS`, one `gpu_test!` per test function); a test whose GPUs, NVRTC or NCCL are
+//! missing prints `SKIPPED: <test>: <reason>` and is counted as skipped, never as passed.
 //!
 //! Real peer processes are this same binary started again with `EP_GPU_PROCESS_CHILD=<role>`;
 //! the all-gather between the two ranks runs over the child's stdin and stdout (one line
 //! `BLOB <hex>` each way). The two-tier test starts its 4 ranks with `ep_launch::spawn_local_with`
 //! (the rendezvous, as under torchrun) and each runs `ep_group::mp::run_rank_with`.
-
-// The one runner of the GPU test binaries, shared with ep-kernels' (not a copy).
-#[path = "../../kernels/tests/runner/mod.rs"]
-mod runner;
 
 use ep_group::handshake::Hello;
 use ep_group::mp::{run_rank_with, sizes_for, MpFailure, MpOptions, RankRun};
@@ -24,71 +20,30 @@ use ep_kernels::runtime::bytes_per_rank_with;
 use ep_kernels::testing::{random_inputs, Rng, Routing};
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, NcclSizes, Path, Transport};
 use ep_reference::{Config, Mode, Op};
+use ep_test_runner::{gpu_test, GpuTest, Runner};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const CHILD_ENV: &str = "EP_GPU_PROCESS_CHILD";
 
-/// (name, GPUs needed, needs NCCL, test)
-type Test = (&'static str, usize, bool, fn());
-const TESTS: &[Test] = &[
-    (
-        "gpu_process_fabricated_peers_are_refused_before_mapping",
-        1,
-        false,
-        gpu_process_fabricated_peers_are_refused_before_mapping,
-    ),
-    (
-        "gpu_process_two_processes_with_other_hidden_both_fail",
-        1,
-        false,
-        gpu_process_two_processes_with_other_hidden_both_fail,
-    ),
-    (
-        "gpu_nccl_init_with_a_peer_that_never_joins_times_out",
-        1,
-        true,
-        gpu_nccl_init_with_a_peer_that_never_joins_times_out,
-    ),
-    (
-        "gpu_nccl_peer_dead_after_init_call_and_drop_are_bounded",
-        2,
-        true,
-        gpu_nccl_peer_dead_after_init_call_and_drop_are_bounded,
-    ),
-    (
-        "gpu_two_tier_four_processes_on_two_emulated_nodes_match_the_oracle",
-        2,
-        true,
-        gpu_two_tier_four_processes_on_two_emulated_nodes_match_the_oracle,
-    ),
-    (
-        "gpu_process_40_ranks_over_ipc_on_one_gpu_match_the_oracle",
-        1,
-        false,
-        gpu_process_40_ranks_over_ipc_on_one_gpu_match_the_oracle,
-    ),
-    (
-        "gpu_two_tier_36_ranks_on_4_emulated_nodes_match_the_oracle",
-        2,
-        true,
-        gpu_two_tier_36_ranks_on_4_emulated_nodes_match_the_oracle,
-    ),
+/// The tests, in the order they run, and what each needs.
+const TESTS: &[GpuTest] = &[
+    gpu_test!(gpu_process_fabricated_peers_are_refused_before_mapping, gpus: 1),
+    gpu_test!(gpu_process_two_processes_with_other_hidden_both_fail, gpus: 1),
+    gpu_test!(gpu_nccl_init_with_a_peer_that_never_joins_times_out, gpus: 1, nccl),
+    gpu_test!(gpu_nccl_peer_dead_after_init_call_and_drop_are_bounded, gpus: 2, nccl),
+    gpu_test!(gpu_two_tier_four_processes_on_two_emulated_nodes_match_the_oracle, gpus: 2, nccl),
+    gpu_test!(gpu_process_40_ranks_over_ipc_on_one_gpu_match_the_oracle, gpus: 1),
+    gpu_test!(gpu_two_tier_36_ranks_on_4_emulated_nodes_match_the_oracle, gpus: 2, nccl),
 ];
 
 fn main() {
     if let Ok(role) = std::env::var(CHILD_ENV) {
         std::process::exit(child(&role));
     }
-    let mut runner = runner::Runner::new("gpu process tests");
-    for &(name, gpus, needs_nccl, test) in TESTS {
-        let probe = runner::probe(gpus, needs_nccl);
-        runner.run(name, probe, || {
-            test();
-            runner::Verdict::Ok(String::new())
-        });
-    }
+    let mut runner = Runner::new("gpu process tests");
+    runner.run_all(&[TESTS]);
     runner.finish()
 }
 

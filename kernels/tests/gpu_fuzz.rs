@@ -28,8 +28,7 @@
 //!   raise it under compute-sanitizer;
 //! - `EP_GPU_BLOCKS_PER_RANK` forces blocks per rank on every group (sanitizer: fewer blocks).
 
-mod runner;
-
+use ep_test_runner as runner;
 use runner::env_num;
 
 use ep_kernels::runtime::probe_devices;

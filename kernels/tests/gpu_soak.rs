@@ -24,8 +24,7 @@
 //! calls ran and exits 2, incomplete, never passed), `EP_SOAK_REPLAY=<config>:<call seed>:<path>` (one call that a
 //! failure printed, on a fresh group), `EP_GPU_TIMEOUT_MS` (the kernels' wait bound).
 
-mod runner;
-
+use ep_test_runner as runner;
 use runner::env_num;
 
 use ep_kernels::runtime::probe_devices;

@@ -1,9 +1,9 @@
 //! What every GPU test starts from: the modes, the options, a group, random configs.
 
-use crate::runner;
 use ep_kernels::testing::{random_inputs, random_y, verify_case, Rng, Routing};
 use ep_kernels::{GpuGroup, GpuOptions, NcclSizes, Transport};
 use ep_reference::{Config, Mode};
+use ep_test_runner as runner;
 
 pub(crate) const MODES: [Mode; 4] = [Mode::Bf16, Mode::FP8, Mode::FP8_ROUND, Mode::FP8_UE8M0];
 

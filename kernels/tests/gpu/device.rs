@@ -10,8 +10,17 @@ use ep_kernels::{GpuError, GpuGroup, Path};
 use ep_reference::oracle::{self, CombineInput};
 use ep_reference::{Config, Error, Mode};
 use ep_reference::{DispatchOutput, RecvScales, RecvX};
+use ep_test_runner::{gpu_test, GpuTest};
 use half::bf16;
 use std::sync::Arc;
+
+/// The tests of this module, in the order they run, and what each needs.
+pub(crate) const TESTS: &[GpuTest] = &[
+    gpu_test!(gpu_device_api_r1_r2_r4_r8_all_modes_equal_oracle, gpus: 1),
+    gpu_test!(gpu_device_api_two_gpus_r2_r4_equal_oracle, gpus: 2),
+    gpu_test!(gpu_device_api_checks_stream_and_shapes_on_the_host, gpus: 1),
+    gpu_test!(gpu_device_bad_input_typed_error_no_stray_write, gpus: 1),
+];
 
 pub(crate) const GUARD: usize = 96;
 
@@ -389,14 +398,14 @@ pub(crate) fn device_configs(r: usize, streams: &[Arc<CudaStream>], seed: u64) {
     }
 }
 
-pub(crate) fn gpu_device_api_r1_r2_r4_r8_all_modes_equal_oracle() {
+fn gpu_device_api_r1_r2_r4_r8_all_modes_equal_oracle() {
     let (_c, s) = context(0);
     for (r, seed) in [(1, 31), (2, 32), (4, 34), (8, 38)] {
         device_configs(r, std::slice::from_ref(&s), seed);
     }
 }
 
-pub(crate) fn gpu_device_api_two_gpus_r2_r4_equal_oracle() {
+fn gpu_device_api_two_gpus_r2_r4_equal_oracle() {
     let (_c0, s0) = context(0);
     let (_c1, s1) = context(1);
     for (r, seed) in [(2, 42), (4, 44)] {
@@ -404,7 +413,7 @@ pub(crate) fn gpu_device_api_two_gpus_r2_r4_equal_oracle() {
     }
 }
 
-pub(crate) fn gpu_device_api_checks_stream_and_shapes_on_the_host() {
+fn gpu_device_api_checks_stream_and_shapes_on_the_host() {
     let cfg = Config::new(2, 4, 4, 128, 2, Mode::Bf16).unwrap();
     let mut g = group(&cfg, 1);
     let (_c, s) = context(0);
@@ -498,7 +507,7 @@ pub(crate) fn gpu_device_api_checks_stream_and_shapes_on_the_host() {
 
 /// Bad routing in device memory: caught by the kernel, typed at check(), the bad rank's outputs
 /// untouched, no write outside any output of any rank, later calls refused.
-pub(crate) fn gpu_device_bad_input_typed_error_no_stray_write() {
+fn gpu_device_bad_input_typed_error_no_stray_write() {
     let mut rng = Rng::new(77);
     for mode in [Mode::Bf16, Mode::FP8_UE8M0] {
         let cfg = Config::new(2, 8, 4, 512, 2, mode).unwrap();

@@ -9,7 +9,15 @@ use ep_kernels::{CombineIn, DeviceDispatchOut, DeviceHandle, DispatchIn, Tokens}
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, Path};
 use ep_reference::oracle::{self, CombineInput};
 use ep_reference::{Config, Error, Mode, Op, Side};
+use ep_test_runner::{gpu_test, GpuTest};
 use std::sync::Arc;
+
+/// The tests of this module, in the order they run, and what each needs.
+pub(crate) const TESTS: &[GpuTest] = &[
+    gpu_test!(gpu_error_reaches_the_next_call_without_a_sync, gpus: 1),
+    gpu_test!(gpu_trap_on_error_ends_the_context_and_still_names_the_error, gpus: 1),
+    gpu_test!(gpu_shrink_masks_a_lost_peer_and_the_group_goes_on, gpus: 1),
+];
 
 pub(crate) const SPIN_SRC: &str = r#"
 extern "C" __global__ void ep_test_spin(unsigned long long ns) {
@@ -116,7 +124,7 @@ pub(crate) fn poll_until_error(g: &GpuGroup) -> GpuError {
 /// 2 s spin queued behind the failed call), and the next call raises it at its entry. The
 /// failed call's outputs are the contract's: dispatch presents no row (every count and layout
 /// pair 0), combine's rows are NaN; nothing outside the outputs is written.
-pub(crate) fn gpu_error_reaches_the_next_call_without_a_sync() {
+fn gpu_error_reaches_the_next_call_without_a_sync() {
     let mut rng = Rng::new(21);
     for path in [Path::Batched, Path::PerExpert] {
         for op in [Op::Dispatch, Op::Combine] {
@@ -264,7 +272,7 @@ pub(crate) fn trap_child() -> ! {
 /// `trap_on_error`: the kernel traps (the context is lost, as with DeepEP's
 /// kernels), and the error is still named from the host mirror. Runs in a child process: a
 /// trap poisons the context of the process it happens in.
-pub(crate) fn gpu_trap_on_error_ends_the_context_and_still_names_the_error() {
+fn gpu_trap_on_error_ends_the_context_and_still_names_the_error() {
     let exe = std::env::current_exe().unwrap();
     let out = std::process::Command::new(exe)
         .env(TRAP_CHILD, "1")
@@ -282,7 +290,7 @@ pub(crate) fn gpu_trap_on_error_ends_the_context_and_still_names_the_error() {
 /// it instead of failing, and every survivor's outputs equal the oracle on the masked routing,
 /// in the call that lost it and after; every survivor's mask names it. A later call skips it
 /// without waiting. `clean_mask` brings every rank back; `update_mask` masks by hand.
-pub(crate) fn gpu_shrink_masks_a_lost_peer_and_the_group_goes_on() {
+fn gpu_shrink_masks_a_lost_peer_and_the_group_goes_on() {
     use ep_kernels::testing::verify_masked;
     let mut rng = Rng::new(33);
     let none = [false; 4];

@@ -11,8 +11,17 @@ use ep_kernels::{GpuError, GpuGroup, GpuOptions, NcclSizes, Path};
 use ep_reference::oracle::{self, CombineInput};
 use ep_reference::RecvX;
 use ep_reference::{Config, Mode};
+use ep_test_runner::{gpu_test, GpuTest};
 use half::bf16;
 use std::sync::Arc;
+
+/// The tests of this module, in the order they run, and what each needs.
+pub(crate) const TESTS: &[GpuTest] = &[
+    gpu_test!(gpu_graph_dispatch_expert_combine_1000_replays, gpus: 1),
+    gpu_test!(gpu_graph_with_receive_hook_split_1000_replays, gpus: 1),
+    gpu_test!(gpu_epochs_past_2_32_and_the_signal_tag_wrap, gpus: 1),
+    gpu_test!(gpu_rank_ep_process_mode_equals_oracle, gpus: 1),
+];
 
 pub(crate) const NEGATE_SRC: &str = r#"
 extern "C" __global__ void ep_test_negate(const unsigned short* in, unsigned short* out, unsigned long long n) {
@@ -209,13 +218,13 @@ pub(crate) fn graph_case_on(path: Path, hook: bool, nccl: bool) {
     );
 }
 
-pub(crate) fn gpu_graph_dispatch_expert_combine_1000_replays() {
+fn gpu_graph_dispatch_expert_combine_1000_replays() {
     for path in [Path::PerExpert, Path::Batched] {
         graph_case(path, false);
     }
 }
 
-pub(crate) fn gpu_graph_with_receive_hook_split_1000_replays() {
+fn gpu_graph_with_receive_hook_split_1000_replays() {
     for path in [Path::PerExpert, Path::Batched] {
         graph_case(path, true);
     }
@@ -223,7 +232,7 @@ pub(crate) fn gpu_graph_with_receive_hook_split_1000_replays() {
 
 /// The device epochs started just below 2^32 (where u32 epochs wrapped to 0) and below the
 /// signal tag's modulus (2^40 - 1): calls across both points stay bit-identical.
-pub(crate) fn gpu_epochs_past_2_32_and_the_signal_tag_wrap() {
+fn gpu_epochs_past_2_32_and_the_signal_tag_wrap() {
     let mut rng = Rng::new(4242);
     let cfg = Config::new(4, 16, 8, 512, 4, Mode::FP8).unwrap();
     for start in [(1u64 << 32) - 3, (1u64 << 40) - 5] {
@@ -243,7 +252,7 @@ pub(crate) fn gpu_epochs_past_2_32_and_the_signal_tag_wrap() {
 
 /// Process mode's one-rank face (RankEp) on a one-rank process-mode group: the caller's
 /// stream, caller outputs, both paths, every mode, bit for bit against the oracle.
-pub(crate) fn gpu_rank_ep_process_mode_equals_oracle() {
+fn gpu_rank_ep_process_mode_equals_oracle() {
     let mut rng = Rng::new(91);
     let (_c, s) = context(0);
     for mode in MODES {

@@ -9,7 +9,18 @@ use ep_kernels::testing::{random_inputs, random_y, verify_paths, Rng, Routing};
 use ep_kernels::{DeviceDispatchOut, DispatchIn, Tokens};
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, NcclSizes, Path, Transport};
 use ep_reference::{Config, Error, Mode};
+use ep_test_runner::{gpu_test, GpuTest};
 use std::sync::Arc;
+
+/// The tests of this module, in the order they run, and what each needs.
+pub(crate) const TESTS: &[GpuTest] = &[
+    gpu_test!(gpu_nccl_r1_self_send_both_paths_both_sizes_equal_oracle, gpus: 1, nccl),
+    gpu_test!(gpu_nccl_two_gpus_r2_both_paths_both_sizes_equal_oracle, gpus: 2, nccl),
+    gpu_test!(gpu_nccl_bad_input_is_a_typed_error_both_sizes, gpus: 1, nccl),
+    gpu_test!(gpu_nccl_two_gpus_bad_input_is_a_typed_error_both_sizes, gpus: 2, nccl),
+    gpu_test!(gpu_nccl_device_api_capacity_equals_oracle_and_graph_replays, gpus: 1, nccl),
+    gpu_test!(gpu_nccl_two_gpus_device_api_capacity_equals_oracle, gpus: 2, nccl),
+];
 
 /// The NCCL transport forced on R ranks over R GPUs with `sizes`: random configs in every mode
 /// (3 rounds on the same buffers, uneven and empty ranks) and the standard setting, bitwise.
@@ -85,7 +96,7 @@ pub(crate) fn nccl_case(r: usize, seed: u64, sizes: NcclSizes) -> usize {
     checks
 }
 
-pub(crate) fn gpu_nccl_r1_self_send_both_paths_both_sizes_equal_oracle() {
+fn gpu_nccl_r1_self_send_both_paths_both_sizes_equal_oracle() {
     // verify_paths: 2 checks per path per round.
     assert_eq!(nccl_case(1, 61, NcclSizes::Exact), (4 * 3 + 2) * 2 * 2);
     assert_eq!(nccl_case(1, 63, NcclSizes::Capacity), (4 * 3 + 2) * 2);
@@ -101,7 +112,7 @@ pub(crate) fn gpu_nccl_r1_self_send_both_paths_both_sizes_equal_oracle() {
     assert!(matches!(r, Err(GpuError::Unsupported(_))), "{:?}", r.err());
 }
 
-pub(crate) fn gpu_nccl_two_gpus_r2_both_paths_both_sizes_equal_oracle() {
+fn gpu_nccl_two_gpus_r2_both_paths_both_sizes_equal_oracle() {
     assert_eq!(nccl_case(2, 62, NcclSizes::Exact), (4 * 3 + 2) * 2 * 2);
     assert_eq!(nccl_case(2, 64, NcclSizes::Capacity), (4 * 3 + 2) * 2);
 }
@@ -210,11 +221,11 @@ pub(crate) fn nccl_bad_input(r: usize) {
     println!("ok: nccl capacity device API R={r}: bad routing found by the kernel, typed error");
 }
 
-pub(crate) fn gpu_nccl_bad_input_is_a_typed_error_both_sizes() {
+fn gpu_nccl_bad_input_is_a_typed_error_both_sizes() {
     nccl_bad_input(1);
 }
 
-pub(crate) fn gpu_nccl_two_gpus_bad_input_is_a_typed_error_both_sizes() {
+fn gpu_nccl_two_gpus_bad_input_is_a_typed_error_both_sizes() {
     nccl_bad_input(2);
 }
 
@@ -269,7 +280,7 @@ pub(crate) fn nccl_device_case(r: usize, seed: u64) {
     }
 }
 
-pub(crate) fn gpu_nccl_device_api_capacity_equals_oracle_and_graph_replays() {
+fn gpu_nccl_device_api_capacity_equals_oracle_and_graph_replays() {
     nccl_device_case(1, 71);
     // The whole call (memset, pack, grouped send/recv, unpack) captured into a CUDA graph on
     // one GPU, after an uncaptured call (NCCL connects on first use), replayed.
@@ -277,6 +288,6 @@ pub(crate) fn gpu_nccl_device_api_capacity_equals_oracle_and_graph_replays() {
     graph_case_on(Path::Batched, true, true);
 }
 
-pub(crate) fn gpu_nccl_two_gpus_device_api_capacity_equals_oracle() {
+fn gpu_nccl_two_gpus_device_api_capacity_equals_oracle() {
     nccl_device_case(2, 72);
 }

@@ -5,14 +5,29 @@ use crate::common::*;
 use ep_kernels::testing::{random_inputs, random_y, verify_case, Rng, Routing};
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, Path};
 use ep_reference::{Config, Error, Mode, Op, Side};
+use ep_test_runner::{gpu_test, GpuTest};
 
-pub(crate) fn gpu_r1_both_paths_equal_oracle() {
+/// The tests of this module, in the order they run, and what each needs.
+pub(crate) const TESTS: &[GpuTest] = &[
+    gpu_test!(gpu_r1_both_paths_equal_oracle, gpus: 1),
+    gpu_test!(gpu_virtual_r2_r4_r8_both_paths_equal_oracle, gpus: 1),
+    gpu_test!(gpu_scales_column_major_equal_oracle, gpus: 1),
+    gpu_test!(gpu_two_gpus_r2_r4_both_paths_equal_oracle, gpus: 2),
+    gpu_test!(gpu_skewed_routing_all_tokens_to_one_expert, gpus: 1),
+    gpu_test!(gpu_standard_setting_r1_r2_r8_equal_oracle, gpus: 1),
+    gpu_test!(gpu_1000_consecutive_calls_on_the_same_buffers, gpus: 1),
+    gpu_test!(gpu_fp8_cast_is_bit_identical_to_the_cpu, gpus: 1),
+    gpu_test!(gpu_stalled_peer_times_out_with_rank_peer_phase_call, gpus: 1),
+    gpu_test!(gpu_bad_inputs_are_typed_errors, gpus: 1),
+];
+
+fn gpu_r1_both_paths_equal_oracle() {
     for zc in [true, false] {
         assert_eq!(random_configs(1, 1, 1, zc), 4 * 3 * 4);
     }
 }
 
-pub(crate) fn gpu_virtual_r2_r4_r8_both_paths_equal_oracle() {
+fn gpu_virtual_r2_r4_r8_both_paths_equal_oracle() {
     for (r, seed) in [(2, 2), (4, 4), (8, 8)] {
         for zc in [true, false] {
             assert_eq!(random_configs(r, 1, seed, zc), 4 * 3 * 4);
@@ -23,7 +38,7 @@ pub(crate) fn gpu_virtual_r2_r4_r8_both_paths_equal_oracle() {
 /// DeepEP's recv_scales layout (column-major in the last two dimensions): both paths, every FP8
 /// mode, R = 1, 2, 4, local and peer rows. The harness reads the scales back into row order, so
 /// a kernel that wrote them row-major anyway (or to the wrong column) fails the oracle here.
-pub(crate) fn gpu_scales_column_major_equal_oracle() {
+fn gpu_scales_column_major_equal_oracle() {
     let mut rng = Rng::new(31);
     let mut checks = 0;
     for r in [1, 2, 4] {
@@ -49,12 +64,12 @@ pub(crate) fn gpu_scales_column_major_equal_oracle() {
     println!("ok: {checks} checks with column-major recv_scales");
 }
 
-pub(crate) fn gpu_two_gpus_r2_r4_both_paths_equal_oracle() {
+fn gpu_two_gpus_r2_r4_both_paths_equal_oracle() {
     assert_eq!(random_configs(2, 2, 22, true), 4 * 3 * 4);
     assert_eq!(random_configs(4, 2, 44, true), 4 * 3 * 4);
 }
 
-pub(crate) fn gpu_skewed_routing_all_tokens_to_one_expert() {
+fn gpu_skewed_routing_all_tokens_to_one_expert() {
     let mut rng = Rng::new(5);
     for r in [1, 4, 8] {
         let cfg = Config::new(r, 4 * r, 64, 1024, 4, Mode::FP8).unwrap();
@@ -68,7 +83,7 @@ pub(crate) fn gpu_skewed_routing_all_tokens_to_one_expert() {
     }
 }
 
-pub(crate) fn gpu_standard_setting_r1_r2_r8_equal_oracle() {
+fn gpu_standard_setting_r1_r2_r8_equal_oracle() {
     let mut rng = Rng::new(128);
     for r in [1, 2, 8] {
         let cfg = Config::new(r, 256, 128, 7168, 8, Mode::FP8).unwrap();
@@ -88,7 +103,7 @@ pub(crate) fn gpu_standard_setting_r1_r2_r8_equal_oracle() {
     }
 }
 
-pub(crate) fn gpu_1000_consecutive_calls_on_the_same_buffers() {
+fn gpu_1000_consecutive_calls_on_the_same_buffers() {
     let mut rng = Rng::new(1000);
     let cfg = Config::new(4, 16, 8, 512, 4, Mode::FP8_UE8M0).unwrap();
     let mut g = group(&cfg, 1);
@@ -104,7 +119,7 @@ pub(crate) fn gpu_1000_consecutive_calls_on_the_same_buffers() {
     assert_eq!(g.calls(), [500, 500, 500, 500]);
 }
 
-pub(crate) fn gpu_fp8_cast_is_bit_identical_to_the_cpu() {
+fn gpu_fp8_cast_is_bit_identical_to_the_cpu() {
     use ep_reference::payload::Encoder;
     use half::bf16;
     let mut rng = Rng::new(8);
@@ -144,7 +159,7 @@ pub(crate) fn gpu_fp8_cast_is_bit_identical_to_the_cpu() {
     }
 }
 
-pub(crate) fn gpu_stalled_peer_times_out_with_rank_peer_phase_call() {
+fn gpu_stalled_peer_times_out_with_rank_peer_phase_call() {
     let mut rng = Rng::new(9);
     for path in [Path::Batched, Path::PerExpert] {
         let cfg = Config::new(4, 8, 8, 256, 2, Mode::Bf16).unwrap();
@@ -181,7 +196,7 @@ pub(crate) fn gpu_stalled_peer_times_out_with_rank_peer_phase_call() {
     }
 }
 
-pub(crate) fn gpu_bad_inputs_are_typed_errors() {
+fn gpu_bad_inputs_are_typed_errors() {
     let cfg = Config::new(2, 4, 4, 128, 2, Mode::FP8).unwrap();
     let mut g = group(&cfg, 1);
     let x = vec![vec![half::bf16::ONE; 128]; 2];

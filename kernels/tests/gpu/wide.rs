@@ -9,6 +9,15 @@ use ep_kernels::runtime::Variant;
 use ep_kernels::testing::{random_inputs, random_y, verify_case, verify_masked, Rng, Routing};
 use ep_kernels::{GpuGroup, Path};
 use ep_reference::{Config, Mode};
+use ep_test_runner::{gpu_test, GpuTest};
+
+/// The tests of this module, in the order they run, and what each needs.
+pub(crate) const TESTS: &[GpuTest] = &[
+    gpu_test!(gpu_virtual_r64_r128_r256_both_paths_all_modes_equal_oracle, gpus: 1),
+    gpu_test!(gpu_virtual_r64_standard_h_k_equal_oracle, gpus: 1),
+    gpu_test!(gpu_device_api_r64_r256_all_modes_equal_oracle, gpus: 1),
+    gpu_test!(gpu_shrink_r64_masks_peers_past_the_first_word, gpus: 1),
+];
 
 /// Small shapes at R ranks: every mode, L = 1 or 2, T <= 8, H small, K up to 8; three rounds of
 /// varied token counts (empty ranks included) on one group, both paths.
@@ -52,7 +61,7 @@ fn wide_configs(r: usize, seed: u64, zero_copy_local: bool) -> usize {
     checks
 }
 
-pub(crate) fn gpu_virtual_r64_r128_r256_both_paths_all_modes_equal_oracle() {
+fn gpu_virtual_r64_r128_r256_both_paths_all_modes_equal_oracle() {
     for (r, seed) in [(64, 64), (128, 128), (256, 256)] {
         assert_eq!(wide_configs(r, seed, true), 4 * 3 * 4);
     }
@@ -76,7 +85,7 @@ pub(crate) fn gpu_virtual_r64_r128_r256_both_paths_all_modes_equal_oracle() {
 }
 
 /// The standard H and K (7168, 8) at R = 64 virtual ranks (E = 128, T = 16, FP8 and BF16).
-pub(crate) fn gpu_virtual_r64_standard_h_k_equal_oracle() {
+fn gpu_virtual_r64_standard_h_k_equal_oracle() {
     let mut rng = Rng::new(6464);
     for mode in [Mode::FP8, Mode::Bf16] {
         let cfg = Config::new(64, 128, 16, 7168, 8, mode).unwrap();
@@ -93,7 +102,7 @@ pub(crate) fn gpu_virtual_r64_standard_h_k_equal_oracle() {
 
 /// The device API (caller tensors: every IoTable entry of the 256-entry table) at R = 64 and
 /// R = 256, both paths, every mode.
-pub(crate) fn gpu_device_api_r64_r256_all_modes_equal_oracle() {
+fn gpu_device_api_r64_r256_all_modes_equal_oracle() {
     let (_c, s) = context(0);
     for (r, seed) in [(64u64, 640u64), (256, 2560)] {
         let r = r as usize;
@@ -136,7 +145,7 @@ pub(crate) fn gpu_device_api_r64_r256_all_modes_equal_oracle() {
 /// Shrink mode at R = 64: peers past the first mask word (33, 40, 63) masked by hand, then one
 /// that stops signalling (rank 45) is masked by its peers, survivors equal the oracle on the
 /// masked routing; clean brings everyone back. Both paths, BF16 and FP8.
-pub(crate) fn gpu_shrink_r64_masks_peers_past_the_first_word() {
+fn gpu_shrink_r64_masks_peers_past_the_first_word() {
     let r = 64;
     let mut rng = Rng::new(4545);
     for mode in [Mode::Bf16, Mode::FP8] {
