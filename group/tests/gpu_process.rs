@@ -2,7 +2,7 @@
 //! peer with another config before anything is mapped, and NCCL set-up against a peer that never
 //! joins or dies ends within its bound. And the two-tier group: 4 processes on
 //! 2 GPUs as 2 emulated nodes, CUDA IPC inside a node and NCCL across, bitwise against the
-//! oracle. A custom runner (`harness = false`), as in `gpu.rs`: each test declares what it
+//! oracle. A custom runner (`harness = false`), as in `gpu/main.rs`: each test declares what it
 //! needs (`TESTS`, one `gpu_test!` per test function); a test whose GPUs, NVRTC or NCCL are
 //! missing prints `SKIPPED: <test>: <reason>` and is counted as skipped, never as passed.
 //!

@@ -2,7 +2,7 @@
 //! two when two are present), every mode, several routings, both paths, each output compared bit
 //! for bit with `ep_reference::oracle`.
 //!
-//! A custom runner (`harness = false`), as in `gpu.rs`: without a CUDA GPU and NVRTC the GPU
+//! A custom runner (`harness = false`), as in `gpu/main.rs`: without a CUDA GPU and NVRTC the GPU
 //! test prints `SKIPPED: <test>: <reason>` and counts as skipped, never as passed. One CPU test
 //! always runs: the case generator's configs are valid and cover what the fuzz promises.
 //!

@@ -12,7 +12,7 @@
 //! for bit the oracle's (`oracle::combine`, `output::combine_diff`). Every `EP_SOAK_FULL_EVERY`-th
 //! call (default 1000) is also compared in full with `oracle::dispatch` (`DispatchOutput::diff`).
 //!
-//! A custom runner (`harness = false`), as in `gpu.rs`: without a CUDA GPU and NVRTC the soak
+//! A custom runner (`harness = false`), as in `gpu/main.rs`: without a CUDA GPU and NVRTC the soak
 //! prints `SKIPPED: <test>: <reason>` and counts as skipped, never as passed. One CPU test always
 //! runs: the conservation check catches every mutant of a correct output (a row swapped, lost,
 //! duplicated or corrupted, a count or range off by one).
