@@ -16,9 +16,9 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use ep_benches::accounting;
-use ep_benches::cpu::{timed_combine, timed_dispatch, verify, Group, Setup, Timed, PATHS};
+use ep_benches::cpu::{timed_combine, timed_dispatch, verify, Group, Setup, Timed};
 use ep_reference::workload::{Routing, Workload};
-use ep_reference::{Config, CpuOptions, Handle, Mode};
+use ep_reference::{Config, CpuOptions, Handle, Mode, Path};
 
 const TOKENS: [usize; 4] = [1, 16, 128, 512];
 const RANKS: usize = 8;
@@ -39,7 +39,7 @@ fn paths(c: &mut Criterion) {
             .sum::<u64>();
         let setup = Setup::new(w, SEED, ep_reference::CombineFormat::Bf16).expect("inputs");
         let opts = CpuOptions::default();
-        let mut groups = match PATHS
+        let mut groups = match Path::ALL
             .iter()
             .map(|&k| Group::new(k, &cfg, opts))
             .collect::<ep_reference::Result<Vec<_>>>()
@@ -61,7 +61,7 @@ fn paths(c: &mut Criterion) {
             accounting::dispatch_logical_bytes(&cfg, sel) / RANKS as u64,
         ));
         for grp in groups.iter_mut() {
-            g.bench_function(grp.kind.name(), |b| {
+            g.bench_function(grp.path.name(), |b| {
                 b.iter_custom(|iters| {
                     (0..iters)
                         .map(|_| mean_rank_time(&timed_dispatch(grp, w).expect("dispatch")))
@@ -82,7 +82,7 @@ fn paths(c: &mut Criterion) {
                 .into_iter()
                 .map(|t| t.value)
                 .collect();
-            g.bench_function(grp.kind.name(), |b| {
+            g.bench_function(grp.path.name(), |b| {
                 b.iter_custom(|iters| {
                     (0..iters)
                         .map(|_| {

@@ -3,6 +3,7 @@
 //! assembled by [`crate::report::assemble`].
 
 use crate::report::PointResult;
+use crate::spec::{BenchError, BenchSpec};
 use crate::{cpu, gpu};
 
 /// What `--backend` asks for.
@@ -56,8 +57,6 @@ pub fn choose(choice: BackendChoice) -> Result<(Backend, Option<String>), BenchE
         }),
     }
 }
-
-pub use crate::spec::{BenchError, BenchSpec, MAX_ITERS, MAX_WARMUP};
 
 /// Runs one point on `backend`; `progress` gets short status lines.
 pub fn run_point(

@@ -13,38 +13,19 @@ use ep_reference::path::run_ranks;
 use ep_reference::per_expert;
 use ep_reference::workload::Workload;
 use ep_reference::{
-    bf16, CallStats, CombineFormat, Config, CpuOptions, DispatchOutput, EpRank, Handle,
+    bf16, CallStats, CombineFormat, Config, CpuOptions, DispatchOutput, EpRank, Handle, Path,
 };
 
 use crate::accounting;
 use crate::report::{assemble, PathSamples, PointInfo, PointResult, RankSamples, Traffic};
 use crate::spec::{BenchError, BenchSpec};
 
-/// The two ways to move the same data.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PathKind {
-    PerExpert,
-    Batched,
-}
-
-/// Both paths, the reference first.
-pub const PATHS: [PathKind; 2] = [PathKind::PerExpert, PathKind::Batched];
-
-impl PathKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            PathKind::PerExpert => "per-expert",
-            PathKind::Batched => "batched",
-        }
-    }
-
-    /// Builds this path's group: one endpoint per rank.
-    pub fn group(self, cfg: &Config, opts: CpuOptions) -> ep_reference::Result<Vec<Rank>> {
-        Ok(match self {
-            PathKind::PerExpert => boxed(per_expert::group(cfg, opts)?),
-            PathKind::Batched => boxed(ep_fast::group(cfg, opts)?),
-        })
-    }
+/// Builds `path`'s group on the CPU backend: one endpoint per rank.
+pub fn endpoints(path: Path, cfg: &Config, opts: CpuOptions) -> ep_reference::Result<Vec<Rank>> {
+    Ok(match path {
+        Path::PerExpert => boxed(per_expert::group(cfg, opts)?),
+        Path::Batched => boxed(ep_fast::group(cfg, opts)?),
+    })
 }
 
 /// One rank of either path.
@@ -62,16 +43,15 @@ pub struct Slot {
 
 /// One path's group.
 pub struct Group {
-    pub kind: PathKind,
+    pub path: Path,
     pub slots: Vec<Slot>,
 }
 
 impl Group {
-    pub fn new(kind: PathKind, cfg: &Config, opts: CpuOptions) -> ep_reference::Result<Group> {
+    pub fn new(path: Path, cfg: &Config, opts: CpuOptions) -> ep_reference::Result<Group> {
         Ok(Group {
-            kind,
-            slots: kind
-                .group(cfg, opts)?
+            path,
+            slots: endpoints(path, cfg, opts)?
                 .into_iter()
                 .map(|rank| Slot {
                     rank,
@@ -177,7 +157,7 @@ pub fn zeroed_bf16(len: usize) -> Vec<bf16> {
 
 /// Every rank's dispatch (untimed) into its reused output; the handles in rank order.
 fn dispatch_all(g: &mut Group, w: &Workload) -> Result<Vec<Handle>, BenchError> {
-    let path = g.kind.name();
+    let path = g.path;
     run_ranks(&mut g.slots, |s| {
         let me = s.rank.rank();
         s.rank.dispatch_into(&w.x[me], &w.topk_idx[me], &mut s.out)
@@ -195,7 +175,7 @@ fn combine_all(
     handles: &[Handle],
     format: CombineFormat,
 ) -> Result<Vec<Vec<bf16>>, BenchError> {
-    let path = g.kind.name();
+    let path = g.path;
     run_ranks(&mut g.slots, |s| {
         let me = s.rank.rank();
         let (idx, wt) = (&w.topk_idx[me], &w.topk_weights[me]);
@@ -261,7 +241,7 @@ pub fn verify(setup: &Setup, groups: &mut [Group]) -> Result<String, BenchError>
     let oracle: Vec<&DispatchOutput> = setup.oracle_dispatch.iter().collect();
     let mut combined: Vec<Vec<Vec<bf16>>> = Vec::new();
     for g in groups.iter_mut() {
-        let name = g.kind.name();
+        let name = g.path;
         let handles = dispatch_all(g, w)?;
         check_dispatch(&format!("{name} vs oracle"), &g.outputs(), &oracle)?;
         let comb = combine_all(g, w, &setup.ys, &handles, setup.format)?;
@@ -276,12 +256,12 @@ pub fn verify(setup: &Setup, groups: &mut [Group]) -> Result<String, BenchError>
     // Each group keeps its dispatch outputs in its slots: compare the paths directly too.
     if let Some((g0, rest)) = groups.split_first() {
         for (g, comb) in rest.iter().zip(&combined[1..]) {
-            let what = format!("{} vs {}", g.kind.name(), g0.kind.name());
+            let what = format!("{} vs {}", g.path, g0.path);
             check_dispatch(&what, &g.outputs(), &g0.outputs())?;
             check_combine(&what, comb, &combined[0], h)?;
         }
     }
-    let names: Vec<&str> = groups.iter().map(|g| g.kind.name()).collect();
+    let names: Vec<&str> = groups.iter().map(|g| g.path.name()).collect();
     Ok(format!(
         "{} and the oracle: dispatch (recv_x, scales, counts, layout, src_info) and combine bitwise equal on all {} ranks",
         names.join(", "),
@@ -299,7 +279,7 @@ pub struct Timed<T> {
 /// One collective dispatch into the group's reused outputs, timed per rank; returns every
 /// rank's handle.
 pub fn timed_dispatch(g: &mut Group, w: &Workload) -> Result<Vec<Timed<Handle>>, BenchError> {
-    let path = g.kind.name();
+    let path = g.path;
     let barrier = Barrier::new(g.slots.len());
     run_ranks(&mut g.slots, |s| {
         let me = s.rank.rank();
@@ -326,7 +306,7 @@ pub fn timed_combine(
     handles: &[Handle],
     format: CombineFormat,
 ) -> Result<Vec<Timed<()>>, BenchError> {
-    let path = g.kind.name();
+    let path = g.path;
     let barrier = Barrier::new(g.slots.len());
     run_ranks(&mut g.slots, |s| {
         let me = s.rank.rank();
@@ -395,9 +375,9 @@ pub fn run(spec: &BenchSpec, progress: &dyn Fn(&str)) -> Result<PointResult, Ben
     progress("generating inputs, expert outputs and the oracle's results");
     let setup = Setup::new(spec.workload(), spec.seed, spec.combine)?;
     progress("building both groups");
-    let mut groups = PATHS
+    let mut groups = Path::ALL
         .iter()
-        .map(|&k| Group::new(k, &cfg, spec.cpu))
+        .map(|&p| Group::new(p, &cfg, spec.cpu))
         .collect::<ep_reference::Result<Vec<_>>>()?;
     progress("checking both paths against the oracle and each other");
     let verified = verify(&setup, &mut groups)?;
@@ -407,7 +387,7 @@ pub fn run(spec: &BenchSpec, progress: &dyn Fn(&str)) -> Result<PointResult, Ben
     let mut samples: Vec<PathSamples> = groups
         .iter()
         .map(|g| PathSamples {
-            path: g.kind.name(),
+            path: g.path,
             ranks: (0..r)
                 .map(|rank| RankSamples {
                     rank,
@@ -442,7 +422,7 @@ pub fn run(spec: &BenchSpec, progress: &dyn Fn(&str)) -> Result<PointResult, Ben
     // The reused outputs of the last timed call must still be the oracle's.
     for g in &groups {
         check_dispatch(
-            &format!("{} (last timed call) vs oracle", g.kind.name()),
+            &format!("{} (last timed call) vs oracle", g.path),
             &g.outputs(),
             &setup.oracle_dispatch.iter().collect::<Vec<_>>(),
         )?;
@@ -567,7 +547,7 @@ mod tests {
         let mut setup = Setup::new(spec.workload(), 3, spec.combine).unwrap();
         // Pretend the oracle wanted other weights: combine outputs then differ.
         setup.oracle_combine[0][0] = bf16::from_f32(setup.oracle_combine[0][0].to_f32() + 1.0);
-        let mut groups = vec![Group::new(PathKind::PerExpert, &spec.cfg, spec.cpu).unwrap()];
+        let mut groups = vec![Group::new(Path::PerExpert, &spec.cfg, spec.cpu).unwrap()];
         let e = verify(&setup, &mut groups).unwrap_err();
         assert!(
             e.to_string()

@@ -12,6 +12,7 @@ use crate::report::{
 };
 use crate::spec::{BenchError, BenchSpec};
 use crate::stats::Summary;
+use ep_reference::Path;
 
 /// `Ok(device)` when a CUDA GPU is usable, `Err(why not)` otherwise. Never panics.
 pub fn probe() -> Result<String, String> {
@@ -57,21 +58,21 @@ pub fn run(
             BenchError::Backend(e)
         }
     })?;
-    let nccl_note = |path: &str| {
+    let nccl_note = |path: Path| {
         report
             .paths
             .iter()
             .find(|t| t.path == path)
             .and_then(|t| t.nccl_sizes)
-            .unwrap_or("-")
+            .map_or("-", |s| s.name())
     };
     let device = match spec.nccl {
         None => format!("{device} ({} GPU(s))", report.num_gpus),
         Some(_) => format!(
             "{device} ({} GPU(s)), NCCL transport for every peer: per-expert {} sizes, batched {} sizes; messages = NCCL sends, bytes = what they carry (headers, capacity padding included), no device signals",
             report.num_gpus,
-            nccl_note("per-expert"),
-            nccl_note("batched")
+            nccl_note(Path::PerExpert),
+            nccl_note(Path::Batched)
         ),
     };
     let kernel_times: Vec<KernelTime> = report
@@ -245,7 +246,7 @@ pub fn phase_profile(spec: &BenchSpec) -> Result<String, BenchError> {
     }
     g.upload_dispatch_inputs(&w.x, &w.topk_idx).map_err(be)?;
     g.upload_combine_inputs(&y, &w.topk_weights).map_err(be)?;
-    for path in [Path::PerExpert, Path::Batched] {
+    for path in Path::ALL {
         for op in [Op::Dispatch, Op::Combine] {
             let mut stamps = Vec::new();
             let mut halves = [Vec::new(), Vec::new()];

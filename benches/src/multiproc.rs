@@ -16,7 +16,7 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use ep_group::mp::{run_rank_with, sizes_for, transport_name, MpFailure, MpOptions, RankRun};
+use ep_group::mp::{run_rank_with, sizes_for, MpFailure, MpOptions, RankRun};
 use ep_kernels::runtime::{NcclSizes, Path, Transport};
 use ep_launch::EXIT_PEER_FAILURE;
 use ep_reference::Op;
@@ -62,7 +62,10 @@ pub fn launch_nodes(
             .iter()
             .any(|a| a == "--transport" || a.starts_with("--transport="))
         {
-            args.extend(["--transport".to_string(), "two-tier".to_string()]);
+            args.extend([
+                "--transport".to_string(),
+                Transport::TwoTier.name().to_string(),
+            ]);
         }
     }
     let opts = ep_launch::LaunchOptions {
@@ -122,7 +125,7 @@ pub fn child_args(args: &[String]) -> Vec<String> {
 /// One path's timing on this rank.
 #[derive(Debug, Clone)]
 pub struct MpTiming {
-    pub path: &'static str,
+    pub path: Path,
     pub dispatch_us: f64,
     pub combine_us: f64,
     /// NCCL transport: the path and the sizing it ran (its wire figures follow from them and
@@ -177,7 +180,7 @@ pub fn time_calls(run: &mut RankRun<'_>, o: &MpOptions) -> Result<Vec<MpTiming>,
                     .map_err(|e| fail(format!("rank {rank}: barrier: {e}"), true))?;
             }
             timings.push(MpTiming {
-                path: path.name(),
+                path,
                 dispatch_us: us[0],
                 combine_us: us[1],
                 nccl: (o.transport == Transport::Nccl).then(|| (path, sizes_for(o, path))),
@@ -219,7 +222,7 @@ pub fn rank(o: &MpOptions) -> ExitCode {
         for (path, why) in &rep.unsupported {
             println!(
                 "{path}: unsupported on transport {}, not checked or timed: {why}",
-                transport_name(o.transport)
+                o.transport
             );
         }
     }

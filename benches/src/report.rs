@@ -6,8 +6,8 @@
 
 use std::fmt::Write as _;
 
-use ep_reference::Config;
-use serde::Serialize;
+use ep_reference::{Config, Path};
+use serde::{Serialize, Serializer};
 
 use crate::accounting;
 use crate::stats::Summary;
@@ -37,8 +37,7 @@ pub struct RankSamples {
 /// One path's raw results, as a backend measured them.
 #[derive(Debug, Clone)]
 pub struct PathSamples {
-    /// "per-expert" or "batched".
-    pub path: &'static str,
+    pub path: Path,
     pub ranks: Vec<RankSamples>,
     /// Messages, signals and wire bytes of one dispatch call, summed over ranks
     /// (`logical_bytes` is filled in by [`assemble`]).
@@ -65,7 +64,9 @@ pub struct RankResult {
 /// One path's figures.
 #[derive(Debug, Clone, Serialize)]
 pub struct PathResult {
-    pub path: String,
+    /// In the JSON document by its name ([`Path::name`]).
+    #[serde(serialize_with = "path_name")]
+    pub path: Path,
     /// Over every (rank, call) sample.
     pub dispatch: Summary,
     pub combine: Summary,
@@ -78,6 +79,10 @@ pub struct PathResult {
     pub kernel_time: Option<KernelTime>,
     /// GPU backend: the receive-hook split (see [`HookSplit`]); `None` elsewhere.
     pub hook_split: Option<HookSplit>,
+}
+
+fn path_name<S: Serializer>(path: &Path, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(path.name())
 }
 
 /// The receive-hook split (DeepEP's `return_recv_hook`, pplx's `do_send`/`do_recv`): dispatch
@@ -228,7 +233,7 @@ pub fn assemble(info: &PointInfo<'_>, paths: Vec<PathSamples>) -> PointResult {
             let all_c: Vec<f64> = p.ranks.iter().flat_map(|r| r.combine_us.clone()).collect();
             let total_sel: u64 = info.selections.iter().sum();
             PathResult {
-                path: p.path.to_string(),
+                path: p.path,
                 dispatch: summary(&all_d),
                 combine: summary(&all_c),
                 dispatch_traffic: Traffic {
@@ -247,8 +252,8 @@ pub fn assemble(info: &PointInfo<'_>, paths: Vec<PathSamples>) -> PointResult {
         })
         .collect();
     let speedup = match (
-        results.iter().find(|p| p.path == "per-expert"),
-        results.iter().find(|p| p.path == "batched"),
+        results.iter().find(|p| p.path == Path::PerExpert),
+        results.iter().find(|p| p.path == Path::Batched),
     ) {
         (Some(pe), Some(b)) => Some(Speedup {
             dispatch: pe.dispatch.median_us / b.dispatch.median_us,
@@ -323,12 +328,17 @@ pub fn hook_split_lines(p: &PointResult) -> String {
             Some(HookSplit::Measured { events, kernel }) => {
                 line(
                     &mut s,
-                    &path.path,
+                    path.path.name(),
                     events,
                     "CUDA events around each half, one launch per half",
                 );
                 match kernel {
-                    Ok(k) => line(&mut s, &path.path, k, "CUPTI kernel time of each half"),
+                    Ok(k) => line(
+                        &mut s,
+                        path.path.name(),
+                        k,
+                        "CUPTI kernel time of each half",
+                    ),
                     Err(why) => {
                         let _ = writeln!(
                             s,
@@ -409,10 +419,10 @@ pub fn table(p: &PointResult) -> String {
         "wire MB d/c",
     );
     for path in &p.paths {
-        let speedup = match (&p.speedup, path.path.as_str()) {
-            (Some(sp), "batched") => format!("{:.2}x", sp.total),
-            (Some(_), "per-expert") => "1.00x".to_string(),
-            _ => "-".to_string(),
+        let speedup = match (&p.speedup, path.path) {
+            (Some(sp), Path::Batched) => format!("{:.2}x", sp.total),
+            (Some(_), Path::PerExpert) => "1.00x".to_string(),
+            (None, _) => "-".to_string(),
         };
         let (d, c) = (&path.dispatch_traffic, &path.combine_traffic);
         let _ = writeln!(
@@ -469,10 +479,10 @@ pub fn sweep_table(points: &[Result<PointResult, String>], tokens: &[usize]) -> 
     for (t, pt) in tokens.iter().zip(points) {
         match pt {
             Ok(p) => {
-                let med = |name: &str, disp: bool| {
+                let med = |path: Path, disp: bool| {
                     p.paths
                         .iter()
-                        .find(|x| x.path == name)
+                        .find(|x| x.path == path)
                         .map(|x| {
                             if disp {
                                 x.dispatch.median_us
@@ -488,10 +498,10 @@ pub fn sweep_table(points: &[Result<PointResult, String>], tokens: &[usize]) -> 
                     s,
                     "{:>6} {:>16.1} {:>16.1} {:>16.1} {:>16.1} {:>10} {:>10} {:>10}",
                     t,
-                    med("per-expert", true),
-                    med("batched", true),
-                    med("per-expert", false),
-                    med("batched", false),
+                    med(Path::PerExpert, true),
+                    med(Path::Batched, true),
+                    med(Path::PerExpert, false),
+                    med(Path::Batched, false),
                     f(sp.map(|s| s.dispatch)),
                     f(sp.map(|s| s.combine)),
                     f(sp.map(|s| s.total)),
@@ -510,7 +520,7 @@ mod tests {
     use super::*;
     use ep_reference::Mode;
 
-    fn samples(path: &'static str, d: f64, c: f64) -> PathSamples {
+    fn samples(path: Path, d: f64, c: f64) -> PathSamples {
         PathSamples {
             path,
             ranks: (0..2)
@@ -551,8 +561,8 @@ mod tests {
         let p = assemble(
             &info,
             vec![
-                samples("per-expert", 30.0, 60.0),
-                samples("batched", 10.0, 30.0),
+                samples(Path::PerExpert, 30.0, 60.0),
+                samples(Path::Batched, 10.0, 30.0),
             ],
         );
         let msg = 128 + 4 + 16;
@@ -605,8 +615,8 @@ mod tests {
         assemble(
             &info,
             vec![
-                samples("per-expert", 30.0, 60.0),
-                samples("batched", 10.0, 30.0),
+                samples(Path::PerExpert, 30.0, 60.0),
+                samples(Path::Batched, 10.0, 30.0),
             ],
         )
     }

@@ -87,7 +87,7 @@ pub enum BenchError {
     Config(ep_reference::Error),
     /// A path failed while running.
     Path {
-        path: &'static str,
+        path: ep_reference::Path,
         err: ep_reference::Error,
     },
     /// The paths' outputs differ from each other or from the oracle: nothing is timed.

@@ -56,7 +56,7 @@ pub struct MpReport {
     pub rank: usize,
     pub world: usize,
     pub config: Config,
-    pub transport: &'static str,
+    pub transport: Transport,
     pub device: String,
     /// Outputs compared bit for bit with the oracle.
     pub checks: usize,
@@ -69,17 +69,8 @@ pub struct MpReport {
     /// Peers reached through CUDA IPC and through NCCL.
     pub ipc_peers: Vec<usize>,
     pub nccl_peers: Vec<usize>,
-    /// Paths the group refused (name, why): not checked, not timed.
-    pub unsupported: Vec<(&'static str, String)>,
-}
-
-/// The name of a transport in reports.
-pub fn transport_name(t: Transport) -> &'static str {
-    match t {
-        Transport::Auto => "nvlink-ipc",
-        Transport::Nccl => "nccl",
-        Transport::TwoTier => "two-tier",
-    }
+    /// Paths the group refused (and why): not checked, not timed.
+    pub unsupported: Vec<(Path, String)>,
 }
 
 /// Why a rank failed; `caused_by_peer` when another rank's failure is the cause (the process
@@ -246,7 +237,6 @@ pub fn run_rank_with<T>(
         timeout_ns: timeout_ns(o.timeout),
         ..Default::default()
     };
-    let transport = transport_name(o.transport);
     let node = crate::node::node_id()
         .map(|n| n.to_string())
         .map_err(|e| fail(format!("rank {rank}: {e}"), false))?;
@@ -270,7 +260,7 @@ pub fn run_rank_with<T>(
     let ipc_peers: Vec<usize> = (0..world)
         .filter(|&d| d != rank && !mask.contains(d))
         .collect();
-    let mut paths: Vec<Path> = vec![Path::PerExpert, Path::Batched];
+    let mut paths: Vec<Path> = Path::ALL.to_vec();
     let mut unsupported = Vec::new();
     // Every rank switches together before each path's calls (both sides size each message
     // alike): per-expert runs exact sizes only.
@@ -329,7 +319,7 @@ pub fn run_rank_with<T>(
                 // Refused before anything was launched (every rank alike: the refusal depends
                 // on the transport only): report it, go on with the other path.
                 Err(GpuError::Unsupported(why)) => {
-                    unsupported.push((path.name(), why));
+                    unsupported.push((path, why));
                     paths.retain(|&p| p != path);
                     continue;
                 }
@@ -393,7 +383,7 @@ pub fn run_rank_with<T>(
         rank,
         world,
         config: cfg,
-        transport,
+        transport: o.transport,
         device,
         checks,
         selections,

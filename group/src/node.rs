@@ -1,7 +1,7 @@
 //! This process's node id: `EP_NODE_ID`, else torchrun's `GROUP_RANK`, else the hostname (see
 //! [`crate::topology`]), and where it came from. Below the handshake (a record carries the
 //! node id), the topology (the plan compares them) and [`GroupError`](crate::GroupError) (which
-//! wraps [`NodeIdError`]); also at its old path, `topology::node`.
+//! wraps [`NodeIdError`]).
 
 /// The variable that names this process's node (first choice).
 pub const EP_NODE_ID: &str = "EP_NODE_ID";

@@ -1,7 +1,7 @@
 //! The handshake record's wire constants (magic, protocol, bounds of every field) and the
 //! reader of a peer's bytes, with why a record cannot be read ([`BlobError`]). Below the
 //! handshake (which encodes and decodes records with it) and [`GroupError`](crate::GroupError)
-//! (which wraps [`BlobError`]); also at its old path, `handshake::wire`.
+//! (which wraps [`BlobError`]).
 
 use crate::node::MAX_NODE_ID_LEN;
 

@@ -60,15 +60,25 @@ fn moe_layer_skips_or_passes_and_exits_0() {
 
 #[test]
 fn moe_layer_refuses_a_bad_flag() {
-    for (args, flag) in [
-        (&["--mode", "fp4"][..], "--mode fp4"),
-        (&["--ranks", "0"][..], "--ranks 0"),
-        (&["--tokens"][..], "--tokens"),
-        (&["--bogus", "1"][..], "--bogus"),
+    // (flags, the flag and the value the refusal must name): clap's refusals, then a setting
+    // each flag allows and the library's config refuses (checked before the GPU is looked at).
+    for (args, flag, value) in [
+        (&["--mode", "fp4"][..], "--mode", "fp4"),
+        (&["--ranks", "0"][..], "--ranks", "'0'"),
+        (&["--path", "per_expert"][..], "--path", "per_expert"),
+        (&["--experts", "4097"][..], "--experts", "4097"),
+        (&["--tokens"][..], "--tokens", ""),
+        (&["--bogus", "1"][..], "--bogus", ""),
+        (&["--top-k", "17"][..], "--top-k", "K=17"),
+        (&["--ranks", "3"][..], "--ranks", "R=3"),
+        (&["--nprocs", "3"][..], "--nprocs", "R=3"),
     ] {
         let o = run(args);
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(2), "moe_layer {args:?}: {err}");
-        assert!(err.contains(flag), "moe_layer {args:?} said: {err}");
+        assert!(
+            err.contains(flag) && err.contains(value),
+            "moe_layer {args:?} said: {err}"
+        );
     }
 }

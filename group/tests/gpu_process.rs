@@ -13,10 +13,11 @@
 
 use ep_group::handshake::Hello;
 use ep_group::mp::{run_rank_with, sizes_for, MpFailure, MpOptions, RankRun};
-use ep_group::topology::{emulation_envs, node_id, NodeId};
+use ep_group::node::{node_id, NodeId};
+use ep_group::topology::emulation_envs;
 use ep_group::{new_process, GroupError};
-use ep_kernels::nccl::SETUP_FLOOR;
 use ep_kernels::runtime::bytes_per_rank_with;
+use ep_kernels::runtime::nccl::SETUP_FLOOR;
 use ep_kernels::testing::{random_inputs, Rng, Routing};
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, NcclSizes, Path, Transport};
 use ep_reference::{Config, Mode, Op};
@@ -376,7 +377,7 @@ fn two_tier_rank() -> i32 {
     };
     match run_rank_with(&o, |run| back_to_back(run, &o)) {
         Ok((rep, called)) => {
-            let unsupported: Vec<&str> = rep.unsupported.iter().map(|(p, _)| *p).collect();
+            let unsupported: Vec<&str> = rep.unsupported.iter().map(|(p, _)| p.name()).collect();
             println!(
                 "TWO-TIER rank={} node={} ipc={:?} nccl={:?} checks={} unsupported={:?} called={:?}",
                 rep.rank, rep.node, rep.ipc_peers, rep.nccl_peers, rep.checks, unsupported, called
@@ -491,7 +492,7 @@ fn many_rank(transport: Transport, world: usize, gpus: usize) -> i32 {
     };
     match ep_group::mp::run_rank(&o) {
         Ok(rep) => {
-            let unsupported: Vec<&str> = rep.unsupported.iter().map(|(p, _)| *p).collect();
+            let unsupported: Vec<&str> = rep.unsupported.iter().map(|(p, _)| p.name()).collect();
             println!(
                 "MANY rank={} world={} node={} ipc={} nccl={} checks={} unsupported={:?}",
                 rep.rank,

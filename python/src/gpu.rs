@@ -110,28 +110,6 @@ pub fn has_staging(transport: Transport) -> bool {
     transport != Transport::Auto
 }
 
-/// Parses our `transport=` keyword.
-pub fn transport(name: &str) -> Result<Transport> {
-    match name {
-        "auto" => Ok(Transport::Auto),
-        "nccl" => Ok(Transport::Nccl),
-        "two-tier" => Ok(Transport::TwoTier),
-        other => Err(BindError::argument(
-            "transport",
-            format!("{other:?} is not a transport (expected 'auto', 'nccl' or 'two-tier')"),
-        )),
-    }
-}
-
-/// The name of `t` as the `transport=` keyword spells it.
-pub fn transport_name(t: Transport) -> &'static str {
-    match t {
-        Transport::Auto => "auto",
-        Transport::Nccl => "nccl",
-        Transport::TwoTier => "two-tier",
-    }
-}
-
 /// Refuses a path the transport cannot run through the device API. NCCL can carry traffic on
 /// `Nccl` (every peer) and `TwoTier` (the peers on other nodes); there this Buffer runs NCCL with
 /// fixed capacities ([`NcclSizes::Capacity`]), which only the batched path has: the per-expert
@@ -145,13 +123,16 @@ pub fn check_path_on(path: Path, transport: Transport) -> Result<()> {
             "the peers on other nodes are"
         };
         return Err(GpuError::Unsupported(format!(
-            "path='per_expert' with transport='{}': {reach} reached through NCCL, and the \
+            "path='{}' with transport='{}': {reach} reached through NCCL, and the \
              per-expert path's NCCL messages need exact sizes, which the host reads from the \
              batch headers in the middle of the call (a host round trip); this Buffer enqueues \
              on torch's current stream without synchronising it (stream-ordered, capturable), \
              so it runs NCCL with fixed capacities, which only the batched path has. Use \
-             path='batched' (the same bits), or transport='auto' within one node",
-            transport_name(transport)
+             path='{}' (the same bits), or transport='{}' within one node",
+            path.python_keyword(),
+            transport.name(),
+            Path::Batched.python_keyword(),
+            Transport::Auto.name(),
         ))
         .into());
     }
@@ -183,7 +164,7 @@ pub fn options(transport: Transport, timeout: Duration, trap_on_error: bool) -> 
 /// `Nccl` needs libnccl here (`TwoTier` needs it only across nodes, which the exchange finds out
 /// and names then).
 pub fn probe_transport(transport: Transport) -> Result<()> {
-    if transport == Transport::Nccl && !ep_kernels::nccl::nccl_present() {
+    if transport == Transport::Nccl && !ep_kernels::runtime::nccl::nccl_present() {
         return Err(GpuError::NoDevice(
             "transport='nccl' needs NCCL, and no libnccl can be loaded in this process (the \
              loader is asked for libnccl.so, then versioned names, not libnccl.so.2: put a \
@@ -193,18 +174,6 @@ pub fn probe_transport(transport: Transport) -> Result<()> {
         .into());
     }
     Ok(())
-}
-
-/// Parses our `path=` keyword.
-pub fn path(name: &str) -> Result<Path> {
-    match name {
-        "batched" => Ok(Path::Batched),
-        "per_expert" => Ok(Path::PerExpert),
-        other => Err(BindError::argument(
-            "path",
-            format!("{other:?} is not a path (expected 'batched' or 'per_expert')"),
-        )),
-    }
 }
 
 /// Which half of a call to enqueue: both (DeepEP's default), or the send half now and the
@@ -729,25 +698,12 @@ mod tests {
     }
 
     #[test]
-    fn keywords_parse_or_name_the_argument() {
-        assert_eq!(path("batched").unwrap(), Path::Batched);
-        assert_eq!(path("per_expert").unwrap(), Path::PerExpert);
-        assert_eq!(transport("auto").unwrap(), Transport::Auto);
-        assert_eq!(transport("nccl").unwrap(), Transport::Nccl);
-        assert_eq!(transport("two-tier").unwrap(), Transport::TwoTier);
-        for t in [Transport::Auto, Transport::Nccl, Transport::TwoTier] {
-            assert_eq!(transport(transport_name(t)).unwrap(), t);
-        }
+    fn phases_parse() {
         assert_eq!(Phases::parse("recv").unwrap(), Phases::Recv);
-        assert!(path("fast")
+        assert!(Phases::parse("all")
             .unwrap_err()
             .to_string()
-            .starts_with("argument `path`"));
-        for bad in ["ib", "two_tier", "NCCL", ""] {
-            let e = transport(bad).unwrap_err().to_string();
-            assert!(e.starts_with("argument `transport`"), "{e}");
-            assert!(e.contains("'auto', 'nccl' or 'two-tier'"), "{e}");
-        }
+            .starts_with("argument `phases`"));
     }
 
     #[test]

@@ -5,7 +5,8 @@
 use crate::error::{BindError, Result};
 use ep_reference::oracle::{self, CombineInput, RankInput};
 use ep_reference::{
-    bf16, path::run_ranks, Config, CpuOptions, DispatchOutput, EpRank, Mode, RecvScales, RecvX,
+    bf16, path::run_ranks, Config, CpuOptions, DispatchOutput, EpRank, Mode, Path, RecvScales,
+    RecvX,
 };
 use std::time::Duration;
 
@@ -219,30 +220,10 @@ pub fn bf16_bytes(v: &[bf16]) -> Vec<u8> {
     le_bytes(v, |x| x.to_bits().to_le_bytes())
 }
 
-/// The CPU backend's two paths, by DeepEP-style name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CpuPath {
-    PerExpert,
-    Batched,
-}
-
-impl CpuPath {
-    pub fn parse(name: &str) -> Result<CpuPath> {
-        match name {
-            "per_expert" => Ok(CpuPath::PerExpert),
-            "batched" => Ok(CpuPath::Batched),
-            other => Err(BindError::argument(
-                "path",
-                format!("{other:?} is not a path (expected 'batched' or 'per_expert')"),
-            )),
-        }
-    }
-}
-
 /// One dispatch and one combine on the CPU backend (one thread per rank): every rank's dispatch
 /// output and combine output. `ys` are the expert outputs in the dispatch layout.
 pub fn cpu_roundtrip(
-    path: CpuPath,
+    path: Path,
     cfg: &Config,
     xs: &[Vec<bf16>],
     topks: &[Vec<i64>],
@@ -268,11 +249,11 @@ pub fn cpu_roundtrip(
         ..CpuOptions::default()
     };
     let mut ranks: Vec<Box<dyn EpRank>> = match path {
-        CpuPath::PerExpert => ep_reference::per_expert::group(cfg, opts)?
+        Path::PerExpert => ep_reference::per_expert::group(cfg, opts)?
             .into_iter()
             .map(|r| Box::new(r) as Box<dyn EpRank>)
             .collect(),
-        CpuPath::Batched => ep_fast::group(cfg, opts)?
+        Path::Batched => ep_fast::group(cfg, opts)?
             .into_iter()
             .map(|r| Box::new(r) as Box<dyn EpRank>)
             .collect(),
@@ -376,7 +357,7 @@ mod tests {
         ];
         let want = oracle_dispatch(&cfg, &xs, &topks).unwrap();
         let want_c = oracle_combine(&cfg, &ys, &topks, &ws).unwrap();
-        for path in [CpuPath::PerExpert, CpuPath::Batched] {
+        for path in Path::ALL {
             let (got, got_c) =
                 cpu_roundtrip(path, &cfg, &xs, &topks, &ys, &ws, Duration::from_secs(10)).unwrap();
             for r in 0..2 {
@@ -395,12 +376,8 @@ mod tests {
             e,
             BindError::Contract(ep_reference::Error::ExpertOutOfRange { expert: 5, .. })
         ));
-        assert_eq!(
-            CpuPath::parse("fast").unwrap_err().to_string(),
-            "argument `path`: \"fast\" is not a path (expected 'batched' or 'per_expert')"
-        );
         let e = cpu_roundtrip(
-            CpuPath::Batched,
+            Path::Batched,
             &cfg,
             &xs,
             &[vec![0]],

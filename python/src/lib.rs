@@ -13,6 +13,7 @@
 pub mod error;
 pub mod gpu;
 pub mod host;
+pub mod keywords;
 #[cfg(feature = "python")]
 mod py;
 

@@ -8,12 +8,15 @@
 //! - the [`oracle`]: every rank's outputs computed directly from the contract, with or without a
 //!   [`RankMask`] (DeepEP's shrink mode, [`mask`]);
 //! - the CPU backend's transport ([`transport`], on the [`sync`] shim that loom swaps in);
-//! - the **per-expert** protocol on that backend ([`per_expert`]): one message per selection.
+//! - the **per-expert** protocol on that backend ([`per_expert`]): one message per selection;
+//! - which of the two protocols a call runs ([`Path`]), with the one parse of the workspace's
+//!   choice names ([`names`]).
 
 pub mod config;
 pub mod error;
 pub mod input;
 pub mod mask;
+pub mod names;
 pub mod numerics;
 pub mod oracle;
 pub mod output;
@@ -28,7 +31,8 @@ pub use config::{CombineFormat, Config, Mode};
 pub use error::{Error, Op, Phase, Result, Side};
 pub use half::bf16;
 pub use mask::RankMask;
+pub use names::UnknownName;
 pub use numerics::bf16::{from_f32_rne as bf16_from_f32, to_f32 as bf16_to_f32};
 pub use output::{DispatchOutput, Handle, RecvScales, RecvX};
-pub use path::{CpuOptions, EpRank};
+pub use path::{CpuOptions, EpRank, Path};
 pub use transport::CallStats;

@@ -1,13 +1,74 @@
-//! What every path offers a rank, so tests and benchmarks drive them the same way.
+//! The two paths ([`Path`]) and what every path offers a rank ([`EpRank`]), so tests and
+//! benchmarks drive them the same way.
 
+use std::fmt;
+use std::str::FromStr;
 use std::time::Duration;
 
 use crate::config::{CombineFormat, Config};
 use crate::error::{Error, Result};
 use crate::mask::RankMask;
+use crate::names::{self, UnknownName};
 use crate::output::{DispatchOutput, Handle};
 use crate::transport::CallStats;
 use half::bf16;
+
+/// Which of the two protocols moves a call's data (docs/contract.md section 6), on every
+/// backend: the per-expert reference or the per-destination batches. The same bits either way.
+///
+/// One name each ([`Path::name`], parsed back by `FromStr`, shown by `Display`): `per-expert`
+/// and `batched`, as command-line flags and reports spell them. The Python API's `path=`
+/// keyword spells the first `per_expert` ([`Path::python_keyword`],
+/// [`Path::from_python_keyword`]); each parse accepts its own spelling only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Path {
+    /// One message per selection, one signal per (expert, source).
+    PerExpert,
+    /// One deduplicated batch and one signal per (source, destination).
+    Batched,
+}
+
+impl Path {
+    /// Both paths, the reference first.
+    pub const ALL: [Path; 2] = [Path::PerExpert, Path::Batched];
+
+    /// The path's name in flags and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::PerExpert => "per-expert",
+            Path::Batched => "batched",
+        }
+    }
+
+    /// The path's name as the Python API's `path=` keyword spells it (a Python-style word:
+    /// `per_expert`; the Buffer keeps what it was given as its `path` attribute).
+    pub fn python_keyword(self) -> &'static str {
+        match self {
+            Path::PerExpert => "per_expert",
+            Path::Batched => "batched",
+        }
+    }
+
+    /// The path a Python `path=` keyword names ([`Path::python_keyword`]'s spelling only).
+    pub fn from_python_keyword(keyword: &str) -> std::result::Result<Path, UnknownName> {
+        names::parse("path", keyword, &Path::ALL, Path::python_keyword)
+    }
+}
+
+impl FromStr for Path {
+    type Err = UnknownName;
+
+    /// The path [`Path::name`] spells `s` (that spelling only).
+    fn from_str(s: &str) -> std::result::Result<Path, UnknownName> {
+        names::parse("path", s, &Path::ALL, Path::name)
+    }
+}
+
+impl fmt::Display for Path {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(self.name())
+    }
+}
 
 /// One rank's endpoint of an expert-parallel group, as DeepEP's low-latency `Buffer` offers it.
 /// Every rank of the group must make the same sequence of calls (each call is collective).
@@ -171,4 +232,34 @@ where
             .map(|h| h.join().expect("rank thread panicked"))
             .collect()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_path_has_one_name_and_one_python_keyword() {
+        for p in Path::ALL {
+            assert_eq!(p.name().parse::<Path>(), Ok(p));
+            assert_eq!(p.to_string(), p.name());
+            assert_eq!(Path::from_python_keyword(p.python_keyword()), Ok(p));
+        }
+        assert_eq!(Path::PerExpert.name(), "per-expert");
+        assert_eq!(Path::PerExpert.python_keyword(), "per_expert");
+        // Each parse takes its own spelling only.
+        let e = "per_expert".parse::<Path>().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "\"per_expert\" is not a path (expected 'per-expert' or 'batched')"
+        );
+        let e = Path::from_python_keyword("per-expert").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "\"per-expert\" is not a path (expected 'per_expert' or 'batched')"
+        );
+        assert!("Batched".parse::<Path>().is_err());
+        // Display pads like a str (report tables align on it).
+        assert_eq!(format!("[{:<11}]", Path::Batched), "[batched    ]");
+    }
 }

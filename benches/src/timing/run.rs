@@ -15,10 +15,9 @@ use half::bf16;
 /// CUPTI's activity records, the figure DeepEP's test prints.
 #[derive(Debug, Clone)]
 pub struct GpuTimings {
-    /// "per-expert" or "batched".
-    pub path: &'static str,
-    /// Over NCCL: the sizing mode this path ran ("exact" / "capacity"); None over NVLink.
-    pub nccl_sizes: Option<&'static str>,
+    pub path: Path,
+    /// Over NCCL: the sizing mode this path ran; None over NVLink.
+    pub nccl_sizes: Option<NcclSizes>,
     /// One sample per timed call, microseconds.
     pub dispatch_us: Vec<f64>,
     pub combine_us: Vec<f64>,
@@ -124,7 +123,7 @@ pub fn run_with(
         let mut g = GpuGroup::new(cfg, opts).map_err(|e| e.to_string())?;
         let device = g.describe_devices();
         let mut paths = Vec::new();
-        for path in [Path::PerExpert, Path::Batched] {
+        for path in Path::ALL {
             let sizes = match path {
                 Path::PerExpert => NcclSizes::Exact,
                 Path::Batched => opts.nccl_sizes,
@@ -180,8 +179,8 @@ pub fn run_with(
                 accounting(cfg, topk_idx, path, num_gpus)
             };
             paths.push(GpuTimings {
-                path: path.name(),
-                nccl_sizes: g.uses_nccl().then(|| sizes.name()),
+                path,
+                nccl_sizes: g.uses_nccl().then_some(sizes),
                 dispatch_us: dt,
                 combine_us: ct,
                 dispatch_wire_bytes: dw,

@@ -9,7 +9,7 @@
 //! and checks every peer's record before handing the payloads back. Every rank compares every
 //! peer with itself, so all ranks fail together, before anything is mapped, when any two differ.
 //!
-//! Decoding is defensive: the length is checked before anything is read (at most [`MAX_BLOB`]
+//! Decoding is defensive: the length is checked before anything is read (at most [`MAX_BLOB`](crate::wire::MAX_BLOB)
 //! bytes), the magic and the protocol byte come first, every field is bounded, and trailing bytes
 //! are refused. A malformed record is [`GroupError::PeerBlob`](crate::GroupError::PeerBlob) naming the peer; any difference is
 //! [`GroupError::PeerMismatch`](crate::GroupError::PeerMismatch) naming the field, both values and both ranks.
@@ -22,14 +22,15 @@
 //! (bit 0 round_scale, bit 1 ue8m0; 0 for bf16), transport `u8` (0 auto, 1 nccl, 2 two-tier),
 //! zero_copy_local `u8` (0/1), NCCL sizes `u8` (0 exact, 1 capacity), shrink `u8` (0/1), timeout_ns `u64`, rank `u64`, allocation bytes `u64`, node id source
 //! `u8` (0 `EP_NODE_ID`, 1 `GROUP_RANK`, 2 hostname), node id (`u8` length, 1..=64 printable ASCII
-//! bytes without spaces), payload length `u16` (<= [`MAX_PAYLOAD`]), payload.
+//! bytes without spaces), payload length `u16` (<= [`MAX_PAYLOAD`](crate::wire::MAX_PAYLOAD)), payload.
 //!
 //! The node id ([`crate::topology`]) is the one field peers may differ in: it says which peers
 //! share this rank's node (CUDA IPC) and which do not (NCCL, `Transport::TwoTier`). Its source
 //! must be the same on every rank (ids of different kinds are never compared).
 
 //!
-//! - [`wire`]: the wire format's constants and bounds, the reader, [`BlobError`];
+//! - [`crate::wire`] (one floor below): the wire format's constants and bounds, the reader,
+//!   [`BlobError`](crate::wire::BlobError);
 //! - [`record`]: the record ([`Hello`]), its encoder and decoder, the kernel fingerprint;
 //! - [`compare`]: a peer's record against this rank's, field by field;
 //! - [`exchange()`]: one all-gather round of records and payloads, every peer checked.
@@ -38,12 +39,6 @@ pub mod compare;
 pub mod exchange;
 pub mod record;
 
-/// The record's wire format, at its old path (now [`crate::wire`]).
-pub use crate::wire;
-pub use crate::wire::{
-    BlobError, LIBRARY, MAGIC, MAX_ALLOC, MAX_BLOB, MAX_COUNT, MAX_PAYLOAD, MAX_VERSION_LEN,
-    PROTOCOL,
-};
 pub use exchange::{exchange, exchange_records, verify_all, verify_records, AllGather};
 pub use record::{kernel_fingerprint, Hello};
 

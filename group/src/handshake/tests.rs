@@ -4,6 +4,7 @@ use super::*;
 use crate::error::GroupError;
 use crate::handshake::record::fingerprint;
 use crate::node::{NodeId, NodeSource};
+use crate::wire::{BlobError, MAX_ALLOC, MAX_BLOB, MAX_COUNT, MAX_PAYLOAD, PROTOCOL};
 use ep_kernels::runtime::{GpuOptions, NcclSizes, Transport};
 use ep_reference::{Config, Mode};
 

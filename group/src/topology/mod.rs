@@ -8,11 +8,11 @@
 //! 3. the hostname (`/proc/sys/kernel/hostname`).
 //!
 //! A variable that is set but invalid (empty, too long, spaces or control bytes, a `GROUP_RANK`
-//! that is no integer) is a [`NodeIdError`] naming the variable and the value, never skipped in
-//! favour of the next source. Every rank sends its node id, and which of the three it came from,
-//! in its handshake record ([`crate::handshake`]); ranks whose ids come from different sources are
-//! refused there (a job where some nodes set `EP_NODE_ID` and others do not), so ids of
-//! different kinds are never compared.
+//! that is no integer) is a [`NodeIdError`](crate::node::NodeIdError) naming the variable and
+//! the value, never skipped in favour of the next source. Every rank sends its node id, and
+//! which of the three it came from, in its handshake record ([`crate::handshake`]); ranks whose
+//! ids come from different sources are refused there (a job where some nodes set `EP_NODE_ID`
+//! and others do not), so ids of different kinds are never compared.
 //!
 //! **The plan** ([`plan()`]) is a pure function of the transport, every rank's node id and this
 //! rank: which peers' buffers it maps through CUDA IPC and which peers the kernels reach through
@@ -30,18 +30,12 @@
 //! GPU detected", `src/init.cc`), ranks with different host hashes count as different nodes and
 //! talk over NCCL's network transport (sockets here), as across real nodes.
 //!
-//! - [`node`]: this process's node id and where it came from;
+//! - [`crate::node`] (one floor below): this process's node id and where it came from;
 //! - [`plan`](mod@plan): which peers a rank reaches through CUDA IPC and which through NCCL;
 //! - [`emulate`]: several nodes on one machine.
 
 pub mod emulate;
 pub mod plan;
 
-/// The node id, at its old path (now [`crate::node`]).
-pub use crate::node;
-pub use crate::node::{
-    check_id, node_id, node_id_from, NodeId, NodeIdError, NodeSource, EP_NODE_ID, GROUP_RANK,
-    MAX_NODE_ID_LEN, NCCL_HOSTID,
-};
 pub use emulate::{emulated_node, emulation_env, emulation_envs};
 pub use plan::{plan, Plan};

@@ -50,10 +50,10 @@ use crate::error::GpuError;
 use crate::runtime::device::cuda;
 use crate::runtime::group::{kind, GpuGroup};
 use crate::runtime::layout::IoTable;
-use crate::runtime::options::{NcclSizes, Path};
+use crate::runtime::options::NcclSizes;
 use cudarc::driver::sys;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
-use ep_reference::{Error, Op};
+use ep_reference::{Error, Op, Path};
 use half::bf16;
 
 /// A rank's token count for a device-API dispatch.

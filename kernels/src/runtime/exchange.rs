@@ -19,7 +19,8 @@
 use crate::error::GpuError;
 use crate::runtime::layout::{pe_messages, prod, RankPtrs};
 use crate::runtime::nccl::{check_pair, P2p};
-use crate::runtime::options::{NcclSizes, Path};
+use crate::runtime::options::NcclSizes;
+use ep_reference::Path;
 
 /// The sizes every plan is made of (the group's config and layout).
 #[derive(Debug, Clone, Copy)]

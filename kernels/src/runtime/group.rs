@@ -9,10 +9,10 @@ use crate::runtime::layout::{
     pe_entry_bytes_checked, rank_sizes, smem_bytes, to_i32, total_bytes, IoTable, KParams,
     PeerMask, RankPtrs, ERR_WORDS,
 };
-use crate::runtime::options::{GpuOptions, NcclSizes, Path, Transport};
+use crate::runtime::options::{GpuOptions, NcclSizes, Transport};
 use crate::runtime::streams::{drain_streams, Drain};
 use cudarc::driver::{result, sys, CudaContext};
-use ep_reference::{Config, Error, Mode, Op};
+use ep_reference::{Config, Error, Mode, Op, Path};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 

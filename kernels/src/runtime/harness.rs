@@ -3,8 +3,8 @@
 use crate::error::GpuError;
 use crate::runtime::device::cuda;
 use crate::runtime::group::GpuGroup;
-use crate::runtime::options::Path;
 use cudarc::driver::result;
+use ep_reference::Path;
 use ep_reference::{
     input::{check_combine_inputs, check_dispatch_inputs},
     DispatchOutput, Error, Op, RecvScales, RecvX,

@@ -5,9 +5,9 @@ use crate::runtime::device::cuda;
 use crate::runtime::exchange::{combine_ops, dispatch_headers, dispatch_payload, Sizing, Tagged};
 use crate::runtime::group::{kind, GpuGroup};
 use crate::runtime::layout::{combine_capacity_rows, prod, IoTable, KParams, NTHREADS};
-use crate::runtime::options::{NcclSizes, Path};
+use crate::runtime::options::NcclSizes;
 use cudarc::driver::{result, sys};
-use ep_reference::{Error, Op, Phase, Side};
+use ep_reference::{Error, Op, Path, Phase, Side};
 use std::ffi::c_void;
 
 /// What capacity mode writes into every send header word before the pack stage (i32::MAX: a

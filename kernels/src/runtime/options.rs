@@ -1,25 +1,10 @@
-//! What a caller chooses for a group: the path of a call ([`Path`]), how peers are reached
-//! ([`Transport`]), how the NCCL transport sizes its messages ([`NcclSizes`]), the group's
-//! options ([`GpuOptions`]).
+//! What a caller chooses for a group: how peers are reached ([`Transport`]), how the NCCL
+//! transport sizes its messages ([`NcclSizes`]), the group's options ([`GpuOptions`]). The path
+//! of a call is ep-reference's [`Path`](ep_reference::Path): every backend runs the same two.
 
-/// Which of the two ways of moving the data a call runs (docs/contract.md section 6): the
-/// per-expert reference or the per-destination batches. Every transport carries either.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Path {
-    /// One message per selection, one signal per (expert, source).
-    PerExpert,
-    /// One deduplicated batch and one signal per (source, destination).
-    Batched,
-}
-
-impl Path {
-    pub fn name(self) -> &'static str {
-        match self {
-            Path::PerExpert => "per-expert",
-            Path::Batched => "batched",
-        }
-    }
-}
+use ep_reference::names::{self, UnknownName};
+use std::fmt;
+use std::str::FromStr;
 
 /// How a rank reaches each peer (both paths; the per-expert path over NCCL needs
 /// [`NcclSizes::Exact`]).
@@ -37,6 +22,35 @@ pub enum Transport {
     /// the others; the node of every rank comes from the handshake (ep-group's `topology`). On one
     /// node (and in a single-process group) it is `Auto`.
     TwoTier,
+}
+
+impl Transport {
+    /// Every transport, the default first.
+    pub const ALL: [Transport; 3] = [Transport::Auto, Transport::Nccl, Transport::TwoTier];
+
+    /// The transport's one name: in flags (`ep-bench --transport`), the Python API's
+    /// `transport=` keyword and reports; parsed back by `FromStr` (that spelling only).
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Auto => "auto",
+            Transport::Nccl => "nccl",
+            Transport::TwoTier => "two-tier",
+        }
+    }
+}
+
+impl FromStr for Transport {
+    type Err = UnknownName;
+
+    fn from_str(s: &str) -> Result<Transport, UnknownName> {
+        names::parse("transport", s, &Transport::ALL, Transport::name)
+    }
+}
+
+impl fmt::Display for Transport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(self.name())
+    }
 }
 
 /// How the NCCL transport sizes its payload messages (peers reached through NCCL only).
@@ -68,11 +82,29 @@ pub enum NcclSizes {
 }
 
 impl NcclSizes {
+    /// Both sizings, the default first.
+    pub const ALL: [NcclSizes; 2] = [NcclSizes::Exact, NcclSizes::Capacity];
+
+    /// The sizing's one name (`ep-bench --nccl-sizes`, reports), parsed back by `FromStr`.
     pub fn name(self) -> &'static str {
         match self {
             NcclSizes::Exact => "exact",
             NcclSizes::Capacity => "capacity",
         }
+    }
+}
+
+impl FromStr for NcclSizes {
+    type Err = UnknownName;
+
+    fn from_str(s: &str) -> Result<NcclSizes, UnknownName> {
+        names::parse("NCCL sizing", s, &NcclSizes::ALL, NcclSizes::name)
+    }
+}
+
+impl fmt::Display for NcclSizes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(self.name())
     }
 }
 

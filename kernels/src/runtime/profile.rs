@@ -4,9 +4,8 @@ use crate::error::GpuError;
 use crate::runtime::device::cuda;
 use crate::runtime::group::GpuGroup;
 use crate::runtime::layout::{align, KParams, NTHREADS, NUM_KINDS, STATE_EPOCH_OFFSET};
-use crate::runtime::options::Path;
 use cudarc::driver::result;
-use ep_reference::Op;
+use ep_reference::{Op, Path};
 use half::bf16;
 use std::ffi::c_void;
 

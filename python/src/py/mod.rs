@@ -6,6 +6,7 @@
 use crate::error::BindError;
 use crate::gpu::{self, CombinePtrs, DispatchPtrs, Phases, RankGroup};
 use crate::host::{self, OutputBytes, ScalesKind};
+use crate::keywords;
 use ep_kernels::GpuError;
 use ep_reference::{Config, DispatchOutput, Error};
 use pyo3::prelude::*;
@@ -223,7 +224,7 @@ fn cpu_roundtrip<'py>(
     use_ue8m0: bool,
     timeout_s: f64,
 ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
-    let p = host::CpuPath::parse(path).py_err()?;
+    let p = keywords::path(path).py_err()?;
     let timeout = duration("timeout_s", timeout_s)?;
     let cfg = config(
         x.len(),
@@ -285,7 +286,7 @@ fn size_hint(
     top_k: Option<usize>,
     transport: &str,
 ) -> PyResult<u64> {
-    let t = gpu::transport(transport).py_err()?;
+    let t = keywords::transport(transport).py_err()?;
     gpu::size_hint(
         num_max_dispatch_tokens_per_rank,
         hidden,
@@ -307,8 +308,8 @@ fn probe_devices(need: usize) -> PyResult<usize> {
 /// then that the path runs on that transport (`UnsupportedError` saying why not).
 #[pyfunction]
 fn check_keywords(path: &str, transport: &str, timeout_s: f64) -> PyResult<()> {
-    let p = gpu::path(path).py_err()?;
-    let t = gpu::transport(transport).py_err()?;
+    let p = keywords::path(path).py_err()?;
+    let t = keywords::transport(transport).py_err()?;
     duration("timeout_s", timeout_s)?;
     gpu::check_path_on(p, t).py_err()
 }
@@ -317,7 +318,7 @@ fn check_keywords(path: &str, transport: &str, timeout_s: f64) -> PyResult<()> {
 /// saying what is missing.
 #[pyfunction]
 fn probe_transport(transport: &str) -> PyResult<()> {
-    let t = gpu::transport(transport).py_err()?;
+    let t = keywords::transport(transport).py_err()?;
     gpu::probe_transport(t).py_err()
 }
 
@@ -363,8 +364,8 @@ impl GpuRank {
             round_scale,
             use_ue8m0,
         )?;
-        let p = gpu::path(path).py_err()?;
-        let t = gpu::transport(transport).py_err()?;
+        let p = keywords::path(path).py_err()?;
+        let t = keywords::transport(transport).py_err()?;
         let timeout = duration("timeout_s", timeout_s)?;
         let mut gather = |blob: &[u8]| -> Result<Vec<Vec<u8>>, String> {
             let got = all_gather

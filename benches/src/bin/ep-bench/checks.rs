@@ -1,10 +1,12 @@
 //! ep-bench's checks before anything runs: the flags that do not apply to the run, the
 //! configs in the command line's words, the memory a point needs.
 
-use crate::cli::{BackendArg, Cli, Given, TransportArg};
-use ep_benches::backend::{Backend, BenchSpec};
+use crate::cli::{BackendArg, Cli, Given};
+use ep_benches::backend::Backend;
 use ep_benches::flags::{self, Flags};
 use ep_benches::memory::{self, MemInfo};
+use ep_benches::spec::BenchSpec;
+use ep_kernels::Transport;
 use ep_reference::{Config, Mode};
 
 /// The config of multi-process mode, R = `world` (set by `ranks_flag`), checked before any
@@ -81,9 +83,7 @@ pub(crate) fn refuse_in_multiproc(
 
 /// `--nccl-sizes` needs the NCCL transport.
 pub(crate) fn refuse_nccl_sizes(cli: &Cli, given: &Given<'_>) -> Result<(), String> {
-    if given.has("nccl_sizes")
-        && !matches!(cli.transport, TransportArg::Nccl | TransportArg::TwoTier)
-    {
+    if given.has("nccl_sizes") && !matches!(cli.transport, Transport::Nccl | Transport::TwoTier) {
         return Err(
             "--nccl-sizes applies where NCCL carries traffic only: add --transport nccl (or two-tier with --nodes), or drop --nccl-sizes"
                 .into(),

@@ -2,10 +2,14 @@
 
 use std::time::Duration;
 
+use std::str::FromStr;
+
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Parser, ValueEnum};
-use ep_benches::backend::MAX_ITERS;
 use ep_benches::flags::Flags;
+use ep_benches::spec::{MAX_ITERS, MAX_WARMUP};
+use ep_kernels::{NcclSizes, Transport};
 use ep_reference::Mode;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -16,30 +20,20 @@ pub(crate) enum BackendArg {
     Gpu,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub(crate) enum TransportArg {
-    Auto,
-    Nccl,
-    /// CUDA IPC to the ranks of this node, NCCL to the others (node: EP_NODE_ID, GROUP_RANK or
-    /// the hostname).
-    TwoTier,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub(crate) enum NcclSizesArg {
-    /// Exchange the batch headers, read them on the host, send exactly the rows there are.
-    Exact,
-    /// Headers and a fixed capacity in one NCCL group: no host round trip (batched path).
-    Capacity,
-}
-
-impl NcclSizesArg {
-    pub(crate) fn sizes(self) -> ep_kernels::NcclSizes {
-        match self {
-            NcclSizesArg::Exact => ep_kernels::NcclSizes::Exact,
-            NcclSizesArg::Capacity => ep_kernels::NcclSizes::Capacity,
-        }
-    }
+/// The value parser of a flag that takes one of the library's choice enums (`--transport`,
+/// `--nccl-sizes`): clap offers the enum's own names (its `ALL` and `name()`) and the enum's
+/// `FromStr` turns the one given into the value, so a flag spells every value as the library,
+/// its Python API and the reports do. ep-bench's own choices (`--backend`, `--timing`,
+/// `--dispatch`) are `ValueEnum`s of this file.
+fn named<T>(all: &'static [T], name: fn(T) -> &'static str) -> impl TypedValueParser<Value = T>
+where
+    T: Copy + FromStr + Clone + Send + Sync + 'static,
+    T::Err: std::fmt::Display,
+{
+    PossibleValuesParser::new(all.iter().map(move |&v| name(v))).map(|s| {
+        s.parse::<T>()
+            .unwrap_or_else(|e| unreachable!("a possible value parses: {e}"))
+    })
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -145,9 +139,14 @@ pub(crate) struct Cli {
     pub(crate) nprocs: u64,
     /// GPU backend: how ranks reach each other (auto: NVLink, through CUDA IPC between
     /// processes; nccl: NCCL send/recv for every peer, both paths; one rank per GPU, so in one
-    /// process --gpus must equal --ranks).
-    #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
-    pub(crate) transport: TransportArg,
+    /// process --gpus must equal --ranks; two-tier: CUDA IPC to the ranks of this node, NCCL to
+    /// the others, node from EP_NODE_ID, GROUP_RANK or the hostname).
+    #[arg(
+        long,
+        value_parser = named(&Transport::ALL, Transport::name),
+        default_value_t = Transport::Auto
+    )]
+    pub(crate) transport: Transport,
     /// Multi-process mode: emulate this many nodes on this machine (rank i on node i / (N /
     /// nodes), GPU i % --gpus; EP_NODE_ID and NCCL_HOSTID set per rank), with the two-tier
     /// transport (CUDA IPC inside a node, NCCL across) unless --transport nccl.
@@ -157,8 +156,8 @@ pub(crate) struct Cli {
     /// round trip through the host, then exact sizes; capacity: header + T entries / T*min(K,L)
     /// rows in one group, no host round trip). The per-expert path always runs exact sizes.
     /// [default: the library's, ep_kernels::NcclSizes::default()]
-    #[arg(long, value_enum)]
-    pub(crate) nccl_sizes: Option<NcclSizesArg>,
+    #[arg(long, value_parser = named(&NcclSizes::ALL, NcclSizes::name))]
+    pub(crate) nccl_sizes: Option<NcclSizes>,
     /// GPU backend: GPUs to spread the ranks over (1: all ranks as virtual ranks on one GPU).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     pub(crate) gpus: u64,
@@ -270,7 +269,7 @@ pub(crate) fn parse_workers(s: &str) -> Result<usize, String> {
 
 /// Warm-up iterations: at most `MAX_WARMUP`.
 pub(crate) fn parse_warmup(s: &str) -> Result<usize, String> {
-    parse_at_most(s, ep_benches::backend::MAX_WARMUP, "warm-up iterations")
+    parse_at_most(s, MAX_WARMUP, "warm-up iterations")
 }
 
 impl Cli {

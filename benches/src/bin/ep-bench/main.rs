@@ -13,11 +13,13 @@ use crate::checks::{
     check_memory, multiproc_config, refuse_in_multiproc, refuse_in_single, refuse_nccl_sizes,
     refuse_on_backend,
 };
-use crate::cli::{BackendArg, Cli, Given, TimingArg, TransportArg, MAX_TIMEOUT_SECS};
+use crate::cli::{BackendArg, Cli, Given, TimingArg, MAX_TIMEOUT_SECS};
 use clap::{CommandFactory, FromArgMatches};
-use ep_benches::backend::{self, Backend, BackendChoice, BenchError, BenchSpec};
+use ep_benches::backend::{self, Backend, BackendChoice};
 use ep_benches::flags::{self};
 use ep_benches::report::{self, PointResult};
+use ep_benches::spec::{BenchError, BenchSpec};
+use ep_kernels::Transport;
 use ep_reference::{Config, CpuOptions, Mode};
 use serde::Serialize;
 
@@ -75,12 +77,8 @@ fn multiproc(cli: &Cli, mode: Mode) -> ExitCode {
         hidden: cli.hidden,
         top_k: cli.top_k,
         mode,
-        transport: match cli.transport {
-            TransportArg::Auto => ep_kernels::Transport::Auto,
-            TransportArg::Nccl => ep_kernels::Transport::Nccl,
-            TransportArg::TwoTier => ep_kernels::Transport::TwoTier,
-        },
-        nccl_sizes: cli.nccl_sizes.map(|s| s.sizes()).unwrap_or_default(),
+        transport: cli.transport,
+        nccl_sizes: cli.nccl_sizes.unwrap_or_default(),
         gpus: cli.gpus as usize,
         rounds: cli.rounds as usize,
         iters: cli.iters.map_or(200, |i| i as usize),
@@ -126,7 +124,7 @@ fn main() -> ExitCode {
         if let Err(e) = multiproc_config(&cli, mode, n, "--nprocs") {
             return fail(e, 2);
         }
-        let auto_given = given.has("transport") && cli.transport == TransportArg::Auto;
+        let auto_given = given.has("transport") && cli.transport == Transport::Auto;
         if let Err(e) = ep_benches::multiproc::check_nodes(n, cli.nodes as usize, auto_given) {
             return fail(e, 2);
         }
@@ -151,7 +149,7 @@ fn main() -> ExitCode {
     if let Err(e) = refuse_in_single(&given, cli.json) {
         return fail(e, 2);
     }
-    if cli.timing == TimingArg::Graph && cli.transport == TransportArg::Nccl {
+    if cli.timing == TimingArg::Graph && cli.transport == Transport::Nccl {
         return fail(
             "--timing graph does not apply with --transport nccl (exact sizes read the headers on the host mid-call): drop --timing graph",
             2,
@@ -213,8 +211,7 @@ fn main() -> ExitCode {
                 TimingArg::Graph => Some(true),
                 TimingArg::Stream => Some(false),
             },
-            nccl: (cli.transport == TransportArg::Nccl)
-                .then(|| cli.nccl_sizes.map(|s| s.sizes()).unwrap_or_default()),
+            nccl: (cli.transport == Transport::Nccl).then(|| cli.nccl_sizes.unwrap_or_default()),
         });
     }
     let choice = match cli.backend {

@@ -1,0 +1,75 @@
+//! The names of the workspace's choice enums (the path of a call, ep-kernels' transport and
+//! NCCL sizing): each value has one name, shown to users (CLI flags, reports, JSON) and parsed
+//! back by the enum's `FromStr`, which goes through [`parse`], the one parse they share.
+
+/// A name that is none of a choice's values: the `FromStr` error of every choice enum.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{given:?} is not a {what} (expected {expected})")]
+pub struct UnknownName {
+    /// What was being named, e.g. "path" or "transport".
+    pub what: &'static str,
+    /// What was given.
+    pub given: String,
+    /// The names accepted, quoted, e.g. `'per-expert' or 'batched'`.
+    pub expected: String,
+}
+
+/// The value of `all` that `name` spells `given`, or [`UnknownName`] listing every name of
+/// `all` (in its order). Exact: no other case, no other separator.
+pub fn parse<T: Copy>(
+    what: &'static str,
+    given: &str,
+    all: &[T],
+    name: fn(T) -> &'static str,
+) -> Result<T, UnknownName> {
+    all.iter()
+        .copied()
+        .find(|&v| name(v) == given)
+        .ok_or_else(|| UnknownName {
+            what,
+            given: given.to_string(),
+            expected: one_of(all.iter().map(|&v| name(v))),
+        })
+}
+
+/// `'a'`, `'a' or 'b'`, `'a', 'b' or 'c'`.
+fn one_of<'a>(names: impl ExactSizeIterator<Item = &'a str>) -> String {
+    let n = names.len();
+    let mut s = String::new();
+    for (i, name) in names.enumerate() {
+        if i > 0 {
+            s.push_str(if i + 1 == n { " or " } else { ", " });
+        }
+        s.push('\'');
+        s.push_str(name);
+        s.push('\'');
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_name_parses_exactly_and_an_unknown_one_lists_them_all() {
+        let all = [1u8, 2, 3];
+        let name = |v: u8| ["", "one", "two", "three"][v as usize];
+        assert_eq!(parse("number", "two", &all, name), Ok(2));
+        for bad in ["Two", "two ", "", "four"] {
+            let e = parse("number", bad, &all, name).unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                format!("{bad:?} is not a number (expected 'one', 'two' or 'three')")
+            );
+        }
+        assert_eq!(
+            parse("number", "x", &all[..2], name).unwrap_err().expected,
+            "'one' or 'two'"
+        );
+        assert_eq!(
+            parse("number", "x", &all[..1], name).unwrap_err().expected,
+            "'one'"
+        );
+    }
+}
