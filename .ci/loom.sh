@@ -79,6 +79,10 @@ mutants=(
   # an add of 1u whatever a block saw, the last block out knows only its own look at the error
   # word, and a block that got its signal misses another block's failed wait
   "gpu_exit_no_fail_flag:loom_gpu_protocol:batched_one_sender_two_receivers:must know that a block saw the call fail"
+  # the claim loser's wait for the code (common.cuh report_error_at), not an ordering: without
+  # it, a report that lost the claim to a block of another rank of its device may go out with
+  # the error word still 0, and its rank's last block out misses its failure
+  "gpu_loser_no_wait:loom_gpu_protocol:fault_two_ranks_one_device_both_time_out:must know that a block saw the call fail"
 )
 killed=0
 log=$(mktemp)
