@@ -77,9 +77,12 @@ mutants=(
   "gpu_no_poison:loom_gpu_protocol:per_expert_failed_rank_poisons_enqueued_calls:learn of rank 0's failure from its poison"
   # the exit count's failure flag (common.cuh last_block_out, EXIT_FAILED), not an ordering: with
   # an add of 1u whatever a block saw, the last block out knows only its own look at the error
-  # word, and misses a failed wait of another block whose report lost the claim
-  "gpu_exit_no_fail_flag:loom_gpu_protocol:fault_timeout_stops_every_waiter:must know that a block saw the call fail"
+  # word, and a block that got its signal misses another block's failed wait
   "gpu_exit_no_fail_flag:loom_gpu_protocol:batched_one_sender_two_receivers:must know that a block saw the call fail"
+  # the claim loser's wait for the code (common.cuh report_error_at), not an ordering: without
+  # it, a report that lost the claim to a block of another rank of its device may go out with
+  # the error word still 0, and its rank's last block out misses its failure
+  "gpu_loser_no_wait:loom_gpu_protocol:fault_two_ranks_one_device_both_time_out:must know that a block saw the call fail"
 )
 killed=0
 log=$(mktemp)

@@ -15,7 +15,8 @@
 //! out, and when some block saw the call fail (its `s_fail`, bad input, poison or a failed
 //! wait), the last block out knows it from the exit count (`call_failed`) and writes the failed
 //! call's outputs (common.cuh `last_block_out`, "`if (last_out && p.stage != 1 &&
-//! call_failed)`").
+//! call_failed)`"); excused only where a report that lost the claim ran out of its wait for
+//! the winner's code (`claim_unseen`: loom starved the winner for the whole bound).
 //! (Unbounded spins are not an option: with two blocks waiting for a third, loom would explore
 //! the two yielding to each other for ever.)
 //!
@@ -44,10 +45,13 @@
 //! - `fault_timeout_stops_every_waiter`, `slow_sender_timeout_refused_or_correct`: the bounded
 //!   waits, the error word (common.cuh `report_error`, `failed`) and the host's refusal after a
 //!   timeout (runtime/launch.rs `GpuGroup::sync`, errors.rs `GpuGroup::check`, runtime/mod.rs
-//!   `check_usable`); `fault_timeout_stops_every_waiter` also the exit count's `EXIT_FAILED`:
-//!   a block whose own report lost the claim may not see the error word at its end, and if it
-//!   is the last out it learns of the failure from the other block's flag only (mutant
-//!   `gpu_exit_no_fail_flag`).
+//!   `check_usable`); `fault_timeout_stops_every_waiter` also a report that loses the claim to
+//!   another block of its rank (`report_error`'s wait for the winner's code).
+//! - `fault_two_ranks_one_device_both_time_out`: the same with two ranks on one device (one
+//!   error word), one block each: a report that loses the claim to the other rank's block
+//!   waits for the winner's code (common.cuh `report_error_at`, "`while (ld_volatile_u32(w)
+//!   == 0u && globaltimer() - t0 < 100000ull)`"), or its rank's last block out would not know
+//!   that its call failed (mutant `gpu_loser_no_wait`).
 //! - `bad_input_sender_peer_*`, `bad_input_receiver_then_enqueued_call`: the device-side input
 //!   check (`in_bad`: batched "`__syncthreads_or(bad) | s_bad`", then "`if
 //!   (__syncthreads_or(wbad) || in_bad) goto finish;`"): the bad rank skips its waits and sends,
@@ -255,9 +259,9 @@ fn batched_two_senders_one_receiver_two_calls() {
 
 /// Rank 0 never signals (the `fault_rank` hook); rank 1's two blocks wait on one device. The
 /// first wait out of time reports (rank 1, peer 0, dispatch receive, call 1); the other block
-/// sees the flag, or runs out too and loses the report, or starts after the report and is
-/// poisoned at its start; every block leaves. The host's sync
-/// turns the word into the timeout, and the group refuses call 2.
+/// sees the flag, or runs out too, loses the claim and waits for the winner's code, or starts
+/// after the report and is poisoned at its start; every block leaves. The host's sync turns
+/// the word into the timeout, and the group refuses call 2.
 #[test]
 fn fault_timeout_stops_every_waiter() {
     let saw_flag = std::sync::Arc::new(AtomicBool::new(false));
@@ -308,6 +312,83 @@ fn fault_timeout_stops_every_waiter() {
     assert!(
         saw_flag.load(StdOrdering::Relaxed),
         "no interleaving had a waiter stopped by the error word"
+    );
+}
+
+/// Rank 0 (device 0) never signals (the `fault_rank` hook); ranks 1 and 2 share device 1, so
+/// one error word, and wait for it with one block each. Both waits may run out: the first to
+/// claim the word reports, and the other's `report_error` loses the claim ("`atomicCAS(w + 7,
+/// 0u, 1u)`" reads 1) with nothing of its rank to bring its failure into the exit count but
+/// its own look at the error word, which nothing orders after the winner's "`atomicExch(w,
+/// code)`" but the loser's wait for the code (common.cuh `report_error_at`, "`while
+/// (ld_volatile_u32(w) == 0u && globaltimer() - t0 < 100000ull)`"). Each rank's last block out
+/// must know that its call failed (`check_exit`; mutant `gpu_loser_no_wait`: the loser's rank
+/// misses it), and some interleaving must have both waits run out and the loser see the code.
+#[test]
+fn fault_two_ranks_one_device_both_time_out() {
+    let waited = std::sync::Arc::new(AtomicBool::new(false));
+    let seen = waited.clone();
+    loom::model(move || {
+        let g: &'static Group = Box::leak(Box::new(Group::new(Setup {
+            kind: Kind::Batched,
+            ranks: vec![(0, 1), (1, 1), (1, 1)],
+            links: vec![(0, 1), (0, 2)],
+            max_tokens: 1,
+            local_experts: 1,
+            build: Build::Narrow,
+        })));
+        let kp = Launch {
+            fault_rank: Some(0),
+            ..bounded(1)
+        };
+        // Rank 0's token 0 is bound for rank 1, its token 1 for rank 2.
+        let c1 = Input {
+            call: 1,
+            route: vec![vec![vec![(1, 0)], vec![(2, 0)]], vec![], vec![]],
+        };
+        let others: Vec<_> = [0, 2]
+            .into_iter()
+            .map(|rank| {
+                let c1 = c1.clone();
+                thread::spawn(move || dispatch_block(g, &kp, &c1, rank, 0))
+            })
+            .collect();
+        let r1 = dispatch_block(g, &kp, &c1, 1, 0);
+        let mut reps: Vec<BlockReport> = others.into_iter().map(|t| t.join().unwrap()).collect();
+        reps.insert(1, r1);
+        for (rank, r) in reps.iter().enumerate() {
+            check_exit(rank, std::slice::from_ref(r), true);
+        }
+        // Ranks 1 and 2: a wait that ran out, or saw the flag, or a start after the report
+        // (poisoned, no wait); nothing read.
+        let rx = &reps[1..];
+        assert!(rx
+            .iter()
+            .all(|r| (r.failed_wait.is_some() || r.poisoned) && r.read.is_empty()));
+        if rx.iter().all(|r| r.failed_wait == Some(WaitEnd::TimedOut))
+            && rx.iter().any(|r| r.claim_lost && !r.claim_unseen)
+        {
+            seen.store(true, StdOrdering::Relaxed);
+        }
+        let mut host = Host::default();
+        let t = host.sync(g).unwrap_err();
+        assert!(
+            matches!(
+                t,
+                DeviceError::Timeout {
+                    rank: 1 | 2,
+                    peer: 0,
+                    phase: PH_DISPATCH_RECV,
+                    call: 1
+                }
+            ),
+            "{t:?}"
+        );
+        assert_eq!(host.check_usable(), Err(t), "call 2 must be refused");
+    });
+    assert!(
+        waited.load(StdOrdering::Relaxed),
+        "no interleaving had both ranks' waits run out and the loser see the code"
     );
 }
 

@@ -11,7 +11,7 @@ use crate::gpu_protocol::orderings::{
 use crate::gpu_protocol::peers::{is_gone, Build, PeerSet};
 use crate::gpu_protocol::shrink::{masked_peers, peer_masked, wait_peer_ack, Peer};
 use crate::gpu_protocol::state::{BlockReport, Group, Launch, Rank, WaitEnd};
-use crate::gpu_protocol::waits::{failed, report_error, wait_ack};
+use crate::gpu_protocol::waits::{failed, report_error, take_claim, wait_ack};
 use crate::gpu_protocol::words::{ERR_EXPERT_RANGE, EXIT_FAILED, PH_DISPATCH_SEND};
 
 /// Role: the start of every block (thread 0: "`s_epoch = ld_epoch(state, KIND) + 1ull`"): this call's epoch.
@@ -218,6 +218,9 @@ pub(crate) fn finish(
     stage: Stage,
 ) {
     let me = &g.ranks[rank];
+    // (the model's record of this block's reports that lost the claim)
+    let claim = take_claim();
+    (rep.claim_lost, rep.claim_unseen) = (claim.lost, claim.unseen);
     // bool call_failed;  (stage 1 too: it resets the exit counter)
     // const bool last_out = last_block_out(p, state, KIND, s_fail, &call_failed);
     // (s_fail: the block's `rep.failed_start`)

@@ -68,7 +68,10 @@
 //!   counters and the error word, which the model keeps.
 //! - **Bounded waits.** `%globaltimer` is a [`Deadline`]: under loom a timeout of N ms is N polls
 //!   and one of an hour or more never expires. The kernels look at the error word and the clock
-//!   every 64 polls, the model on every poll.
+//!   every 64 polls, the model on every poll. The one wait not bounded by the launch's
+//!   `timeout_ns`, a report's wait for the claim's winner (common.cuh `report_error_at`: 100 us),
+//!   has a fixed bound of a few polls (`waits::CLAIM_WAIT`, which says why it is not
+//!   unbounded and what a wait that runs out means).
 //! - **Builds** ([`Setup::build`], [`Build`]; layout.rs `Variant`, common.cuh `WIDE`). A set of
 //!   peers is a [`PeerSet`]: one u32 in the narrow build (R <= 32), `EP_MASK_WORDS` words in
 //!   the wide one (bit d % 32 of word d / 32). The wide build keeps a block's gone set in
@@ -136,10 +139,16 @@
 //! a call-1 signal is taken for call 2's, a causality violation).
 //! `gpu_exit_no_fail_flag` is not an ordering either: `last_block_out` adds `1u` whatever the
 //! block saw, so no block brings its failure into the exit count and the last block out knows
-//! only its own look at the error word; `fault_timeout_stops_every_waiter` must see a last
-//! block out that misses the other block's failed wait (an assertion of the tests' `check_exit`;
-//! `batched_one_sender_two_receivers` and `batched_two_senders_one_receiver_two_calls` see it
-//! too).
+//! only its own look at the error word; `batched_one_sender_two_receivers` must see a last
+//! block out that read its entries and misses the other block's failed wait (an assertion of
+//! the tests' `check_exit`; `batched_two_senders_one_receiver_two_calls` sees it too).
+//! `fault_timeout_stops_every_waiter` no longer does: since the claim loser's wait every block
+//! there whose wait failed sees the error word raised at its end by itself.
+//! `gpu_loser_no_wait` is not an ordering either: `report_error` without the claim loser's
+//! wait for the code (as before commit 5b0efe0); `fault_two_ranks_one_device_both_time_out`
+//! must see a rank whose only block lost the claim to a block of the other rank of its device,
+//! went out with the error word still 0, and, as the last block out, did not know its call
+//! failed (`check_exit`).
 //!
 //! # What the model found in the kernels
 //! Checked against the kernels after the device-API change (u64 epochs, tagged signals, input
@@ -148,7 +157,8 @@
 //! NCCL, capacity-mode NCCL sizes), and after the receive halves' change (the receive hook's
 //! stage 2 of batched dispatch over NVLink: the pre-loaded signals, no routing or input check;
 //! modelled since), and after the exit count's failure flag (`last_block_out`'s
-//! `EXIT_FAILED`; modelled since). No ordering is missing.
+//! `EXIT_FAILED`; modelled since), and after the claim loser's wait (`report_error_at`,
+//! commit 5b0efe0; modelled since). No ordering is missing.
 //! Observations:
 //! - The `.release` of the signal stores (batched dispatch "`st_release(p, sig_bat(tab[d]) +
 //!   rank, signal_word(epoch, ...))`", per-expert "`st_release(p, sig_pe(tab[d], R) + ...`") and
@@ -191,19 +201,29 @@
 //!   [`BlockReport::call_failed`], [`BlockReport::failed_outputs`]), and the models check in
 //!   every interleaving that the last block out of a launch in which some block saw the call
 //!   fail (its `s_fail`, bad input, poison or a failed wait) knows it (mutant
-//!   `gpu_exit_no_fail_flag`: `fault_timeout_stops_every_waiter`, where a block whose report
-//!   lost the claim sees the error word still 0 at its end and learns of the failure only from
-//!   the other block's flag, which the mutant drops). Not covered, and open in the kernel: a
-//!   block whose own wait failed, or whose input was bad, counts as failed only through its
-//!   load of the error word, and a `report_error` that lost the claim ("`atomicCAS(w + 7, 0u,
-//!   1u)`" read 1) is not ordered after the winner's "`atomicExch(w, code)`". When the winner
-//!   is a block of another rank on the same device (one error word for every rank a launch
-//!   runs there) and no block of this rank brought the flag, this rank's last block out can
-//!   find `call_failed` false and leave a failed call's outputs unwritten. A model of two
-//!   ranks on one device, both waiting for a rank that never signals (one block each), fails
-//!   that check. The load after the count before this change had the same gap. Counting the
-//!   block's own failure in `f` (the failed wait's or `in_bad`'s `goto finish`), or a claim
-//!   loser that waits for the code to be nonzero, would close it.
+//!   `gpu_exit_no_fail_flag`: `batched_one_sender_two_receivers`, where a block whose wait ran
+//!   out reports and another block, which got its signal and read its entries, goes out last
+//!   and may see the error word still 0). A block whose own wait failed, or whose input was
+//!   bad, counts as failed only through its own look at the error word (`f`), which its own
+//!   report orders after the code's raise only when it won the claim. A report that lost the
+//!   claim ("`atomicCAS(w + 7, 0u, 1u)`" read 1) was not ordered after the winner's
+//!   "`atomicExch(w, code)`": when the winner was a block of another rank on the same device
+//!   (one error word for every rank a launch runs there) and no block of this rank brought the
+//!   flag, this rank's last block out could find `call_failed` false and leave a failed call's
+//!   outputs unwritten (two ranks on one device, both waiting for a rank that never signals,
+//!   one block each). Closed by commit 5b0efe0: the loser of the claim now waits, bounded by
+//!   100 us of `%globaltimer`, until the code is nonzero ("`while (ld_volatile_u32(w) == 0u &&
+//!   globaltimer() - t0 < 100000ull) {}`" in `report_error_at`), so whoever reported sees
+//!   `failed(p)` from then on. The model does the same (`waits::report_error`, bounded by
+//!   `waits::CLAIM_WAIT`), and `fault_two_ranks_one_device_both_time_out` checks it (mutant
+//!   `gpu_loser_no_wait`: the gap, found again). What is left: a winner that stalls for the
+//!   whole 100 us between its `atomicCAS` and its `atomicExch` (six stores and a
+//!   `__threadfence_system()`, no wait; one way would be a context preempted in between, whose
+//!   blocks resume after `%globaltimer` ran on, a loser's poll before the winner's
+//!   `atomicExch`). loom can schedule such a stall (it can starve the winner for any number of
+//!   the loser's polls, at the cost of preemptions), so a wait that runs out is recorded
+//!   ([`BlockReport::claim_unseen`]), and it is the one case in which the tests' `check_exit`
+//!   lets a last block out miss a failure.
 //! - In per-expert dispatch a block that owns several experts writes the second expert's
 //!   messages after the first expert's `fence_rel` (before its signal), so only the first
 //!   expert's writes rely on `wait_ack`'s acquire alone (the consecutive-calls model rewrites

@@ -198,6 +198,15 @@ pub struct BlockReport {
     /// Shrink mode: this block's own wait for a peer ran out while the agreed verdict was
     /// "arrived", and it waited again (`wait_peer_signals` / `wait_peer_ack` after `agree_at`).
     pub waited_again: bool,
+    /// A report of this block lost the claim of the error word ("`atomicCAS(w + 7, 0u, 1u)`"
+    /// read 1) and waited for the winner's code (common.cuh `report_error_at`; the model's
+    /// record, `waits::take_claim`).
+    pub claim_lost: bool,
+    /// That wait ran out before the code was seen (loom starved the winner for the whole bound,
+    /// `waits::CLAIM_WAIT`: on the device, a winner stalled for 100 us between two adjacent
+    /// instructions). The block may then find the group not failed at its end, and its rank's
+    /// last block out may miss its failure: the one case the tests' `check_exit` excuses.
+    pub claim_unseen: bool,
     /// The receive hook's receive half: a source's count was taken from the signal word
     /// pre-loaded at the block's start (`wait_signal_pre` with no further load).
     pub preload_taken: bool,
