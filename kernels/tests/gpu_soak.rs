@@ -105,11 +105,7 @@ fn parse_replay(v: &str) -> Result<Replay, String> {
     Ok(Replay {
         config: c.parse().map_err(|_| bad())?,
         seed: s.parse().map_err(|_| bad())?,
-        path: match p {
-            "per-expert" => Path::PerExpert,
-            "batched" => Path::Batched,
-            _ => return Err(bad()),
-        },
+        path: p.parse::<Path>().map_err(|_| bad())?,
     })
 }
 
