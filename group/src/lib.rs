@@ -14,13 +14,16 @@
 //! - [`node`]: the node id of a process (`EP_NODE_ID`, `GROUP_RANK`, the hostname), and
 //!   [`wire`]: the handshake record's wire format; both below the handshake, the topology and
 //!   [`GroupError`] (which wraps their errors), so that no folder imports another in a circle;
-//! - [`mp`]: the rank's side of a launched job (rendezvous, group, checks against the oracle),
-//!   what each rank of `ep-bench --nprocs` runs (ep-bench times its calls in between);
+//! - `mp` (feature `testing`, off by default): the rank's side of a launched test or benchmark
+//!   job (rendezvous, group, random inputs checked against the oracle, fault injection), what
+//!   each rank of `ep-bench --nprocs` and of the process-mode tests runs (ep-bench times its
+//!   calls in between);
 //! - [`GroupError`]: the GPU library's [`ep_kernels::GpuError`] and what process mode adds.
 
 mod error;
 mod form;
 pub mod handshake;
+#[cfg(feature = "testing")]
 pub mod mp;
 pub mod node;
 pub mod topology;

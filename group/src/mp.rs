@@ -10,6 +10,10 @@
 //! back-to-back calls per path there, `ep_benches::multiproc`) before the final barrier. A path
 //! the transport does not support (the group answers `Unsupported` before
 //! anything is launched, on every rank alike) is reported as such and left out, not failed.
+//!
+//! Test machinery (feature `testing`, off by default): a harness of the process-mode tests and
+//! ep-bench, with their fault injection (`die_rank`, `stall_rank`), not the library's API (a
+//! user forms a group with [`crate::new_process`]).
 
 use crate::error::GroupError;
 use crate::form::new_process;

@@ -113,6 +113,9 @@
 pub mod compile;
 mod error;
 pub mod runtime;
+/// The test machinery (feature `testing`, off by default): the GPU tests' and harnesses' inputs
+/// and oracle checks. The crate's own unit tests have it too.
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod variant;
 

@@ -375,7 +375,8 @@ impl RankGroup {
         Ok(self.group.poll()?)
     }
 
-    /// Test hook: `Some(r)`: rank r never signals (its peers' waits run out).
+    /// Test hook (feature `testing`): `Some(r)`: rank r never signals (its peers' waits run out).
+    #[cfg(feature = "testing")]
     pub fn set_fault_rank(&mut self, rank: Option<usize>) {
         self.group.set_fault_rank(rank);
     }

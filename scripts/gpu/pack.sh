@@ -33,9 +33,12 @@ for t in gpu gpu_fuzz gpu_soak gpu_process; do
   fi
   strip -o "$DEST/$t" "$exe"
 done
-strip -o "$DEST/ep-bench" target/release/ep-bench
-strip -o "$DEST/ep-scale" target/release/ep-scale
-strip -o "$DEST/moe_layer" target/release/examples/moe_layer
+# Cargo's target folder: $CARGO_TARGET_DIR where set (relative: to the checkout's root, where
+# cargo ran), else target/.
+tgt=${CARGO_TARGET_DIR:-target}
+strip -o "$DEST/ep-bench" "$tgt/release/ep-bench"
+strip -o "$DEST/ep-scale" "$tgt/release/ep-scale"
+strip -o "$DEST/moe_layer" "$tgt/release/examples/moe_layer"
 # The Python Buffer, where maturin is at hand (PACK_WHEEL=1): the abi3 wheel plus what
 # python/gpu.sh runs beside it (its tests and bench.py).
 if [ "${PACK_WHEEL:-0}" = 1 ]; then

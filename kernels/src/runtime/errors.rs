@@ -7,10 +7,8 @@
 //! without synchronising: an error reaches the caller at the next call at the latest.
 
 use crate::error::GpuError;
-use crate::runtime::device::cuda;
 use crate::runtime::group::GpuGroup;
 use crate::runtime::layout::ERR_WORDS;
-use cudarc::driver::result;
 use ep_reference::{Config, Error, Op, Phase, Side};
 
 /// Codes of err[0] (ERR_* in common.cuh).
@@ -144,8 +142,12 @@ impl GpuGroup {
 
     /// Every device's error word read from the device (not its mirror), decoded (None: that
     /// device reported nothing), in device order: the tests' look at each device's own word.
-    /// Does not wait for running work and does not change the group's state.
+    /// Does not wait for running work and does not change the group's state. Behind `testing`
+    /// with its one caller, the hook `GpuGroup::device_errors_for_test`.
+    #[cfg(feature = "testing")]
     pub(crate) fn device_errors(&self) -> Result<Vec<Option<GpuError>>, GpuError> {
+        use crate::runtime::device::cuda;
+        use cudarc::driver::result;
         let mut v = Vec::with_capacity(self.devs.len());
         for dev in &self.devs {
             dev.bind()?;

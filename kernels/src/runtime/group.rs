@@ -157,9 +157,9 @@ impl GpuGroup {
         format!("{name} (sm_{a}{b}, {} SMs) x {}", d.sms, self.devs.len())
     }
 
-    /// Test hook: `Some(r)` makes rank r never signal, in dispatch and in combine (its peers'
-    /// waits time out).
-    #[doc(hidden)]
+    /// Test hook (feature `testing`): `Some(r)` makes rank r never signal, in dispatch and in
+    /// combine (its peers' waits time out).
+    #[cfg(feature = "testing")]
     pub fn set_fault_rank(&mut self, rank: Option<usize>) {
         // A rank past i32 names no rank of the group (R <= MAX_RANKS), as i32::MAX does: never
         // truncated onto a real one.

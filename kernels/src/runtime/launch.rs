@@ -497,9 +497,10 @@ impl GpuGroup {
         Ok(())
     }
 
-    /// Test hook: every device's decoded error word (None: clear), read without changing the
-    /// group's state (so a test sees what each device reported, not only the first error).
-    #[doc(hidden)]
+    /// Test hook (feature `testing`): every device's decoded error word (None: clear), read
+    /// without changing the group's state (so a test sees what each device reported, not only
+    /// the first error).
+    #[cfg(feature = "testing")]
     pub fn device_errors_for_test(&self) -> Result<Vec<Option<GpuError>>, GpuError> {
         self.device_errors()
     }

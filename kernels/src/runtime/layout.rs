@@ -161,6 +161,8 @@ pub(crate) const SIG_COUNT_BITS: u32 = 24;
 pub(crate) const SIG_POISON: u32 = (1 << SIG_COUNT_BITS) - 1;
 
 /// Byte offset of the u64 epochs inside a rank's `state` buffer (ST_EPOCH64 in common.cuh).
+/// Read on the host by the test hook `GpuGroup::set_epochs_for_test` alone (feature `testing`).
+#[cfg_attr(not(feature = "testing"), allow(dead_code))]
 pub(crate) const STATE_EPOCH_OFFSET: u64 = 64;
 /// u32 words of a device's error word (see common.cuh).
 pub(crate) const ERR_WORDS: usize = 16;

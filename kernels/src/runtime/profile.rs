@@ -3,7 +3,9 @@
 use crate::error::GpuError;
 use crate::runtime::device::cuda;
 use crate::runtime::group::GpuGroup;
-use crate::runtime::layout::{align, KParams, NTHREADS, NUM_KINDS, STATE_EPOCH_OFFSET};
+use crate::runtime::layout::{align, KParams, NTHREADS};
+#[cfg(feature = "testing")]
+use crate::runtime::layout::{NUM_KINDS, STATE_EPOCH_OFFSET};
 use cudarc::driver::result;
 use ep_reference::{Op, Path};
 use half::bf16;
@@ -156,11 +158,11 @@ impl GpuGroup {
             .collect())
     }
 
-    /// Test hook: sets every kernel kind's completed-call count (the device epochs) of every rank
+    /// Test hook (feature `testing`): sets every kernel kind's completed-call count (the device epochs) of every rank
     /// of this process to `calls`, and the acknowledgements peers wait for to match, as if the
     /// group had already made that many calls of each kind (to test the epochs past 2^32 without
     /// 2^32 calls). Every rank of the job must set the same value between calls.
-    #[doc(hidden)]
+    #[cfg(feature = "testing")]
     pub fn set_epochs_for_test(&mut self, calls: u64) -> Result<(), GpuError> {
         self.check_usable()?;
         let r = self.cfg.num_ranks;

@@ -215,8 +215,8 @@ impl Rendezvous {
     }
 
     /// Closes the connections abruptly, without the goodbye a clean drop sends: the peers see
-    /// what they would see if this process crashed. For failure tests.
-    #[doc(hidden)]
+    /// what they would see if this process crashed. For failure tests (feature `testing`).
+    #[cfg(feature = "testing")]
     pub fn abandon(self) {
         // Dropping the streams closes them; Drop then finds no link to say goodbye on.
         self.lock().links.clear();

@@ -435,7 +435,9 @@ impl GpuRank {
         self.inner.clean_mask(stream).py_err()
     }
 
-    /// Test hook: rank `rank` (None: no rank) never signals, so its peers' waits run out.
+    /// Test hook (feature `testing`): rank `rank` (None: no rank) never signals, so its peers'
+    /// waits run out.
+    #[cfg(feature = "testing")]
     fn _set_fault_rank(&mut self, rank: Option<usize>) {
         self.inner.set_fault_rank(rank);
     }
