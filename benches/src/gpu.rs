@@ -221,7 +221,9 @@ pub fn phase_profile(spec: &BenchSpec) -> Result<String, BenchError> {
     // nothing, the floor under every kernel figure (launch, block start and exit).
     match crate::cupti::KernelTimer::start() {
         Ok(timer) => {
-            let run = (0..200).try_for_each(|_| g.launch_empty()).and_then(|_| g.sync());
+            let run = (0..200)
+                .try_for_each(|_| g.launch_empty())
+                .and_then(|_| g.sync());
             let recs = timer.finish();
             let durs: Vec<f64> = recs
                 .map(|r| {

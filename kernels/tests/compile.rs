@@ -193,7 +193,9 @@ fn text_bytes(elf: &[u8], symbol: &str) -> Option<u64> {
         Some(u32::from_le_bytes(elf.get(o..o.checked_add(4)?)?.try_into().ok()?) as u64)
     };
     let u64_at = |o: usize| -> Option<u64> {
-        Some(u64::from_le_bytes(elf.get(o..o.checked_add(8)?)?.try_into().ok()?))
+        Some(u64::from_le_bytes(
+            elf.get(o..o.checked_add(8)?)?.try_into().ok()?,
+        ))
     };
     // ELF64: e_ident[EI_CLASS] = 2 (64-bit), [EI_DATA] = 1 (little-endian).
     if elf.get(..4)? != b"\x7fELF" || *elf.get(4)? != 2 || *elf.get(5)? != 1 {

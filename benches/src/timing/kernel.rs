@@ -172,7 +172,16 @@ mod tests {
         let names: Vec<&str> = recs.iter().map(|r| r.name.as_str()).collect();
         assert_eq!(
             names,
-            [bd, bc, "ep_batched::dispatch_other(int)", pc, bd, bd, bc, bc]
+            [
+                bd,
+                bc,
+                "ep_batched::dispatch_other(int)",
+                pc,
+                bd,
+                bd,
+                bc,
+                bc
+            ]
         );
         assert_eq!(bd, "_ZN10ep_batched8dispatchE7KParams7IoTable");
     }

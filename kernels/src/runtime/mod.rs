@@ -35,10 +35,10 @@ pub use device_api::{
 /// The path a call runs (ep-reference's: the CPU backend runs the same two).
 pub use ep_reference::Path;
 pub use group::GpuGroup;
-pub use profile::PROF_SLOTS;
 pub use layout::{
     all_peers, bytes_per_rank, bytes_per_rank_with, check_ranks, entry_bytes, pe_entry_bytes,
     smem_bytes, PeerMask, Variant, MAX_RANKS, NARROW_RANKS, NTHREADS, SMEM_LIMIT_SM90,
 };
 pub use options::{GpuOptions, NcclSizes, Transport};
 pub use process::{PeerPlan, ProcessRank};
+pub use profile::PROF_SLOTS;

@@ -54,7 +54,11 @@ impl GpuGroup {
     /// own buffers, back to back; per half, for every block of device 0, the stamps as in
     /// [`GpuGroup::profile`] (0 where a phase was not reached), in ns. Not over NCCL. The
     /// receive half of batched dispatch also stamps p6 when its row places are known.
-    pub fn profile_halves(&mut self, op: Op, path: Path) -> Result<[Vec<[u64; PROF_SLOTS]>; 2], GpuError> {
+    pub fn profile_halves(
+        &mut self,
+        op: Op,
+        path: Path,
+    ) -> Result<[Vec<[u64; PROF_SLOTS]>; 2], GpuError> {
         self.check_usable()?;
         if self.comms.is_some() {
             return Err(GpuError::Unsupported(
