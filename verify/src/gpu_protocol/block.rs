@@ -9,10 +9,25 @@ use crate::gpu_protocol::orderings::{
     fence_after_last_exit, fence_before_exit_add, ACK_LOAD, ACK_STORE, RELAXED,
 };
 use crate::gpu_protocol::peers::{is_gone, Build, PeerSet};
+use crate::gpu_protocol::poison::{group_failed, s_fail};
 use crate::gpu_protocol::shrink::{masked_peers, peer_masked, wait_peer_ack, Peer};
 use crate::gpu_protocol::state::{BlockReport, Group, Launch, Rank, WaitEnd};
 use crate::gpu_protocol::waits::{failed, report_error, take_claim, wait_ack};
 use crate::gpu_protocol::words::{ERR_EXPERT_RANGE, EXIT_FAILED, PH_DISPATCH_SEND};
+
+/// Role: thread 0's start of every block, after its pre-loads: whether the group had failed
+/// ("`s_fail = p.refused || failed(p)`"; `failed_before`, and the block's `s_fail` in the
+/// report) and this call's epoch ([`block_epoch`]), in the report the block fills.
+pub(crate) fn block_start(g: &Group, rank: usize) -> (bool, BlockReport) {
+    // s_fail = p.refused || failed(p);
+    let failed_before = group_failed(g, rank);
+    let rep = BlockReport {
+        epoch: block_epoch(&g.ranks[rank]),
+        failed_start: s_fail(failed_before),
+        ..BlockReport::default()
+    };
+    (failed_before, rep)
+}
 
 /// Role: the start of every block (thread 0: "`s_epoch = ld_epoch(state, KIND) + 1ull`"): this call's epoch.
 pub(crate) fn block_epoch(me: &Rank) -> u64 {

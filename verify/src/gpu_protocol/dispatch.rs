@@ -4,11 +4,11 @@
 
 use crate::gpu_protocol::batched::{batched_receive, batched_send};
 use crate::gpu_protocol::block::{
-    block_epoch, finish, input_check, preload_acks, sender_wait_acks, Stage,
+    block_start, finish, input_check, preload_acks, sender_wait_acks, Stage,
 };
 use crate::gpu_protocol::gone::{BlockShared, Gone, OR_ACKS};
 use crate::gpu_protocol::per_expert::{per_expert_receive, per_expert_send};
-use crate::gpu_protocol::poison::{group_failed, poison_signals, s_fail};
+use crate::gpu_protocol::poison::poison_signals;
 use crate::gpu_protocol::state::{BlockReport, Group, Input, Kind, Launch};
 
 /// One block of one stage-0 dispatch launch, every role in kernel order (batched.cu
@@ -39,18 +39,13 @@ pub fn dispatch_block_in(
     let me = &g.ranks[rank];
     // Batched: thread 32 + d's first ld_acquire of the ack, before anything else.
     let ack0 = (g.setup.kind == Kind::Batched).then(|| preload_acks(g, rank));
-    // s_fail = p.refused || failed(p);
-    let failed_before = group_failed(g, rank);
-    let epoch = block_epoch(me);
+    // s_fail = p.refused || failed(p); s_epoch = ld_epoch(state, KIND) + 1ull;
+    let (failed_before, mut rep) = block_start(g, rank);
+    let epoch = rep.epoch;
     // GONE_INIT(); ... __syncthreads(); ... const PeerSet gone0 = GONE0();
     let mut set = Gone::new(g, shared);
     let gone0 = set.init(g, kp, me);
-    let mut rep = BlockReport {
-        epoch,
-        gone: gone0,
-        failed_start: s_fail(failed_before),
-        ..BlockReport::default()
-    };
+    rep.gone = gone0;
     // batched: in_bad = __syncthreads_or(bad) | s_bad; per-expert: load_topk(...) | s_bad
     rep.bad_input = input_check(g, kp, rank);
     // if (s_fail || in_bad) { poison_peers(p, tab, KIND, rank, gone0, epoch); goto finish; }

@@ -14,11 +14,11 @@
 
 use crate::gpu_protocol::batched::{batched_receive, batched_send};
 use crate::gpu_protocol::block::{
-    block_epoch, finish, input_check, preload_acks, sender_wait_acks, Stage,
+    block_start, finish, input_check, preload_acks, sender_wait_acks, Stage,
 };
 use crate::gpu_protocol::gone::{Gone, OR_ACKS};
 use crate::gpu_protocol::orderings::PRESIGNAL_LOAD;
-use crate::gpu_protocol::poison::{group_failed, poison_signals, s_fail};
+use crate::gpu_protocol::poison::poison_signals;
 use crate::gpu_protocol::state::{BlockReport, Group, Input, Kind, Launch};
 
 /// Role: the receive half's pre-load of every NVLink source's signal at kernel start, before
@@ -51,19 +51,13 @@ pub fn hook_send_block(
     // const bool acker = ... && p.stage != 2 && ...; if (acker) ack0 = ld_acquire(p, sig_bat_ack(me, R) + ackd);
     let ack0 = preload_acks(g, rank);
     // (presig: p.stage == 2 only)
-    // s_fail = p.refused || failed(p);
-    let failed_before = group_failed(g, rank);
-    // s_epoch = ld_epoch(state, KIND) + 1ull;
-    let epoch = block_epoch(me);
+    // s_fail = p.refused || failed(p); s_epoch = ld_epoch(state, KIND) + 1ull;
+    let (failed_before, mut rep) = block_start(g, rank);
+    let epoch = rep.epoch;
     // GONE_INIT(); ... __syncthreads(); ... const PeerSet gone0 = GONE0();
     let mut set = Gone::new(g, None);
     let gone0 = set.init(g, kp, me);
-    let mut rep = BlockReport {
-        epoch,
-        gone: gone0,
-        failed_start: s_fail(failed_before),
-        ..BlockReport::default()
-    };
+    rep.gone = gone0;
     // s_n = p.stage == 2 ? 0 : read_ntok(...); the routing pass; in_bad = __syncthreads_or(bad) | s_bad;
     rep.bad_input = input_check(g, kp, rank);
     // if (s_fail || in_bad) { poison_peers(p, tab, KIND, rank, gone0, epoch); goto finish; }
@@ -107,19 +101,13 @@ pub fn hook_recv_block(g: &Group, kp: &Launch, rank: usize, bid: usize) -> Block
     // const bool presig = p.stage == 2 && tid < R && !via_nccl(p, tid) && !p.shrink;
     // if (presig) sig0 = ld_acquire(p, sig_bat(me) + tid);
     let sig0 = (!kp.shrink).then(|| preload_signals(g, rank));
-    // s_fail = p.refused || failed(p);
-    let failed_before = group_failed(g, rank);
-    // s_epoch = ld_epoch(state, KIND) + 1ull;  (the send half published none: the same epoch)
-    let epoch = block_epoch(me);
-    // GONE_INIT(); ... __syncthreads(); ... const PeerSet gone0 = GONE0();
+    // s_fail = p.refused || failed(p); s_epoch = ld_epoch(state, KIND) + 1ull;
+    let (_, mut rep) = block_start(g, rank);
+    let epoch = rep.epoch; // the send half published none: the same epoch
+                           // GONE_INIT(); ... __syncthreads(); ... const PeerSet gone0 = GONE0();
     let mut set = Gone::new(g, None);
     let gone0 = set.init(g, kp, me);
-    let mut rep = BlockReport {
-        epoch,
-        gone: gone0,
-        failed_start: s_fail(failed_before),
-        ..BlockReport::default()
-    };
+    rep.gone = gone0;
     // if (p.stage == 2) { if (s_fail) goto finish; }  (no poison: poison_peers stores nothing in stage 2)
     if !rep.failed_start {
         // GONE_SNAPSHOT(gone);

@@ -5,9 +5,8 @@
 
 use ep_reference::sync::SharedRows;
 
-use crate::gpu_protocol::block::{block_epoch, finish, input_check, Stage};
+use crate::gpu_protocol::block::{block_start, finish, input_check, Stage};
 use crate::gpu_protocol::orderings::{fence_after_last_sent, fence_before_sent_add, RELAXED};
-use crate::gpu_protocol::poison::{group_failed, s_fail};
 use crate::gpu_protocol::state::{
     payload, read_entry, write_entry, BlockReport, Entry, Group, Input, Launch, WaitEnd, STALE,
 };
@@ -66,14 +65,9 @@ pub fn batched_pack_block(
 ) -> BlockReport {
     let me = &g.ranks[rank];
     let t_n = g.setup.max_tokens;
-    // s_fail = p.refused || failed(p);
-    let failed_before = group_failed(g, rank);
-    let epoch = block_epoch(me);
-    let mut rep = BlockReport {
-        epoch,
-        failed_start: s_fail(failed_before),
-        ..BlockReport::default()
-    };
+    // s_fail = p.refused || failed(p); s_epoch = ld_epoch(state, KIND) + 1ull;
+    let (failed_before, mut rep) = block_start(g, rank);
+    let epoch = rep.epoch;
     rep.bad_input = input_check(g, kp, rank);
     // if (s_fail || in_bad) { poison_peers(...) (no NCCL peer: its header keeps the host's
     // poison); goto finish; }
@@ -138,14 +132,9 @@ pub fn nccl_capacity_exchange(g: &Group) {
 pub fn batched_unpack_block(g: &Group, kp: &Launch, rank: usize, bid: usize) -> BlockReport {
     let me = &g.ranks[rank];
     let t_n = g.setup.max_tokens;
-    // s_fail = p.refused || failed(p);
-    let failed_before = group_failed(g, rank);
-    let epoch = block_epoch(me);
-    let mut rep = BlockReport {
-        epoch,
-        failed_start: s_fail(failed_before),
-        ..BlockReport::default()
-    };
+    // s_fail = p.refused || failed(p); s_epoch = ld_epoch(state, KIND) + 1ull;
+    let (_, mut rep) = block_start(g, rank);
+    let epoch = rep.epoch;
     // if (p.stage == 2) { if (s_fail) goto finish; }
     if !rep.failed_start {
         let mut counts = Vec::new();
