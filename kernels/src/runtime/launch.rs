@@ -78,12 +78,18 @@ impl GpuGroup {
         if what.is_none() {
             return Ok(());
         }
+        self.record_call(op, path);
+        Ok(())
+    }
+
+    /// The host's count of a call of (op, path) that went out: combine's path check and the
+    /// calls' numbers (the device counts the same in its epochs).
+    pub(crate) fn record_call(&mut self, op: Op, path: Path) {
         if op == Op::Dispatch {
             self.last_dispatch = Some(path);
         }
         self.last_op = Some(op);
         self.calls[kind(op, path)] += 1;
-        Ok(())
     }
 
     /// What a call of `op` that the group refuses (it failed: `check_usable`) still does: it

@@ -24,29 +24,12 @@ impl GpuGroup {
     /// and acks stored. Batched combine: p0 start, p8 row-address table, p1 set-up done, p2
     /// sent, p3 signals in, p4 reduced, p5, p13, p12 as dispatch.
     pub fn profile(&mut self, op: Op, path: Path) -> Result<Vec<[u64; PROF_SLOTS]>, GpuError> {
-        let grid = self.devs[0].ranks * self.blocks_per_rank;
-        self.devs[0].bind()?;
-        let buf = self.devs[0].scratch(0, grid * 8 * PROF_SLOTS)?;
-        // Stamps of an earlier profile must not pass for phases this call did not reach: cleared
-        // on the stream the profiled launch follows on.
-        // SAFETY: `buf` holds grid*64 bytes on the bound context; `stream` belongs to it.
-        cuda("clear profile", unsafe {
-            result::memset_d8_async(buf, 0, grid * 8 * PROF_SLOTS, self.devs[0].stream)
-        })?;
+        let (buf, grid) = self.clear_stamps(0)?;
         self.params.prof = buf;
         let r = self.launch(op, path).and_then(|_| self.sync());
         self.params.prof = 0;
         r?;
-        let mut host = vec![0u64; grid * PROF_SLOTS];
-        self.devs[0].bind()?;
-        // SAFETY: `buf` holds grid*8 u64 on the bound context; the device is idle.
-        cuda("read profile", unsafe {
-            result::memcpy_dtoh_sync(&mut host, buf)
-        })?;
-        Ok(host
-            .chunks_exact(PROF_SLOTS)
-            .map(|c| c.try_into().unwrap())
-            .collect())
+        self.read_stamps(buf, grid)
     }
 
     /// The receive-hook split of one call of (op, path) with `%globaltimer` stamps: the send half
@@ -68,47 +51,51 @@ impl GpuGroup {
         if op == Op::Combine {
             self.check_combine_path(path)?;
         }
-        let grid = self.devs[0].ranks * self.blocks_per_rank;
-        self.devs[0].bind()?;
-        let bufs = [
-            self.devs[0].scratch(0, grid * 8 * PROF_SLOTS)?,
-            self.devs[0].scratch(1, grid * 8 * PROF_SLOTS)?,
-        ];
-        for b in bufs {
-            // SAFETY: `b` holds grid*64 bytes on the bound context; `stream` belongs to it.
-            cuda("clear profile", unsafe {
-                result::memset_d8_async(b, 0, grid * 8 * PROF_SLOTS, self.devs[0].stream)
-            })?;
-        }
+        let (send, grid) = self.clear_stamps(0)?;
+        let (recv, _) = self.clear_stamps(1)?;
         let mut r = Ok(());
-        for (stage, b) in [(1, bufs[0]), (2, bufs[1])] {
+        for (stage, b) in [(1, send), (2, recv)] {
             self.params.prof = b;
             r = r.and_then(|_| self.launch_stage(op, path, stage));
         }
         self.params.prof = 0;
         if r.is_ok() {
             // Both halves went out: one call, as `launch` counts it.
-            if op == Op::Dispatch {
-                self.last_dispatch = Some(path);
-            }
-            self.last_op = Some(op);
-            self.calls[crate::runtime::group::kind(op, path)] += 1;
+            self.record_call(op, path);
         }
         r.and_then(|_| self.sync())?;
-        let mut out = [Vec::new(), Vec::new()];
-        for (o, b) in out.iter_mut().zip(bufs) {
-            let mut host = vec![0u64; grid * PROF_SLOTS];
-            self.devs[0].bind()?;
-            // SAFETY: `b` holds grid*8 u64 on the bound context; the device is idle (synced).
-            cuda("read profile", unsafe {
-                result::memcpy_dtoh_sync(&mut host, b)
-            })?;
-            *o = host
-                .chunks_exact(PROF_SLOTS)
-                .map(|c| c.try_into().expect("chunks of 8"))
-                .collect();
-        }
-        Ok(out)
+        Ok([self.read_stamps(send, grid)?, self.read_stamps(recv, grid)?])
+    }
+
+    /// Scratch buffer `slot` of device 0 sized for one stamp row per block of a launch there,
+    /// zeroed on the stream the profiled launch follows on (so that stamps of an earlier profile
+    /// never pass for phases this one did not reach); and the launch's grid.
+    fn clear_stamps(&mut self, slot: usize) -> Result<(u64, usize), GpuError> {
+        let grid = self.devs[0].ranks * self.blocks_per_rank;
+        let bytes = grid * PROF_SLOTS * 8;
+        self.devs[0].bind()?;
+        let buf = self.devs[0].scratch(slot, bytes)?;
+        // SAFETY: `buf` holds `bytes` bytes on the bound context; `stream` belongs to it.
+        cuda("clear profile", unsafe {
+            result::memset_d8_async(buf, 0, bytes, self.devs[0].stream)
+        })?;
+        Ok((buf, grid))
+    }
+
+    /// The stamps [`GpuGroup::clear_stamps`]' buffer holds, a row per block; the device is idle.
+    fn read_stamps(&self, buf: u64, grid: usize) -> Result<Vec<[u64; PROF_SLOTS]>, GpuError> {
+        let mut host = vec![0u64; grid * PROF_SLOTS];
+        self.devs[0].bind()?;
+        // SAFETY: `buf` holds grid * PROF_SLOTS u64 on the bound context (clear_stamps); the
+        // caller synchronised, so no launch writes it.
+        cuda("read profile", unsafe {
+            result::memcpy_dtoh_sync(&mut host, buf)
+        })?;
+        Ok(host
+            .chunks_exact(PROF_SLOTS)
+            // A chunk of exactly PROF_SLOTS values always converts.
+            .map(|c| <[u64; PROF_SLOTS]>::try_from(c).unwrap_or([0; PROF_SLOTS]))
+            .collect())
     }
 
     /// Runs the payload encoder alone on `rows` (n x H bf16) on device 0: per row, the bytes the
