@@ -34,13 +34,12 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) combine_recv(KParams 
 }  // namespace ep_batched
 
 #define KIND KIND_BAT_DISPATCH
-// One received unit of the expansion: a 512-byte chunk of an entry's payload (c < Cx), or its
-// scales and indices (c == Cx), with the header fields this lane needs.
+// One received unit of the expansion: a 512-byte chunk of an entry's payload, with the header
+// fields this lane needs.
 struct XUnit {
-    const u8* h;  // the entry
-    int s, c;     // source rank, chunk
-    u32 lx, ix;   // lanes < K: local expert of slot `lane` (or NO_LOCAL), index within (l, s)
-    uint4 v;      // c < Cx: this lane's 16 payload bytes
+    int s, c;    // source rank, chunk
+    u32 lx, ix;  // lanes < K: local expert of slot `lane` (or NO_LOCAL), index within (l, s)
+    uint4 v;     // this lane's 16 payload bytes
 };
 // Token t's entry in batch(this rank -> d) at position `pos` (d's receive region for this rank,
 // or this rank's staging slot for d when d is reached through NCCL): payload segment g, and with
@@ -320,9 +319,10 @@ __device__ __forceinline__ void dispatch_stage(const KParams& p, const IoTable& 
             Seg sg = nxt;
             if (u + stride < n * segs) nxt = seg_fetch(p, (const u16*)io.x + (u64)((u + stride) / segs) * p.H, ((u + stride) % segs) * 512);
             // this lane's slot (lanes < K): local expert and row, or -1
-            int my_row = -1;
+            int my_row = -1, my_l = 0;
             if (lane < K) {
                 const int e = sm.sk[t * K + lane];
+                my_l = e;
                 if (e >= 0) {
                     const u32 word = (u32)sm.bm[e * W + (t >> 5)];
                     my_row = e * T + sm.pw[e * W + (t >> 5)] + __popc(word & ((1u << (t & 31)) - 1u));
@@ -333,8 +333,10 @@ __device__ __forceinline__ void dispatch_stage(const KParams& p, const IoTable& 
             const u16* xr = (const u16*)io.x + (u64)t * p.H;
             seg_quant(p, sg);
             for (u32 m = slots; m != 0u; m &= m - 1u) {
-                const u64 row = (u64)__shfl_sync(0xffffffffu, my_row, __ffs(m) - 1);
-                seg_store_xs(p, sg, xr, g * 512, (u8*)io.recv_x + row * p.xrow, scale_row(p, (void*)io.recv_scales, row));
+                const int k = __ffs(m) - 1;
+                const u64 row = (u64)__shfl_sync(0xffffffffu, my_row, k);
+                const int l = __shfl_sync(0xffffffffu, my_l, k);
+                seg_store_xs(p, sg, xr, g * 512, (u8*)io.recv_x + row * p.xrow, scale_row(p, (void*)io.recv_scales, (u64)l, row - (u64)l * T));
             }
             if (g == 0 && lane < K) {
                 // (t, k)'s place among the rank's selections (token order, then k): comb_pos on
@@ -514,24 +516,28 @@ __device__ __forceinline__ void dispatch_stage(const KParams& p, const IoTable& 
             const int TK = T * K;
             const bool vec = (p.xrow & 15) == 0;
             const int Cx = vec ? (p.xrow + 511) / 512 : 0;  // 512-byte chunks of the row
-            const int C = Cx + 1;                            // + one unit for scales and indices
+            const float rcx = Cx ? 1.0f / (float)Cx : 0.0f;
             int entries = 0;
             for (int s = 0; s < R; s++) entries += sm.rcnt[s];
-            const int units = entries * C;
+            // Units: first every entry's payload chunks (entry u / Cx, chunk u % Cx), then one
+            // tail per entry (its scales, token and indices), over every warp of this rank.
+            const int units = entries * Cx;
             const int nw = p.blocks_per_rank * NWARPS;
-            // Units u0 + q*nw (q < 4, so that every warp gets work): their loads are all issued
-            // before any store.
-            auto load_unit = [&](int u, XUnit& x) {
-                int j = u / C;
-                const int c = u % C;
-                int s = 0;
+            // Entry j of the concatenated batches (source order): its header, and its source.
+            auto entry_of = [&](int j, int& s) -> const u8* {
+                s = 0;
                 while (j >= sm.rcnt[s]) {
                     j -= sm.rcnt[s];
                     s++;
                 }
-                const u8* h = (const u8*)me.bat_buf + ((u64)s * T + j) * p.entry_bytes;
-                x.h = h;
-                x.s = s;
+                return (const u8*)me.bat_buf + ((u64)s * T + j) * p.entry_bytes;
+            };
+            // Units u0 + q*nw (q < 4, so that every warp gets work): their loads are all issued
+            // before any store.
+            auto load_unit = [&](int u, XUnit& x) {
+                const int j = div_rcp(u, Cx, rcx);
+                const int c = u - j * Cx;
+                const u8* h = entry_of(j, x.s);
                 x.c = c;
                 x.lx = NO_LOCAL;
                 x.ix = 0;
@@ -540,37 +546,42 @@ __device__ __forceinline__ void dispatch_stage(const KParams& p, const IoTable& 
                     x.ix = ((const u16*)(h + 48))[lane];
                 }
                 const int off = c * 512 + lane * 16;
-                if (c < Cx && off < p.xrow) x.v = *(const uint4*)(h + HDR_BYTES + off);
+                if (off < p.xrow) x.v = *(const uint4*)(h + HDR_BYTES + off);
             };
-            auto store_unit = [&](const XUnit& x) {
-                const u8* h = x.h;
-                const int s = x.s, c = x.c;
-                u32 lx = x.lx;
-                const u32 ix = x.ix;
-                // Peer-written header: a local expert below L and an index below the rows of
-                // (l, s), or the slot is skipped and the error reported. Checked here, where the
-                // header is used, so that the loads of all four units stay in flight above.
+            // Peer-written header: a local expert below L and an index below the rows of (l, s),
+            // or the slot is skipped and the error reported. Checked where the header is used, so
+            // that the loads of all four units stay in flight above.
+            auto checked = [&](u32 lx, u32 ix, int s) -> u32 {
                 if (lx != NO_LOCAL && (lx >= (u32)L || ix >= (u32)sm.cls[lx * R + s])) {
                     if (lx >= (u32)L) report_error(p, ERR_PEER_DATA, rank, s, PF_HDR_LOCAL, lx, 0u, L - 1);
                     else report_error(p, ERR_PEER_DATA, rank, s, PF_HDR_INDEX, ix, 0u, sm.cls[lx * R + s] - 1);
-                    lx = NO_LOCAL;
+                    return NO_LOCAL;
                 }
-                const int off = c * 512 + lane * 16;
+                return lx;
+            };
+            auto store_unit = [&](const XUnit& x) {
+                const int s = x.s;
+                const u32 lx = checked(x.lx, x.ix, s);
+                const int off = x.c * 512 + lane * 16;
                 const u32 slots = __ballot_sync(0xffffffffu, lx != NO_LOCAL);
-                if (c < Cx) {
-                    for (u32 m = slots; m != 0u; m &= m - 1u) {
-                        const int k = __ffs(m) - 1;
-                        const int l = __shfl_sync(0xffffffffu, (int)lx, k);
-                        const int i = __shfl_sync(0xffffffffu, (int)ix, k);
-                        const u64 row = (u64)l * RT + sm.beg[l * R + s] + i;
-                        if (off < p.xrow) *(uint4*)((u8*)io.recv_x + row * p.xrow + off) = x.v;
-                    }
-                    return;
+                for (u32 m = slots; m != 0u; m &= m - 1u) {
+                    const int k = __ffs(m) - 1;
+                    const int l = __shfl_sync(0xffffffffu, (int)lx, k);
+                    const int i = __shfl_sync(0xffffffffu, (int)x.ix, k);
+                    const u64 row = (u64)l * RT + sm.beg[l * R + s] + i;
+                    if (off < p.xrow) *(uint4*)((u8*)io.recv_x + row * p.xrow + off) = x.v;
                 }
+            };
+            // The tail of entry j: the scales (loaded once, up to 128 words: 4 per lane, and
+            // stored to every slot's row; wider rows copy them word by word), the row itself
+            // when rows are not 16-byte multiples, and the places combine reads back.
+            auto tail = [&](int j) {
+                int s;
+                const u8* h = entry_of(j, s);
+                const u32 ix = lane < K ? ((const u16*)(h + 48))[lane] : 0u;
+                const u32 lx = checked(lane < K ? ((const u16*)(h + 16))[lane] : NO_LOCAL, ix, s);
                 const int t = ((const int*)h)[0];
                 const int sel = ((const int*)h)[1];
-                // The scales are loaded once (up to 128 words: 4 per lane) and stored to every
-                // slot's row; wider rows copy them word by word.
                 const u32* src = (const u32*)(h + HDR_BYTES + p.xrow);
                 const bool sreg = p.spr <= 128;
                 u32 sv[4];
@@ -579,6 +590,7 @@ __device__ __forceinline__ void dispatch_stage(const KParams& p, const IoTable& 
                     const int w = z * 32 + lane;
                     sv[z] = sreg && w < p.spr ? src[w] : 0u;
                 }
+                const u32 slots = __ballot_sync(0xffffffffu, lx != NO_LOCAL);
                 // The selection offset indexes comb_map: bounded (t is only stored).
                 if (slots != 0u && (sel < 0 || sel > TK - __popc(slots))) {
                     if (lane == 0) report_error(p, ERR_PEER_DATA, rank, s, PF_HDR_SEL, (u32)sel, 0u, (u32)(TK - __popc(slots)));
@@ -587,11 +599,11 @@ __device__ __forceinline__ void dispatch_stage(const KParams& p, const IoTable& 
                 for (u32 m = slots; m != 0u; m &= m - 1u) {
                     const int k = __ffs(m) - 1;
                     const int l = __shfl_sync(0xffffffffu, (int)lx, k);
-                    const int i = __shfl_sync(0xffffffffu, (int)ix, k);
-                    const u64 row = (u64)l * RT + sm.beg[l * R + s] + i;
+                    const int r = sm.beg[l * R + s] + __shfl_sync(0xffffffffu, (int)ix, k);
+                    const u64 row = (u64)l * RT + r;
                     if (!vec) warp_copy((u8*)io.recv_x + row * p.xrow, h + HDR_BYTES, p.xrow);
                     if (p.spr) {
-                        const ScaleRow dst = scale_row(p, (void*)io.recv_scales, row);
+                        const ScaleRow dst = scale_row(p, (void*)io.recv_scales, (u64)l, (u64)r);
                         if (sreg) {
 #pragma unroll
                             for (int z = 0; z < 4; z++) {
@@ -669,6 +681,10 @@ __device__ __forceinline__ void dispatch_stage(const KParams& p, const IoTable& 
                 for (int q = 0; q < 4; q++)
                     if (u0 + q * nw < units) load_unit(u0 + q * nw, xq[q]);
             }
+            // The tails: unit units + j is entry j's, on the warp that unit index falls to.
+            int ut = bid * NWARPS + warp;
+            if (ut < units) ut += (units - ut + nw - 1) / nw * nw;
+            for (; ut < units + entries; ut += nw) tail(ut - units);
         }
     }
 finish:
@@ -831,10 +847,11 @@ __device__ __forceinline__ void combine_stage(const KParams& p, const IoTable& i
         auto skip = [&](int s) { return local(s) || is_gone(gone, s); };
         int total = 0;
         for (int s = 0; s < R; s++) total += skip(s) ? 0 : sm.tot[s];
-        if (STAGE == 2) total = 0;  // unpack stage: the rows went out in the pack stage
         const int nw = p.blocks_per_rank * NWARPS;
         const int lane = tid & 31;
-        if ((rowb & 15) == 0) {
+        if (STAGE == 2) {
+            // unpack stage: the rows went out in the pack stage
+        } else if ((rowb & 15) == 0) {
             const int C = (int)((rowb + 511) / 512);
             const int units = total * C;
             for (int u0 = bid * NWARPS + warp; u0 < units; u0 += 8 * nw) {

@@ -153,16 +153,32 @@ struct KParams {
     int refused;             // 1: a call the host refused (its group failed): poison only (poison.cuh)
 };
 
-// Where row `row` (= l * RT + r) of recv_scales keeps its words: word w at p[w * step].
+// Where row r of local expert l (row l * RT + r of the rank's RT-row blocks) of recv_scales
+// keeps its words: word w at p[w * step].
 struct ScaleRow {
     u32* p;
     u64 step;
 };
+__device__ __forceinline__ ScaleRow scale_row(const KParams& p, void* scales, u64 l, u64 r) {
+    const u64 RT = (u64)p.R * (u64)p.T;
+    if (!p.scol) return {(u32*)scales + (l * RT + r) * (u64)p.spr, 1};
+    return {(u32*)scales + l * RT * (u64)p.spr + r, RT};
+}
+// The same for row `row` = l * RT + r (l found by a division: where the caller has no l).
 __device__ __forceinline__ ScaleRow scale_row(const KParams& p, void* scales, u64 row) {
     if (!p.scol) return {(u32*)scales + row * (u64)p.spr, 1};
     const u64 RT = (u64)p.R * (u64)p.T;
     const u64 l = row / RT;
     return {(u32*)scales + l * RT * (u64)p.spr + (row - l * RT), RT};
+}
+// n / d for n >= 0, d >= 1, from rcp = 1.0f / d (computed once): the float quotient, corrected
+// to the exact one (the float is off by at most one while n / d < 2^23; the loops keep it exact
+// past that).
+__device__ __forceinline__ int div_rcp(int n, int d, float rcp) {
+    int q = __float2int_rz((float)n * rcp);
+    while (q > 0 && q * d > n) q--;
+    while ((q + 1) * d <= n) q++;
+    return q;
 }
 
 // Is peer d reached through NCCL (its data goes through this rank's staging buffers)?
