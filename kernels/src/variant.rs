@@ -17,8 +17,9 @@ pub const MASK_WORDS: usize = MAX_RANKS / 32;
 pub(crate) const MAX_LOCAL: usize = 32;
 
 /// Which build of the kernels a device loads: the defines common.cuh reads (`EP_MASK_WORDS`,
-/// `EP_MAX_LOCAL`, `EP_MIN_BLOCKS`). A group of at most [`NARROW_RANKS`] ranks with no more
-/// ranks on a GPU than it has SMs loads the narrow build: the source as it is, no define.
+/// `EP_MAX_LOCAL`, `EP_MIN_BLOCKS`, `EP_PLAIN`). A group of at most [`NARROW_RANKS`] ranks with
+/// no more ranks on a GPU than it has SMs, shrink mode, or a peer through NCCL loads the narrow
+/// build: the source as it is, no define.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Variant {
     /// R > 32: peer sets of [`MASK_WORDS`] words, per-slot batch positions.
@@ -27,15 +28,31 @@ pub struct Variant {
     pub wide_io: bool,
     /// More ranks on this GPU than it has SMs: two blocks per SM (`__launch_bounds__`).
     pub two_blocks: bool,
+    /// No peer of this GPU's ranks through NCCL and shrink mode off (`EP_PLAIN`): the NCCL
+    /// staging and shrink-mode code is compiled out, a smaller machine code for every kernel.
+    /// The launch refuses it for a group with either ([`Variant::check_plain`]).
+    pub plain: bool,
 }
 
 impl Variant {
-    /// The build for a group of `ranks` ranks, `ranks_here` of them on a GPU of `sms` SMs.
-    pub fn for_group(ranks: usize, ranks_here: usize, sms: usize) -> Variant {
+    /// The build for a group of `ranks` ranks, `ranks_here` of them on a GPU of `sms` SMs;
+    /// `plain`: none of them reaches a peer through NCCL and shrink mode is off.
+    pub fn for_group(ranks: usize, ranks_here: usize, sms: usize, plain: bool) -> Variant {
         Variant {
             wide: ranks > NARROW_RANKS,
             wide_io: ranks_here > MAX_LOCAL,
             two_blocks: ranks_here > sms.max(1),
+            plain,
+        }
+    }
+
+    /// The plain build has no NCCL or shrink-mode code: a launch of it with an NCCL peer
+    /// (`nccl_peers`) or shrink mode would ignore them, so it is refused.
+    pub fn check_plain(&self, nccl_peers: bool, shrink: bool) -> Result<(), &'static str> {
+        match (self.plain, nccl_peers, shrink) {
+            (true, true, _) => Err("the plain build of the kernels with a peer through NCCL"),
+            (true, _, true) => Err("the plain build of the kernels in shrink mode"),
+            _ => Ok(()),
         }
     }
 
@@ -52,6 +69,9 @@ impl Variant {
         if self.two_blocks {
             d += "#define EP_MIN_BLOCKS 2\n";
         }
+        if self.plain {
+            d += "#define EP_PLAIN 1\n";
+        }
         d
     }
 
@@ -64,18 +84,24 @@ impl Variant {
         }
     }
 
-    /// Every build the runtime may load (the compile check builds them all).
-    pub fn all() -> [Variant; 4] {
-        let v = |wide, wide_io, two_blocks| Variant {
+    /// Every build the runtime may load (the compile check builds them all): each size build,
+    /// general and plain.
+    pub fn all() -> [Variant; 8] {
+        let v = |wide, wide_io, two_blocks, plain| Variant {
             wide,
             wide_io,
             two_blocks,
+            plain,
         };
         [
-            v(false, false, false),
-            v(true, false, false),
-            v(true, true, false),
-            v(true, true, true),
+            v(false, false, false, false),
+            v(true, false, false, false),
+            v(true, true, false, false),
+            v(true, true, true, false),
+            v(false, false, false, true),
+            v(true, false, false, true),
+            v(true, true, false, true),
+            v(true, true, true, true),
         ]
     }
 }

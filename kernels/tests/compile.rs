@@ -60,10 +60,12 @@ fn every_kernel_compiles() {
         );
     }
     println!("compiled {} modules for sm_90", FAMILIES.len());
-    // The builds past 32 ranks (runtime::Variant): wide peer sets, a 256-entry IoTable (a
-    // 22.7 KB kernel parameter), two blocks per SM. Each must compile, its kernels must take no
-    // stack frame (a copied parameter or a local array would show there), and only the
-    // two-blocks build (64 registers a thread) may spill: its spills are printed.
+    // The other builds (runtime::Variant): past 32 ranks wide peer sets, a 256-entry IoTable (a
+    // 22.7 KB kernel parameter), two blocks per SM; and each of those and the narrow one plain
+    // (no NCCL or shrink-mode code). Each must compile, its kernels must take no stack frame (a
+    // copied parameter or a local array would show there), and only the two-blocks build (64
+    // registers a thread) may spill: its spills are printed. The plain narrow build's code sizes
+    // are printed too: it is what a group on one node without shrink mode runs.
     for v in Variant::all().into_iter().skip(1) {
         for f in FAMILIES {
             let c = compile::compile_variant(&f, &v, "sm_90", true)
@@ -76,6 +78,11 @@ fn every_kernel_compiles() {
                     f.name,
                     k.symbol
                 );
+                if v == Variant::for_group(1, 1, 132, true) {
+                    let bytes = text_bytes(&c.cubin, k.symbol)
+                        .unwrap_or_else(|| panic!("{}: no .text section for {}", f.name, k.symbol));
+                    println!("code size (plain build): {} {bytes} bytes of SASS", k.name);
+                }
             }
             if !v.two_blocks {
                 assert!(
@@ -91,7 +98,7 @@ fn every_kernel_compiles() {
         }
     }
     println!(
-        "compiled the {} builds past 32 ranks for sm_90",
+        "compiled the {} other builds for sm_90",
         Variant::all().len() - 1
     );
     // The moe_layer example's own kernels (ep-group's example), with the options the example uses.

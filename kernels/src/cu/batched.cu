@@ -93,8 +93,8 @@ __device__ __forceinline__ void dispatch_stage(const KParams& p, const IoTable& 
     // Thread i < L*R also loads the row count of (l, s) = (i / R, i % R) behind its own acquire of
     // s's signal (thread s < R: the selections s sent, too): taken below when that signal
     // carries this call's tag (the count was stored before it), else loaded again after the wait.
-    const bool presig = STAGE == 2 && tid < R && !via_nccl(p, tid) && !p.shrink;
-    const bool precnt = STAGE == 2 && tid < L * R && !via_nccl(p, tid % R) && !p.shrink;
+    const bool presig = STAGE == 2 && tid < R && !via_nccl(p, tid) && !SHRINK(p);
+    const bool precnt = STAGE == 2 && tid < L * R && !via_nccl(p, tid % R) && !SHRINK(p);
     u64 sig0 = 0;
     int pcnt = 0, psel = 0;
     if (precnt) {
@@ -284,7 +284,7 @@ __device__ __forceinline__ void dispatch_stage(const KParams& p, const IoTable& 
         // The previous call's batches must have been consumed before this call overwrites them.
         // loom: gpu_protocol::sender_wait_acks, model batched_consecutive_calls (ack0 was its first load: preload_acks).
         int wbad = 0;
-        if (!in_bad && acker && p.shrink) {
+        if (!in_bad && acker && SHRINK(p)) {
             // loom: gpu_protocol::wait_peer_ack (agreement), models shrink_*.
             if (!is_gone(gone0, ackd)) {
                 const int r = wait_peer_ack(peer_wait(p, me, KIND, DEC_ACK, rank, ackd, PH_DISPATCH_SEND), sig_bat_ack(me, R) + ackd,
@@ -495,7 +495,7 @@ __device__ __forceinline__ void dispatch_stage(const KParams& p, const IoTable& 
             // Shrink mode: a masked source is not waited for, one whose wait runs out is masked
             // now (agreed by every block); either sends nothing in this call.
             // loom: gpu_protocol::wait_peer_signals (agreement), models shrink_* (mutants gpu_no_agreement, gpu_masked_peer_waited).
-            else if (p.shrink)
+            else if (SHRINK(p))
                 c = is_gone(gone, tid) ? PEER_LOST
                                        : wait_peer_signals(peer_wait(p, me, KIND, DEC_RECV, rank, tid, PH_DISPATCH_RECV), sig_bat(me) + tid, 0, 1, 0, epoch);
             // loom: gpu_protocol::batched_receive, models batched_two_senders_one_receiver, batched_consecutive_calls, batched_tag_wrap.
@@ -751,7 +751,7 @@ __device__ __forceinline__ void combine_stage(const KParams& p, const IoTable& i
     if (acker) ack0 = ld_acquire(p, sig_cb_ack(me, R) + ackd);
     // The receive half (stage 2): thread s < R's first acquire load of owner s's signal, now
     // (as in dispatch). loom: gpu_protocol::preload_signals.
-    const bool presig = STAGE == 2 && tid < R && !via_nccl(p, tid) && !p.shrink;
+    const bool presig = STAGE == 2 && tid < R && !via_nccl(p, tid) && !SHRINK(p);
     u64 sig0 = 0;
     if (presig) sig0 = ld_acquire(p, sig_cb(me, R) + tid);
     // The routing and the batch positions of this thread's first two selections: the group's own
@@ -824,7 +824,7 @@ __device__ __forceinline__ void combine_stage(const KParams& p, const IoTable& i
         poison_nccl_rows(p, me, gone0, bid);
         goto finish;
     }
-    if (acker && p.shrink) {
+    if (acker && SHRINK(p)) {
         if (!is_gone(gone0, ackd)) {
             const int r = wait_peer_ack(peer_wait(p, me, KIND, DEC_ACK, rank, ackd, PH_COMBINE_SEND), sig_cb_ack(me, R) + ackd,
                                         epoch - 1ull, epoch);
@@ -913,7 +913,7 @@ __device__ __forceinline__ void combine_stage(const KParams& p, const IoTable& i
         bad = 0;
         for (int d = tid; d < R && !all_local; d += NTHREADS) {
             if (via_nccl(p, d)) continue;
-            if (p.shrink) {
+            if (SHRINK(p)) {
                 if (is_gone(gone, d)) continue;
                 const long long c = wait_peer_signals(peer_wait(p, me, KIND, DEC_RECV, rank, d, PH_COMBINE_RECV), sig_cb(me, R) + d, 0, 1, 0, epoch);
                 if (c == PEER_LOST) GONE_ADD(d);

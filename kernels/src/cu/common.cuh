@@ -181,9 +181,21 @@ __device__ __forceinline__ int div_rcp(int n, int d, float rcp) {
     return q;
 }
 
+// The plain build (EP_PLAIN, runtime/variant.rs): no peer is reached through NCCL and shrink mode
+// is off, so their code is compiled out; the host launches it only for such a group.
+#ifndef EP_PLAIN
+#define EP_PLAIN 0
+#endif
+#if EP_PLAIN
+#define SHRINK(p) false
+#else
+#define SHRINK(p) ((p).shrink != 0)
+#endif
 // Is peer d reached through NCCL (its data goes through this rank's staging buffers)?
 __device__ __forceinline__ bool via_nccl(const KParams& p, int d) {
-#if WIDE
+#if EP_PLAIN
+    return false;
+#elif WIDE
     return ((p.nccl_mask[d >> 5] >> (d & 31)) & 1u) != 0u;
 #else
     return ((p.nccl_mask[0] >> d) & 1u) != 0u;
@@ -191,7 +203,9 @@ __device__ __forceinline__ bool via_nccl(const KParams& p, int d) {
 }
 // Is any peer reached through NCCL?
 __device__ __forceinline__ bool any_nccl(const KParams& p) {
-#if WIDE
+#if EP_PLAIN
+    return false;
+#elif WIDE
     u32 a = 0u;
 #pragma unroll
     for (int i = 0; i < NCCL_WORDS; i++) a |= p.nccl_mask[i];

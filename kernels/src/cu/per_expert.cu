@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::dispat
         goto finish;
     }
     if (!in_bad && tid < R && p.stage != 2 && !via_nccl(p, tid)) {
-        if (!p.shrink) {
+        if (!SHRINK(p)) {
             bad = !wait_ack(p, sig_pe_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_DISPATCH_SEND);
         } else if (!is_gone(gone0, tid)) {
             const int r = wait_peer_ack(peer_wait(p, me, KIND, DEC_ACK, rank, tid, PH_DISPATCH_SEND), sig_pe_ack(me, R) + tid,
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::dispat
                     // Shrink mode: "arrived" is proposed once all L of s's signals are here, so
                     // the blocks of the other local experts can rely on theirs.
                     // loom: gpu_protocol::wait_peer_signals (agreement), models shrink_* (mutants gpu_no_agreement, gpu_masked_peer_waited).
-                    else if (p.shrink)
+                    else if (SHRINK(p))
                         c = is_gone(gone, s) ? PEER_LOST
                                              : wait_peer_signals(peer_wait(p, me, KIND, DEC_RECV, rank, s, PH_DISPATCH_RECV),
                                                                  sig_pe(me, R) + s, (u64)R, L, l, epoch);
@@ -348,7 +348,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::combin
     }
     // loom: not modelled itself; the same wait_ack as per-expert dispatch (model per_expert_consecutive_calls).
     if (tid < R && p.stage != 2 && !via_nccl(p, tid)) {
-        if (!p.shrink) {
+        if (!SHRINK(p)) {
             bad = !wait_ack(p, sig_pc_ack(me, R) + tid, epoch - 1ull, epoch, rank, tid, PH_COMBINE_SEND);
         } else if (!is_gone(gone0, tid)) {
             const int r = wait_peer_ack(peer_wait(p, me, KIND, DEC_ACK, rank, tid, PH_COMBINE_SEND), sig_pc_ack(me, R) + tid,
@@ -411,7 +411,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::combin
         if (p.stage == 1) goto finish;  // send half only
         // ---- receive: every expert's signal, then the reduction in k order
         bad = 0;
-        if (p.shrink) {
+        if (SHRINK(p)) {
             // One thread per owner: "arrived" once all L of its experts' signals are here.
             for (int d = tid; d < R; d += NTHREADS) {
                 if (via_nccl(p, d) || is_gone(gone, d)) continue;

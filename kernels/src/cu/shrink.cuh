@@ -25,7 +25,7 @@ __device__ __forceinline__ u64* shr_decide(const RankPtrs& me, int R, int kind, 
 }
 __device__ __forceinline__ int* shr_mask(const RankPtrs& me, int R) { return (int*)((u64*)me.shrink + (u64)NUM_KINDS * 2 * R); }
 __device__ __forceinline__ bool peer_masked(const KParams& p, const RankPtrs& me, int d) {
-    return p.shrink && ld_volatile_u32((const u32*)shr_mask(me, p.R) + d) != 0u;
+    return SHRINK(p) && ld_volatile_u32((const u32*)shr_mask(me, p.R) + d) != 0u;
 }
 // A call's set of gone peers (masked, or lost in this call). R <= 32: one u32 in a register
 // (bit d: peer d). Wide (R > 32): EP_MASK_WORDS u32 in shared memory (bit d % 32 of word d / 32).
@@ -42,7 +42,7 @@ __device__ __forceinline__ bool is_gone(u32 g, int d) { return g != 0u && ((g >>
 #endif
 // Bit d set for every masked peer (the narrow build: R <= 32, the host picks the wide one past).
 __device__ __forceinline__ u32 masked_peers(const KParams& p, const RankPtrs& me) {
-    if (!p.shrink) return 0u;
+    if (!SHRINK(p)) return 0u;
     u32 m = 0u;
     for (int d = 0; d < p.R; d++)
         if (ld_volatile_u32((const u32*)shr_mask(me, p.R) + d) != 0u) m |= 1u << d;
@@ -51,7 +51,7 @@ __device__ __forceinline__ u32 masked_peers(const KParams& p, const RankPtrs& me
 // The wide build's masked peers, EP_MASK_WORDS words into `out` (one thread).
 __device__ __forceinline__ void masked_peers_into(const KParams& p, const RankPtrs& me, u32* out) {
     for (int i = 0; i < EP_MASK_WORDS; i++) out[i] = 0u;
-    if (!p.shrink) return;
+    if (!SHRINK(p)) return;
     for (int d = 0; d < p.R; d++)
         if (ld_volatile_u32((const u32*)shr_mask(me, p.R) + d) != 0u) out[d >> 5] |= 1u << (d & 31);
 }

@@ -64,7 +64,12 @@ pub(crate) struct Dev {
     /// (report_error in common.cuh) and the host reads at every call's entry without a sync.
     pub(crate) err_host: HostMirror,
     pub(crate) sms: usize,
-    /// The build of the kernels loaded here (from the group's ranks and this GPU's ranks).
+    /// The device's architecture (`sm_90`): what the kernels are compiled for.
+    pub(crate) arch: String,
+    /// Ranks of the whole group (the build depends on it).
+    pub(crate) group_ranks: usize,
+    /// The build of the kernels loaded here (from the group's ranks, this GPU's ranks and
+    /// whether they reach a peer through NCCL or run in shrink mode: [`Dev::load_kernels`]).
     pub(crate) variant: Variant,
     pub(crate) first_rank: usize,
     pub(crate) ranks: usize,
@@ -103,9 +108,9 @@ pub(crate) fn load_family(
 }
 
 impl Dev {
-    /// Opens device `ordinal` (its primary context), loads the three kernel modules in the build
-    /// for `ranks` of a group of `group_ranks` ([`Variant::for_group`]) and creates the group's
-    /// stream. On any failure, what was already loaded is unloaded (by `Drop`).
+    /// Opens device `ordinal` (its primary context) for `ranks` of a group of `group_ranks` and
+    /// creates the group's stream; [`Dev::load_kernels`] then loads the kernels. On any failure,
+    /// what was already made is released (by `Drop`).
     pub(crate) fn new(
         ordinal: usize,
         first_rank: usize,
@@ -138,19 +143,38 @@ impl Dev {
             err: 0,
             err_host: HostMirror::null(),
             sms,
-            variant: Variant::for_group(group_ranks, ranks, sms),
+            arch,
+            group_ranks,
+            variant: Variant::for_group(group_ranks, ranks, sms, false),
             first_rank,
             ranks,
             allocs: Vec::new(),
             scratch: [(0, 0); 2],
         };
+        dev.stream = cuda(
+            "stream",
+            result::stream::create(result::stream::StreamKind::NonBlocking),
+        )?;
+        Ok(dev)
+    }
+
+    /// Loads the three kernel modules, in the build for this device's ranks
+    /// ([`Variant::for_group`]): `plain` when none of them reaches a peer through NCCL and shrink
+    /// mode is off. Once, before any launch or residency check (the bound context).
+    pub(crate) fn load_kernels(&mut self, plain: bool) -> Result<(), GpuError> {
+        if !self.modules.is_empty() {
+            return Err(GpuError::Unsupported(
+                "the kernels of a device are loaded once".into(),
+            ));
+        }
+        self.variant = Variant::for_group(self.group_ranks, self.ranks, self.sms, plain);
         let mut all = Vec::new();
         for f in [compile::FP8, compile::PER_EXPERT, compile::BATCHED] {
-            let (m, fs) = load_family(&f, &dev.variant, &arch)?;
-            dev.modules.push(m);
+            let (m, fs) = load_family(&f, &self.variant, &self.arch)?;
+            self.modules.push(m);
             all.extend(fs);
         }
-        dev.funcs = Funcs {
+        self.funcs = Funcs {
             fp8: all[0],
             empty: all[1],
             pe_dispatch: all[2],
@@ -159,11 +183,7 @@ impl Dev {
             bat_combine: all[5],
             bat_halves: [all[6], all[7], all[8], all[9]],
         };
-        dev.stream = cuda(
-            "stream",
-            result::stream::create(result::stream::StreamKind::NonBlocking),
-        )?;
-        Ok(dev)
+        Ok(())
     }
 
     /// Sets every kernel's dynamic shared memory to `smem` bytes and checks that `ranks` x

@@ -315,6 +315,12 @@ impl GpuGroup {
         }
         let use_nccl = masks.iter().any(|m| !m.is_empty());
         check_shrink(&opts, r, use_nccl)?;
+        // Each device's build: the plain one where its ranks reach no peer through NCCL and
+        // shrink mode is off.
+        for (dev, mask) in devs.iter_mut().zip(&masks) {
+            dev.bind()?;
+            dev.load_kernels(mask.is_empty() && !opts.enable_shrink)?;
+        }
         let comms = if use_nccl {
             for d in &devs {
                 d.bind()?;

@@ -146,6 +146,10 @@ impl GpuGroup {
                 (Op::Combine, Path::Batched, _) => dev.funcs.bat_combine,
                 (Op::Combine, Path::PerExpert, _) => dev.funcs.pe_combine,
             };
+            // The plain build has no NCCL or shrink-mode code (Variant::check_plain).
+            dev.variant
+                .check_plain(!self.masks[di].is_empty(), self.params.shrink != 0)
+                .map_err(|m| GpuError::Unsupported(m.into()))?;
             let mut kp = self.params;
             kp.table = dev.table;
             kp.err = dev.err;

@@ -601,8 +601,8 @@ mod tests {
         let entry = std::mem::size_of::<IoPtrs>();
         assert_eq!(kp, 176); // the same fields as common.cuh's KParams
         assert_eq!(entry, 11 * 8);
-        let narrow = Variant::for_group(32, 32, 132);
-        let wide = Variant::for_group(256, 256, 132);
+        let narrow = Variant::for_group(32, 32, 132, false);
+        let wide = Variant::for_group(256, 256, 132, true);
         assert_eq!(narrow, Variant::default());
         assert!(kp + narrow.io_capacity() * entry <= 4096);
         assert!(wide.wide && wide.wide_io && wide.two_blocks);
@@ -612,21 +612,42 @@ mod tests {
 
     #[test]
     fn variants_follow_the_ranks_and_the_narrow_one_defines_nothing() {
-        assert_eq!(Variant::for_group(8, 8, 132).defines(), "");
-        assert_eq!(Variant::for_group(32, 1, 132), Variant::default());
+        assert_eq!(Variant::for_group(8, 8, 132, false).defines(), "");
+        assert_eq!(Variant::for_group(32, 1, 132, false), Variant::default());
         // Process mode past 32 ranks: wide peer sets, one rank here (narrow IoTable).
-        let p = Variant::for_group(256, 1, 132);
+        let p = Variant::for_group(256, 1, 132, false);
         assert_eq!((p.wide, p.wide_io, p.two_blocks), (true, false, false));
         assert_eq!(p.defines(), "#define EP_MASK_WORDS 8\n");
         assert_eq!(p.io_capacity(), MAX_LOCAL);
-        let v = Variant::for_group(64, 64, 132);
+        let v = Variant::for_group(64, 64, 132, false);
         assert_eq!((v.wide, v.wide_io, v.two_blocks), (true, true, false));
         assert!(v.defines().contains("EP_MAX_LOCAL 256"));
-        assert!(Variant::for_group(256, 256, 132)
+        assert!(Variant::for_group(256, 256, 132, false)
             .defines()
             .contains("EP_MIN_BLOCKS 2"));
-        for v in [p, v] {
+        // The plain build: its define on top of the size build's, and nothing else changes.
+        let q = Variant::for_group(8, 8, 132, true);
+        assert_eq!(q.defines(), "#define EP_PLAIN 1\n");
+        assert_eq!(q.io_capacity(), MAX_LOCAL);
+        let w = Variant::for_group(64, 64, 132, true);
+        assert_eq!(w.defines(), format!("{}#define EP_PLAIN 1\n", v.defines()));
+        for v in [p, v, q, w] {
             assert!(Variant::all().contains(&v));
+        }
+    }
+
+    #[test]
+    fn the_plain_build_is_refused_with_nccl_peers_or_shrink_mode() {
+        let plain = Variant::for_group(8, 8, 132, true);
+        let general = Variant::for_group(8, 8, 132, false);
+        assert!(plain.check_plain(false, false).is_ok());
+        assert!(plain.check_plain(true, false).unwrap_err().contains("NCCL"));
+        assert!(plain
+            .check_plain(false, true)
+            .unwrap_err()
+            .contains("shrink"));
+        for (n, s) in [(false, false), (true, false), (false, true), (true, true)] {
+            assert!(general.check_plain(n, s).is_ok());
         }
     }
 

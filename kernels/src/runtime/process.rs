@@ -97,6 +97,9 @@ impl ProcessRank {
         // checks) comes before it: a two-tier rank always has the staging.
         let staging = opts.transport != Transport::Auto;
         let mut dev = Dev::new(ordinal, rank, 1, cfg.num_ranks)?;
+        // The plain build under Transport::Auto without shrink mode: every peer through CUDA
+        // IPC (topology's plan), none through NCCL.
+        dev.load_kernels(opts.transport == Transport::Auto && !opts.enable_shrink)?;
         let smem = smem_bytes(cfg);
         let bpr = opts.blocks_per_rank.unwrap_or(dev.sms).max(1);
         dev.check_residency(smem, 1, bpr)?;

@@ -55,7 +55,7 @@ fn wide_configs(r: usize, seed: u64, zero_copy_local: bool) -> usize {
         println!(
             "ok: {} (build {:?}), 3 rounds, both paths, zero_copy_local={zero_copy_local}",
             cfg.describe(),
-            Variant::for_group(r, r, 132)
+            Variant::for_group(r, r, 132, true)
         );
     }
     checks

@@ -113,8 +113,8 @@ fn sizes(o: &Opts) -> Result<(), String> {
                 mib(ipc),
                 mib(nccl),
                 smem as f64 / 1024.0,
-                build(Variant::for_group(r, 1, 132)),
-                build(Variant::for_group(r, r, 132)),
+                build(Variant::for_group(r, 1, 132, true)),
+                build(Variant::for_group(r, r, 132, true)),
             );
         }
     }
