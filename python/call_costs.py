@@ -10,11 +10,14 @@ Prints, for pairs without and with receive hooks (DeepEP's test passes the cumul
   ``torch.set_default_device('cuda')`` routes through ``torch.utils._device.__torch_function__``),
   by name;
 - objects: GC-tracked objects the pair leaves alive while its results are held (the handle,
-  hooks, tensors: what the collector's generation 0 counts), and after they are dropped;
+  hooks, tensors: what the collector's generation 0 counts; "left after" is that count once
+  they are dropped, which CPython's free lists keep from falling all the way back);
 - host time per pair: plain, under the default-device mode, and under that mode in a process
   holding ``--live`` other objects with the collector on (DeepEP's test holds about 167,000).
 
-Needs torch (a CPU build is enough); runs two ranks in one process, each with its own Buffer.
+Needs torch (a CPU build is enough) and the built wheel (run it from outside python/, or with
+``python -P``, so that ``import ep_dispatch`` is the installed one). One Buffer of a 2-rank group
+in one process, the native rank replaced as above; T=128, H=7168, K=8, E=16, FP8 dispatch.
 """
 
 import argparse
@@ -33,10 +36,12 @@ T, H, K, R, E = 128, 7168, 8, 2, 16
 
 
 class NullRank:
-    """The native rank's API, doing nothing: returns ids as the native rank does."""
+    """The native rank's API enqueueing nothing: each call makes the native tensor checks (the
+    real ones, `CallSpec`) and returns ids as the native rank does."""
 
-    def __init__(self, *args, **kwargs):
-        self.next_id = 1
+    def __init__(self, spec, *args, **kwargs):
+        self.spec = spec
+        self.next_id = self.next_c = 1
         self.pending = self.pending_c = None
 
     def poll(self):
@@ -45,28 +50,33 @@ class NullRank:
     def check(self):
         pass
 
-    def pending_dispatch(self):
-        return self.pending
-
-    def pending_combine(self):
-        return self.pending_c
-
-    def dispatch(self, stream, phases, *ptrs):
-        if phases == "recv":
-            self.pending = None
-            return self.next_id - 1
+    def dispatch(self, stream, *tensors):
+        self.spec.check_dispatch(*tensors)
+        self.pending = None
         self.next_id += 1
-        if phases == "send":
-            self.pending = self.next_id - 1
         return self.next_id - 1
 
-    def combine(self, stream, phases, handle, *ptrs):
-        if phases == "recv":
-            self.pending_c = None
-            return 1
-        if phases == "send":
-            self.pending_c = 1
-        return 1
+    def dispatch_send(self, stream, *tensors):
+        self.pending = self.dispatch(stream, *tensors)
+        return self.pending
+
+    def dispatch_recv(self, stream, hid):
+        done, self.pending = self.pending == hid, None
+        return done
+
+    def combine(self, stream, handle, x, topk_idx, topk_weights, out, wait_stats=None):
+        self.spec.check_combine(T, x, topk_idx, topk_weights, out, wait_stats)
+        self.pending_c = None
+        self.next_c += 1
+        return self.next_c - 1
+
+    def combine_send(self, stream, handle, *tensors, keep=None):
+        self.pending_c = self.combine(stream, handle, *tensors[:5])
+        return self.pending_c
+
+    def combine_recv(self, stream, cid):
+        done, self.pending_c = self.pending_c == cid, None
+        return done
 
 
 class Group:
@@ -87,6 +97,7 @@ def make_buffer():
     torch.cuda.current_device = lambda: 0
     b = ep.Buffer(Group(0, R), 0, 1 << 20, True, E // R)
     b._dev = torch.device("cpu")
+    b._dev_index = -1
     b._stream = lambda: 0
     return b
 
@@ -134,6 +145,25 @@ def torch_calls(b, ins, hooks, n=10):
     return {k: v / n for k, v in sorted(c.names.items())}
 
 
+def all_torch_calls(b, ins, hooks):
+    """Every Python-level torch call a pair makes, ours and the native side's metadata reads
+    included: counted with the Buffer's disabling of torch functions turned off."""
+    notf = b._notf
+    b._notf = _Open
+    try:
+        return torch_calls(b, ins, hooks)
+    finally:
+        b._notf = notf
+
+
+class _Open:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 def objects(b, ins, hooks, n=50):
     pair(b, ins, hooks)
     gc.collect()
@@ -175,6 +205,9 @@ def main():
         r = res[k] = {}
         r["torch_calls"] = torch_calls(b, ins, hooks)
         r["torch_calls_total"] = sum(r["torch_calls"].values())
+        if hasattr(b, "_notf"):
+            r["all_torch_calls"] = all_torch_calls(b, ins, hooks)
+            r["all_torch_calls_total"] = sum(r["all_torch_calls"].values())
         r["objects_alive"], r["objects_left"] = objects(b, ins, hooks)
         r["host_us"] = host_us(b, ins, hooks, a.pairs)
         torch.set_default_device("cpu")
@@ -197,6 +230,10 @@ def main():
     for k, r in res.items():
         print(f"[{k}] torch calls per pair: {r['torch_calls_total']:g} "
               f"({', '.join(f'{n} {v:g}' for n, v in r['torch_calls'].items())})")
+        if "all_torch_calls" in r:
+            print(f"[{k}] torch calls made per pair (the Buffer's and the native side's, "
+                  f"modes off or not): {r['all_torch_calls_total']:g} "
+                  f"({', '.join(f'{n} {v:g}' for n, v in r['all_torch_calls'].items())})")
         print(f"[{k}] GC-tracked objects per pair: {r['objects_alive']:g} alive while held, "
               f"{r['objects_left']:g} left after")
         print(f"[{k}] host per pair: {r['host_us']:.1f} us | default device: "
