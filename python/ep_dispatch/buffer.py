@@ -73,14 +73,14 @@ class Handle(tuple):
 
     @classmethod
     def _of_dispatch(cls, src_info, pairs, tokens, hidden, experts, recv_count, num_tokens,
-                     top_k, use_fp8, path, key, buffer, hid, seq, topk_idx):
+                     top_k, use_fp8, path, key, buffer, hid, seq):
         """The handle a dispatch returns (the hot path: no keyword loop)."""
         h = tuple.__new__(cls, (src_info, None, tokens, hidden, experts))
         h.src_info, h._packed, h._pairs = src_info, None, pairs
         h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts = tokens, hidden, experts
         h.recv_count, h.num_tokens, h.top_k, h.use_fp8, h.path = (recv_count, num_tokens, top_k,
                                                                    use_fp8, path)
-        h._key, h._buffer, h._id, h._seq, h._topk_idx = key, buffer, hid, seq, topk_idx
+        h._key, h._buffer, h._id, h._seq = key, buffer, hid, seq
         return h
 
     @property
@@ -120,6 +120,16 @@ class _Dtypes:
         self.f32 = torch.float32
         self.i32 = torch.int32
         self.i64 = torch.int64
+        # What the native CallSpec compares tensors' dtypes with (by identity), in its order.
+        self.native = (self.bf16, self.fp8, self.f32, self.i32, self.i64)
+
+
+class _NoContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 class Buffer:
@@ -165,11 +175,13 @@ class Buffer:
             context as DeepEP's kernels do (default False: the kernel exits cleanly and the
             next call raises). The error is still named afterwards (``poll()``, ``check()``).
 
+    The FP8 scales are DeepEP's, not a difference: ``[L, R*T, H/128]`` (UE8M0: ``int32
+    [L, R*T, H/512]``), column-major in the last two dimensions (strides ``(R*T*G, 1, R*T)``, as
+    DeepGEMM takes them), the values the contract's.
+
     Differences from DeepEP, on purpose:
         - Row order is canonical (by source rank, then token), so outputs are reproducible and
           equal the oracle bit for bit.
-        - The FP8 scales have DeepEP's shape and strides: ``[L, R*T, H/128]``, column-major in
-          the last two dimensions (strides ``(R*T*G, 1, R*T)``), the values the contract's.
         - Kernels run on ``torch.cuda.current_stream()``; ``async_finish=True`` returns an event
           recorded there after them (no separate communication stream).
         - ``use_logfmt`` is accepted and ignored: combine always sends bf16, so the result is
@@ -243,7 +255,6 @@ class Buffer:
         self.enable_shrink = enable_shrink
         self._ranks = {}
         self._combine_buffers = {}
-        self._held = {}  # the tensors of send halves whose receive half is still due
         self._due = {}  # per shape, per buffer set: the dispatch (sequence no.) still to combine
         self._seq = 0  # dispatches so far (orders the buffer sets' due dispatches)
 
@@ -276,6 +287,13 @@ class Buffer:
             lambda d: torch.cuda.current_stream(d).cuda_stream)
         # Where every tensor of a call must be, and where outputs are allocated.
         self._dev = torch.device("cuda", self._device)
+        self._dev_index = self._device  # what the native checks want of `get_device()`
+        # Every call runs with torch functions disabled: its torch calls (allocations, the
+        # native side's reads of tensor metadata) then skip torch's modes, e.g. the
+        # default-device mode of `torch.set_default_device('cuda')` (a Python
+        # `__torch_function__` per call), as DeepEP's C++ does. Our calls pass devices
+        # explicitly, so no mode has anything to add.
+        self._notf = getattr(torch._C, "DisableTorchFunction", _NoContext)
         if self._shape.experts is not None and self._shape.experts % self.group_size:
             raise argument_error("num_experts", f"{self._shape.experts} is not a multiple of "
                                                 f"the group's {self.group_size} ranks")
@@ -351,7 +369,7 @@ class Buffer:
         mask_status.zero_()
         part = torch.empty_like(mask_status) if len(groups) > 1 else mask_status
         for g in groups:
-            g.query_mask(self._stream(), (part.data_ptr(), part.numel()))
+            g.query_mask(self._stream(), part)  # checked natively too
             if part is not mask_status:
                 mask_status.bitwise_or_(part)
 
@@ -388,7 +406,6 @@ class Buffer:
         self._ranks.clear()
         self._combine_buffers.clear()
         self._due.clear()
-        self._held.clear()
 
     def __del__(self):
         # A Buffer caught in a reference cycle is freed by Python's cyclic collector, which may
@@ -439,11 +456,12 @@ class Buffer:
         g = self._ranks.get(key)
         self._poll_others(g)  # before a group forms, too
         if g is None:
-            _native.validate_config(self.group_size, E, T, H, K, use_fp8, round_scale, use_ue8m0)
-            g = _native.GpuRank(self.rank, self.group_size, E, T, H, K, use_fp8, round_scale,
-                                use_ue8m0, self._device, self.path, self.transport,
-                                self.timeout_s, self._all_gather, self.trap_on_error,
-                                self.enable_shrink)
+            # The shape is validated once, here (raises ConfigError naming the bad value);
+            # the spec checks every tensor of the group's calls.
+            spec = _native.CallSpec(self.group_size, E, T, H, K, use_fp8, round_scale, use_ue8m0,
+                                    self._dev_index, self._dt.native)
+            g = _native.GpuRank(spec, self.rank, self.path, self.transport, self.timeout_s,
+                                self._all_gather, self.trap_on_error, self.enable_shrink)
             self._ranks[key] = g
             s = self._shape
             s.tokens, s.hidden, s.experts, s.top_k = T, H, E, K
@@ -463,9 +481,7 @@ class Buffer:
         # `current_stream(dev).cuda_stream` returns, without building a Stream object).
         return self._raw_stream(self._device)
 
-    def _event(self, async_finish, tensors):
-        if not async_finish:
-            return _NO_EVENT
+    def _event(self, tensors):
         ev = self._torch.cuda.Event()
         ev.record(self._torch.cuda.current_stream(self._device))
         return EventOverlap(ev, tensors)
@@ -489,6 +505,14 @@ class Buffer:
         (``int64 [R]``, DeepEP's cycles spent waiting for each source) is checked as DeepEP
         checks it and left untouched: the kernels do not measure per-source waits.
         """
+        with self._notf():
+            return self._dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                  cumulative_local_expert_recv_stats,
+                                  dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0,
+                                  async_finish, return_recv_hook)
+
+    def _dispatch(self, x, topk_idx, T, E, stats, wait_stats, use_fp8, round_scale, use_ue8m0,
+                  async_finish, return_recv_hook):
         torch, dt = self._torch, self._dt
         if not (use_fp8.__class__ is bool and round_scale.__class__ is bool
                 and use_ue8m0.__class__ is bool and async_finish.__class__ is bool
@@ -498,16 +522,21 @@ class Buffer:
                             ("return_recv_hook", return_recv_hook)):
                 _checks.flag(name, v)
         R = self.group_size
-        n, H, K = _checks.dispatch_args(x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                        num_experts, self._shape, R, self._dev, dt)
-        T, E = num_max_dispatch_tokens_per_rank, num_experts
+        # The group is chosen by (T, H, E, K) and the mode: read from the tensors' shapes. The
+        # native call checks every tensor against the group's spec (dtype, shape, strides,
+        # device); only the first call of a shape, or arguments whose shapes cannot be read,
+        # take the Python checks, which name what disagrees with this Buffer's shape.
+        try:
+            n, H = x.shape
+            K = topk_idx.shape[1]
+            known = (T.__class__ is int and E.__class__ is int
+                     and (T, H, E, K, use_fp8, use_fp8 and round_scale,
+                          use_fp8 and use_ue8m0) in self._due)
+        except (AttributeError, IndexError, TypeError, ValueError):
+            known = False
+        if not known:
+            n, H, K = _checks.dispatch_args(x, topk_idx, T, E, self._shape, R, self._dev, dt)
         L, RT = E // R, R * T
-        _checks.stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                      dt.i32, (L,), self._dev)
-        _checks.stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, dt.i64,
-                      (R,), self._dev)
-        # The config (E % R, H % 128 in FP8, UE8M0 needs round_scale, ...) is validated when
-        # the group of this shape and mode forms (`_rank_group`), once per shape.
         if self.check_routing:
             host = topk_idx.detach().to("cpu").contiguous().numpy().tobytes()
             _native.check_routing(self.rank, R, E, T, H, K, host)
@@ -529,47 +558,38 @@ class Buffer:
         # The kernels write (begin, count) int32 pairs; the handle packs DeepEP's int64
         # `layout_range` from them on demand.
         pairs = torch.empty((L, R, 2), dtype=dt.i32, device=dev)
-        # (data_ptr, elements) of each tensor; bytes for recv_x and its scales. The element
-        # counts follow from the checked shapes: (n, H), (n, K), (L, RT, H), ...
-        xrow = H if use_fp8 else 2 * H
-        ptrs = ((x.data_ptr(), n * H), (topk_idx.data_ptr(), n * K), n,
-                (recv_x.data_ptr(), L * RT * xrow),
-                None if scales is None else (scales.data_ptr(), scales.numel() * 4),
-                (recv_count.data_ptr(), L), (src_info.data_ptr(), L * RT),
-                (pairs.data_ptr(), L * R))
-        stats = cumulative_local_expert_recv_stats
-
-        tensors = (x, topk_idx, recv_x, scales, recv_count, src_info, pairs, stats)
         if return_recv_hook:
-            hid = g.dispatch(self._stream(), "send", *ptrs)
-            # The send half's tensors stay referenced until its receive half is enqueued: by
-            # the hook, or by the next dispatch of this shape (which enqueues it first when the
-            # hook was not called, so a lost hook never leaves the Buffer stuck).
-            self._held[("dispatch", key)] = tensors
-            done = []
+            # The native rank holds the send half's tensors until its receive half is
+            # enqueued: by the hook, or by the next dispatch of this set (which enqueues it
+            # first when the hook was not called, so a lost hook never leaves the Buffer stuck;
+            # the hook is then a no-op).
+            hid = g.dispatch_send(self._stream(), x, topk_idx, recv_x, scales, recv_count,
+                                  src_info, pairs, stats, wait_stats)
+            done = False
 
             def hook():
+                nonlocal done
                 if done:
                     return
-                done.append(True)
-                if g.pending_dispatch() == hid:
-                    g.dispatch(self._stream(), "recv", *ptrs)
-                    self._held.pop(("dispatch", key), None)
-                if stats is not None:
-                    stats.add_(recv_count)
+                done = True
+                with self._notf():
+                    g.dispatch_recv(self._stream(), hid)
+                    if stats is not None:
+                        stats.add_(recv_count)
         else:
-            hid = g.dispatch(self._stream(), "both", *ptrs)
-            # A due receive half of this set went first (native): its tensors are free now.
-            self._held.pop(("dispatch", key), None)
+            hid = g.dispatch(self._stream(), x, topk_idx, recv_x, scales, recv_count, src_info,
+                             pairs, stats, wait_stats)
             if stats is not None:
                 stats.add_(recv_count)
             hook = None
         self._seq += 1
         self._due[key[0]][key[1]] = self._seq
-        handle = Handle._of_dispatch(src_info, pairs, T, H, E, recv_count, n, K, use_fp8,
-                                     self.path, key, id(self), hid, self._seq, topk_idx)
+        handle = Handle._of_dispatch(src_info, pairs, T, H, E, recv_count, n, K,
+                                     use_fp8, self.path, key, id(self), hid, self._seq)
         out = (recv_x, scales) if use_fp8 else recv_x
-        return out, recv_count, handle, self._event(async_finish, tensors), hook
+        event = self._event((x, topk_idx, recv_x, scales, recv_count, src_info, pairs, stats)) \
+            if async_finish else _NO_EVENT
+        return out, recv_count, handle, event, hook
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False,
@@ -586,7 +606,12 @@ class Buffer:
         ``combine_wait_recv_cost_stats`` (``int64 [R]``) is checked as DeepEP checks it and left
         untouched, as in dispatch.
         """
-        torch, dt = self._torch, self._dt
+        with self._notf():
+            return self._combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                                 return_recv_hook, out, combine_wait_recv_cost_stats, use_logfmt)
+
+    def _combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                 return_recv_hook, out, wait_stats, use_logfmt):
         if not (use_logfmt.__class__ is bool and zero_copy.__class__ is bool
                 and async_finish.__class__ is bool and return_recv_hook.__class__ is bool):
             for name, v in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy),
@@ -595,45 +620,42 @@ class Buffer:
         if not isinstance(handle, Handle) or getattr(handle, "_buffer", None) != id(self):
             raise InputError("argument `handle`: not a handle returned by this Buffer's "
                              "low_latency_dispatch")
-        g = self._ranks.get(handle._key)
+        key = handle._key
+        g = self._ranks.get(key)
         if g is None:
             raise InputError("argument `handle`: its group was destroyed")
-        self._poll_others(g)
-        R, T = self.group_size, handle.num_max_dispatch_tokens_per_rank
-        H, E = handle.hidden, handle.num_experts
-        L, RT, n, K = E // R, R * T, handle.num_tokens, handle.top_k
-        y = self._combine_buffers.get(handle._key) if zero_copy else x
+        if len(self._ranks) > 1:
+            self._poll_others(g)
+        y = self._combine_buffers.get(key) if zero_copy else x
         if y is None:
             raise argument_error("zero_copy", "no get_next_low_latency_combine_buffer(handle) "
                                               "was filled for this shape")
-        _checks.combine_args(y, topk_idx, topk_weights, out, L, RT, H, n, K, self._dev, dt)
-        _checks.stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, dt.i64,
-                      (R,), self._dev)
         if out is None:
-            out = torch.empty((n, H), dtype=dt.bf16, device=self._dev)
-        ptrs = (handle._id, (y.data_ptr(), L * RT * H), (topk_idx.data_ptr(), n * K),
-                (topk_weights.data_ptr(), n * K), (out.data_ptr(), n * H))
-        tensors = (y, topk_idx, topk_weights, handle.src_info, out)
+            out = self._torch.empty((handle.num_tokens, handle.hidden), dtype=self._dt.bf16,
+                                    device=self._dev)
+        # The native call checks y, topk_idx, topk_weights, out and the stats against the
+        # dispatch's shape and token count.
         if return_recv_hook:
-            cid = g.combine(self._stream(), "send", *ptrs)
-            self._held[("combine", handle._key)] = tensors  # as in dispatch
-            done = []
+            cid = g.combine_send(self._stream(), handle._id, y, topk_idx, topk_weights, out,
+                                 wait_stats, handle)  # held natively, as in dispatch
+            done = False
 
             def hook():
+                nonlocal done
                 if done:
                     return
-                done.append(True)
-                if g.pending_combine() == cid:
-                    g.combine(self._stream(), "recv", *ptrs)
-                    self._held.pop(("combine", handle._key), None)
+                done = True
+                with self._notf():
+                    g.combine_recv(self._stream(), cid)
         else:
-            g.combine(self._stream(), "both", *ptrs)
-            self._held.pop(("combine", handle._key), None)  # as in dispatch
+            g.combine(self._stream(), handle._id, y, topk_idx, topk_weights, out, wait_stats)
             hook = None
-        due = self._due.get(handle._key[0])
-        if due is not None and due[handle._key[1]] == handle._seq:
-            due[handle._key[1]] = None  # this set is free for the next dispatch
-        return out, self._event(async_finish, tensors), hook
+        due = self._due.get(key[0])
+        if due is not None and due[key[1]] == handle._seq:
+            due[key[1]] = None  # this set is free for the next dispatch
+        event = self._event((y, topk_idx, topk_weights, handle.src_info, out)) \
+            if async_finish else _NO_EVENT
+        return out, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle):
         """A ``bfloat16 [L, R*T, H]`` tensor to write the expert outputs into; a following

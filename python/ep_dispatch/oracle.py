@@ -113,7 +113,9 @@ class DispatchResult:
 
     ``recv_x``: ``[L, R*T, H]`` e4m3 bytes (``uint8``) or bf16 bits (``uint16``);
     ``recv_x_scales``: ``float32 [L, R*T, H/128]``, packed UE8M0 ``int32 [L, R*T, H/512]``, or
-    None in BF16; ``recv_count``: ``int32 [L]``; ``layout_range``: ``int64 [L, R]``, DeepEP's
+    None in BF16 (a C-ordered array; the Buffer's scales tensor holds the same values
+    column-major in the last two dimensions, as DeepEP's); ``recv_count``: ``int32 [L]``;
+    ``layout_range``: ``int64 [L, R]``, DeepEP's
     ``(begin << 32) | count``; ``src_info``: ``int32 [L, R*T]``, the token index on its source.
     """
 

@@ -12,6 +12,9 @@
 //! are never freed here.
 
 use crate::error::{BindError, Result};
+use crate::spec::check_dims;
+pub use crate::spec::{CombinePtrs, DispatchPtrs, Spec};
+pub use crate::tensor::Ptr;
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};
 use ep_group::AllGather;
 use ep_kernels::runtime::{bytes_per_rank_with, probe_devices, CombineHook, DispatchHook};
@@ -31,48 +34,6 @@ pub const DEVICE_API: Option<&str> =
 /// At least `need` usable devices (driver present, NVRTC present), or `NoDevice` saying why.
 pub fn probe(need: usize) -> Result<usize> {
     probe_devices(need).map_err(|why| GpuError::NoDevice(why).into())
-}
-
-/// The largest value the kernels take for one dimension (they receive them as `int`).
-const MAX_DIM: usize = i32::MAX as usize;
-
-/// Refuses shapes whose buffer arithmetic could overflow, before `ep_kernels` computes sizes
-/// with plain arithmetic: every dimension fits an `int`, and an upper bound of one rank's bytes
-/// (every buffer of the layout is at most one of these terms, times 8, plus alignment) fits u64.
-fn check_dims(cfg: &Config) -> Result<()> {
-    for (argument, v) in [
-        ("num_ranks", cfg.num_ranks),
-        ("num_experts", cfg.num_experts),
-        ("num_max_dispatch_tokens_per_rank", cfg.max_tokens_per_rank),
-        ("hidden", cfg.hidden),
-    ] {
-        if v > MAX_DIM {
-            return Err(BindError::argument(
-                argument,
-                format!("{v} exceeds the largest supported {MAX_DIM}"),
-            ));
-        }
-    }
-    let (r, e, l, t, h, k) = (
-        cfg.num_ranks as u128,
-        cfg.num_experts as u128,
-        cfg.num_local_experts() as u128,
-        cfg.max_tokens_per_rank as u128,
-        cfg.hidden as u128,
-        cfg.top_k as u128,
-    );
-    let rows = l * r * t + r * t * k + t * k + e + r * l + r + 1;
-    let bound = 8 * rows * (2 * h + 512) + 26 * 256 + (1 << 20);
-    if bound > u64::MAX as u128 / 2 {
-        return Err(BindError::argument(
-            "num_max_dispatch_tokens_per_rank",
-            format!(
-                "the buffers of {} do not fit in 64-bit sizes",
-                cfg.describe()
-            ),
-        ));
-    }
-    Ok(())
 }
 
 /// Bytes of GPU memory one rank's buffers take for this shape on `transport`: ep-kernels' own
@@ -176,67 +137,6 @@ pub fn probe_transport(transport: Transport) -> Result<()> {
     Ok(())
 }
 
-/// Which half of a call to enqueue: both (DeepEP's default), or the send half now and the
-/// receive half later (`return_recv_hook=True`: the hook enqueues [`Phases::Recv`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phases {
-    Both,
-    Send,
-    Recv,
-}
-
-impl Phases {
-    pub fn parse(name: &str) -> Result<Phases> {
-        match name {
-            "both" => Ok(Phases::Both),
-            "send" => Ok(Phases::Send),
-            "recv" => Ok(Phases::Recv),
-            other => Err(BindError::argument(
-                "phases",
-                format!("{other:?} is not one of 'both', 'send', 'recv'"),
-            )),
-        }
-    }
-}
-
-/// A device buffer the caller owns: its address and its length in elements (the Python side
-/// passes `(t.data_ptr(), t.numel())` after checking dtype, shape, device and contiguity; the
-/// device API checks each length against what the config needs).
-pub type Ptr = (u64, usize);
-
-/// Addresses of one dispatch.
-#[derive(Debug, Clone, Copy)]
-pub struct DispatchPtrs {
-    /// `bf16 [n, H]`.
-    pub x: Ptr,
-    /// `int64 [n, K]`.
-    pub topk_idx: Ptr,
-    pub num_tokens: usize,
-    /// `[L, R*T, H]` e4m3 or bf16, length in bytes.
-    pub recv_x: Ptr,
-    /// `float32 [L, R*T, H/128]` / packed `int32 [L, R*T, H/512]`, length in bytes; None in BF16.
-    pub recv_x_scales: Option<Ptr>,
-    /// `int32 [L]`.
-    pub recv_count: Ptr,
-    /// `int32 [L, R*T]`.
-    pub src_info: Ptr,
-    /// `int64 [L, R]`: two int32 per entry, begin then count.
-    pub layout_range: Ptr,
-}
-
-/// Addresses of one combine.
-#[derive(Debug, Clone, Copy)]
-pub struct CombinePtrs {
-    /// `bf16 [L, R*T, H]`: the expert outputs in the dispatch layout.
-    pub y: Ptr,
-    /// `int64 [n, K]`: the dispatched tensor itself (the device API checks the address).
-    pub topk_idx: Ptr,
-    /// `float32 [n, K]`.
-    pub topk_weights: Ptr,
-    /// `bf16 [n, H]`.
-    pub out: Ptr,
-}
-
 /// A caller-owned device buffer seen as a cudarc slice for the length of one call; dropping it
 /// gives the address back without freeing it.
 struct Borrowed<T>(Option<CudaSlice<T>>);
@@ -281,9 +181,11 @@ pub struct RankGroup {
     /// nothing but the kernels and can be captured in a CUDA graph.
     ctx: Arc<CudaContext>,
     next_handle: u64,
-    handles: VecDeque<(u64, DeviceHandle)>,
+    /// The latest dispatches' handles, by id, with their token counts (combine's tensors are
+    /// checked against them).
+    handles: VecDeque<(u64, DeviceHandle, usize)>,
     /// The send half of a dispatch whose receive half (the hook) is still due, and its id.
-    pending_dispatch: Option<(u64, DispatchHook)>,
+    pending_dispatch: Option<(u64, DispatchHook, usize)>,
     /// The same for a combine (ids count combines: [`RankGroup::combine`] returns them).
     pending_combine: Option<(u64, CombineHook)>,
     next_combine: u64,
@@ -299,23 +201,24 @@ impl Drop for RankGroup {
 }
 
 impl RankGroup {
-    /// Forms the group (collective: every rank calls it with the same config and options).
-    /// `all_gather` exchanges one blob per rank in rank order (the Python side passes
+    /// Forms the group (collective: every rank calls it with the same config and options) on
+    /// the spec's device; the spec's config was validated when it was made. `all_gather`
+    /// exchanges one blob per rank in rank order (the Python side passes
     /// `torch.distributed.all_gather_object` over the Buffer's group).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
-        cfg: &Config,
+        spec: &Spec,
         path: Path,
         transport: Transport,
         timeout: Duration,
         trap_on_error: bool,
         enable_shrink: bool,
         rank: usize,
-        ordinal: usize,
         all_gather: &mut AllGather<'_>,
     ) -> Result<RankGroup> {
-        cfg.validate()?;
-        check_dims(cfg)?;
+        let cfg = spec.config();
+        let ordinal = usize::try_from(spec.device())
+            .map_err(|_| BindError::argument("device", "a GPU group needs a CUDA device"))?;
         check_path_on(path, transport)?;
         probe_transport(transport)?;
         let opts = GpuOptions {
@@ -406,7 +309,7 @@ impl RankGroup {
 
     /// The id of the dispatch whose send half waits for its receive half, if any.
     pub fn pending_dispatch(&self) -> Option<u64> {
-        self.pending_dispatch.as_ref().map(|(id, _)| *id)
+        self.pending_dispatch.as_ref().map(|(id, _, _)| *id)
     }
 
     /// The id of the combine whose send half waits for its receive half, if any.
@@ -420,36 +323,82 @@ impl RankGroup {
         unsafe { self.ctx.wrap_borrowed_stream(raw as sys::CUstream) }
     }
 
-    fn keep(&mut self, id: u64, h: DeviceHandle) {
+    fn keep(&mut self, id: u64, h: DeviceHandle, tokens: usize) {
         if self.handles.len() == KEPT_HANDLES {
             self.handles.pop_front();
         }
-        self.handles.push_back((id, h));
+        self.handles.push_back((id, h, tokens));
     }
 
-    /// Enqueues a dispatch (or its send or receive half) on `stream`. Returns the handle id
-    /// combine takes (with `Phases::Send`, the id the receive half will complete).
-    pub fn dispatch(&mut self, stream: u64, phases: Phases, p: &DispatchPtrs) -> Result<u64> {
-        let s = self.stream(stream);
-        if phases == Phases::Recv {
-            let (id, hook) = self.pending_dispatch.take().ok_or_else(|| {
-                BindError::argument("hook", "no dispatch send half is waiting for its receive")
-            })?;
-            let handle = self.group.dispatch_recv(hook, &[&s])?;
-            self.keep(id, handle);
-            return Ok(id);
+    /// The token count of dispatch `handle` (what combine's tensors are checked against), or
+    /// why that dispatch cannot be combined.
+    pub fn dispatched_tokens(&self, handle: u64) -> Result<usize> {
+        if let Some((_, _, n)) = self.handles.iter().find(|(id, _, _)| *id == handle) {
+            return Ok(*n);
         }
-        if let Some((pid, hook)) = self.pending_dispatch.take() {
+        if self.pending_dispatch() == Some(handle) {
+            return Err(BindError::argument(
+                "handle",
+                "its dispatch's receive hook was not called yet",
+            ));
+        }
+        Err(GpuError::Handle(format!(
+            "dispatch handle {handle} is no longer held (this rank keeps the last \
+             {KEPT_HANDLES}, and combines only the latest dispatch per path)"
+        ))
+        .into())
+    }
+
+    /// Enqueues a whole dispatch on `stream`; returns the handle id combine takes.
+    pub fn dispatch(&mut self, stream: u64, p: &DispatchPtrs) -> Result<u64> {
+        self.dispatch_part(stream, p, false)
+    }
+
+    /// Enqueues a dispatch's send half on `stream`; returns the id its receive half
+    /// ([`RankGroup::dispatch_recv`]) completes, the handle id combine takes after it.
+    pub fn dispatch_send(&mut self, stream: u64, p: &DispatchPtrs) -> Result<u64> {
+        self.dispatch_part(stream, p, true)
+    }
+
+    /// Enqueues the receive half of the dispatch `id` on `stream`: true; false where a later
+    /// call enqueued it already (a call enqueues a due receive half before its own work).
+    pub fn dispatch_recv(&mut self, stream: u64, id: u64) -> Result<bool> {
+        if self.pending_dispatch() != Some(id) {
+            return self.issued(id, self.next_handle, "dispatch");
+        }
+        let s = self.stream(stream);
+        let (id, hook, n) = self.pending_dispatch.take().expect("checked just above");
+        let handle = self.group.dispatch_recv(hook, &[&s])?;
+        self.keep(id, handle, n);
+        Ok(true)
+    }
+
+    /// `Ok(false)` for a call `id` issued before `next` (its receive half was enqueued), else
+    /// the argument error of an id this rank never gave.
+    fn issued(&self, id: u64, next: u64, what: &str) -> Result<bool> {
+        if id >= 1 && id < next {
+            return Ok(false);
+        }
+        Err(BindError::argument(
+            "hook",
+            format!("{what} {id} was never sent by this rank"),
+        ))
+    }
+
+    fn dispatch_part(&mut self, stream: u64, p: &DispatchPtrs, send_only: bool) -> Result<u64> {
+        let s = self.stream(stream);
+        if let Some((pid, hook, n)) = self.pending_dispatch.take() {
             // The previous dispatch's receive half is still due: it is enqueued now, ahead of
-            // this call (the kernels keep one dispatch's state; the Python Buffer keeps that
+            // this call (the kernels keep one dispatch's state; the native rank keeps that
             // call's tensors alive until then, and its hook becomes a no-op). Refusing here
             // instead would leave the send half pending for good, and every later call refused.
             let handle = self.group.dispatch_recv(hook, &[&s])?;
-            self.keep(pid, handle);
+            self.keep(pid, handle, n);
         }
-        // SAFETY (all borrows): the Python side checked each tensor's dtype, shape, device and
-        // contiguity and passes its address and element count; the tensors stay referenced
-        // (by the returned outputs, the handle and the event) while the kernels run.
+        // SAFETY (all borrows): every tensor was checked against the group's spec (dtype,
+        // shape, strides, device: `Spec::dispatch`) and is kept referenced (by the returned
+        // outputs, the handle, the native rank while a receive half is due) while the kernels
+        // run.
         let x = unsafe { Borrowed::<bf16>::new(&s, p.x) };
         let topk = unsafe { Borrowed::<i64>::new(&s, p.topk_idx) };
         let mut recv_x = unsafe { Borrowed::<u8>::new(&s, p.recv_x) };
@@ -474,63 +423,63 @@ impl RankGroup {
             n_tokens: Tokens::Host(p.num_tokens),
         }];
         let outs = std::slice::from_mut(&mut out);
-        if phases == Phases::Send {
+        if send_only {
             let hook = self
                 .group
                 .dispatch_send(self.path, &[&s], &ins, Some(outs))?;
-            self.pending_dispatch = Some((id, hook));
+            self.pending_dispatch = Some((id, hook, p.num_tokens));
         } else {
             let handle = self
                 .group
                 .dispatch_device(self.path, &[&s], &ins, Some(outs))?;
-            self.keep(id, handle);
+            self.keep(id, handle, p.num_tokens);
         }
         self.next_handle += 1;
         Ok(id)
     }
 
-    /// Enqueues a combine (or one half) on `stream`, after the dispatch of handle `handle`.
-    /// Returns the combine's id (with `Phases::Recv`, the id of the combine it completed).
-    pub fn combine(
+    /// Enqueues a whole combine on `stream` after the dispatch of handle `handle`; returns the
+    /// combine's id.
+    pub fn combine(&mut self, stream: u64, handle: u64, p: &CombinePtrs) -> Result<u64> {
+        self.combine_part(stream, handle, p, false)
+    }
+
+    /// Enqueues a combine's send half; returns the id its receive half completes.
+    pub fn combine_send(&mut self, stream: u64, handle: u64, p: &CombinePtrs) -> Result<u64> {
+        self.combine_part(stream, handle, p, true)
+    }
+
+    /// Enqueues the receive half of combine `id` (as [`RankGroup::dispatch_recv`]).
+    pub fn combine_recv(&mut self, stream: u64, id: u64) -> Result<bool> {
+        if self.pending_combine() != Some(id) {
+            return self.issued(id, self.next_combine, "combine");
+        }
+        let s = self.stream(stream);
+        let (_, hook) = self.pending_combine.take().expect("checked just above");
+        self.group.combine_recv(hook, &[&s])?;
+        Ok(true)
+    }
+
+    fn combine_part(
         &mut self,
         stream: u64,
-        phases: Phases,
         handle: u64,
         p: &CombinePtrs,
+        send_only: bool,
     ) -> Result<u64> {
         let s = self.stream(stream);
-        if phases == Phases::Recv {
-            let (id, hook) = self.pending_combine.take().ok_or_else(|| {
-                BindError::argument("hook", "no combine send half is waiting for its receive")
-            })?;
-            self.group.combine_recv(hook, &[&s])?;
-            return Ok(id);
-        }
         if let Some((_, hook)) = self.pending_combine.take() {
-            // As in `dispatch`: the previous combine's receive half first.
+            // As in `dispatch_part`: the previous combine's receive half first.
             self.group.combine_recv(hook, &[&s])?;
         }
-        let h = match self.handles.iter().find(|(id, _)| *id == handle) {
-            Some((_, h)) => h.clone(),
-            None if self
-                .pending_dispatch
-                .as_ref()
-                .is_some_and(|(id, _)| *id == handle) =>
-            {
-                return Err(BindError::argument(
-                    "handle",
-                    "its dispatch's receive hook was not called yet",
-                ))
-            }
-            None => {
-                return Err(GpuError::Handle(format!(
-                    "dispatch handle {handle} is no longer held (this rank keeps the last \
-                     {KEPT_HANDLES}, and combines only the latest dispatch per path)"
-                ))
-                .into())
-            }
-        };
-        // SAFETY: as in `dispatch`.
+        self.dispatched_tokens(handle)?;
+        let h = self
+            .handles
+            .iter()
+            .find(|(id, _, _)| *id == handle)
+            .map(|(_, h, _)| h.clone())
+            .expect("dispatched_tokens found it");
+        // SAFETY: as in `dispatch_part` (`Spec::combine` checked every tensor).
         let y = unsafe { Borrowed::<bf16>::new(&s, p.y) };
         let topk = unsafe { Borrowed::<i64>::new(&s, p.topk_idx) };
         let w = unsafe { Borrowed::<f32>::new(&s, p.topk_weights) };
@@ -543,7 +492,7 @@ impl RankGroup {
         }];
         let mut outs = [out.view_mut()];
         let id = self.next_combine;
-        if phases == Phases::Send {
+        if send_only {
             let hook = self.group.combine_send(&[&s], &h, &ins, &mut outs)?;
             self.pending_combine = Some((id, hook));
         } else {
@@ -696,15 +645,6 @@ mod tests {
         );
         let e = size_hint(1 << 30, 1 << 30, 1, 1 << 10, None, Transport::TwoTier).unwrap_err();
         assert!(e.to_string().contains("exceeds the limit"), "{e}");
-    }
-
-    #[test]
-    fn phases_parse() {
-        assert_eq!(Phases::parse("recv").unwrap(), Phases::Recv);
-        assert!(Phases::parse("all")
-            .unwrap_err()
-            .to_string()
-            .starts_with("argument `phases`"));
     }
 
     #[test]

@@ -16,5 +16,7 @@ pub mod host;
 pub mod keywords;
 #[cfg(feature = "python")]
 mod py;
+pub mod spec;
+pub mod tensor;
 
 pub use error::{BindError, Result};

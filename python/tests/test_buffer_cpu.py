@@ -388,17 +388,19 @@ def test_native_stubs_match_the_module():
     here = pathlib.Path(ep.__file__).parent
     assert (here / "py.typed").exists()
     tree = ast.parse((here / "_ep_dispatch.pyi").read_text())
-    top, methods = set(), set()
+    top, methods = set(), {}
     for node in tree.body:
         if isinstance(node, ast.FunctionDef):
             top.add(node.name)
         elif isinstance(node, ast.ClassDef):
             top.add(node.name)
-            methods |= {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
-        elif isinstance(node, ast.AnnAssign):
-            top.add(node.target.id)
-    top.discard("Ptr")
+            methods[node.name] = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+        elif isinstance(node, (ast.AnnAssign, ast.Assign)):
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+            top |= {t.id for t in targets}
+    top -= {"Ptr", "Dtypes"}
     native = {n for n in dir(ep._native) if not n.startswith("__")}
     assert top == native, (top ^ native)
-    gpu = {n for n in dir(ep._native.GpuRank) if not n.startswith("__")}
-    assert methods - {"__init__"} == gpu, ((methods - {"__init__"}) ^ gpu)
+    for cls, stub in methods.items():
+        got = {n for n in dir(getattr(ep._native, cls)) if not n.startswith("__")}
+        assert stub - {"__init__"} == got, (cls, (stub - {"__init__"}) ^ got)

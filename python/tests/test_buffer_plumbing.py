@@ -40,20 +40,25 @@ class World:
         self.dispatch_calls, self.combine_calls = {}, {}
         self.created = []
 
-    def rank(self, rank, num_ranks, num_experts, T, H, K, use_fp8, round_scale, use_ue8m0,
-             ordinal, path, transport, timeout_s, all_gather, trap_on_error=False,
+    def rank(self, spec, rank, path, transport, timeout_s, all_gather, trap_on_error=False,
              enable_shrink=False):
-        assert num_ranks == self.R and callable(all_gather)
+        num_ranks, E, T, H, K, use_fp8, round_scale, use_ue8m0, device = spec.shape
+        assert num_ranks == self.R and callable(all_gather) and device == -1
         assert trap_on_error in (True, False)
         self.created.append((rank, path, transport, timeout_s))
-        return FakeRank(self, rank, num_experts, T, H, K,
+        return FakeRank(self, rank, spec, E, T, H, K,
                         dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
 
 
 class FakeRank:
-    def __init__(self, world, rank, E, T, H, K, mode):
-        self.w, self.rank, self.E, self.T, self.H, self.K, self.mode = world, rank, E, T, H, K, mode
+    """The native rank's API over the native tensor checks (`CallSpec`, the very checks the
+    native rank makes): what passes is read and written through the checked addresses."""
+
+    def __init__(self, world, rank, spec, E, T, H, K, mode):
+        self.w, self.rank, self.spec = world, rank, spec
+        self.E, self.T, self.H, self.K, self.mode = E, T, H, K, mode
         self.next_id, self.pending, self.pending_c, self.next_c = 1, None, None, 1
+        self.tokens = {}  # dispatch id -> its token count (the native rank keeps it too)
         self.error = None  # what the kernels "recorded": poll() and every call raise it
 
     def check(self):
@@ -69,13 +74,21 @@ class FakeRank:
     def pending_combine(self):
         return self.pending_c
 
-    def dispatch(self, stream, phases, x, topk, n, recv_x, scales, count, src, layout):
+    def dispatch_send(self, *args):
+        hid = self.dispatch(*args)
+        self.pending = hid
+        return hid
+
+    def dispatch_recv(self, stream, hid):
+        if self.pending != hid:
+            return False
+        self.pending = None
+        return True
+
+    def dispatch(self, stream, *tensors):
         self.poll()  # the native call's entry check
+        n, x, topk, recv_x, scales, count, src, layout = self.spec.check_dispatch(*tensors)
         L, R, T, H, K = self.E // self.w.R, self.w.R, self.T, self.H, self.K
-        if phases == "recv":
-            assert self.pending is not None, "recv half without a send half"
-            hid, self.pending = self.pending, None
-            return hid
         # A due receive half is enqueued ahead of a new call (as the native rank does).
         self.pending = None
         # The lengths the device API checks.
@@ -104,20 +117,27 @@ class FakeRank:
                 begin, cnt = o.layout_pairs()
                 write(lr, np.stack([begin, cnt], axis=-1).astype(np.int32), 8)  # (begin, count)
         hid, self.next_id = self.next_id, self.next_id + 1
-        if phases == "send":
-            self.pending = hid
+        self.tokens[hid] = n
         return hid
 
-    def combine(self, stream, phases, handle, y, topk, w, out):
+    def combine_send(self, stream, handle, y, topk, w, out, wait_stats=None, keep=None):
+        cid = self.combine(stream, handle, y, topk, w, out, wait_stats)
+        self.pending_c = cid
+        return cid
+
+    def combine_recv(self, stream, cid):
+        if self.pending_c != cid:
+            return False
+        self.pending_c = None
+        return True
+
+    def combine(self, stream, handle, *tensors):
         self.poll()  # the native call's entry check
-        if phases == "recv":
-            assert self.pending_c is not None, "recv half without a send half"
-            cid, self.pending_c = self.pending_c, None
-            return cid
         self.pending_c = None  # a due receive half goes first (as in dispatch)
+        n = self.tokens[handle]
+        y, topk, w, out = self.spec.check_combine(n, *tensors)
         L, R, T, H, K = self.E // self.w.R, self.w.R, self.T, self.H, self.K
-        assert y[1] == L * R * T * H and topk[1] % K == 0 and w[1] == topk[1]
-        n = topk[1] // K
+        assert y[1] == L * R * T * H and topk[1] == n * K and w[1] == topk[1]
         assert out[1] == n * H
         self.w.combine_calls[self.rank] = (
             read(y, torch.bfloat16, np.uint16).reshape(L, R * T, H).copy(),
@@ -131,8 +151,6 @@ class FakeRank:
             for c, o in zip(calls, outs):
                 write(c[3], o, 2)
         cid, self.next_c = self.next_c, self.next_c + 1
-        if phases == "send":
-            self.pending_c = cid
         return cid
 
 
@@ -162,6 +180,7 @@ def make_buffers(monkeypatch, **kw):
     for r in range(R):
         b = ep.Buffer(Group(r, R), 0, 1 << 20, True, E // R, timeout_s=3, **kw)
         b._dev = torch.device("cpu")  # the stand-in "device" is the host
+        b._dev_index = -1  # (what the native checks want of `get_device()` there)
         b._stream = lambda: 0
         bufs.append(b)
     world.probed = probed
@@ -400,6 +419,7 @@ def test_a_64_rank_group_through_the_buffer(monkeypatch):
     for r in range(R64):
         b = ep.Buffer(Group(r, R64), 0, 1 << 20, True, E64 // R64, timeout_s=3)
         b._dev = torch.device("cpu")
+        b._dev_index = -1
         b._stream = lambda: 0
         bufs.append(b)
     g = torch.Generator().manual_seed(64)

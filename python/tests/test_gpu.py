@@ -382,10 +382,15 @@ def test_per_expert_over_nccl_raises_unsupported(group, R, E, transport):
         raise AssertionError("the refused group started its exchange")
 
     with pytest.raises(ep.UnsupportedError) as e:
-        ep._native.GpuRank(group.rank(), R, E, T, H, K, True, False, False,
-                           torch.cuda.current_device(), "per_expert", transport, 10.0,
-                           no_exchange)
+        spec = ep._native.CallSpec(R, E, T, H, K, True, False, False,
+                                   torch.cuda.current_device(), buf_dtypes())
+        ep._native.GpuRank(spec, group.rank(), "per_expert", transport, 10.0, no_exchange)
     assert e.value.kind == "Unsupported" and "path='batched'" in str(e.value), str(e.value)
+
+
+def buf_dtypes():
+    """The dtypes a native CallSpec compares tensors' with, in its order."""
+    return (torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32, torch.int64)
 
 
 def _poll_until_raises(b, limit_s=5.0):

@@ -1,21 +1,23 @@
-//! The PyO3 glue: the `ep_dispatch._ep_dispatch` module. Values cross as `bytes` and ints (the
-//! Python package turns numpy arrays and torch tensors into them, checking dtypes and shapes);
+//! The PyO3 glue: the `ep_dispatch._ep_dispatch` module. Host values cross as `bytes` and ints
+//! (the Python package turns numpy arrays into them); the GPU calls take torch tensors
+//! themselves and check them here (`rank`, `tensors`);
 //! every error becomes the Python exception class of `ep_dispatch.errors` that matches it, with
 //! our message and the error's fields as attributes.
 
 use crate::error::BindError;
-use crate::gpu::{self, CombinePtrs, DispatchPtrs, Phases, RankGroup};
+use crate::gpu;
 use crate::host::{self, OutputBytes, ScalesKind};
 use crate::keywords;
 use ep_kernels::GpuError;
 use ep_reference::{Config, DispatchOutput, Error};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
-use std::time::Duration;
-
 mod errors;
+mod rank;
+mod tensors;
 
 use errors::{to_py, IntoPy};
+use rank::{duration, CallSpec, GpuRank};
 
 #[allow(clippy::too_many_arguments)]
 fn config(
@@ -250,16 +252,6 @@ fn cpu_roundtrip<'py>(
     Ok((d, c))
 }
 
-fn duration(argument: &str, seconds: f64) -> PyResult<Duration> {
-    if !(seconds.is_finite() && seconds > 0.0 && seconds <= 86_400.0) {
-        return Err(to_py(BindError::argument(
-            argument,
-            format!("{seconds} is not a number of seconds in (0, 86400]"),
-        )));
-    }
-    Ok(Duration::from_secs_f64(seconds))
-}
-
 /// f32 (little-endian bytes) -> bf16 bits, rounded as the contract rounds.
 #[pyfunction]
 fn bf16_from_f32<'py>(py: Python<'py>, data: Bound<'py, PyBytes>) -> PyResult<Bound<'py, PyBytes>> {
@@ -320,193 +312,6 @@ fn check_keywords(path: &str, transport: &str, timeout_s: f64) -> PyResult<()> {
 fn probe_transport(transport: &str) -> PyResult<()> {
     let t = keywords::transport(transport).py_err()?;
     gpu::probe_transport(t).py_err()
-}
-
-/// One rank of a process-mode GPU group (see `gpu::RankGroup`). Not shared between threads.
-#[pyclass(unsendable, module = "ep_dispatch._ep_dispatch")]
-struct GpuRank {
-    inner: RankGroup,
-}
-
-#[pymethods]
-impl GpuRank {
-    /// Forms the group; collective. `all_gather(blob: bytes) -> list[bytes]` exchanges one
-    /// blob per rank in rank order.
-    #[new]
-    #[pyo3(signature = (rank, num_ranks, num_experts, num_max_dispatch_tokens_per_rank, hidden, top_k, use_fp8, round_scale, use_ue8m0, ordinal, path, transport, timeout_s, all_gather, trap_on_error=false, enable_shrink=false))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        py: Python<'_>,
-        rank: usize,
-        num_ranks: usize,
-        num_experts: usize,
-        num_max_dispatch_tokens_per_rank: usize,
-        hidden: usize,
-        top_k: usize,
-        use_fp8: bool,
-        round_scale: bool,
-        use_ue8m0: bool,
-        ordinal: usize,
-        path: &str,
-        transport: &str,
-        timeout_s: f64,
-        all_gather: Bound<'_, PyAny>,
-        trap_on_error: bool,
-        enable_shrink: bool,
-    ) -> PyResult<GpuRank> {
-        let cfg = config(
-            num_ranks,
-            num_experts,
-            num_max_dispatch_tokens_per_rank,
-            hidden,
-            top_k,
-            use_fp8,
-            round_scale,
-            use_ue8m0,
-        )?;
-        let p = keywords::path(path).py_err()?;
-        let t = keywords::transport(transport).py_err()?;
-        let timeout = duration("timeout_s", timeout_s)?;
-        let mut gather = |blob: &[u8]| -> Result<Vec<Vec<u8>>, String> {
-            let got = all_gather
-                .call1((PyBytes::new(py, blob),))
-                .map_err(|e| format!("all_gather raised {e}"))?;
-            got.extract::<Vec<Vec<u8>>>()
-                .map_err(|e| format!("all_gather did not return a list of bytes: {e}"))
-        };
-        let inner = RankGroup::new(
-            &cfg,
-            p,
-            t,
-            timeout,
-            trap_on_error,
-            enable_shrink,
-            rank,
-            ordinal,
-            &mut gather,
-        )
-        .py_err()?;
-        Ok(GpuRank { inner })
-    }
-
-    /// "NVIDIA H200 (sm_90, 132 SMs) x 1".
-    fn describe_devices(&self) -> String {
-        self.inner.describe_devices()
-    }
-
-    /// Bit d set when this rank reaches peer d through NCCL (the others through CUDA IPC): a
-    /// Python int of up to 256 bits (groups of up to 256 ranks).
-    fn nccl_mask<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let mut bits = vec![false; self.inner.nccl_peers().last().map_or(0, |&d| d + 1)];
-        for d in self.inner.nccl_peers() {
-            bits[d] = true;
-        }
-        // Most significant first, as int(s, 2) reads it.
-        let s: String = std::iter::once('0')
-            .chain(bits.iter().rev().map(|&b| if b { '1' } else { '0' }))
-            .collect();
-        py.get_type::<pyo3::types::PyInt>().call1((s, 2))
-    }
-
-    /// Errors the kernels recorded (timeout, bad routing, bad peer data), raised as the
-    /// contract's exceptions. Synchronous; not inside CUDA graph capture.
-    fn check(&mut self) -> PyResult<()> {
-        self.inner.check().py_err()
-    }
-
-    /// Raises what the kernels recorded so far, without waiting for them (no sync; every
-    /// dispatch and combine makes the same check at its entry).
-    fn poll(&self) -> PyResult<()> {
-        self.inner.poll().py_err()
-    }
-
-    /// Copies this rank's mask (int32 [R] at `(data_ptr, numel)`, 1: masked) on `stream`.
-    fn query_mask(&self, stream: u64, out: gpu::Ptr) -> PyResult<()> {
-        self.inner.query_mask(stream, out).py_err()
-    }
-
-    /// Masks (`masked`) or unmasks `peer` in this rank's mask, on `stream`.
-    fn update_mask(&mut self, stream: u64, peer: usize, masked: bool) -> PyResult<()> {
-        self.inner.update_mask(stream, peer, masked).py_err()
-    }
-
-    /// Clears this rank's mask and resets its protocol state, on `stream`.
-    fn clean_mask(&mut self, stream: u64) -> PyResult<()> {
-        self.inner.clean_mask(stream).py_err()
-    }
-
-    /// Test hook (feature `testing`): rank `rank` (None: no rank) never signals, so its peers'
-    /// waits run out.
-    #[cfg(feature = "testing")]
-    fn _set_fault_rank(&mut self, rank: Option<usize>) {
-        self.inner.set_fault_rank(rank);
-    }
-
-    /// The id of the dispatch whose receive half is still due, or None.
-    fn pending_dispatch(&self) -> Option<u64> {
-        self.inner.pending_dispatch()
-    }
-
-    /// The id of the combine whose receive half is still due, or None.
-    fn pending_combine(&self) -> Option<u64> {
-        self.inner.pending_combine()
-    }
-
-    /// Enqueues a dispatch on the raw CUDA stream `stream`; `phases`: 'both', 'send', 'recv'.
-    /// Each tensor is `(data_ptr, numel)`; `recv_x` and `recv_x_scales` count bytes. Returns the
-    /// handle id combine takes.
-    #[pyo3(signature = (stream, phases, x, topk_idx, num_tokens, recv_x, recv_x_scales, recv_count, src_info, layout_range))]
-    #[allow(clippy::too_many_arguments)]
-    fn dispatch(
-        &mut self,
-        stream: u64,
-        phases: &str,
-        x: gpu::Ptr,
-        topk_idx: gpu::Ptr,
-        num_tokens: usize,
-        recv_x: gpu::Ptr,
-        recv_x_scales: Option<gpu::Ptr>,
-        recv_count: gpu::Ptr,
-        src_info: gpu::Ptr,
-        layout_range: gpu::Ptr,
-    ) -> PyResult<u64> {
-        let ph = Phases::parse(phases).py_err()?;
-        let p = DispatchPtrs {
-            x,
-            topk_idx,
-            num_tokens,
-            recv_x,
-            recv_x_scales,
-            recv_count,
-            src_info,
-            layout_range,
-        };
-        self.inner.dispatch(stream, ph, &p).py_err()
-    }
-
-    /// Enqueues a combine on the raw CUDA stream `stream` after the dispatch `handle`; returns
-    /// its id (`pending_combine` names it while its receive half is due).
-    #[pyo3(signature = (stream, phases, handle, y, topk_idx, topk_weights, out))]
-    #[allow(clippy::too_many_arguments)]
-    fn combine(
-        &mut self,
-        stream: u64,
-        phases: &str,
-        handle: u64,
-        y: gpu::Ptr,
-        topk_idx: gpu::Ptr,
-        topk_weights: gpu::Ptr,
-        out: gpu::Ptr,
-    ) -> PyResult<u64> {
-        let ph = Phases::parse(phases).py_err()?;
-        let p = CombinePtrs {
-            y,
-            topk_idx,
-            topk_weights,
-            out,
-        };
-        self.inner.combine(stream, ph, handle, &p).py_err()
-    }
 }
 
 /// Test hook: raises a sample of the error `kind` (a Rust variant name), so the tests can check
@@ -599,6 +404,7 @@ fn _ep_dispatch(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_keywords, m)?)?;
     m.add_function(wrap_pyfunction!(probe_transport, m)?)?;
     m.add_function(wrap_pyfunction!(_raise_sample_error, m)?)?;
+    m.add_class::<CallSpec>()?;
     m.add_class::<GpuRank>()?;
     Ok(())
 }
