@@ -14,7 +14,7 @@
 use crate::error::{BindError, Result};
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};
 use ep_group::AllGather;
-use ep_kernels::runtime::{bytes_per_rank_with, probe_devices, CombineHook, DispatchHook};
+use ep_kernels::runtime::{hint_bytes, probe_devices, CombineHook, DispatchHook};
 use ep_kernels::{
     DeviceDispatchOut, DeviceHandle, GpuError, GpuGroup, GpuOptions, NcclSizes, Path, Tokens,
     Transport,
@@ -75,8 +75,9 @@ fn check_dims(cfg: &Config) -> Result<()> {
     Ok(())
 }
 
-/// Bytes of GPU memory one rank's buffers take for this shape on `transport`: ep-kernels' own
-/// layout (`bytes_per_rank_with`), in BF16 (the largest payload, as DeepEP's hint also assumes)
+/// Bytes of GPU memory one rank's buffers take for this shape on `transport` with both buffer
+/// sets ([`BUFFER_SETS`]): ep-kernels' own layout for the Buffer's options ([`options`],
+/// `ep_kernels::runtime::hint_bytes`), in BF16 (the largest payload, as DeepEP's hint also assumes)
 /// with `top_k` (None: 16, the largest the contract allows, so the hint bounds every top-k), plus
 /// the NCCL staging buffer on the transports that allocate it ([`has_staging`]). NCCL's own
 /// memory (its communicator's buffers, allocated by libnccl) is not included.
@@ -99,8 +100,14 @@ pub fn size_hint(
     check_dims(&cfg)?;
     // The GPU's rank limit (256): a hint for a group the kernels refuse would mislead.
     ep_kernels::runtime::check_ranks(cfg.num_ranks)?;
-    Ok(bytes_per_rank_with(&cfg, has_staging(transport))? as u64)
+    // What the Buffer allocates: its groups' options, both buffer sets (the second is formed
+    // once two operations are in flight, as DeepEP's hint counts its double buffer).
+    let opts = options(transport, Duration::from_secs(10), false);
+    Ok(hint_bytes(&cfg, &opts, has_staging(transport), BUFFER_SETS)? as u64)
 }
+
+/// Buffer sets the `Buffer` forms per shape at most (two operations in flight).
+pub const BUFFER_SETS: usize = 2;
 
 /// Whether a rank on `transport` allocates the NCCL staging buffer, as `ProcessRank::new`
 /// decides it: on every transport but `Auto` (under `TwoTier`, whether some peer is on another
@@ -558,12 +565,24 @@ impl RankGroup {
 mod tests {
     use super::*;
 
+    /// One buffer set of the Buffer's groups on `transport` (the layout the group allocates).
+    fn one_set(cfg: &Config, transport: Transport) -> u64 {
+        let o = options(transport, Duration::from_secs(10), false);
+        ep_kernels::runtime::footprint(cfg, &o, has_staging(transport)).unwrap() as u64
+    }
+
     #[test]
     fn size_hint_is_the_kernels_layout() {
-        // DeepEP's standard setting with K = 8.
+        // DeepEP's standard setting with K = 8: both buffer sets of the Buffer's groups.
         let got = size_hint(128, 7168, 8, 256, Some(8), Transport::Auto).unwrap();
         let cfg = Config::new(8, 256, 128, 7168, 8, Mode::Bf16).unwrap();
-        assert_eq!(got, bytes_per_rank_with(&cfg, false).unwrap() as u64);
+        assert_eq!(got, BUFFER_SETS as u64 * one_set(&cfg, Transport::Auto));
+        // The timeout does not change the layout (the hint's is not the Buffer's).
+        let o = options(Transport::Auto, Duration::from_secs(1), true);
+        assert_eq!(
+            ep_kernels::runtime::footprint(&cfg, &o, false).unwrap() as u64,
+            one_set(&cfg, Transport::Auto)
+        );
         // No top_k: the bound over every top_k, so at least the K = 8 figure.
         let bound = size_hint(128, 7168, 8, 256, None, Transport::Auto).unwrap();
         assert!(bound > got, "{bound} vs {got}");
@@ -589,8 +608,8 @@ mod tests {
     #[test]
     fn size_hint_counts_the_staging_where_new_process_allocates_it() {
         let cfg = Config::new(8, 256, 128, 7168, 8, Mode::Bf16).unwrap();
-        let with = bytes_per_rank_with(&cfg, true).unwrap() as u64;
-        let without = bytes_per_rank_with(&cfg, false).unwrap() as u64;
+        let with = BUFFER_SETS as u64 * one_set(&cfg, Transport::Nccl);
+        let without = BUFFER_SETS as u64 * one_set(&cfg, Transport::Auto);
         assert!(with > without, "{with} vs {without}");
         // NCCL and two-tier ranks both allocate the staging (new_process: every transport but
         // Auto); Auto does not.
@@ -609,7 +628,7 @@ mod tests {
         let one = Config::new(1, 8, 16, 512, 4, Mode::Bf16).unwrap();
         assert_eq!(
             size_hint(16, 512, 1, 8, Some(4), Transport::Nccl).unwrap(),
-            bytes_per_rank_with(&one, true).unwrap() as u64
+            BUFFER_SETS as u64 * one_set(&one, Transport::Nccl)
         );
     }
 
