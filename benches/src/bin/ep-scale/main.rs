@@ -175,7 +175,7 @@ fn floor(o: &Opts) -> Result<(), String> {
         ..GpuOptions::default()
     };
     for &r in &o.ranks {
-        if e % r != 0 {
+        if !e.is_multiple_of(r) {
             continue;
         }
         let cfg = Config::new(r, e, o.tokens, o.hidden, o.top_k, Mode::FP8)
