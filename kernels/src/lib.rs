@@ -125,6 +125,6 @@ pub use error::GpuError;
 /// The NCCL transport, at its old path (now `runtime::nccl`).
 pub use runtime::nccl;
 pub use runtime::{
-    CombineIn, DeviceDispatchOut, DeviceHandle, DispatchIn, GpuGroup, GpuOptions, NcclSizes, Path,
-    RankEp, Tokens, Transport,
+    Buffers, CombineIn, DeviceDispatchOut, DeviceHandle, DispatchIn, GpuGroup, GpuOptions,
+    NcclSizes, Path, RankEp, Tokens, Transport,
 };

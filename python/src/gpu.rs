@@ -17,10 +17,10 @@ pub use crate::spec::{CombinePtrs, DispatchPtrs, Spec};
 pub use crate::tensor::Ptr;
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};
 use ep_group::AllGather;
-use ep_kernels::runtime::{bytes_per_rank_with, probe_devices, CombineHook, DispatchHook};
+use ep_kernels::runtime::{hint_bytes, probe_devices, CombineHook, DispatchHook};
 use ep_kernels::{
-    DeviceDispatchOut, DeviceHandle, GpuError, GpuGroup, GpuOptions, NcclSizes, Path, Tokens,
-    Transport,
+    Buffers, DeviceDispatchOut, DeviceHandle, GpuError, GpuGroup, GpuOptions, NcclSizes, Path,
+    Tokens, Transport,
 };
 use ep_reference::{bf16, Config, Mode};
 use std::collections::VecDeque;
@@ -36,8 +36,10 @@ pub fn probe(need: usize) -> Result<usize> {
     probe_devices(need).map_err(|why| GpuError::NoDevice(why).into())
 }
 
-/// Bytes of GPU memory one rank's buffers take for this shape on `transport`: ep-kernels' own
-/// layout (`bytes_per_rank_with`), in BF16 (the largest payload, as DeepEP's hint also assumes)
+/// Bytes of GPU memory one rank's buffers take for this shape on `transport` with both buffer
+/// sets ([`BUFFER_SETS`]): ep-kernels' own layout for the Buffer's options ([`options`]: the
+/// default path's receive area, none of the group's own tensors;
+/// `ep_kernels::runtime::hint_bytes`), in BF16 (the largest payload, as DeepEP's hint also assumes)
 /// with `top_k` (None: 16, the largest the contract allows, so the hint bounds every top-k), plus
 /// the NCCL staging buffer on the transports that allocate it ([`has_staging`]). NCCL's own
 /// memory (its communicator's buffers, allocated by libnccl) is not included.
@@ -60,8 +62,14 @@ pub fn size_hint(
     check_dims(&cfg)?;
     // The GPU's rank limit (256): a hint for a group the kernels refuse would mislead.
     ep_kernels::runtime::check_ranks(cfg.num_ranks)?;
-    Ok(bytes_per_rank_with(&cfg, has_staging(transport))? as u64)
+    // What the Buffer allocates: its groups' options, both buffer sets (the second is formed
+    // once two operations are in flight, as DeepEP's hint counts its double buffer).
+    let opts = options(transport, Duration::from_secs(10), false);
+    Ok(hint_bytes(&cfg, &opts, has_staging(transport), BUFFER_SETS)? as u64)
 }
+
+/// Buffer sets the `Buffer` forms per shape at most (two operations in flight).
+pub const BUFFER_SETS: usize = 2;
 
 /// Whether a rank on `transport` allocates the NCCL staging buffer, as `ProcessRank::new`
 /// decides it: on every transport but `Auto` (under `TwoTier`, whether some peer is on another
@@ -103,9 +111,15 @@ pub fn check_path_on(path: Path, transport: Transport) -> Result<()> {
 /// The group's options for this Buffer: one GPU per process, the wait bound, the transport,
 /// fixed-capacity NCCL sizes wherever NCCL can carry traffic (the device API refuses exact sizes:
 /// they need a host round trip mid-call), and DeepEP's column-major FP8 scales (the Buffer's
-/// `recv_x` scales tensor has DeepEP's strides, as DeepGEMM takes them).
+/// `recv_x` scales tensor has DeepEP's strides, as DeepGEMM takes them). The group holds none of
+/// its own tensors (every call passes the caller's: `Buffers::own_tensors`) and the receive area
+/// of the default path only (batched; [`RankGroup::new`] sets the Buffer's own path).
 pub fn options(transport: Transport, timeout: Duration, trap_on_error: bool) -> GpuOptions {
     GpuOptions {
+        buffers: Buffers {
+            path: Some(Path::Batched),
+            own_tensors: false,
+        },
         num_gpus: 1,
         timeout_ns: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
         transport,
@@ -223,6 +237,10 @@ impl RankGroup {
         probe_transport(transport)?;
         let opts = GpuOptions {
             enable_shrink,
+            buffers: Buffers {
+                path: Some(path),
+                own_tensors: false,
+            },
             ..options(transport, timeout, trap_on_error)
         };
         let group = ep_group::new_process(cfg, opts, rank, ordinal, all_gather)?;
@@ -507,12 +525,24 @@ impl RankGroup {
 mod tests {
     use super::*;
 
+    /// One buffer set of the Buffer's groups on `transport` (the layout the group allocates).
+    fn one_set(cfg: &Config, transport: Transport) -> u64 {
+        let o = options(transport, Duration::from_secs(10), false);
+        ep_kernels::runtime::footprint(cfg, &o, has_staging(transport)).unwrap() as u64
+    }
+
     #[test]
     fn size_hint_is_the_kernels_layout() {
-        // DeepEP's standard setting with K = 8.
+        // DeepEP's standard setting with K = 8: both buffer sets of the Buffer's groups.
         let got = size_hint(128, 7168, 8, 256, Some(8), Transport::Auto).unwrap();
         let cfg = Config::new(8, 256, 128, 7168, 8, Mode::Bf16).unwrap();
-        assert_eq!(got, bytes_per_rank_with(&cfg, false).unwrap() as u64);
+        assert_eq!(got, BUFFER_SETS as u64 * one_set(&cfg, Transport::Auto));
+        // The timeout does not change the layout (the hint's is not the Buffer's).
+        let o = options(Transport::Auto, Duration::from_secs(1), true);
+        assert_eq!(
+            ep_kernels::runtime::footprint(&cfg, &o, false).unwrap() as u64,
+            one_set(&cfg, Transport::Auto)
+        );
         // No top_k: the bound over every top_k, so at least the K = 8 figure.
         let bound = size_hint(128, 7168, 8, 256, None, Transport::Auto).unwrap();
         assert!(bound > got, "{bound} vs {got}");
@@ -538,8 +568,8 @@ mod tests {
     #[test]
     fn size_hint_counts_the_staging_where_new_process_allocates_it() {
         let cfg = Config::new(8, 256, 128, 7168, 8, Mode::Bf16).unwrap();
-        let with = bytes_per_rank_with(&cfg, true).unwrap() as u64;
-        let without = bytes_per_rank_with(&cfg, false).unwrap() as u64;
+        let with = BUFFER_SETS as u64 * one_set(&cfg, Transport::Nccl);
+        let without = BUFFER_SETS as u64 * one_set(&cfg, Transport::Auto);
         assert!(with > without, "{with} vs {without}");
         // NCCL and two-tier ranks both allocate the staging (new_process: every transport but
         // Auto); Auto does not.
@@ -558,7 +588,7 @@ mod tests {
         let one = Config::new(1, 8, 16, 512, 4, Mode::Bf16).unwrap();
         assert_eq!(
             size_hint(16, 512, 1, 8, Some(4), Transport::Nccl).unwrap(),
-            bytes_per_rank_with(&one, true).unwrap() as u64
+            BUFFER_SETS as u64 * one_set(&one, Transport::Nccl)
         );
     }
 

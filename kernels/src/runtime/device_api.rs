@@ -205,6 +205,8 @@ impl GpuGroup {
             }
             return Err(e);
         }
+        // A path the group has no receive buffers for, before any host work for the call.
+        crate::runtime::footprint::check_launch(self.buffers, false, op, path, 0, false, &[])?;
         if self.comms.is_some() && self.nx.sizes != NcclSizes::Capacity {
             return Err(GpuError::Unsupported(
                 "the device API over NCCL needs NcclSizes::Capacity: exact sizes read the batch \

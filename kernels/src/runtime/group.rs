@@ -4,12 +4,12 @@
 //! NCCL) is built by [`ProcessRank`](crate::runtime::ProcessRank).
 use crate::error::GpuError;
 use crate::runtime::device::{cuda, probe_devices, Dev, HostMirror};
+use crate::runtime::footprint::{footprint, plan_sizes};
 use crate::runtime::layout::{
-    all_peers, bytes_per_rank_with, carve_rank, check_ranks, entry_bytes_checked,
-    pe_entry_bytes_checked, rank_sizes, smem_bytes, to_i32, total_bytes, IoTable, KParams,
-    PeerMask, RankPtrs, ERR_WORDS,
+    all_peers, carve_rank, check_ranks, entry_bytes_checked, pe_entry_bytes_checked, smem_bytes,
+    to_i32, total_bytes, IoTable, KParams, PeerMask, RankPtrs, ERR_WORDS,
 };
-use crate::runtime::options::{GpuOptions, NcclSizes, Transport};
+use crate::runtime::options::{Buffers, GpuOptions, NcclSizes, Transport};
 use crate::runtime::streams::{drain_streams, Drain};
 use cudarc::driver::{result, sys, CudaContext};
 use ep_reference::{Config, Error, Mode, Op, Path};
@@ -47,6 +47,8 @@ pub struct GpuGroup {
     pub(crate) last_op: Option<Op>,
     /// NCCL sizing mode and the last exact dispatch's headers (per device).
     pub(crate) nx: NcclState,
+    /// Which buffers the allocation holds ([`Buffers`]); launches that need others are refused.
+    pub(crate) buffers: Buffers,
 }
 
 /// The NCCL transport's host state: the sizing mode, and per device the headers of the last
@@ -177,6 +179,22 @@ impl GpuGroup {
     /// detected.
     pub fn set_nccl_sizes(&mut self, sizes: NcclSizes) {
         self.nx.sizes = sizes;
+    }
+
+    /// Which buffers the group allocated ([`GpuOptions::buffers`]).
+    pub fn buffers(&self) -> Buffers {
+        self.buffers
+    }
+
+    /// Refuses what needs the group's own E x T-row tensors where it holds none.
+    pub(crate) fn own_tensors_or_err(&self, what: &str) -> Result<(), GpuError> {
+        if self.buffers.own_tensors {
+            return Ok(());
+        }
+        Err(GpuError::Unsupported(format!(
+            "{what}: this group holds no tensors of its own (GpuOptions::buffers.own_tensors = \
+             false); use the device API with the caller's tensors"
+        )))
     }
 
     /// Whether the group reaches any peer through NCCL.
@@ -329,7 +347,7 @@ impl GpuGroup {
         } else {
             None
         };
-        let need = bytes_per_rank_with(cfg, use_nccl)?
+        let need = footprint(cfg, &opts, use_nccl)?
             .checked_mul(per)
             .and_then(|b| b.checked_add(1 << 20))
             .ok_or_else(|| GpuError::Unsupported("the group's memory overflows usize".into()))?;
@@ -352,7 +370,7 @@ impl GpuGroup {
             dev.bind()?;
             dev.check_residency(smem, per, bpr)?;
         }
-        let sizes = rank_sizes(cfg, use_nccl)?;
+        let sizes = plan_sizes(cfg, use_nccl, opts.buffers)?;
         let mut ptrs = vec![RankPtrs::default(); r];
         for dev in devs.iter_mut() {
             dev.bind()?;
@@ -390,6 +408,7 @@ impl GpuGroup {
             },
             last_op: None,
             nx: NcclState::new(opts.nccl_sizes, g),
+            buffers: opts.buffers,
         })
     }
 }

@@ -55,6 +55,7 @@ impl GpuGroup {
     /// Process mode: uploads this rank's combine inputs (checked against the last dispatch).
     pub fn upload_rank_combine(&mut self, y: &[bf16], w: &[f32]) -> Result<(), GpuError> {
         self.check_usable()?;
+        self.own_tensors_or_err("upload_rank_combine")?;
         let r = self.own_or_err()?;
         check_combine_inputs(&self.cfg, r, y.len(), &self.topk[r], w.len())?;
         let p = self.ptrs[r];
@@ -139,6 +140,7 @@ impl GpuGroup {
         y: &[Vec<bf16>],
         topk_weights: &[Vec<f32>],
     ) -> Result<(), GpuError> {
+        self.own_tensors_or_err("upload_combine_inputs")?;
         let cfg = self.cfg;
         if self.own.is_some() {
             return Err(GpuError::Unsupported(
@@ -222,6 +224,7 @@ impl GpuGroup {
     /// Reads rank r's dispatch output (after [`GpuGroup::sync`]).
     pub fn read_dispatch_output(&self, r: usize) -> Result<DispatchOutput, GpuError> {
         self.check_read_rank(r)?;
+        self.own_tensors_or_err("read_dispatch_output")?;
         let cfg = self.cfg;
         let p = self.ptrs[r];
         self.devs[self.dev_of(r)].bind()?;

@@ -3,11 +3,12 @@
 use crate::error::GpuError;
 use crate::runtime::device::cuda;
 use crate::runtime::exchange::{combine_ops, dispatch_headers, dispatch_payload, Sizing, Tagged};
+use crate::runtime::footprint::check_launch;
 use crate::runtime::group::{kind, GpuGroup};
 use crate::runtime::layout::{combine_capacity_rows, prod, IoTable, KParams, NTHREADS};
 use crate::runtime::options::NcclSizes;
 use cudarc::driver::{result, sys};
-use ep_reference::{Error, Op, Path, Phase, Side};
+use ep_reference::{Error, Mode, Op, Path, Phase, Side};
 use std::ffi::c_void;
 
 /// What capacity mode writes into every send header word before the pack stage (i32::MAX: a
@@ -133,6 +134,19 @@ impl GpuGroup {
         io: &[IoTable],
     ) -> Result<(), GpuError> {
         let what = (stage >= 0).then_some(());
+        // Nothing is launched on any device unless every device's launch has its buffers.
+        for (di, dev) in self.devs.iter().enumerate() {
+            let entries = &io[di].r;
+            check_launch(
+                self.buffers,
+                self.cfg.mode != Mode::Bf16,
+                op,
+                path,
+                stage,
+                self.params.refused != 0,
+                &entries[..dev.ranks.min(entries.len())],
+            )?;
+        }
         for (di, dev) in self.devs.iter().enumerate() {
             // The batched path has a kernel per stage (batched.cu); per-expert one for all three.
             let f = match (op, path, stage) {

@@ -16,6 +16,7 @@ mod device;
 pub mod device_api;
 mod errors;
 mod exchange;
+mod footprint;
 mod group;
 mod harness;
 mod launch;
@@ -34,11 +35,12 @@ pub use device_api::{
 };
 /// The path a call runs (ep-reference's: the CPU backend runs the same two).
 pub use ep_reference::Path;
+pub use footprint::{footprint, hint_bytes};
 pub use group::GpuGroup;
 pub use layout::{
     all_peers, bytes_per_rank, bytes_per_rank_with, check_ranks, entry_bytes, pe_entry_bytes,
     smem_bytes, PeerMask, Variant, MAX_RANKS, NARROW_RANKS, NTHREADS, SMEM_LIMIT_SM90,
 };
-pub use options::{GpuOptions, NcclSizes, Transport};
+pub use options::{Buffers, GpuOptions, NcclSizes, Transport};
 pub use process::{PeerPlan, ProcessRank};
 pub use profile::PROF_SLOTS;

@@ -3,6 +3,7 @@
 //! of a call is ep-reference's [`Path`](ep_reference::Path): every backend runs the same two.
 
 use ep_reference::names::{self, UnknownName};
+use ep_reference::Path;
 use std::fmt;
 use std::str::FromStr;
 
@@ -108,6 +109,42 @@ impl fmt::Display for NcclSizes {
     }
 }
 
+/// Which of its buffers a group allocates beyond those every call needs (issue 31: memory that
+/// grows with what is sent). The default allocates everything, as before; a caller that runs one
+/// path and passes its own tensors to every call (the Python `Buffer`) needs neither the other
+/// path's receive area nor the group's own copies of the E x T-row tensors, which are most of a
+/// rank's memory at the standard setting (`runtime::footprint`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Buffers {
+    /// The paths the group runs: `None` both; `Some(p)` only `p`: the other path's receive area
+    /// (per-expert: L x R x T messages; batched: R x T entries) is not allocated, and a call of
+    /// the other path is refused before anything is launched (`GpuError::Unsupported`).
+    pub path: Option<Path>,
+    /// The group's own `y`, `recv_x`, `recv_scales` and `src_info` (E x T rows each): what the
+    /// host harness (`upload_*`, `dispatch`, `combine`, `download_*`) and a device-API dispatch
+    /// without outputs use. `false`: not allocated; every dispatch must pass its outputs and every
+    /// combine its `y` (the device API does), anything else is refused before any launch. The
+    /// small ones (x, topk_idx, weights, out, recv_count, layout) stay: a call the host refuses
+    /// because the group failed still runs on them (poison.cuh).
+    pub own_tensors: bool,
+}
+
+impl Default for Buffers {
+    fn default() -> Self {
+        Buffers {
+            path: None,
+            own_tensors: true,
+        }
+    }
+}
+
+impl Buffers {
+    /// Whether the group allocates the receive area of `path`.
+    pub fn runs(&self, path: Path) -> bool {
+        self.path.is_none_or(|p| p == path)
+    }
+}
+
 /// Options of a [`GpuGroup`](crate::runtime::GpuGroup).
 #[derive(Debug, Clone, Copy)]
 pub struct GpuOptions {
@@ -140,6 +177,8 @@ pub struct GpuOptions {
     /// (R*T*G, 1, R*T), as DeepGEMM's grouped GEMM takes them. Off: row-major (R*T*G, G, 1).
     /// The values are the same either way; only where each word lives changes.
     pub scales_column_major: bool,
+    /// Which buffers the group allocates ([`Buffers`]; default: all of them).
+    pub buffers: Buffers,
 }
 
 impl Default for GpuOptions {
@@ -154,6 +193,7 @@ impl Default for GpuOptions {
             trap_on_error: false,
             enable_shrink: false,
             scales_column_major: false,
+            buffers: Buffers::default(),
         }
     }
 }

@@ -14,11 +14,11 @@
 
 use crate::error::GpuError;
 use crate::runtime::device::{cuda, probe_devices, Dev};
+use crate::runtime::footprint::{footprint, plan_sizes};
 use crate::runtime::group::{check_shrink, kparams, next_group_id, upload_table};
 use crate::runtime::group::{GpuGroup, IpcMappings, NcclState};
 use crate::runtime::layout::{
-    bytes_per_rank_with, carve_rank, check_ranks, rank_sizes, smem_bytes, total_bytes, PeerMask,
-    RankPtrs, NUM_BUFFERS,
+    carve_rank, check_ranks, smem_bytes, total_bytes, PeerMask, RankPtrs, NUM_BUFFERS,
 };
 use crate::runtime::options::{GpuOptions, Transport};
 use cudarc::driver::{result, sys};
@@ -103,7 +103,7 @@ impl ProcessRank {
         let smem = smem_bytes(cfg);
         let bpr = opts.blocks_per_rank.unwrap_or(dev.sms).max(1);
         dev.check_residency(smem, 1, bpr)?;
-        let need = bytes_per_rank_with(cfg, staging)?.saturating_add(1 << 20);
+        let need = footprint(cfg, &opts, staging)?.saturating_add(1 << 20);
         let (free, _) = cuda("cuMemGetInfo", result::mem_get_info())?;
         if need > free {
             return Err(Error::OutOfMemory {
@@ -112,7 +112,7 @@ impl ProcessRank {
             }
             .into());
         }
-        let sizes = rank_sizes(cfg, staging)?;
+        let sizes = plan_sizes(cfg, staging, opts.buffers)?;
         let total = total_bytes(&sizes)?;
         let base = dev.alloc(total)?; // zeroed before its handle leaves this process
         let mut payload = vec![0u8; 64];
@@ -257,6 +257,7 @@ impl ProcessRank {
             ipc_opened,
             last_op: None,
             nx: NcclState::new(opts.nccl_sizes, 1),
+            buffers: opts.buffers,
         })
     }
 }

@@ -10,6 +10,7 @@ mod common;
 mod device;
 mod errors;
 mod graphs;
+mod memory;
 mod nccl;
 mod paths;
 mod wide;
@@ -26,6 +27,7 @@ const TESTS: &[&[GpuTest]] = &[
     graphs::TESTS,
     errors::TESTS,
     wide::TESTS,
+    memory::TESTS,
 ];
 
 fn main() {

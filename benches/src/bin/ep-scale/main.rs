@@ -6,6 +6,11 @@
 //!   with the NCCL staging), every kernel's dynamic shared memory against sm_90's 227 KB, and
 //!   the build of the kernels a rank loads (process mode: one rank per GPU; virtual ranks: all
 //!   on one GPU of 132 SMs). A Markdown table.
+//! - `ep-scale floor` (no GPU needed, issue 31): per R (E fixed by `--experts`, 256), FP8
+//!   dispatch, one rank's bytes: the floor of the per-destination layout (what it must hold: the
+//!   R x T batch entries it receives, the T x K combine rows it gets back, headers and signals),
+//!   what one buffer set of ours holds (the whole layout; a batched-only group without its own
+//!   tensors, `GpuOptions::buffers`), both sets, and DeepEP's hint (its two buffers).
 //! - `ep-scale setup` (GPU): `GpuGroup::new` timed for each R (virtual ranks on one GPU; the
 //!   first build of each kernel variant compiles, so each R is built twice and both times
 //!   printed), or why it cannot (memory, residency).
@@ -13,9 +18,11 @@
 //! Flags: `--tokens T` (128), `--hidden H` (7168), `--top-k K` (8), `--local L1,L2,..` (1,2,4),
 //! `--ranks R1,R2,..` (8,16,32,64,128,256).
 
-use ep_kernels::runtime::{bytes_per_rank_with, smem_bytes, Variant, MAX_RANKS, SMEM_LIMIT_SM90};
-use ep_kernels::{GpuGroup, GpuOptions};
-use ep_reference::{Config, Mode};
+use ep_kernels::runtime::{
+    bytes_per_rank_with, entry_bytes, footprint, smem_bytes, Variant, MAX_RANKS, SMEM_LIMIT_SM90,
+};
+use ep_kernels::{Buffers, GpuGroup, GpuOptions};
+use ep_reference::{Config, Mode, Path};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -26,6 +33,7 @@ struct Opts {
     top_k: usize,
     local: Vec<usize>,
     ranks: Vec<usize>,
+    experts: usize,
 }
 
 fn list(v: &str, flag: &str) -> Result<Vec<usize>, String> {
@@ -46,20 +54,22 @@ fn parse() -> Result<Opts, String> {
         top_k: 8,
         local: vec![1, 2, 4],
         ranks: vec![8, 16, 32, 64, 128, 256],
+        experts: 256,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut val = || args.next().ok_or_else(|| format!("{a} needs a value"));
         match a.as_str() {
-            "sizes" | "setup" if o.what.is_empty() => o.what = a.clone(),
+            "sizes" | "setup" | "floor" if o.what.is_empty() => o.what = a.clone(),
             "--tokens" => o.tokens = val()?.parse().map_err(|e| format!("--tokens: {e}"))?,
             "--hidden" => o.hidden = val()?.parse().map_err(|e| format!("--hidden: {e}"))?,
             "--top-k" => o.top_k = val()?.parse().map_err(|e| format!("--top-k: {e}"))?,
             "--local" => o.local = list(&val()?, "--local")?,
             "--ranks" => o.ranks = list(&val()?, "--ranks")?,
+            "--experts" => o.experts = val()?.parse().map_err(|e| format!("--experts: {e}"))?,
             "-h" | "--help" => {
                 return Err(
-                    "usage: ep-scale sizes|setup [--tokens T] [--hidden H] [--top-k K] \
+                    "usage: ep-scale sizes|setup|floor [--tokens T] [--experts E] [--hidden H] [--top-k K] \
                             [--local L1,L2,..] [--ranks R1,R2,..]"
                         .into(),
                 )
@@ -122,6 +132,73 @@ fn sizes(o: &Opts) -> Result<(), String> {
     Ok(())
 }
 
+/// DeepEP v1's `get_low_latency_rdma_size_hint` (both of its buffers), at top-k-free shapes.
+fn deepep_hint(t: usize, h: usize, r: usize, e: usize) -> usize {
+    let scales = h / 128;
+    let dispatch_msg = 16 + (2 * h).max(h + scales * 4);
+    let combine_msg = scales * 4 + 2 * h;
+    let send = (t * dispatch_msg).max(e * t * combine_msg);
+    let recv = (e * t * dispatch_msg).max(e * t * combine_msg);
+    let signaling = e * 4; // the receive counts (an int per expert), dispatch's or combine's
+    let _ = r; // DeepEP's figure does not grow with R
+    2 * (send + recv + signaling)
+}
+
+/// What one rank of the per-destination layout must hold for `cfg` (FP8 dispatch, BF16
+/// combine), in bytes: the batch entries it receives (each source's tokens once: R x T entries of
+/// header + payload), the combine rows it gets back (each of its selections once: T x K rows of
+/// 2H), and per peer a signal and an acknowledgement word for each of dispatch and combine.
+fn floor_bytes(cfg: &Config) -> usize {
+    let (r, t, k, h) = (
+        cfg.num_ranks,
+        cfg.max_tokens_per_rank,
+        cfg.top_k,
+        cfg.hidden,
+    );
+    r * t * entry_bytes(cfg) + t * k * 2 * h + 4 * r * 8
+}
+
+fn floor(o: &Opts) -> Result<(), String> {
+    let e = o.experts;
+    println!(
+        "Per-rank GPU memory against R (T = {}, H = {}, K = {}, E = {e}, FP8 dispatch; \
+         `ep-scale floor`): MiB\n",
+        o.tokens, o.hidden, o.top_k
+    );
+    println!("| R | floor (1 set) | ours, whole layout (1 set) | ours, batched only, caller's tensors (1 set) | same, 2 sets | projected: combine area T x K rows (kernel change), 2 sets | DeepEP hint (2 buffers) |");
+    println!("|---|---|---|---|---|---|---|");
+    let lean = GpuOptions {
+        buffers: Buffers {
+            path: Some(Path::Batched),
+            own_tensors: false,
+        },
+        ..GpuOptions::default()
+    };
+    for &r in &o.ranks {
+        if !e.is_multiple_of(r) {
+            continue;
+        }
+        let cfg = Config::new(r, e, o.tokens, o.hidden, o.top_k, Mode::FP8)
+            .map_err(|err| format!("R = {r}: {err}"))?;
+        let full = bytes_per_rank_with(&cfg, false).map_err(|e| e.to_string())?;
+        let one = footprint(&cfg, &lean, false).map_err(|e| e.to_string())?;
+        // The batched combine's receive area is R x T x K rows now (a region of T x K per
+        // source); placed at each selection's t*K + k (as the per-expert path does) it is T x K.
+        let row = 2 * o.hidden;
+        let packed = one - (r - 1) * o.tokens * o.top_k * row;
+        println!(
+            "| {r} | {} | {} | {} | {} | {} | {} |",
+            mib(floor_bytes(&cfg)),
+            mib(full),
+            mib(one),
+            mib(2 * one),
+            mib(2 * packed),
+            mib(deepep_hint(o.tokens, o.hidden, r, e)),
+        );
+    }
+    Ok(())
+}
+
 fn setup(o: &Opts) -> Result<(), String> {
     if let Err(e) = ep_kernels::runtime::probe_devices(1) {
         return Err(format!("setup needs a GPU: {e}"));
@@ -176,6 +253,7 @@ fn main() -> ExitCode {
     };
     let r = match o.what.as_str() {
         "setup" => setup(&o),
+        "floor" => floor(&o),
         _ => sizes(&o),
     };
     match r {
