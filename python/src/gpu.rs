@@ -525,10 +525,12 @@ impl RankGroup {
 mod tests {
     use super::*;
 
-    /// One buffer set of the Buffer's groups on `transport` (the layout the group allocates).
+    /// One buffer set of the Buffer's groups on `transport` (the layout the group allocates, in
+    /// whole allocation pages).
     fn one_set(cfg: &Config, transport: Transport) -> u64 {
         let o = options(transport, Duration::from_secs(10), false);
-        ep_kernels::runtime::footprint(cfg, &o, has_staging(transport)).unwrap() as u64
+        let b = ep_kernels::runtime::footprint(cfg, &o, has_staging(transport)).unwrap();
+        b.next_multiple_of(ep_kernels::runtime::ALLOC_GRANULE) as u64
     }
 
     #[test]
@@ -540,7 +542,7 @@ mod tests {
         // The timeout does not change the layout (the hint's is not the Buffer's).
         let o = options(Transport::Auto, Duration::from_secs(1), true);
         assert_eq!(
-            ep_kernels::runtime::footprint(&cfg, &o, false).unwrap() as u64,
+            ep_kernels::runtime::hint_bytes(&cfg, &o, false, 1).unwrap() as u64,
             one_set(&cfg, Transport::Auto)
         );
         // No top_k: the bound over every top_k, so at least the K = 8 figure.

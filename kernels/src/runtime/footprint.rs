@@ -51,6 +51,10 @@ pub fn footprint(c: &Config, opts: &GpuOptions, staging: bool) -> Result<usize, 
     total_bytes(&plan_sizes(c, staging, opts.buffers)?)
 }
 
+/// The granularity of a large cuMemAlloc (its pages): one rank's set of buffers is one
+/// allocation, so it takes its footprint rounded up to this.
+pub const ALLOC_GRANULE: usize = 2 << 20;
+
 /// What a caller that keeps `sets` operations in flight allocates per rank: `sets` groups of
 /// `opts` (the Python `Buffer` forms its second set when a dispatch overlaps an earlier one of
 /// the same shape: two sets from then on, as DeepEP's hint counts its double buffer).
@@ -60,8 +64,10 @@ pub fn hint_bytes(
     staging: bool,
     sets: usize,
 ) -> Result<usize, GpuError> {
+    // Each set of a rank is one cuMemAlloc, which takes whole 2 MiB pages.
     footprint(c, opts, staging)?
-        .checked_mul(sets)
+        .checked_next_multiple_of(ALLOC_GRANULE)
+        .and_then(|b| b.checked_mul(sets))
         .ok_or_else(|| GpuError::Unsupported("the buffer sets' bytes overflow usize".into()))
 }
 
@@ -175,12 +181,12 @@ mod tests {
         let per = plan_sizes(&c, false, opts(Some(Path::PerExpert), true).buffers).unwrap();
         assert_eq!(per[idx::BAT_BUF], LEFT_OUT);
         assert_eq!(per[idx::PE_BUF], full[idx::PE_BUF]);
-        // The hint is the sets' sum.
+        // The hint is the sets' sum, each set's allocation in whole 2 MiB pages.
         let o = opts(Some(Path::Batched), false);
-        assert_eq!(
-            hint_bytes(&c, &o, true, 2).unwrap(),
-            2 * footprint(&c, &o, true).unwrap()
-        );
+        let one = footprint(&c, &o, true).unwrap();
+        let paged = hint_bytes(&c, &o, true, 1).unwrap();
+        assert!(paged % ALLOC_GRANULE == 0 && paged >= one && paged - one < ALLOC_GRANULE);
+        assert_eq!(hint_bytes(&c, &o, true, 2).unwrap(), 2 * paged);
         assert!(footprint(&c, &o, false).unwrap() < bytes_per_rank_with(&c, false).unwrap() / 3);
     }
 

@@ -35,7 +35,7 @@ pub use device_api::{
 };
 /// The path a call runs (ep-reference's: the CPU backend runs the same two).
 pub use ep_reference::Path;
-pub use footprint::{footprint, hint_bytes};
+pub use footprint::{footprint, hint_bytes, ALLOC_GRANULE};
 pub use group::GpuGroup;
 pub use layout::{
     all_peers, bytes_per_rank, bytes_per_rank_with, check_ranks, entry_bytes, pe_entry_bytes,
