@@ -204,7 +204,9 @@ def test_size_hint_is_ours_and_needs_no_gpu():
     # Same as the native call (ep-kernels' layout), and growing with every dimension.
     assert k8 == ep._native.size_hint(128, 7168, 8, 256, 8, "auto")
     assert hint(256, 7168, 8, 256, num_topk=8) > k8
-    assert hint(128, 7168, 8, 288, num_topk=8) > k8
+    # More experts grow only the per-expert count tables of a batched-only group, less than one
+    # of the allocation's 2 MiB pages.
+    assert hint(128, 7168, 8, 288, num_topk=8) >= k8
     assert hint(128, 4096, 8, 256, num_topk=8) < k8
     assert hint(128, 7168, 8, 256, num_topk=8, transport="auto") == k8
     # NCCL staging: on 'nccl' and on 'two-tier' (allocated before the node plan is known).
