@@ -10,7 +10,8 @@ inline), outside comments and `#[cfg(test)]` modules, and reports
   them) that reach each other through the imports of anything inside them, e.g. a file of
   `handshake/` naming `crate::topology::node::X` and a file of `topology/` naming
   `crate::handshake::record::Y` (no two files form a circle there, the folders do);
-- a source file (any .rs in the workspace, tests and benches included) over LIMIT lines.
+- a source file (any .rs, and any CUDA .cu / .cuh, in the workspace, tests and benches included)
+  over LIMIT lines.
 
 Usage: python3 .ci/layers.py [--limit N]   (exit 1 on any finding, with one line per finding)
        python3 .ci/layers.py --self-test   (the circle checks on small made-up crates)
@@ -320,7 +321,7 @@ def main():
     for crate in crates:
         for d, _, files in os.walk(os.path.join(ROOT, crate)):
             for f in files:
-                if f.endswith(".rs"):
+                if f.endswith((".rs", ".cu", ".cuh")):
                     p = os.path.join(d, f)
                     n = sum(1 for _ in open(p, encoding="utf-8"))
                     rel = os.path.relpath(p, ROOT)

@@ -79,7 +79,12 @@ pub const PER_EXPERT: Family = Family {
 };
 pub const BATCHED: Family = Family {
     name: "batched.cu",
-    source: include_str!("cu/batched.cu"),
+    // One module of three files: the overview and declarations, then each operation's body.
+    source: concat!(
+        include_str!("cu/batched.cu"),
+        include_str!("cu/batched_dispatch.cu"),
+        include_str!("cu/batched_combine.cu")
+    ),
     kernels: &[
         Kernel {
             name: "ep_batched::dispatch",

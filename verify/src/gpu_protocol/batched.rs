@@ -1,4 +1,4 @@
-//! Batched dispatch's (batched.cu `ep_batched::dispatch`) send and receive over NVLink / peer
+//! Batched dispatch's (batched_dispatch.cu `ep_batched::dispatch`) send and receive over NVLink / peer
 //! memory: a block's share of every batch, the count of blocks out and the signal of the block
 //! that completes it; then the receive's waits for every source and its share of the entries.
 

@@ -11,7 +11,7 @@ use crate::gpu_protocol::per_expert::{per_expert_receive, per_expert_send};
 use crate::gpu_protocol::poison::poison_signals;
 use crate::gpu_protocol::state::{BlockReport, Group, Input, Kind, Launch};
 
-/// One block of one stage-0 dispatch launch, every role in kernel order (batched.cu
+/// One block of one stage-0 dispatch launch, every role in kernel order (batched_dispatch.cu
 /// `ep_batched::dispatch` / per_expert.cu `ep_per_expert::dispatch`), in the narrow build.
 pub fn dispatch_block(
     g: &Group,

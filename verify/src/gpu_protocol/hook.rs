@@ -1,5 +1,5 @@
 //! The receive hook's split of batched dispatch over NVLink / peer memory (the module docs'
-//! "Launches"): the same kernel (batched.cu `ep_batched::dispatch`) launched twice per call on
+//! "Launches"): the same kernel (batched_dispatch.cu `ep_batched::dispatch`) launched twice per call on
 //! the rank's stream, stage 1 (the send half: the prologue, the input check, the ack waits, the
 //! send and the signal; its `finish:` publishes nothing) then stage 2 (the receive half: the
 //! pre-load of its sources' signals, their waits and the entries; its `finish:` publishes the

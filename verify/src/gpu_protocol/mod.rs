@@ -110,7 +110,7 @@
 //!   set `in_bad`. [`Launch::bad_input`] makes one rank's routing bad. Peer-supplied counts are
 //!   bounded with `peer_bad` (common.cuh); the model's peers are honest on NVLink, so there that
 //!   check only mirrors the path; over NCCL the poisoned header exercises it.
-//! - **The one-rank path** (batched.cu `direct`: "`R == 1 && p.stage == 0 && p.nccl_mask[0] ==
+//! - **The one-rank path** (batched_dispatch.cu `direct`: "`R == 1 && p.stage == 0 && p.nccl_mask[0] ==
 //!   0u`", the narrow build's; the wide build past 32 ranks has none) is not modelled and needs no model: the rank is its own only source and destination,
 //!   its blocks write the caller's canonical rows straight from `x` with no batch, no signal and
 //!   no expansion, so no block reads what another block or rank wrote in this call. What is

@@ -13,7 +13,7 @@ use crate::gpu_protocol::words::{signal_word, ROW_BYTES};
 /// Which kernel a model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
-    /// batched.cu `ep_batched::dispatch`.
+    /// batched_dispatch.cu `ep_batched::dispatch`.
     Batched,
     /// per_expert.cu `ep_per_expert::dispatch`.
     PerExpert,
