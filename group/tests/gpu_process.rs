@@ -464,7 +464,7 @@ fn gpu_two_tier_four_processes_on_two_emulated_nodes_match_the_oracle() {
     }
 }
 
-/// Past 32 ranks in process mode (issue 22): 40 processes on one GPU over CUDA IPC, and 36 on two
+/// Past 32 ranks in process mode: 40 processes on one GPU over CUDA IPC, and 36 on two
 /// GPUs as 4 emulated nodes of 9 (two-tier: IPC inside a node, NCCL across).
 const MANY_IPC: usize = 40;
 const MANY_TWO_TIER: usize = 36;

@@ -7,7 +7,7 @@
 //! always runs: the case generator's configs are valid and cover what the fuzz promises.
 //!
 //! Each config: R in 1..=8 (even R over two GPUs), L in 1..=6 (E = R*L), T in 1..=48, K in
-//! 1..=min(16, E); one config in eight (not with `EP_GPU_FUZZ_SMALL`) is a wide one (issue 22):
+//! 1..=min(16, E); one config in eight (not with `EP_GPU_FUZZ_SMALL`) is a wide one:
 //! R in 33..=256 (half of them 33, 64, 128 or 256), L in 1..=2, T in 1..=8, H small; one of the four modes, H any size in bf16, a multiple of 128 (fp8) or 512
 //! (ue8m0), `zero_copy_local` on or off, and now and then a small forced `blocks_per_rank`. It
 //! runs `EP_GPU_FUZZ_ROUNDS` inputs on one group (buffer reuse across calls), each with its own

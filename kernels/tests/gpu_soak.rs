@@ -39,7 +39,8 @@ use std::time::Instant;
 const PRINTED_FAILURES: usize = 20;
 /// A config stops after this many failures in the run.
 const MAX_FAILURES: usize = 200;
-const PATHS: [Path; 2] = [Path::PerExpert, Path::Batched];
+/// The paths in the order of the counters (`counts[i]` is `PATHS[i]`'s).
+const PATHS: [Path; 2] = Path::ALL;
 
 fn main() {
     let settings = match Settings::from_env() {
@@ -96,8 +97,8 @@ struct Settings {
 }
 
 fn parse_replay(v: &str) -> Result<Replay, String> {
-    let bad =
-        || format!("EP_SOAK_REPLAY={v:?}: expected <config>:<call seed>:<per-expert|batched>");
+    let names = PATHS.map(Path::name).join("|");
+    let bad = || format!("EP_SOAK_REPLAY={v:?}: expected <config>:<call seed>:<{names}>");
     let parts: Vec<&str> = v.trim().split(':').collect();
     let [c, s, p] = parts[..] else {
         return Err(bad());
@@ -521,11 +522,13 @@ fn soak(s: &Settings, two_gpus: bool) -> Outcome {
         }
         let secs = t0.elapsed().as_secs_f64();
         println!(
-            "config {ci}: {}: per-expert {} calls ({} full, {} failed), batched {} calls ({} full, {} failed), {secs:.1} s, {:.0} us per call; device call counters {:?}{}",
+            "config {ci}: {}: {} {} calls ({} full, {} failed), {} {} calls ({} full, {} failed), {secs:.1} s, {:.0} us per call; device call counters {:?}{}",
             describe(sc),
+            PATHS[0],
             counts[0].calls,
             counts[0].full,
             counts[0].failures,
+            PATHS[1],
             counts[1].calls,
             counts[1].full,
             counts[1].failures,
@@ -545,8 +548,10 @@ fn soak(s: &Settings, two_gpus: bool) -> Outcome {
     }
     let failures = totals[0].failures + totals[1].failures;
     println!(
-        "gpu_soak: per-expert {} calls, batched {} calls (each a dispatch and a combine, conservation and combine checked on every call), {} + {} fully against the oracle, {failures} failures, {:.1} s",
+        "gpu_soak: {} {} calls, {} {} calls (each a dispatch and a combine, conservation and combine checked on every call), {} + {} fully against the oracle, {failures} failures, {:.1} s",
+        PATHS[0],
         totals[0].calls,
+        PATHS[1],
         totals[1].calls,
         totals[0].full,
         totals[1].full,

@@ -34,15 +34,35 @@ impl Mode {
         matches!(self, Mode::Fp8 { .. })
     }
 
+    /// The four modes (`ue8m0` needs `round_scale`), in [`Mode::name`]'s order.
+    pub const ALL: [Mode; 4] = [Mode::Bf16, Mode::FP8, Mode::FP8_ROUND, Mode::FP8_UE8M0];
+
+    /// The mode's name in flags and reports (`bf16`, `fp8`, `fp8-round-scale`, `fp8-ue8m0`),
+    /// parsed back by `FromStr`.
     pub fn name(self) -> &'static str {
         match self {
             Mode::Bf16 => "bf16",
             Mode::Fp8 {
                 round_scale: false, ..
             } => "fp8",
-            Mode::Fp8 { ue8m0: false, .. } => "fp8+round_scale",
-            Mode::Fp8 { .. } => "fp8+ue8m0",
+            Mode::Fp8 { ue8m0: false, .. } => "fp8-round-scale",
+            Mode::Fp8 { .. } => "fp8-ue8m0",
         }
+    }
+}
+
+impl std::str::FromStr for Mode {
+    type Err = crate::names::UnknownName;
+
+    /// The mode [`Mode::name`] spells `s` (that spelling only).
+    fn from_str(s: &str) -> std::result::Result<Mode, Self::Err> {
+        crate::names::parse("mode", s, &Mode::ALL, Mode::name)
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.name())
     }
 }
 

@@ -1,5 +1,5 @@
-//! The names of the workspace's choice enums (the path of a call, ep-kernels' transport and
-//! NCCL sizing): each value has one name, shown to users (CLI flags, reports, JSON) and parsed
+//! The names of the workspace's choice enums (the path of a call, the dispatch mode,
+//! ep-kernels' transport and NCCL sizing): each value has one name, shown to users (CLI flags, reports, JSON) and parsed
 //! back by the enum's `FromStr`, which goes through [`parse`], the one parse they share.
 
 /// A name that is none of a choice's values: the `FromStr` error of every choice enum.
@@ -70,6 +70,23 @@ mod tests {
         assert_eq!(
             parse("number", "x", &all[..1], name).unwrap_err().expected,
             "'one'"
+        );
+    }
+
+    #[test]
+    fn every_mode_and_path_parses_back_from_its_name_only() {
+        use crate::{Mode, Path};
+        for m in Mode::ALL {
+            assert_eq!(m.name().parse::<Mode>(), Ok(m));
+            assert_eq!(m.to_string(), m.name());
+        }
+        for p in Path::ALL {
+            assert_eq!(p.name().parse::<Path>(), Ok(p));
+        }
+        let e = "fp8+ue8m0".parse::<Mode>().unwrap_err();
+        assert_eq!(
+            e.expected,
+            "'bf16', 'fp8', 'fp8-round-scale' or 'fp8-ue8m0'"
         );
     }
 }

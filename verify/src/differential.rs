@@ -8,7 +8,7 @@
 //! `ep_reference::workload`, the project's one generator of test inputs.
 
 use ep_reference::workload::{Routing, Values, Workload};
-use ep_reference::{per_expert, CombineFormat, Config, CpuOptions, Mode, RankMask};
+use ep_reference::{per_expert, CombineFormat, Config, CpuOptions, Mode, Path, RankMask};
 use rand::rngs::StdRng;
 use rand::seq::index::sample;
 use rand::{Rng, SeedableRng};
@@ -159,8 +159,15 @@ impl Case {
         };
         let mut reference = per_expert::group(&self.cfg, opts).map_err(|e| e.to_string())?;
         let (mask, format) = (&self.mask, self.format);
-        check_against_oracle_format("per-expert", &mut reference, &w, &ys, mask, format)?;
+        check_against_oracle_format(
+            Path::PerExpert.name(),
+            &mut reference,
+            &w,
+            &ys,
+            mask,
+            format,
+        )?;
         let mut fast = ep_fast::group(&self.cfg, opts).map_err(|e| e.to_string())?;
-        check_against_oracle_format("batched", &mut fast, &w, &ys, mask, format)
+        check_against_oracle_format(Path::Batched.name(), &mut fast, &w, &ys, mask, format)
     }
 }

@@ -4,7 +4,7 @@
 //! routing, mask, seed) and shrinks it.
 
 use ep_reference::workload::{Routing, Workload};
-use ep_reference::{oracle, per_expert, CombineFormat, Config, CpuOptions, Mode, RankMask};
+use ep_reference::{oracle, per_expert, CombineFormat, Config, CpuOptions, Mode, Path, RankMask};
 use ep_verify::{
     check_against_oracle, check_against_oracle_format, check_against_oracle_masked, logfmt_packable,
 };
@@ -111,9 +111,9 @@ fn run_case(c: &Case) -> Result<(), String> {
     let mask = RankMask::from_ranks(c.cfg.num_ranks, &c.mask).map_err(|e| e.to_string())?;
     let ys = w.expert_outputs(c.seed);
     let mut reference = per_expert::group(&c.cfg, opts).map_err(|e| e.to_string())?;
-    check_against_oracle_masked("per-expert", &mut reference, &w, &ys, &mask)?;
+    check_against_oracle_masked(Path::PerExpert.name(), &mut reference, &w, &ys, &mask)?;
     let mut fast = ep_fast::group(&c.cfg, opts).map_err(|e| e.to_string())?;
-    check_against_oracle_masked("batched", &mut fast, &w, &ys, &mask)
+    check_against_oracle_masked(Path::Batched.name(), &mut fast, &w, &ys, &mask)
 }
 
 proptest! {
@@ -135,9 +135,9 @@ fn standard_setting_all_modes() {
         let cfg = Config::new(8, 256, 32, 7168, 8, mode).unwrap();
         let w = Workload::uniform(&cfg, 32, Routing::Random { masked: 0.05 }, 7);
         let mut a = per_expert::group(&cfg, CpuOptions::default()).unwrap();
-        check_against_oracle("per-expert", &mut a, &w, 7).unwrap();
+        check_against_oracle(Path::PerExpert.name(), &mut a, &w, 7).unwrap();
         let mut b = ep_fast::group(&cfg, CpuOptions::default()).unwrap();
-        check_against_oracle("batched", &mut b, &w, 7).unwrap();
+        check_against_oracle(Path::Batched.name(), &mut b, &w, 7).unwrap();
     }
 }
 
@@ -158,9 +158,9 @@ fn logfmt_combine_both_paths_equal_the_oracle() {
         let mask = RankMask::from_ranks(r, &masked).unwrap();
         let f = CombineFormat::LogFmt;
         let mut a = per_expert::group(&cfg, CpuOptions::default()).unwrap();
-        check_against_oracle_format("per-expert", &mut a, &w, &ys, &mask, f).unwrap();
+        check_against_oracle_format(Path::PerExpert.name(), &mut a, &w, &ys, &mask, f).unwrap();
         let mut b = ep_fast::group(&cfg, CpuOptions::default()).unwrap();
-        check_against_oracle_format("batched", &mut b, &w, &ys, &mask, f).unwrap();
+        check_against_oracle_format(Path::Batched.name(), &mut b, &w, &ys, &mask, f).unwrap();
         let lf = oracle::combine_with(&cfg, &w.combine_inputs(&ys), f).unwrap();
         let bf = oracle::combine(&cfg, &w.combine_inputs(&ys)).unwrap();
         assert_ne!(lf, bf, "r {r} h {h}: LogFMT changed nothing");
@@ -207,8 +207,8 @@ fn consecutive_calls_reuse_buffers() {
             .map(|r| ((call as usize * 7 + r * 5) % 17).min(16))
             .collect();
         let w = Workload::generate(&cfg, &tokens, Routing::Random { masked: 0.2 }, call);
-        check_against_oracle("per-expert", &mut a, &w, call).unwrap();
-        check_against_oracle("batched", &mut b, &w, call).unwrap();
+        check_against_oracle(Path::PerExpert.name(), &mut a, &w, call).unwrap();
+        check_against_oracle(Path::Batched.name(), &mut b, &w, call).unwrap();
     }
     let w = Workload::uniform(&cfg, 16, Routing::Random { masked: 0.1 }, 99);
     let first = ep_verify::dispatch_all(&mut b, &w);
@@ -300,8 +300,8 @@ fn masks_that_change_between_calls_reuse_buffers() {
         let tokens: Vec<usize> = (0..4).map(|r| (call as usize * 5 + r * 3) % 9).collect();
         let w = Workload::generate(&cfg, &tokens, Routing::Random { masked: 0.1 }, call);
         let ys = w.expert_outputs(call);
-        check_against_oracle_masked("per-expert", &mut a, &w, &ys, &mask).unwrap();
-        check_against_oracle_masked("batched", &mut b, &w, &ys, &mask).unwrap();
+        check_against_oracle_masked(Path::PerExpert.name(), &mut a, &w, &ys, &mask).unwrap();
+        check_against_oracle_masked(Path::Batched.name(), &mut b, &w, &ys, &mask).unwrap();
     }
 }
 

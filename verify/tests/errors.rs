@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 use ep_reference::error::{Op, Phase, Side};
 use ep_reference::path::run_ranks;
 use ep_reference::workload::{Routing, Workload};
-use ep_reference::{bf16, oracle, per_expert, Config, CpuOptions, EpRank, Error, Mode, RankMask};
+use ep_reference::{
+    bf16, oracle, per_expert, Config, CpuOptions, EpRank, Error, Mode, Path, RankMask,
+};
 
 fn cfg() -> Config {
     Config::new(2, 8, 4, 128, 2, Mode::FP8).unwrap()
@@ -423,13 +425,21 @@ fn the_largest_timeouts_work_on_both_paths() {
     };
     let w = Workload::uniform(&c, 4, Routing::Random { masked: 0.1 }, 9);
     let mut a = per_expert::group(&c, opts).unwrap();
-    ep_verify::check_against_oracle("per-expert, Duration::MAX", &mut a, &w, 9).unwrap();
+    ep_verify::check_against_oracle(
+        &format!("{}, Duration::MAX", Path::PerExpert),
+        &mut a,
+        &w,
+        9,
+    )
+    .unwrap();
     for r in &mut a {
         r.set_timeout(Duration::from_secs(u64::MAX));
     }
-    ep_verify::check_against_oracle("per-expert, u64::MAX s", &mut a, &w, 9).unwrap();
+    ep_verify::check_against_oracle(&format!("{}, u64::MAX s", Path::PerExpert), &mut a, &w, 9)
+        .unwrap();
     let mut b = ep_fast::group(&c, opts).unwrap();
-    ep_verify::check_against_oracle("batched, Duration::MAX", &mut b, &w, 9).unwrap();
+    ep_verify::check_against_oracle(&format!("{}, Duration::MAX", Path::Batched), &mut b, &w, 9)
+        .unwrap();
     let d = ep_reference::sync::Deadline::after(Duration::MAX);
     assert!(d.waited_ms() < 60_000);
     assert_eq!(d.spin_until(|| Some(7)), Some(7));

@@ -28,7 +28,7 @@ mod inputs;
 mod layer;
 
 use clap::builder::{PossibleValuesParser, RangedU64ValueParser, TypedValueParser};
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use ep_group::new_process;
 use ep_kernels::cudarc::driver::CudaContext;
 use ep_kernels::{GpuGroup, GpuOptions, Path};
@@ -66,8 +66,8 @@ struct Flags {
     #[arg(long, value_name = "K", default_value_t = 4, value_parser = positive)]
     top_k: usize,
     /// Dispatch payload format.
-    #[arg(long, value_enum, default_value_t = ModeFlag::Fp8)]
-    mode: ModeFlag,
+    #[arg(long, default_value = "fp8", value_parser = modes())]
+    mode: Mode,
     /// Which path the layer runs: one, or each in turn.
     #[arg(long, default_value = "both", value_parser = paths())]
     path: Paths,
@@ -76,25 +76,11 @@ struct Flags {
     seed: u64,
 }
 
-/// `--mode`: the dispatch formats of the contract.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum ModeFlag {
-    Bf16,
-    /// FP8 e4m3 with one f32 scale per 128 channels.
-    Fp8,
-    /// FP8 with power-of-two scales packed as UE8M0 bytes.
-    #[value(name = "fp8-ue8m0")]
-    Fp8Ue8m0,
-}
-
-impl ModeFlag {
-    fn mode(self) -> Mode {
-        match self {
-            ModeFlag::Bf16 => Mode::Bf16,
-            ModeFlag::Fp8 => Mode::FP8,
-            ModeFlag::Fp8Ue8m0 => Mode::FP8_UE8M0,
-        }
-    }
+/// `--mode`'s values: the names ([`Mode::name`], parsed by `Mode`'s `FromStr`) of the modes
+/// the layer offers.
+fn modes() -> impl TypedValueParser<Value = Mode> {
+    let names = [Mode::Bf16, Mode::FP8, Mode::FP8_UE8M0].map(Mode::name);
+    PossibleValuesParser::new(names).map(|s| s.parse().expect("a possible value is a mode's name"))
 }
 
 /// `--path`: one path by its name ([`Path::name`]), or both.
@@ -148,7 +134,7 @@ impl Flags {
             self.tokens,
             self.hidden,
             self.top_k,
-            self.mode.mode(),
+            self.mode,
         )
         .map_err(|e| LayerError::Flag {
             flag: if self.nprocs.is_some() {
@@ -166,17 +152,13 @@ impl Flags {
 
     /// The flags of one rank's process (all but --nprocs: each runs as one rank).
     fn child_args(&self) -> Vec<String> {
-        let mode = self
-            .mode
-            .to_possible_value()
-            .expect("every mode has a name");
         [
             ("--gpus", self.gpus.to_string()),
             ("--tokens", self.tokens.to_string()),
             ("--hidden", self.hidden.to_string()),
             ("--experts", self.experts.to_string()),
             ("--top-k", self.top_k.to_string()),
-            ("--mode", mode.get_name().to_string()),
+            ("--mode", self.mode.name().to_string()),
             ("--path", self.path.name().to_string()),
             ("--seed", self.seed.to_string()),
         ]
@@ -339,7 +321,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.nprocs, None);
-        assert_eq!(c.mode, ModeFlag::Fp8Ue8m0);
+        assert_eq!(c.mode, Mode::FP8_UE8M0);
         assert_eq!(c.path.list(), vec![Path::PerExpert]);
         assert_eq!((c.tokens, c.hidden, c.experts, c.top_k), (64, 1024, 16, 4));
     }

@@ -5,11 +5,14 @@
 //! call that stopped half-way, so a new group is the way back. The kernels also write the
 //! error into a host mirror (mapped pinned memory), which every call reads at its entry
 //! without synchronising: an error reaches the caller at the next call at the latest.
+//! `GpuGroup::sync` waits for every device (over NCCL with the bounded host wait) and then
+//! reads the word.
 
 use crate::error::GpuError;
-use crate::runtime::group::GpuGroup;
+use crate::runtime::group::{kind, GpuGroup};
 use crate::runtime::layout::ERR_WORDS;
-use ep_reference::{Config, Error, Op, Phase, Side};
+use cudarc::driver::result;
+use ep_reference::{Config, Error, Op, Path, Phase, Side};
 
 /// Codes of err[0] (ERR_* in common.cuh).
 const ERR_TIMEOUT: u32 = 1;
@@ -160,6 +163,39 @@ impl GpuGroup {
             v.push(decode(&w, &self.cfg));
         }
         Ok(v)
+    }
+
+    /// Test hook (feature `testing`): every device's decoded error word (None: clear), read
+    /// without changing the group's state (so a test sees what each device reported, not only
+    /// the first error).
+    #[cfg(feature = "testing")]
+    pub fn device_errors_for_test(&self) -> Result<Vec<Option<GpuError>>, GpuError> {
+        self.device_errors()
+    }
+
+    /// Waits for every device and turns a timed-out wait into [`Error::Timeout`].
+    pub fn sync(&mut self) -> Result<(), GpuError> {
+        self.check_usable()?;
+        if self.comms.is_some() {
+            // NCCL receives are not bounded on the device: poll with the timeout.
+            let op = self.last_op.unwrap_or(Op::Dispatch);
+            let call = self.calls[kind(op, Path::Batched)];
+            self.wait_streams(op, call)?;
+        }
+        for dev in &self.devs {
+            dev.bind()?;
+            // SAFETY: the stream belongs to this device's bound context.
+            if let Err(e) = unsafe { result::stream::synchronize(dev.stream) } {
+                // A kernel that trapped (GpuOptions::trap_on_error) recorded its cause first:
+                // the mirror still names it after the context is lost.
+                let err = self
+                    .recorded_error()
+                    .unwrap_or_else(|| GpuError::Cuda(format!("kernel failed: {e:?}")));
+                self.broken = Some(err.clone());
+                return Err(err);
+            }
+        }
+        self.check()
     }
 }
 

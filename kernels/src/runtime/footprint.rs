@@ -1,7 +1,7 @@
 //! What one rank's allocation holds for a group's options ([`Buffers`]), in one place: the
 //! layout the group and a process rank allocate ([`plan_sizes`]), the bytes the Python `Buffer`'s
 //! size hint reports ([`footprint`], [`hint_bytes`]), and the check that refuses a launch which
-//! would use a buffer the plan left out ([`check_launch`]). Issue 31.
+//! would use a buffer the plan left out ([`check_launch`]).
 
 use crate::error::GpuError;
 use crate::runtime::layout::{rank_sizes, total_bytes, IoPtrs, NUM_BUFFERS};

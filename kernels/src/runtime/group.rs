@@ -83,7 +83,7 @@ impl Drop for GpuGroup {
         // Then a bounded wait for every stream: our kernels end within their own wait bound, so
         // twice the group's bound (at least 1 s) suffices for anything that can finish. A stream
         // still busy after that waits on a peer that stopped (an NCCL receive the abort did not
-        // end: run 12's NCCL stall trial hung here, in an unbounded synchronize). Freeing memory
+        // end; an unbounded synchronize would hang here). Freeing memory
         // under it would block as well (cuMemFree synchronises), so the devices and the peers'
         // mappings are then leaked, not freed: the caller gets to report its error instead of
         // hanging, and the process's exit reclaims them.

@@ -502,7 +502,7 @@ mod tests {
 
     #[test]
     fn sizes_that_wrap_are_typed_errors_not_small_buffers() {
-        // Issue 10's reproducer: T = 2^60 + 1 made the products wrap to a few bytes.
+        // T = 2^60 + 1 would make unchecked products wrap to a few bytes.
         let c = cfg(1, 1, (1 << 60) + 1, 16, 1);
         assert!(matches!(
             rank_sizes(&c, false),

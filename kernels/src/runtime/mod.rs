@@ -15,7 +15,6 @@
 mod device;
 pub mod device_api;
 mod errors;
-mod exchange;
 mod footprint;
 mod group;
 mod harness;
@@ -23,6 +22,7 @@ mod launch;
 mod layout;
 mod mask;
 pub mod nccl;
+mod nccl_call;
 mod options;
 mod process;
 mod profile;

@@ -109,8 +109,8 @@ impl fmt::Display for NcclSizes {
     }
 }
 
-/// Which of its buffers a group allocates beyond those every call needs (issue 31: memory that
-/// grows with what is sent). The default allocates everything, as before; a caller that runs one
+/// Which of its buffers a group allocates beyond those every call needs (memory that
+/// grows with what is sent). The default allocates everything; a caller that runs one
 /// path and passes its own tensors to every call (the Python `Buffer`) needs neither the other
 /// path's receive area nor the group's own copies of the E x T-row tensors, which are most of a
 /// rank's memory at the standard setting (`runtime::footprint`).

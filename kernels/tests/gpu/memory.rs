@@ -1,4 +1,4 @@
-//! Issue 31: what a group allocates is what its plan says (`runtime::footprint`, the Python
+//! What a group allocates is what its plan says (`runtime::footprint`, the Python
 //! Buffer's size hint), read with cuMemGetInfo around forming the groups; and groups that leave
 //! buffers out (`GpuOptions::buffers`) still give the oracle's bytes through the device API,
 //! while what needs a left-out buffer is refused.

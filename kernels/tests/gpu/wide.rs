@@ -1,4 +1,4 @@
-//! Past 32 ranks (issue 22): the wide build of the kernels (peer sets of 8 words, per-slot batch
+//! Past 32 ranks: the wide build of the kernels (peer sets of 8 words, per-slot batch
 //! positions, a 256-entry IoTable, two blocks per SM past the SM count), virtual ranks on one GPU,
 //! bit for bit against the oracle: R = 64, 128, 256, both paths, every mode, through the host
 //! harness and the device API; the standard H and K at R = 64; shrink mode with peers past 32.

@@ -38,7 +38,7 @@ pub struct Host {
 
 impl Host {
     /// runtime/mod.rs `GpuGroup::check_usable`: a group that failed refuses every later
-    /// call (the first thing in launch.rs `launch_inner` and `sync`).
+    /// call (the first thing in launch.rs `launch_inner` and errors.rs `sync`).
     pub fn check_usable(&self) -> Result<(), DeviceError> {
         match self.broken {
             Some(t) => Err(t),
@@ -46,7 +46,7 @@ impl Host {
         }
     }
 
-    /// launch.rs `GpuGroup::sync` then errors.rs `GpuGroup::check`, once the streams are
+    /// errors.rs `GpuGroup::sync` then `GpuGroup::check`, once the streams are
     /// synchronised (the caller joined every block of the launch): reads every device's error
     /// word; the first error, input errors, then peer data, then timeouts (`cause_first`),
     /// fails the group.

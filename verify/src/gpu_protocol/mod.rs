@@ -257,7 +257,7 @@
 //!   `failed_rank_poisons_enqueued_calls`, mutants `gpu_no_failed_check`, `gpu_no_poison`),
 //!   launches enqueued behind the failed one (benchmarks, graph replay, process mode) included;
 //!   and the host refuses every call after an error (errors.rs `GpuGroup::check` sets `broken`;
-//!   `check_usable`, first thing in launch.rs `launch_inner` and `sync`), launching the refused
+//!   `check_usable`, first thing in launch.rs `launch_inner` and errors.rs `sync`), launching the refused
 //!   call as poison only (`poison_refused`, `KParams.refused`). Before the check, such launches
 //!   sent a failed call's state with valid signals: a peer took a combine of the rows of a
 //!   failed dispatch for good (issue 28).
@@ -282,13 +282,13 @@
 //!   masks end up symmetric with no message of their own.
 //! - NCCL transport, exact sizes (`NcclSizes::Exact`, not modelled): a rank with bad input also
 //!   skips, in its pack stage (`p.stage` 1), the writes of `snd_hdr` and the staged batches, so
-//!   what sits there is an earlier call's, valid-looking. launch.rs `nccl_dispatch_exchange`
+//!   what sits there is an earlier call's, valid-looking. nccl_call.rs `nccl_dispatch_exchange`
 //!   reads the error word ("`self.check()?;`") after the header exchange and `wait_streams_on`,
 //!   before it reads the headers back to size the payload: no batch of the call is sent, and the
 //!   peers' NCCL waits end at their bound instead of taking stale rows (not yet run on a GPU).
 //! - NCCL transport, capacity sizes (`NcclSizes::Capacity`, modelled for batched dispatch):
 //!   header and the whole T-entry region go in one grouped exchange with no host look. The
-//!   host first sets every send-header word to `POISON_HDR` = i32::MAX (launch.rs
+//!   host first sets every send-header word to `POISON_HDR` = i32::MAX (nccl_call.rs
 //!   `poison_send_headers`, in stream order before the pack kernel); a good pack stage
 //!   overwrites it, a bad one leaves it; the peer's unpack (stage 2: "`c = ((const
 //!   int*)me.rcv_hdr)[tid * HDR_WORDS(L)]`" instead of `wait_signal`) bounds it with

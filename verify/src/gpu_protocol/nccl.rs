@@ -13,7 +13,7 @@ use crate::gpu_protocol::state::{
 use crate::gpu_protocol::waits::{peer_bad, report_peer_failed};
 use crate::gpu_protocol::words::{PF_BATCH_TOKENS, PH_DISPATCH_RECV};
 
-/// launch.rs `POISON_HDR`: what capacity mode writes into every send-header word before the
+/// runtime/nccl/plan.rs `POISON_HDR`: what capacity mode writes into every send-header word before the
 /// pack stage, a token count (i32::MAX) no peer accepts.
 pub const POISON_HDR: u32 = i32::MAX as u32;
 
@@ -33,7 +33,7 @@ fn read_hdr(rows: &SharedRows, row: usize) -> u32 {
     }
 }
 
-/// Host: launch.rs `poison_send_headers`, "`cuMemsetD32Async(self.ptrs[r].snd_hdr, POISON_HDR,
+/// Host: nccl_call.rs `poison_send_headers`, "`cuMemsetD32Async(self.ptrs[r].snd_hdr, POISON_HDR,
 /// words, streams[di])`" in `nccl_call` before the pack stage of a capacity dispatch, in stream
 /// order (the caller runs it before `rank`'s pack launch).
 pub fn poison_send_headers(g: &Group, rank: usize) {
@@ -104,7 +104,7 @@ pub fn batched_pack_block(
     rep
 }
 
-/// Host and NCCL: launch.rs `nccl_dispatch_exchange` in capacity mode, one grouped exchange
+/// Host and NCCL: nccl_call.rs `nccl_dispatch_exchange` in capacity mode, one grouped exchange
 /// per pair with no host look at the headers: `snd_hdr` row d of s into `rcv_hdr` row s of d,
 /// and the whole T-entry region d of s's `snd_buf` into region s of d's `bat_buf`. Run after
 /// every pack launch ended and before any unpack launch starts (NCCL's rendezvous, in stream

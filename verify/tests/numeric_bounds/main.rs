@@ -48,7 +48,8 @@ use std::collections::HashMap;
 
 use ep_reference::workload::{Routing, Values, Workload};
 use ep_reference::{
-    bf16, oracle, per_expert, Config, CpuOptions, DispatchOutput, EpRank, Mode, RecvScales, RecvX,
+    bf16, oracle, per_expert, Config, CpuOptions, DispatchOutput, EpRank, Mode, Path, RecvScales,
+    RecvX,
 };
 use ep_verify::{combine_all, dispatch_all};
 use proptest::prelude::*;
@@ -220,11 +221,11 @@ fn dispatch_everywhere(w: &Workload) -> Vec<(&'static str, Vec<DispatchOutput>)>
             oracle::dispatch(cfg, &w.dispatch_inputs()).expect("oracle dispatch"),
         ),
         (
-            "per-expert",
+            Path::PerExpert.name(),
             run(per_expert::group(cfg, CpuOptions::default()), w),
         ),
         (
-            "batched",
+            Path::Batched.name(),
             run(ep_fast::group(cfg, CpuOptions::default()), w),
         ),
     ]
@@ -254,11 +255,11 @@ fn combine_everywhere(w: &Workload, ys: &[Vec<bf16>]) -> Vec<(&'static str, Vec<
             oracle::combine(cfg, &w.combine_inputs(ys)).expect("oracle combine"),
         ),
         (
-            "per-expert",
+            Path::PerExpert.name(),
             run(per_expert::group(cfg, CpuOptions::default()), w, ys),
         ),
         (
-            "batched",
+            Path::Batched.name(),
             run(ep_fast::group(cfg, CpuOptions::default()), w, ys),
         ),
     ]

@@ -1,12 +1,12 @@
-//! `ep-scale`: how one rank's memory and a group's set-up time grow with the number of ranks
-//! (issue 22), at the standard setting unless told otherwise.
+//! `ep-scale`: how one rank's memory and a group's set-up time grow with the number of ranks,
+//! at the standard setting unless told otherwise.
 //!
 //! - `ep-scale sizes` (no GPU needed): per R = 8..256 and L local experts (E = R * L), the bytes
 //!   one rank allocates (ep-kernels' layout: the size hint of the Python Buffer; CUDA IPC, and
 //!   with the NCCL staging), every kernel's dynamic shared memory against sm_90's 227 KB, and
 //!   the build of the kernels a rank loads (process mode: one rank per GPU; virtual ranks: all
 //!   on one GPU of 132 SMs). A Markdown table.
-//! - `ep-scale floor` (no GPU needed, issue 31): per R (E fixed by `--experts`, 256), FP8
+//! - `ep-scale floor` (no GPU needed): per R (E fixed by `--experts`, 256), FP8
 //!   dispatch, one rank's bytes: the floor of the per-destination layout (what it must hold: the
 //!   R x T batch entries it receives, the T x K combine rows it gets back, headers and signals),
 //!   what one buffer set of ours holds (the whole layout; a batched-only group without its own

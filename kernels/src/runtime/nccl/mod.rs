@@ -1,5 +1,6 @@
-//! The NCCL side of the NCCL transport (cudarc's `nccl-02028` bindings, loaded at run time): one
-//! communicator per GPU, grouped point-to-point sends and receives on the group's streams. Every
+//! The NCCL transport (cudarc's `nccl-02028` bindings, loaded at run time): one communicator
+//! per GPU, grouped point-to-point sends and receives on the group's streams, what each step
+//! of a call sends, the call logic around the pack and unpack kernels, and the host waits. Every
 //! call here needs libnccl; [`nccl_present`] says whether it is there, so nothing panics on a
 //! machine without it.
 //!
@@ -22,14 +23,17 @@
 //! **Peer counts.** `check_header` (`header`) bounds every count of a batch header a peer sent
 //! before it sizes a transfer.
 //!
-//! **The pieces.** `net`: what a transport is to the library (`P2p`, the `Network` trait: raw
+//! **The pieces.** `plan`: the message plan, pure (which point-to-point messages each step of a
+//! call posts and how large, under both sizings; capacity mode's header poison). `rounds`: a
+//! plan's operations in groups under NCCL's limit. `net`: what
+//! a transport is to the library (`P2p`, the `Network` trait: raw
 //! post / progress / abort / destroy calls, no policy). `abort`: the abort logic above (the
 //! bounded poll, `Guarded`: aborted on a failure or past the bound, the cause recorded, later
 //! groups refused, release's destroy-or-abort), written once for any `Network`. `comms`: NCCL as
 //! a `Network` (`Nccl`, every `unsafe` call of the transport) and `Comms` = `Guarded<Nccl>` with
 //! its constructors. `header`: the batch header checks. `mock` (tests only): a CPU `Network` that
 //! pairs every rank's messages as NCCL does and injects failures, so that the plans' sizing
-//! (`runtime::exchange`), the header checks and the abort logic all run in CI without a GPU.
+//! (`plan`), the header checks and the abort logic all run in CI without a GPU.
 
 mod abort;
 mod comms;
@@ -37,10 +41,15 @@ mod header;
 #[cfg(test)]
 pub(crate) mod mock;
 mod net;
+mod plan;
+mod rounds;
 
 pub(crate) use comms::Comms;
 pub use comms::{nccl_present, setup_timeout, unique_id, ABORT_WAIT, SETUP_FLOOR};
 #[cfg(test)]
 pub(crate) use header::check_header;
-pub(crate) use header::check_pair;
 pub(crate) use net::P2p;
+pub(crate) use plan::{
+    combine_ops, dispatch_headers, dispatch_payload, Sizing, Tagged, POISON_HDR,
+};
+pub(crate) use rounds::{by_expert_chunks, experts_per_group};

@@ -18,10 +18,14 @@
 
 use crate::error::GpuError;
 use crate::runtime::layout::{pe_messages, prod, RankPtrs};
-use crate::runtime::nccl::{check_pair, P2p};
+use crate::runtime::nccl::header::check_pair;
+use crate::runtime::nccl::net::P2p;
 use crate::runtime::options::NcclSizes;
 use ep_reference::Path;
 
+/// What capacity mode writes into every send header word before the pack stage (i32::MAX: a
+/// token count no peer accepts, see `GpuGroup::poison_send_headers`).
+pub(crate) const POISON_HDR: u32 = i32::MAX as u32;
 /// The sizes every plan is made of (the group's config and layout).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Sizing {
@@ -468,10 +472,9 @@ mod tests {
     #[test]
     fn a_failed_ranks_capacity_header_arrives_as_the_poison() {
         use crate::compile::COMMON_CUH;
-        use crate::runtime::launch::POISON_HDR;
         assert!(
             COMMON_CUH.contains(&format!("#define HDR_POISON 0x{POISON_HDR:08X}")),
-            "the kernels' header poison is launch.rs POISON_HDR"
+            "the kernels' header poison is nccl/plan.rs POISON_HDR"
         );
         let cfg = Config::new(2, 4, 8, 256, 2, Mode::FP8).unwrap();
         let s = sizing(&cfg);
@@ -479,7 +482,7 @@ mod tests {
         let (mut m, ptrs) = net(&cfg);
         write_headers(&mut m, &s, &ptrs, &routing(&cfg, 5));
         let good = words(&mut m, ptrs[0].snd_hdr + (hw * 4) as u64, hw);
-        // Rank 1 failed: launch.rs poison_send_headers, then a pack stage that writes nothing.
+        // Rank 1 failed: nccl_call.rs poison_send_headers, then a pack stage that writes nothing.
         let poison: Vec<u8> = (0..2 * hw).flat_map(|_| POISON_HDR.to_le_bytes()).collect();
         m.addr(ptrs[1].snd_hdr, 2 * hw * 4).copy_from_slice(&poison);
         let ops: Vec<Vec<P2p>> = ptrs
