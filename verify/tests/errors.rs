@@ -37,7 +37,7 @@ fn config_errors_have_their_variants() {
         Err(Error::HiddenNotMultiple {
             hidden: 384,
             multiple: 512,
-            mode: "fp8+ue8m0"
+            mode: "fp8-ue8m0"
         })
     );
     assert_eq!(
