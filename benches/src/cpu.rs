@@ -10,30 +10,22 @@ use std::time::Instant;
 
 use ep_reference::oracle;
 use ep_reference::path::run_ranks;
-use ep_reference::per_expert;
 use ep_reference::workload::Workload;
 use ep_reference::{
-    bf16, CallStats, CombineFormat, Config, CpuOptions, DispatchOutput, EpRank, Handle, Path,
+    bf16, CallStats, CombineFormat, Config, CpuOptions, DispatchOutput, Handle, Path,
 };
 
 use crate::accounting;
 use crate::report::{assemble, PathSamples, PointInfo, PointResult, RankSamples, Traffic};
 use crate::spec::{BenchError, BenchSpec};
 
-/// Builds `path`'s group on the CPU backend: one endpoint per rank.
+/// Builds `path`'s group on the CPU backend: one endpoint per rank ([`ep_fast::path_group`]).
 pub fn endpoints(path: Path, cfg: &Config, opts: CpuOptions) -> ep_reference::Result<Vec<Rank>> {
-    Ok(match path {
-        Path::PerExpert => boxed(per_expert::group(cfg, opts)?),
-        Path::Batched => boxed(ep_fast::group(cfg, opts)?),
-    })
+    ep_fast::path_group(path, cfg, opts)
 }
 
 /// One rank of either path.
-pub type Rank = Box<dyn EpRank>;
-
-fn boxed<R: EpRank + 'static>(ranks: Vec<R>) -> Vec<Rank> {
-    ranks.into_iter().map(|r| Box::new(r) as Rank).collect()
-}
+pub type Rank = ep_fast::AnyRank;
 
 /// One rank of a group with the dispatch output it reuses.
 pub struct Slot {

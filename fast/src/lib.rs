@@ -30,11 +30,28 @@ use ep_reference::path::next_group_id;
 use ep_reference::sync::{Arc, Deadline, SharedRows};
 use ep_reference::transport::{memory, CreditTable, MaskTable, Signal, Waiter};
 use ep_reference::{
-    CallStats, CombineFormat, Config, CpuOptions, DispatchOutput, EpRank, Handle, RankMask, Result,
+    CallStats, CombineFormat, Config, CpuOptions, DispatchOutput, EpRank, Handle, Path, RankMask,
+    Result,
 };
 
 use finish::FinishCounter;
 use shared::Region;
+
+/// One rank of either path's CPU group ([`path_group`]).
+pub type AnyRank = Box<dyn EpRank>;
+
+/// `path`'s group on the CPU backend, one builder for every caller (the benchmark, the Python
+/// package): the per-expert reference protocol (`ep_reference::per_expert`) or this crate's
+/// batched one ([`group`]); one endpoint per rank, refused as the path's own builder refuses.
+pub fn path_group(path: Path, cfg: &Config, opts: CpuOptions) -> Result<Vec<AnyRank>> {
+    fn boxed<R: EpRank + 'static>(ranks: Vec<R>) -> Vec<AnyRank> {
+        ranks.into_iter().map(|r| Box::new(r) as AnyRank).collect()
+    }
+    Ok(match path {
+        Path::PerExpert => boxed(ep_reference::per_expert::group(cfg, opts)?),
+        Path::Batched => boxed(group(cfg, opts)?),
+    })
+}
 
 /// Builds the group: one endpoint per rank, sharing its buffers. Options out of range
 /// ([`CpuOptions::check`]: more than `MAX_STAGING_WORKERS` staging workers) are refused with

@@ -5,8 +5,7 @@
 use crate::error::{BindError, Result};
 use ep_reference::oracle::{self, CombineInput, RankInput};
 use ep_reference::{
-    bf16, path::run_ranks, Config, CpuOptions, DispatchOutput, EpRank, Mode, Path, RecvScales,
-    RecvX,
+    bf16, path::run_ranks, Config, CpuOptions, DispatchOutput, Mode, Path, RecvScales, RecvX,
 };
 use std::time::Duration;
 
@@ -248,16 +247,7 @@ pub fn cpu_roundtrip(
         timeout,
         ..CpuOptions::default()
     };
-    let mut ranks: Vec<Box<dyn EpRank>> = match path {
-        Path::PerExpert => ep_reference::per_expert::group(cfg, opts)?
-            .into_iter()
-            .map(|r| Box::new(r) as Box<dyn EpRank>)
-            .collect(),
-        Path::Batched => ep_fast::group(cfg, opts)?
-            .into_iter()
-            .map(|r| Box::new(r) as Box<dyn EpRank>)
-            .collect(),
-    };
+    let mut ranks = ep_fast::path_group(path, cfg, opts)?;
     let results = run_ranks(&mut ranks, |r| {
         let me = r.rank();
         let (out, handle) = r.dispatch(&xs[me], &topks[me])?;
