@@ -3,7 +3,8 @@
 //! Every call is collective: [`run_ranks`] starts one thread per rank, the threads meet at a
 //! barrier, and each rank times its own call from the barrier to its return (as DeepEP times
 //! each rank's kernel). Dispatch writes into one output per rank allocated once per group and
-//! reused call after call ([`EpRank::dispatch_into`]), as DeepEP's callers reuse their tensors.
+//! reused call after call ([`ep_reference::EpRank::dispatch_into`]), as DeepEP's callers reuse
+//! their tensors.
 
 use std::sync::Barrier;
 use std::time::Instant;
