@@ -111,6 +111,21 @@ impl GpuGroup {
         Ok(())
     }
 
+    /// The group's message sizes for the NCCL plan, with `cap_rows` capacity rows of combine
+    /// per peer. The entry sizes are the group's own (positive, from its config).
+    fn nccl_sizing(&self, cap_rows: usize) -> Sizing {
+        Sizing {
+            t: self.cfg.max_tokens_per_rank,
+            k: self.cfg.top_k,
+            l: self.cfg.num_local_experts(),
+            r_all: self.cfg.num_ranks,
+            eb: self.params.entry_bytes as usize,
+            peb: self.params.pe_entry_bytes as usize,
+            rowb: 2 * self.cfg.hidden,
+            cap_rows,
+        }
+    }
+
     /// Dispatch over NCCL, after the pack kernel. Capacity: the headers (tokens, selections,
     /// rows per local expert) and the full T-entry batch of every (me, peer) pair in one group.
     /// Exact: the headers, read back to size the payload, then the batches (batched: one per
@@ -121,17 +136,8 @@ impl GpuGroup {
         path: Path,
         streams: &[sys::CUstream],
     ) -> Result<(), GpuError> {
-        let s = Sizing {
-            t: self.cfg.max_tokens_per_rank,
-            k: self.cfg.top_k,
-            l: self.cfg.num_local_experts(),
-            r_all: self.cfg.num_ranks,
-            eb: self.params.entry_bytes as usize,
-            peb: self.params.pe_entry_bytes as usize,
-            rowb: 2 * self.cfg.hidden,
-            // Combine's (`nccl_combine_exchange`); dispatch sizes no combine rows.
-            cap_rows: 0,
-        };
+        // Combine's capacity rows (`nccl_combine_exchange`); dispatch sizes no combine rows.
+        let s = self.nccl_sizing(0);
         let hw = s.header_words();
         let capacity = self.nx.sizes == NcclSizes::Capacity;
         let mut ops = Vec::new();
@@ -208,16 +214,7 @@ impl GpuGroup {
         sizes: NcclSizes,
         streams: &[sys::CUstream],
     ) -> Result<(), GpuError> {
-        let s = Sizing {
-            t: self.cfg.max_tokens_per_rank,
-            k: self.cfg.top_k,
-            l: self.cfg.num_local_experts(),
-            r_all: self.cfg.num_ranks,
-            eb: self.params.entry_bytes as usize,
-            peb: self.params.pe_entry_bytes as usize,
-            rowb: 2 * self.cfg.hidden,
-            cap_rows: combine_capacity_rows(&self.cfg)?,
-        };
+        let s = self.nccl_sizing(combine_capacity_rows(&self.cfg)?);
         let mut ops: Vec<Tagged> = Vec::new();
         for di in 0..self.devs.len() {
             let (r, peers) = self.nccl_peers(di);
