@@ -351,8 +351,14 @@ impl RankGroup {
     /// The token count of dispatch `handle` (what combine's tensors are checked against), or
     /// why that dispatch cannot be combined.
     pub fn dispatched_tokens(&self, handle: u64) -> Result<usize> {
-        if let Some((_, _, n)) = self.handles.iter().find(|(id, _, _)| *id == handle) {
-            return Ok(*n);
+        Ok(self.held(handle)?.1)
+    }
+
+    /// The device handle of dispatch `handle` and its token count, or the error naming why it
+    /// is not held ([`RankGroup::dispatched_tokens`]).
+    fn held(&self, handle: u64) -> Result<(&DeviceHandle, usize)> {
+        if let Some((_, h, n)) = self.handles.iter().find(|(id, _, _)| *id == handle) {
+            return Ok((h, *n));
         }
         if self.pending_dispatch() == Some(handle) {
             return Err(BindError::argument(
@@ -381,11 +387,10 @@ impl RankGroup {
     /// Enqueues the receive half of the dispatch `id` on `stream`: true; false where a later
     /// call enqueued it already (a call enqueues a due receive half before its own work).
     pub fn dispatch_recv(&mut self, stream: u64, id: u64) -> Result<bool> {
-        if self.pending_dispatch() != Some(id) {
+        let Some((id, hook, n)) = self.pending_dispatch.take_if(|(due, _, _)| *due == id) else {
             return self.issued(id, self.next_handle, "dispatch");
-        }
+        };
         let s = self.stream(stream);
-        let (id, hook, n) = self.pending_dispatch.take().expect("checked just above");
         let handle = self.group.dispatch_recv(hook, &[&s])?;
         self.keep(id, handle, n);
         Ok(true)
@@ -469,11 +474,10 @@ impl RankGroup {
 
     /// Enqueues the receive half of combine `id` (as [`RankGroup::dispatch_recv`]).
     pub fn combine_recv(&mut self, stream: u64, id: u64) -> Result<bool> {
-        if self.pending_combine() != Some(id) {
+        let Some((_, hook)) = self.pending_combine.take_if(|(due, _)| *due == id) else {
             return self.issued(id, self.next_combine, "combine");
-        }
+        };
         let s = self.stream(stream);
-        let (_, hook) = self.pending_combine.take().expect("checked just above");
         self.group.combine_recv(hook, &[&s])?;
         Ok(true)
     }
@@ -490,13 +494,7 @@ impl RankGroup {
             // As in `dispatch_part`: the previous combine's receive half first.
             self.group.combine_recv(hook, &[&s])?;
         }
-        self.dispatched_tokens(handle)?;
-        let h = self
-            .handles
-            .iter()
-            .find(|(id, _, _)| *id == handle)
-            .map(|(_, h, _)| h.clone())
-            .expect("dispatched_tokens found it");
+        let h = self.held(handle)?.0.clone();
         // SAFETY: as in `dispatch_part` (`Spec::combine` checked every tensor).
         let y = unsafe { Borrowed::<bf16>::new(&s, p.y) };
         let topk = unsafe { Borrowed::<i64>::new(&s, p.topk_idx) };

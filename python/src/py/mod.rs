@@ -17,29 +17,7 @@ mod rank;
 mod tensors;
 
 use errors::{to_py, IntoPy};
-use rank::{duration, CallSpec, GpuRank};
-
-#[allow(clippy::too_many_arguments)]
-fn config(
-    num_ranks: usize,
-    num_experts: usize,
-    tokens: usize,
-    hidden: usize,
-    top_k: usize,
-    use_fp8: bool,
-    round_scale: bool,
-    use_ue8m0: bool,
-) -> PyResult<Config> {
-    Config::new(
-        num_ranks,
-        num_experts,
-        tokens,
-        hidden,
-        top_k,
-        host::mode(use_fp8, round_scale, use_ue8m0),
-    )
-    .py_err()
-}
+use rank::{config, duration, CallSpec, GpuRank};
 
 fn slices<'a>(v: &'a [Bound<'_, PyBytes>]) -> Vec<&'a [u8]> {
     v.iter().map(|b| b.as_bytes()).collect()

@@ -19,6 +19,30 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 use std::time::Duration;
 
+/// The config of these arguments (DeepEP's names), or the error naming the bad value: the one
+/// parse of a shape for the module's functions and `CallSpec`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn config(
+    num_ranks: usize,
+    num_experts: usize,
+    tokens: usize,
+    hidden: usize,
+    top_k: usize,
+    use_fp8: bool,
+    round_scale: bool,
+    use_ue8m0: bool,
+) -> PyResult<Config> {
+    Config::new(
+        num_ranks,
+        num_experts,
+        tokens,
+        hidden,
+        top_k,
+        host::mode(use_fp8, round_scale, use_ue8m0),
+    )
+    .py_err()
+}
+
 pub(super) fn duration(argument: &str, seconds: f64) -> PyResult<Duration> {
     if !(seconds.is_finite() && seconds > 0.0 && seconds <= 86_400.0) {
         return Err(to_py(BindError::argument(
@@ -142,16 +166,16 @@ impl CallSpec {
         device: i64,
         dtypes: &Bound<'_, PyTuple>,
     ) -> PyResult<CallSpec> {
-        let mode = host::mode(use_fp8, round_scale, use_ue8m0);
-        let cfg = Config::new(
+        let cfg = config(
             num_ranks,
             num_experts,
             num_max_dispatch_tokens_per_rank,
             hidden,
             top_k,
-            mode,
-        )
-        .py_err()?;
+            use_fp8,
+            round_scale,
+            use_ue8m0,
+        )?;
         Ok(CallSpec {
             spec: Spec::new(cfg, device).py_err()?,
             dtypes: Dtypes::new(dtypes)?,
