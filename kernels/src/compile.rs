@@ -94,23 +94,6 @@ pub const BATCHED: Family = Family {
             name: "ep_batched::combine",
             symbol: "_ZN10ep_batched7combineE7KParams7IoTable",
         },
-        // The halves (the receive hook, NCCL's pack and unpack): the same bodies, one stage each.
-        Kernel {
-            name: "ep_batched::dispatch_send",
-            symbol: "_ZN10ep_batched13dispatch_sendE7KParams7IoTable",
-        },
-        Kernel {
-            name: "ep_batched::dispatch_recv",
-            symbol: "_ZN10ep_batched13dispatch_recvE7KParams7IoTable",
-        },
-        Kernel {
-            name: "ep_batched::combine_send",
-            symbol: "_ZN10ep_batched12combine_sendE7KParams7IoTable",
-        },
-        Kernel {
-            name: "ep_batched::combine_recv",
-            symbol: "_ZN10ep_batched12combine_recvE7KParams7IoTable",
-        },
     ],
 };
 /// Every module the crate loads.

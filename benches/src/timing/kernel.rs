@@ -18,13 +18,11 @@ fn family(path: Path) -> ep_kernels::compile::Family {
     }
 }
 
-/// CUPTI's records with each of our kernels named by its operation's module symbol (the first
-/// two kernels of its family, [`kernel_names`]), whether the record carries the mangled symbol
-/// or the demangled signature (`ep_batched::dispatch(KParams, IoTable)`), so that
-/// [`kernel_names`] finds them either way. A half's kernel (`ep_batched::dispatch_send`,
-/// `..._recv`: kernels 2.. of the family, dispatch's two then combine's) counts as its
-/// operation's, as DeepEP's test counts both halves under `dispatch`: the hook's split and
-/// NCCL's pack + unpack are then two launches of the operation per call, in order.
+/// CUPTI's records with each of our kernels named by its module symbol ([`kernel_names`]),
+/// whether the record carries the mangled symbol or the demangled signature
+/// (`ep_batched::dispatch(KParams, IoTable)`), so that [`kernel_names`] finds them either way.
+/// Both halves of a call are launches of the operation's one kernel (the hook's split and NCCL's
+/// pack + unpack: two launches per call, in order), as DeepEP's are.
 pub fn canonical(mut recs: Vec<crate::cupti::KernelRecord>) -> Vec<crate::cupti::KernelRecord> {
     for r in &mut recs {
         for p in [Path::PerExpert, Path::Batched] {
@@ -35,8 +33,7 @@ pub fn canonical(mut recs: Vec<crate::cupti::KernelRecord>) -> Vec<crate::cupti:
                     .strip_prefix(k.name)
                     .is_some_and(|t| t.starts_with('('));
                 if demangled || r.name == k.symbol {
-                    let op = if i < 2 { i } else { (i - 2) / 2 };
-                    r.name = ks[op].symbol.to_string();
+                    r.name = ks[i].symbol.to_string();
                 }
             }
         }
@@ -161,28 +158,11 @@ mod tests {
             rec("_ZN10ep_batched7combineE7KParams7IoTable", 0, 0, 1),
             rec("ep_batched::dispatch_other(int)", 0, 0, 1),
             rec("ep_per_expert::combine(KParams, IoTable)", 0, 0, 1),
-            // the halves count as their operation's kernel
-            rec("ep_batched::dispatch_send(KParams, IoTable)", 0, 0, 1),
-            rec("_ZN10ep_batched13dispatch_recvE7KParams7IoTable", 0, 0, 1),
-            rec("ep_batched::combine_send(KParams, IoTable)", 0, 0, 1),
-            rec("ep_batched::combine_recv(KParams, IoTable)", 0, 0, 1),
         ]);
         let (bd, bc) = kernel_names(Path::Batched);
         let (_, pc) = kernel_names(Path::PerExpert);
         let names: Vec<&str> = recs.iter().map(|r| r.name.as_str()).collect();
-        assert_eq!(
-            names,
-            [
-                bd,
-                bc,
-                "ep_batched::dispatch_other(int)",
-                pc,
-                bd,
-                bd,
-                bc,
-                bc
-            ]
-        );
+        assert_eq!(names, [bd, bc, "ep_batched::dispatch_other(int)", pc]);
         assert_eq!(bd, "_ZN10ep_batched8dispatchE7KParams7IoTable");
     }
 

@@ -19,17 +19,14 @@
 // The kernels are C++ functions in a namespace, as DeepEP's are: profilers show them as
 // `ep_batched::dispatch` and `ep_batched::combine`, the names DeepEP's test (tests/utils.py bench_kineto)
 // and engines' traces look for. compile.rs loads them by their mangled symbols.
-// Each operation is three kernels of one body (a template over the stage, p.stage's value, so
-// that each holds only its stage's code): the whole call (stage 0), the send half (stage 1:
-// the receive hook's send, NCCL's pack) and the receive half (stage 2: the hook's receive,
-// NCCL's unpack). The halves' names contain the operation's, as DeepEP's test matches them.
-// The host launches the kernel of p.stage (runtime/launch.rs), so the two always agree.
+// Each operation's body is a template over the stage (p.stage), compiled three times into its one
+// kernel: the whole call (stage 0), the send half (stage 1: the receive hook's send, NCCL's pack)
+// and the receive half (stage 2: the hook's receive, NCCL's unpack). Each stage's code is one
+// contiguous piece, so a launch fetches only its own stage's instructions; and both halves keep
+// the operation's one name, as DeepEP's kernels do (its test's profile matches each name to one
+// line of the profiler's table).
 namespace ep_batched {
 __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) dispatch(KParams p, IoTable iot);
-__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) dispatch_send(KParams p, IoTable iot);
-__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) dispatch_recv(KParams p, IoTable iot);
 __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) combine(KParams p, IoTable iot);
-__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) combine_send(KParams p, IoTable iot);
-__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) combine_recv(KParams p, IoTable iot);
 }  // namespace ep_batched
 

@@ -244,6 +244,8 @@ finish:
 }
 #undef KIND
 #undef SEGB
-__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(KParams p, IoTable iot) { combine_stage<0>(p, iot); }
-__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine_send(KParams p, IoTable iot) { combine_stage<1>(p, iot); }
-__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine_recv(KParams p, IoTable iot) { combine_stage<2>(p, iot); }
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(KParams p, IoTable iot) {
+    if (p.stage == 1) combine_stage<1>(p, iot);
+    else if (p.stage == 2) combine_stage<2>(p, iot);
+    else combine_stage<0>(p, iot);
+}

@@ -678,7 +678,9 @@ finish:
     if (last_out) PROF(12);  // the last block out: epoch and acks stored
 }
 #undef KIND
-__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(KParams p, IoTable iot) { dispatch_stage<0>(p, iot); }
-__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch_send(KParams p, IoTable iot) { dispatch_stage<1>(p, iot); }
-__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch_recv(KParams p, IoTable iot) { dispatch_stage<2>(p, iot); }
+__global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(KParams p, IoTable iot) {
+    if (p.stage == 1) dispatch_stage<1>(p, iot);
+    else if (p.stage == 2) dispatch_stage<2>(p, iot);
+    else dispatch_stage<0>(p, iot);
+}
 

@@ -48,8 +48,6 @@ pub(crate) struct Funcs {
     pub(crate) pe_combine: sys::CUfunction,
     pub(crate) bat_dispatch: sys::CUfunction,
     pub(crate) bat_combine: sys::CUfunction,
-    /// The batched halves, by stage: [dispatch send, dispatch recv, combine send, combine recv].
-    pub(crate) bat_halves: [sys::CUfunction; 4],
 }
 
 /// One GPU: its context, stream, modules and the table of every rank's addresses.
@@ -136,7 +134,6 @@ impl Dev {
                 pe_combine: std::ptr::null_mut(),
                 bat_dispatch: std::ptr::null_mut(),
                 bat_combine: std::ptr::null_mut(),
-                bat_halves: [std::ptr::null_mut(); 4],
             },
             modules: Vec::new(),
             table: 0,
@@ -181,7 +178,6 @@ impl Dev {
             pe_combine: all[3],
             bat_dispatch: all[4],
             bat_combine: all[5],
-            bat_halves: [all[6], all[7], all[8], all[9]],
         };
         Ok(())
     }
@@ -200,10 +196,7 @@ impl Dev {
             self.funcs.pe_combine,
             self.funcs.bat_dispatch,
             self.funcs.bat_combine,
-        ]
-        .into_iter()
-        .chain(self.funcs.bat_halves)
-        {
+        ] {
             if smem > 48 * 1024 {
                 // SAFETY: `f` is a loaded kernel of the bound context.
                 let rc = unsafe {

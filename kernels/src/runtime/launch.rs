@@ -113,17 +113,13 @@ impl GpuGroup {
             )?;
         }
         for (di, dev) in self.devs.iter().enumerate() {
-            // The batched path has a kernel per stage (batched.cu); per-expert one for all three.
-            let f = match (op, path, stage) {
+            // One kernel per operation and path, for every stage (kp.stage picks it).
+            let f = match (op, path) {
                 _ if what.is_none() => dev.funcs.empty,
-                (Op::Dispatch, Path::Batched, 1) => dev.funcs.bat_halves[0],
-                (Op::Dispatch, Path::Batched, 2) => dev.funcs.bat_halves[1],
-                (Op::Combine, Path::Batched, 1) => dev.funcs.bat_halves[2],
-                (Op::Combine, Path::Batched, 2) => dev.funcs.bat_halves[3],
-                (Op::Dispatch, Path::Batched, _) => dev.funcs.bat_dispatch,
-                (Op::Dispatch, Path::PerExpert, _) => dev.funcs.pe_dispatch,
-                (Op::Combine, Path::Batched, _) => dev.funcs.bat_combine,
-                (Op::Combine, Path::PerExpert, _) => dev.funcs.pe_combine,
+                (Op::Dispatch, Path::Batched) => dev.funcs.bat_dispatch,
+                (Op::Dispatch, Path::PerExpert) => dev.funcs.pe_dispatch,
+                (Op::Combine, Path::Batched) => dev.funcs.bat_combine,
+                (Op::Combine, Path::PerExpert) => dev.funcs.pe_combine,
             };
             // The plain build has no NCCL or shrink-mode code (Variant::check_plain).
             dev.variant
