@@ -81,7 +81,11 @@ __device__ __forceinline__ void combine_stage(const KParams& p, const IoTable& i
             if (e >= 0) {
                 const int d = e / p.L;
                 dl = (d << 16) | (e - d * p.L);
-                a = local(d) ? (u64)((const u8*)s_y[d - p.rank_base] + (u64)mrow * rowb) : (u64)(cbuf + ((u64)d * TK + (u64)pos) * rowb);
+                // In place on this GPU (zero_copy); through NCCL at the owner's batch position
+                // past the first T*K rows; else at t*K + k, where the owner put it (row_tk).
+                a = local(d)       ? (u64)((const u8*)s_y[d - p.rank_base] + (u64)mrow * rowb)
+                    : via_nccl(p, d) ? (u64)(cbuf + (TK + (u64)d * TK + (u64)pos) * rowb)
+                                     : (u64)(cbuf + (u64)i * rowb);
             }
             sm.sk[i] = e;
             sm.sdl[i] = dl;
@@ -133,6 +137,12 @@ __device__ __forceinline__ void combine_stage(const KParams& p, const IoTable& i
         // Units of 512 bytes (16 per lane), eight in flight per warp.
         // Sources this rank sends nothing to: on this GPU (zero-copy), masked or lost.
         auto skip = [&](int s) { return local(s) || is_gone(gone, s); };
+        // Where row i of batch(me -> s) (row yrow of y) goes: NCCL staging at the batch position;
+        // else s's receive area at its (t, k), row_tk[yrow] = t*K + k (bounded at the dispatch).
+        auto put_row = [&](int s, int i, u64 yrow) -> u8* {
+            return via_nccl(p, s) ? (u8*)me.snd_buf + ((u64)s * T * K + i) * rowb
+                                  : (u8*)tab[s].cmb_buf + (u64)((const int*)me.row_tk)[yrow] * rowb;
+        };
         int total = 0;
         for (int s = 0; s < R; s++) total += skip(s) ? 0 : sm.tot[s];
         const int nw = p.blocks_per_rank * NWARPS;
@@ -160,8 +170,7 @@ __device__ __forceinline__ void combine_stage(const KParams& p, const IoTable& i
                         if (off < rowb) {
                             const u64 yrow = (u64)((const int*)me.comb_map)[(u64)s * T * K + i];
                             v[q] = *(const uint4*)((const u8*)io.y + yrow * rowb + off);
-                            dst[q] = (via_nccl(p, s) ? (u8*)me.snd_buf + ((u64)s * T * K + i) * rowb
-                                                     : (u8*)tab[s].cmb_buf + ((u64)rank * T * K + i) * rowb) + off;
+                            dst[q] = put_row(s, i, yrow) + off;
                         }
                     }
                 }
@@ -177,8 +186,7 @@ __device__ __forceinline__ void combine_stage(const KParams& p, const IoTable& i
                     s++;
                 }
                 const u64 yrow = (u64)((const int*)me.comb_map)[(u64)s * T * K + i];
-                u8* dst = via_nccl(p, s) ? (u8*)me.snd_buf + ((u64)s * T * K + i) * rowb : (u8*)tab[s].cmb_buf + ((u64)rank * T * K + i) * rowb;
-                warp_copy(dst, (const u8*)io.y + yrow * rowb, (int)rowb);
+                warp_copy(put_row(s, i, yrow), (const u8*)io.y + yrow * rowb, (int)rowb);
             }
         }
         __syncthreads();

@@ -560,9 +560,14 @@ __device__ __forceinline__ void dispatch_stage(const KParams& p, const IoTable& 
                     sv[z] = sreg && w < p.spr ? src[w] : 0u;
                 }
                 const u32 slots = __ballot_sync(0xffffffffu, lx != NO_LOCAL);
-                // The selection offset indexes comb_map: bounded (t is only stored).
+                // The selection offset indexes comb_map, and the token (in row_tk, t*K + k) the
+                // row combine puts back in the source's receive area: both bounded.
                 if (slots != 0u && (sel < 0 || sel > TK - __popc(slots))) {
                     if (lane == 0) report_error(p, ERR_PEER_DATA, rank, s, PF_HDR_SEL, (u32)sel, 0u, (u32)(TK - __popc(slots)));
+                    return;
+                }
+                if (slots != 0u && (t < 0 || t >= T)) {
+                    if (lane == 0) report_error(p, ERR_PEER_DATA, rank, s, PF_HDR_TOKEN, (u32)t, 0u, (u32)(T - 1));
                     return;
                 }
                 for (u32 m = slots; m != 0u; m &= m - 1u) {

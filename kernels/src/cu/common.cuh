@@ -76,7 +76,8 @@ struct RankPtrs {
     u64 bat_buf;     // R*T entries of entry_bytes (batched dispatch, receive side)
     u64 bat_meta;    // int [R*2]: (tokens, selections) of batch(s->me)
     u64 pe_buf;      // L*R*T entries of pe_entry_bytes (per-expert dispatch, receive side)
-    u64 cmb_buf;     // R*T*K rows of 2H bytes (combine, receive side)
+    u64 cmb_buf;     // combine, receive side: T*K rows of 2H bytes at t*K+k; with NCCL
+                     // then R*T*K more (NCCL rows: batched at T*K + d*T*K + pos, per-expert from T*K)
     u64 sig;         // u64 signal words, see SIG_* below
     u64 state;       // u32 counters and u64 epochs (ST_*)
     u64 bat_cnt;     // int [R*L]: rows of local expert l from source s (batched dispatch, on d)

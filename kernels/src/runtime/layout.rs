@@ -258,9 +258,10 @@ pub(crate) fn rank_sizes(c: &Config, nccl: bool) -> Result<[usize; NUM_BUFFERS],
     }
     let eb = entry_bytes_checked(c)?;
     let peb = pe_entry_bytes_checked(c)?;
-    // cmb_buf: R*T*K rows; with NCCL at least 2*T*K (the per-expert path's NCCL rows sit in
-    // the second T*K, beside the NVLink rows at t*K+k; R = 1 needs the bump).
-    let cmb = prod("cmb_buf", &[if nccl { r.max(2) } else { r }, t, k, h, 2])?;
+    // cmb_buf: T*K rows, each put by its owner at t*K+k (both paths); with NCCL, R*T*K rows
+    // more for what NCCL lands (batched: peer d's batch at T*K + d*T*K; per-expert: packed from
+    // T*K).
+    let cmb = prod("cmb_buf", &[if nccl { r + 1 } else { 1 }, t, k, h, 2])?;
     let sig_words = 6usize
         .checked_mul(r)
         .and_then(|a| a.checked_add(l.checked_mul(r)?))
@@ -295,7 +296,7 @@ pub(crate) fn rank_sizes(c: &Config, nccl: bool) -> Result<[usize; NUM_BUFFERS],
             // most T*K selections go to one destination), combine R*T*K rows.
             prod("snd_buf", &[r, t, eb])?
                 .max(prod("snd_buf", &[r, t, k, peb])?)
-                .max(cmb)
+                .max(prod("snd_buf", &[r, t, k, h, 2])?)
         } else {
             16
         },
@@ -560,7 +561,8 @@ mod tests {
         assert!(s[22] >= 2 * t * k * pe_entry_bytes(&c));
         assert!(s[22] >= 2 * t * k * rowb);
         assert!(s[22] >= 2 * t * entry_bytes(&c));
-        // cmb_buf (18) holds 2*T*K rows even at R = 1 with NCCL, R*T*K without.
+        // cmb_buf (18): T*K rows whatever R (each row at its t*K+k), plus R*T*K for what NCCL
+        // lands.
         let one = Config {
             num_ranks: 1,
             num_experts: 8,
@@ -568,6 +570,12 @@ mod tests {
         };
         assert_eq!(rank_sizes(&one, true).unwrap()[18], 2 * t * k * rowb);
         assert_eq!(rank_sizes(&one, false).unwrap()[18], t * k * rowb);
+        assert_eq!(s[18], 3 * t * k * rowb);
+        let wide = Config {
+            num_ranks: 256,
+            ..c
+        };
+        assert_eq!(rank_sizes(&wide, false).unwrap()[18], t * k * rowb);
         // Capacity combine: T * min(K, L) rows.
         assert_eq!(combine_capacity_rows(&c).unwrap(), 128 * 8);
         assert_eq!(

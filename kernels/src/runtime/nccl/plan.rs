@@ -197,6 +197,8 @@ pub(crate) fn combine_ops(
     // Per-expert: rows from NCCL owners sit in cmb_buf from row T*K on, packed in
     // (owner, local expert) order (the dispatch pack kernel's comb_pos says where).
     let mut nbase = t * k;
+    // Batched: peer d's rows land at T*K + d*T*K (the first T*K rows are the NVLink puts' t*K+k).
+    let nccl_rows = (t * k * rowb) as u64;
     for &d in peers {
         let region = (d * t * k * rowb) as u64;
         match (sizes, path) {
@@ -213,7 +215,7 @@ pub(crate) fn combine_ops(
                 v.push((
                     0,
                     P2p::Recv {
-                        buf: p.cmb_buf + region,
+                        buf: p.cmb_buf + nccl_rows + region,
                         bytes,
                         peer: d,
                     },
@@ -231,7 +233,7 @@ pub(crate) fn combine_ops(
                 v.push((
                     0,
                     P2p::Recv {
-                        buf: p.cmb_buf + region,
+                        buf: p.cmb_buf + nccl_rows + region,
                         bytes: sels.0[d] * rowb,
                         peer: d,
                     },
