@@ -218,8 +218,9 @@ def test_size_hint_is_ours_and_needs_no_gpu():
     # The staging holds at least the batched dispatch's R*T entries of H bf16 each.
     assert nccl - k8 >= 8 * 128 * 7168 * 2
     # The Buffer's groups hold no tensors of their own (the caller's outputs are torch's): the
-    # batched combine's receive area (R*T*K rows of H bf16) of both buffer sets is a floor.
-    assert k8 > 2 * (8 * 128 * 8) * 7168 * 2
+    # batched dispatch's receive area (R*T entries of at least H bf16) and the combine's (T*K
+    # rows of H bf16) of both buffer sets are a floor.
+    assert k8 > 2 * (8 * 128 + 128 * 8) * 7168 * 2
 
 
 def test_size_hint_follows_the_ranks_up_to_256_and_refuses_past():

@@ -165,8 +165,8 @@ fn floor(o: &Opts) -> Result<(), String> {
          `ep-scale floor`): MiB\n",
         o.tokens, o.hidden, o.top_k
     );
-    println!("| R | floor (1 set) | ours, whole layout (1 set) | ours, batched only, caller's tensors (1 set) | same, 2 sets | projected: combine area T x K rows (kernel change), 2 sets | DeepEP hint (2 buffers) |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| R | floor (1 set) | ours, whole layout (1 set) | ours, batched only, caller's tensors (1 set) | same, 2 sets | DeepEP hint (2 buffers) |");
+    println!("|---|---|---|---|---|---|");
     let lean = GpuOptions {
         buffers: Buffers {
             path: Some(Path::Batched),
@@ -182,17 +182,12 @@ fn floor(o: &Opts) -> Result<(), String> {
             .map_err(|err| format!("R = {r}: {err}"))?;
         let full = bytes_per_rank_with(&cfg, false).map_err(|e| e.to_string())?;
         let one = footprint(&cfg, &lean, false).map_err(|e| e.to_string())?;
-        // The batched combine's receive area is R x T x K rows now (a region of T x K per
-        // source); placed at each selection's t*K + k (as the per-expert path does) it is T x K.
-        let row = 2 * o.hidden;
-        let packed = one - (r - 1) * o.tokens * o.top_k * row;
         println!(
-            "| {r} | {} | {} | {} | {} | {} | {} |",
+            "| {r} | {} | {} | {} | {} | {} |",
             mib(floor_bytes(&cfg)),
             mib(full),
             mib(one),
             mib(2 * one),
-            mib(2 * packed),
             mib(deepep_hint(o.tokens, o.hidden, r, e)),
         );
     }
