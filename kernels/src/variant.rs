@@ -17,7 +17,8 @@ pub const MASK_WORDS: usize = MAX_RANKS / 32;
 pub(crate) const MAX_LOCAL: usize = 32;
 
 /// Which build of the kernels a device loads: the defines common.cuh reads (`EP_MASK_WORDS`,
-/// `EP_MAX_LOCAL`, `EP_MIN_BLOCKS`, `EP_PLAIN`). A group of at most [`NARROW_RANKS`] ranks with
+/// `EP_MAX_LOCAL`, `EP_MIN_BLOCKS`, `EP_PLAIN`), and for the batched family the stage its
+/// module holds (`EP_STAGE`). A group of at most [`NARROW_RANKS`] ranks with
 /// no more ranks on a GPU than it has SMs, shrink mode, or a peer through NCCL loads the narrow
 /// build: the source as it is, no define.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -32,6 +33,10 @@ pub struct Variant {
     /// staging and shrink-mode code is compiled out, a smaller machine code for every kernel.
     /// The launch refuses it for a group with either ([`Variant::check_plain`]).
     pub plain: bool,
+    /// The stage whose code the batched module holds (`EP_STAGE`): 0 the whole call, 1 the send
+    /// half, 2 the receive half. A device loads the batched family once per stage
+    /// ([`Variant::at_stage`]); the other families hold every stage and take 0.
+    pub stage: u8,
 }
 
 impl Variant {
@@ -43,7 +48,13 @@ impl Variant {
             wide_io: ranks_here > MAX_LOCAL,
             two_blocks: ranks_here > sms.max(1),
             plain,
+            stage: 0,
         }
+    }
+
+    /// This build with the batched module of `stage` (0, 1 or 2; [`Variant::stage`]).
+    pub fn at_stage(self, stage: u8) -> Variant {
+        Variant { stage, ..self }
     }
 
     /// The plain build has no NCCL or shrink-mode code: a launch of it with an NCCL peer
@@ -72,6 +83,9 @@ impl Variant {
         if self.plain {
             d += "#define EP_PLAIN 1\n";
         }
+        if self.stage != 0 {
+            d += &format!("#define EP_STAGE {}\n", self.stage);
+        }
         d
     }
 
@@ -84,14 +98,15 @@ impl Variant {
         }
     }
 
-    /// Every build the runtime may load (the compile check builds them all): each size build,
-    /// general and plain.
+    /// Every build the runtime may load, at stage 0 (the compile check builds them all, and the
+    /// batched family of each at every stage): each size build, general and plain.
     pub fn all() -> [Variant; 8] {
         let v = |wide, wide_io, two_blocks, plain| Variant {
             wide,
             wide_io,
             two_blocks,
             plain,
+            stage: 0,
         };
         [
             v(false, false, false, false),

@@ -66,8 +66,14 @@ fn every_kernel_compiles() {
     // copied parameter or a local array would show there), and only the two-blocks build (64
     // registers a thread) may spill: its spills are printed. The plain narrow build's code sizes
     // are printed too: it is what a group on one node without shrink mode runs.
-    for v in Variant::all().into_iter().skip(1) {
-        for f in FAMILIES {
+    // The batched family is loaded once per stage (Variant::at_stage): stages 1 and 2 of every
+    // build, besides each build's stage 0.
+    let staged = Variant::all().into_iter().flat_map(|v| {
+        (1..3).map(move |s| (v.at_stage(s), vec![compile::BATCHED]))
+    });
+    let whole = Variant::all().into_iter().skip(1).map(|v| (v, FAMILIES.to_vec()));
+    for (v, families) in whole.chain(staged) {
+        for f in families {
             let c = compile::compile_variant(&f, &v, "sm_90", true)
                 .unwrap_or_else(|e| panic!("{} ({v:?}) failed to compile: {e}", f.name));
             println!("== {} {v:?}\n{}", f.name, c.log.trim_end());
@@ -78,10 +84,13 @@ fn every_kernel_compiles() {
                     f.name,
                     k.symbol
                 );
-                if v == Variant::for_group(1, 1, 132, true) {
+                if v.at_stage(0) == Variant::for_group(1, 1, 132, true) {
                     let bytes = text_bytes(&c.cubin, k.symbol)
                         .unwrap_or_else(|| panic!("{}: no .text section for {}", f.name, k.symbol));
-                    println!("code size (plain build): {} {bytes} bytes of SASS", k.name);
+                    println!(
+                        "code size (plain build, stage {}): {} {bytes} bytes of SASS",
+                        v.stage, k.name
+                    );
                 }
             }
             if !v.two_blocks {
@@ -98,7 +107,7 @@ fn every_kernel_compiles() {
         }
     }
     println!(
-        "compiled the {} other builds for sm_90",
+        "compiled the {} other builds, and the batched family of every build at stages 1 and 2, for sm_90",
         Variant::all().len() - 1
     );
     // The moe_layer example's own kernels (ep-group's example), with the options the example uses.

@@ -19,12 +19,16 @@
 // The kernels are C++ functions in a namespace, as DeepEP's are: profilers show them as
 // `ep_batched::dispatch` and `ep_batched::combine`, the names DeepEP's test (tests/utils.py bench_kineto)
 // and engines' traces look for. compile.rs loads them by their mangled symbols.
-// Each operation's body is a template over the stage (p.stage), compiled three times into its one
-// kernel: the whole call (stage 0), the send half (stage 1: the receive hook's send, NCCL's pack)
-// and the receive half (stage 2: the hook's receive, NCCL's unpack). Each stage's code is one
-// contiguous piece, so a launch fetches only its own stage's instructions; and both halves keep
-// the operation's one name, as DeepEP's kernels do (its test's profile matches each name to one
-// line of the profiler's table).
+// Each operation's body is a template over the stage: the whole call (stage 0), the send half
+// (stage 1: the receive hook's send, NCCL's pack) and the receive half (stage 2: the hook's
+// receive, NCCL's unpack). This file is compiled once per stage (EP_STAGE, a define the build
+// prepends: runtime Variant::stage), and each module's kernels hold only that stage's code, so a
+// half runs a kernel the size of its own work. Every module names its kernels alike, so both
+// halves keep the operation's one name, as DeepEP's kernels do (its test's profile matches each
+// name to one line of the profiler's table); the host launches the module of kp.stage.
+#ifndef EP_STAGE
+#define EP_STAGE 0
+#endif
 namespace ep_batched {
 __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) dispatch(KParams p, IoTable iot);
 __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) combine(KParams p, IoTable iot);

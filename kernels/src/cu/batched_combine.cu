@@ -253,7 +253,5 @@ finish:
 #undef KIND
 #undef SEGB
 __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::combine(KParams p, IoTable iot) {
-    if (p.stage == 1) combine_stage<1>(p, iot);
-    else if (p.stage == 2) combine_stage<2>(p, iot);
-    else combine_stage<0>(p, iot);
+    combine_stage<EP_STAGE>(p, iot);
 }

@@ -684,8 +684,6 @@ finish:
 }
 #undef KIND
 __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_batched::dispatch(KParams p, IoTable iot) {
-    if (p.stage == 1) dispatch_stage<1>(p, iot);
-    else if (p.stage == 2) dispatch_stage<2>(p, iot);
-    else dispatch_stage<0>(p, iot);
+    dispatch_stage<EP_STAGE>(p, iot);
 }
 

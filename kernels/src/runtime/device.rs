@@ -46,8 +46,10 @@ pub(crate) struct Funcs {
     pub(crate) empty: sys::CUfunction,
     pub(crate) pe_dispatch: sys::CUfunction,
     pub(crate) pe_combine: sys::CUfunction,
-    pub(crate) bat_dispatch: sys::CUfunction,
-    pub(crate) bat_combine: sys::CUfunction,
+    /// The batched kernels by stage (0 the whole call, 1 the send half, 2 the receive half):
+    /// each from its own module, which holds only that stage's code.
+    pub(crate) bat_dispatch: [sys::CUfunction; 3],
+    pub(crate) bat_combine: [sys::CUfunction; 3],
 }
 
 /// One GPU: its context, stream, modules and the table of every rank's addresses.
@@ -132,8 +134,8 @@ impl Dev {
                 empty: std::ptr::null_mut(),
                 pe_dispatch: std::ptr::null_mut(),
                 pe_combine: std::ptr::null_mut(),
-                bat_dispatch: std::ptr::null_mut(),
-                bat_combine: std::ptr::null_mut(),
+                bat_dispatch: [std::ptr::null_mut(); 3],
+                bat_combine: [std::ptr::null_mut(); 3],
             },
             modules: Vec::new(),
             table: 0,
@@ -155,9 +157,10 @@ impl Dev {
         Ok(dev)
     }
 
-    /// Loads the three kernel modules, in the build for this device's ranks
-    /// ([`Variant::for_group`]): `plain` when none of them reaches a peer through NCCL and shrink
-    /// mode is off. Once, before any launch or residency check (the bound context).
+    /// Loads the kernel modules, in the build for this device's ranks ([`Variant::for_group`]):
+    /// `plain` when none of them reaches a peer through NCCL and shrink mode is off. The FP8 and
+    /// per-expert modules once, the batched one once per stage ([`Variant::at_stage`]). Once,
+    /// before any launch or residency check (the bound context).
     pub(crate) fn load_kernels(&mut self, plain: bool) -> Result<(), GpuError> {
         if !self.modules.is_empty() {
             return Err(GpuError::Unsupported(
@@ -166,8 +169,16 @@ impl Dev {
         }
         self.variant = Variant::for_group(self.group_ranks, self.ranks, self.sms, plain);
         let mut all = Vec::new();
-        for f in [compile::FP8, compile::PER_EXPERT, compile::BATCHED] {
-            let (m, fs) = load_family(&f, &self.variant, &self.arch)?;
+        let loads = [
+            (compile::FP8, 0),
+            (compile::PER_EXPERT, 0),
+            (compile::BATCHED, 0),
+            (compile::BATCHED, 1),
+            (compile::BATCHED, 2),
+        ];
+        for (f, stage) in loads {
+            // A module loaded before a failure is unloaded with the device (Drop).
+            let (m, fs) = load_family(&f, &self.variant.at_stage(stage), &self.arch)?;
             self.modules.push(m);
             all.extend(fs);
         }
@@ -176,8 +187,8 @@ impl Dev {
             empty: all[1],
             pe_dispatch: all[2],
             pe_combine: all[3],
-            bat_dispatch: all[4],
-            bat_combine: all[5],
+            bat_dispatch: [all[4], all[6], all[8]],
+            bat_combine: [all[5], all[7], all[9]],
         };
         Ok(())
     }
@@ -191,23 +202,22 @@ impl Dev {
         ranks: usize,
         blocks_per_rank: usize,
     ) -> Result<(), GpuError> {
-        for f in [
-            self.funcs.pe_dispatch,
-            self.funcs.pe_combine,
-            self.funcs.bat_dispatch,
-            self.funcs.bat_combine,
-        ] {
-            if smem > 48 * 1024 {
-                // SAFETY: `f` is a loaded kernel of the bound context.
-                let rc = unsafe {
-                    sys::cuFuncSetAttribute(
-                        f,
-                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        smem as i32,
-                    )
-                };
-                cuda("cuFuncSetAttribute", rc.result())?;
-            }
+        for f in [self.funcs.pe_dispatch, self.funcs.pe_combine]
+            .into_iter()
+            .chain(self.funcs.bat_dispatch)
+            .chain(self.funcs.bat_combine)
+        {
+            // Set on every kernel, whatever `smem`: a kernel's static shared memory counts
+            // against the 48 KiB a launch gets without it.
+            // SAFETY: `f` is a loaded kernel of the bound context.
+            let rc = unsafe {
+                sys::cuFuncSetAttribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+            };
+            cuda("cuFuncSetAttribute", rc.result())?;
             let mut per_sm = 0i32;
             // SAFETY: `f` is a loaded kernel; `per_sm` receives the answer.
             let rc = unsafe {

@@ -185,7 +185,7 @@ mod tests {
         let o = opts(Some(Path::Batched), false);
         let one = footprint(&c, &o, true).unwrap();
         let paged = hint_bytes(&c, &o, true, 1).unwrap();
-        assert!(paged % ALLOC_GRANULE == 0 && paged >= one && paged - one < ALLOC_GRANULE);
+        assert!(paged.is_multiple_of(ALLOC_GRANULE) && paged >= one && paged - one < ALLOC_GRANULE);
         assert_eq!(hint_bytes(&c, &o, true, 2).unwrap(), 2 * paged);
         assert!(footprint(&c, &o, false).unwrap() < bytes_per_rank_with(&c, false).unwrap() / 3);
     }

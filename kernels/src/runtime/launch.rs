@@ -113,12 +113,18 @@ impl GpuGroup {
             )?;
         }
         for (di, dev) in self.devs.iter().enumerate() {
-            // One kernel per operation and path, for every stage (kp.stage picks it).
+            // Per-expert: one kernel for every stage (kp.stage picks the code); batched: the
+            // kernel of the stage's own module, which holds only that stage's code.
+            let s = match usize::try_from(stage) {
+                Ok(s) if s < 3 => s,
+                _ if what.is_none() => 0,
+                _ => return Err(GpuError::Unsupported(format!("launch stage {stage}"))),
+            };
             let f = match (op, path) {
                 _ if what.is_none() => dev.funcs.empty,
-                (Op::Dispatch, Path::Batched) => dev.funcs.bat_dispatch,
+                (Op::Dispatch, Path::Batched) => dev.funcs.bat_dispatch[s],
                 (Op::Dispatch, Path::PerExpert) => dev.funcs.pe_dispatch,
-                (Op::Combine, Path::Batched) => dev.funcs.bat_combine,
+                (Op::Combine, Path::Batched) => dev.funcs.bat_combine[s],
                 (Op::Combine, Path::PerExpert) => dev.funcs.pe_combine,
             };
             // The plain build has no NCCL or shrink-mode code (Variant::check_plain).

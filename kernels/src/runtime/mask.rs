@@ -19,7 +19,7 @@ use crate::runtime::group::GpuGroup;
 use crate::runtime::layout::{rank_sizes, SHRINK_DECISIONS};
 use cudarc::driver::{result, sys};
 use cudarc::driver::{CudaStream, CudaViewMut, DevicePtrMut};
-use ep_reference::Error;
+use ep_reference::{Error, Path};
 
 /// Byte offset of the mask inside a rank's `shrink` buffer (after the decision words).
 fn mask_offset(r: usize) -> u64 {
@@ -190,12 +190,16 @@ impl GpuGroup {
                 })?;
             }
             // The per-expert headers carry the epoch that wrote them (the receive scan takes
-            // an entry of this call by it): zero the first 16 bytes of every entry.
-            // SAFETY: pe_buf holds L*R*T entries of `peb` bytes (a multiple of 16) on the bound
-            // context; 4 u32 per row, pitch `peb`.
-            cuda("per-expert headers", unsafe {
-                sys::cuMemsetD2D32Async(p.pe_buf, peb, 0, 4, l * r * t, raw[di]).result()
-            })?;
+            // an entry of this call by it): zero the first 16 bytes of every entry. A group
+            // formed for the batched path only holds no per-expert area.
+            if self.buffers.runs(Path::PerExpert) {
+                // SAFETY: pe_buf holds L*R*T entries of `peb` bytes (a multiple of 16) on the
+                // bound context (the plan keeps it where the per-expert path runs); 4 u32 per
+                // row, pitch `peb`.
+                cuda("per-expert headers", unsafe {
+                    sys::cuMemsetD2D32Async(p.pe_buf, peb, 0, 4, l * r * t, raw[di]).result()
+                })?;
+            }
         }
         self.last_dispatch = None;
         Ok(())

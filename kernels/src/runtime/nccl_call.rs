@@ -270,12 +270,11 @@ impl GpuGroup {
     ) -> Result<(), GpuError> {
         let t0 = std::time::Instant::now();
         let limit = std::time::Duration::from_nanos(self.params.timeout_ns);
-        for di in 0..self.devs.len() {
-            let dev = &self.devs[di];
-            dev.bind()?;
+        for (di, &stream) in streams.iter().enumerate().take(self.devs.len()) {
+            self.devs[di].bind()?;
             loop {
                 // SAFETY: the stream belongs to the bound context (checked by the caller).
-                let rc = unsafe { sys::cuStreamQuery(streams[di]) };
+                let rc = unsafe { sys::cuStreamQuery(stream) };
                 if rc == sys::CUresult::CUDA_SUCCESS {
                     break;
                 }
