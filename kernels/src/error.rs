@@ -93,3 +93,11 @@ pub enum GpuError {
         waited_ms: u64,
     },
 }
+
+/// A driver call's result as ours: a failure becomes [`GpuError::Cuda`] naming `what` was done.
+pub(crate) fn cuda<T>(
+    what: &str,
+    r: Result<T, cudarc::driver::result::DriverError>,
+) -> Result<T, GpuError> {
+    r.map_err(|e| GpuError::Cuda(format!("{what}: {e:?}")))
+}

@@ -1,15 +1,13 @@
-//! One GPU: the CUDA context, the group's stream, the loaded kernel modules, and the plain
-//! `cuMemAlloc` allocations peers may reach; plus the driver probe.
+//! One GPU: the CUDA context, the group's stream, the kernels it launches (from the process's
+//! loaded modules, `modules`), and the plain `cuMemAlloc` allocations peers may reach; plus the
+//! driver probe.
 
-use crate::compile::{self, Family};
-use crate::error::GpuError;
+use crate::compile;
+use crate::error::{cuda, GpuError};
 use crate::runtime::layout::{Variant, ERR_WORDS, NTHREADS};
+use crate::runtime::modules;
 use cudarc::driver::{result, sys, CudaContext};
 use std::sync::Arc;
-
-pub(crate) fn cuda<T>(what: &str, r: Result<T, result::DriverError>) -> Result<T, GpuError> {
-    r.map_err(|e| GpuError::Cuda(format!("{what}: {e:?}")))
-}
 
 /// A usable CUDA driver and at least `need` devices, or why not. Never panics.
 pub fn probe_devices(need: usize) -> Result<usize, String> {
@@ -57,7 +55,6 @@ pub(crate) struct Dev {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: sys::CUstream,
     pub(crate) funcs: Funcs,
-    pub(crate) modules: Vec<sys::CUmodule>,
     pub(crate) table: sys::CUdeviceptr,
     pub(crate) err: sys::CUdeviceptr,
     /// The error word's host mirror: ERR_WORDS u32 of mapped pinned memory the kernels write
@@ -76,35 +73,6 @@ pub(crate) struct Dev {
     pub(crate) allocs: Vec<sys::CUdeviceptr>,
     /// Grow-only scratch buffers (profile stamps, encoder rows), reused across calls.
     pub(crate) scratch: [(sys::CUdeviceptr, usize); 2],
-}
-
-pub(crate) fn load_family(
-    f: &Family,
-    v: &Variant,
-    arch: &str,
-) -> Result<(sys::CUmodule, Vec<sys::CUfunction>), GpuError> {
-    let cubin = compile::cubin_variant(f, v, arch)?;
-    // SAFETY: `cubin` is a complete CUBIN image produced by NVRTC for this device's arch; the
-    // right context is bound by the caller.
-    let module = cuda("cuModuleLoadData", unsafe {
-        result::module::load_data(cubin.as_ptr().cast())
-    })?;
-    let mut fs = Vec::new();
-    for k in f.kernels {
-        let name = std::ffi::CString::new(k.symbol).expect("kernel symbols have no NUL");
-        // SAFETY: `module` was just loaded; `name` is the symbol of a kernel it defines.
-        match cuda(k.name, unsafe {
-            result::module::get_function(module, name)
-        }) {
-            Ok(func) => fs.push(func),
-            Err(e) => {
-                // SAFETY: nothing of `module` is in use yet.
-                let _ = unsafe { result::module::unload(module) };
-                return Err(e);
-            }
-        }
-    }
-    Ok((module, fs))
 }
 
 impl Dev {
@@ -137,7 +105,6 @@ impl Dev {
                 bat_dispatch: [std::ptr::null_mut(); 3],
                 bat_combine: [std::ptr::null_mut(); 3],
             },
-            modules: Vec::new(),
             table: 0,
             err: 0,
             err_host: HostMirror::null(),
@@ -157,12 +124,13 @@ impl Dev {
         Ok(dev)
     }
 
-    /// Loads the kernel modules, in the build for this device's ranks ([`Variant::for_group`]):
-    /// `plain` when none of them reaches a peer through NCCL and shrink mode is off. The FP8 and
-    /// per-expert modules once, the batched one once per stage ([`Variant::at_stage`]). Once,
-    /// before any launch or residency check (the bound context).
+    /// Finds the kernels of the build for this device's ranks ([`Variant::for_group`]; `plain`
+    /// when none of them reaches a peer through NCCL and shrink mode is off) in the process's
+    /// modules, loading those not loaded yet (`modules`): the FP8 and per-expert modules, and
+    /// the batched one once per stage ([`Variant::at_stage`]). Once, before any launch or
+    /// residency check (the bound context).
     pub(crate) fn load_kernels(&mut self, plain: bool) -> Result<(), GpuError> {
-        if !self.modules.is_empty() {
+        if !self.funcs.fp8.is_null() {
             return Err(GpuError::Unsupported(
                 "the kernels of a device are loaded once".into(),
             ));
@@ -177,10 +145,7 @@ impl Dev {
             (compile::BATCHED, 2),
         ];
         for (f, stage) in loads {
-            // A module loaded before a failure is unloaded with the device (Drop).
-            let (m, fs) = load_family(&f, &self.variant.at_stage(stage), &self.arch)?;
-            self.modules.push(m);
-            all.extend(fs);
+            all.extend(modules::kernels(&self.ctx, &f, &self.variant.at_stage(stage), &self.arch)?);
         }
         self.funcs = Funcs {
             fp8: all[0],
@@ -193,9 +158,10 @@ impl Dev {
         Ok(())
     }
 
-    /// Sets every kernel's dynamic shared memory to `smem` bytes and checks that `ranks` x
-    /// `blocks_per_rank` blocks of each can be resident at once (one launch holds every rank of
-    /// this device, and its blocks wait on each other). Binds nothing: call after [`Dev::bind`].
+    /// Checks that `ranks` x `blocks_per_rank` blocks of every kernel, each with `smem` bytes of
+    /// dynamic shared memory (within what `modules` allows each kernel), can be resident at once
+    /// (one launch holds every rank of this device, and its blocks wait on each other). Binds
+    /// nothing: call after [`Dev::bind`].
     pub(crate) fn check_residency(
         &self,
         smem: usize,
@@ -207,17 +173,6 @@ impl Dev {
             .chain(self.funcs.bat_dispatch)
             .chain(self.funcs.bat_combine)
         {
-            // Set on every kernel, whatever `smem`: a kernel's static shared memory counts
-            // against the 48 KiB a launch gets without it.
-            // SAFETY: `f` is a loaded kernel of the bound context.
-            let rc = unsafe {
-                sys::cuFuncSetAttribute(
-                    f,
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )
-            };
-            cuda("cuFuncSetAttribute", rc.result())?;
             let mut per_sm = 0i32;
             // SAFETY: `f` is a loaded kernel; `per_sm` receives the answer.
             let rc = unsafe {
@@ -293,9 +248,6 @@ impl Drop for Dev {
             }
             if !self.err_host.host.is_null() {
                 let _ = result::free_host(self.err_host.host.cast());
-            }
-            for &m in &self.modules {
-                let _ = result::module::unload(m);
             }
             if !self.stream.is_null() {
                 let _ = result::stream::destroy(self.stream);

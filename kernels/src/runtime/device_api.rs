@@ -47,7 +47,7 @@
 //! same time (see the crate docs).
 
 use crate::error::GpuError;
-use crate::runtime::device::cuda;
+use crate::error::cuda;
 use crate::runtime::group::{kind, GpuGroup};
 use crate::runtime::layout::IoTable;
 use crate::runtime::options::NcclSizes;

@@ -149,7 +149,7 @@ impl GpuGroup {
     /// with its one caller, the hook `GpuGroup::device_errors_for_test`.
     #[cfg(feature = "testing")]
     pub(crate) fn device_errors(&self) -> Result<Vec<Option<GpuError>>, GpuError> {
-        use crate::runtime::device::cuda;
+        use crate::error::cuda;
         use cudarc::driver::result;
         let mut v = Vec::with_capacity(self.devs.len());
         for dev in &self.devs {

@@ -3,7 +3,8 @@
 //! (`GpuGroup::new`, ranks spread over the GPUs, peer access). One rank per process (CUDA IPC or
 //! NCCL) is built by [`ProcessRank`](crate::runtime::ProcessRank).
 use crate::error::GpuError;
-use crate::runtime::device::{cuda, probe_devices, Dev, HostMirror};
+use crate::error::cuda;
+use crate::runtime::device::{probe_devices, Dev, HostMirror};
 use crate::runtime::footprint::{footprint, plan_sizes};
 use crate::runtime::layout::{
     all_peers, carve_rank, check_ranks, entry_bytes_checked, pe_entry_bytes_checked, smem_bytes,

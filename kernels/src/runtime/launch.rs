@@ -2,7 +2,7 @@
 //! refused call's poison launch, and the host's count of the calls that went out. Over NCCL a
 //! call's pack / exchange / unpack sequence is `nccl::call`.
 use crate::error::GpuError;
-use crate::runtime::device::cuda;
+use crate::error::cuda;
 use crate::runtime::footprint::check_launch;
 use crate::runtime::group::{kind, GpuGroup};
 use crate::runtime::layout::{IoTable, KParams, NTHREADS};

@@ -14,7 +14,7 @@
 //! synchronising the stream).
 
 use crate::error::GpuError;
-use crate::runtime::device::cuda;
+use crate::error::cuda;
 use crate::runtime::group::GpuGroup;
 use crate::runtime::layout::{rank_sizes, SHRINK_DECISIONS};
 use cudarc::driver::{result, sys};

@@ -21,6 +21,7 @@ mod harness;
 mod launch;
 mod layout;
 mod mask;
+mod modules;
 pub mod nccl;
 mod nccl_call;
 mod options;

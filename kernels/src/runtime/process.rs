@@ -13,7 +13,8 @@
 //! The kernels are those of a single-process group.
 
 use crate::error::GpuError;
-use crate::runtime::device::{cuda, probe_devices, Dev};
+use crate::error::cuda;
+use crate::runtime::device::{probe_devices, Dev};
 use crate::runtime::footprint::{footprint, plan_sizes};
 use crate::runtime::group::{check_shrink, kparams, next_group_id, upload_table};
 use crate::runtime::group::{GpuGroup, IpcMappings, NcclState};

@@ -31,8 +31,8 @@ fn free_bytes() -> usize {
 
 /// Forms `sets` groups of `cfg` (R virtual ranks on GPU 0) with `buffers`, and compares the
 /// device memory they took (cuMemGetInfo before and after) with R x the hint's bytes: within 1%.
-/// A first group of the same config, dropped before the measure, loads the kernels (their code
-/// is not the layout's).
+/// A first group of the same config, dropped before the measure, loads the kernels: the process
+/// keeps its modules, so the groups measured load none.
 fn measure(cfg: &Config, buffers: Buffers, sets: usize) {
     let (_c, _s) = context(0); // binds GPU 0's primary context to this thread
     let opts = GpuOptions {

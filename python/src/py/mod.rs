@@ -9,7 +9,7 @@ use crate::gpu;
 use crate::host::{self, OutputBytes, ScalesKind};
 use crate::keywords;
 use ep_kernels::GpuError;
-use ep_reference::{Config, DispatchOutput, Error};
+use ep_reference::{DispatchOutput, Error};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 mod errors;
