@@ -28,8 +28,10 @@ pub const SHRINK_CUH: &str = include_str!("cu/shrink.cuh");
 pub const POISON_CUH: &str = include_str!("cu/poison.cuh");
 /// The FP8 cast (bit-identical to `ep_reference::numerics::fp8`) and the payload encoder.
 pub const FP8_CUH: &str = include_str!("cu/fp8.cuh");
+/// The caller's statistics: the receive's wait per source, the dispatch's row counts.
+pub const STATS_CUH: &str = include_str!("cu/stats.cuh");
 /// The shared headers, in the order every family is compiled with them.
-pub const HEADERS: [&str; 4] = [COMMON_CUH, SHRINK_CUH, POISON_CUH, FP8_CUH];
+pub const HEADERS: [&str; 5] = [COMMON_CUH, SHRINK_CUH, POISON_CUH, FP8_CUH, STATS_CUH];
 
 /// One module: a `.cu` file and the kernels it defines.
 #[derive(Debug, Clone, Copy)]

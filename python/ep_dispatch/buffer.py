@@ -501,9 +501,12 @@ class Buffer:
         ``recv_count``: ``int32 [L]``. Rows at or past ``recv_count[l]`` carry no meaning. With
         ``return_recv_hook=True`` only the send half is enqueued, and calling ``hook()``
         enqueues the receive half (on the then-current stream). ``cumulative_local_expert_recv_stats``
-        (``int32 [L]``) is incremented by ``recv_count``; ``dispatch_wait_recv_cost_stats``
-        (``int64 [R]``, DeepEP's cycles spent waiting for each source) is checked as DeepEP
-        checks it and left untouched: the kernels do not measure per-source waits.
+        (``int32 [L]``) is incremented by ``recv_count`` on the device, by the receive kernel of a
+        call that succeeded; ``dispatch_wait_recv_cost_stats`` (``int64 [R]``) gets the SM clock
+        cycles (``clock64``, as DeepEP counts them) the receive waited for each source's tokens:
+        once per source on the batched path, once per local expert and source on the per-expert
+        path (as DeepEP's kernel); a source reached through NCCL adds nothing (its tokens arrive
+        before the kernel starts).
         """
         with self._notf():
             return self._dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
@@ -574,20 +577,16 @@ class Buffer:
                 done = True
                 with self._notf():
                     g.dispatch_recv(self._stream(), hid)
-                    if stats is not None:
-                        stats.add_(recv_count)
         else:
             hid = g.dispatch(self._stream(), x, topk_idx, recv_x, scales, recv_count, src_info,
                              pairs, stats, wait_stats)
-            if stats is not None:
-                stats.add_(recv_count)
             hook = None
         self._seq += 1
         self._due[key[0]][key[1]] = self._seq
         handle = Handle._of_dispatch(src_info, pairs, T, H, E, recv_count, n, K,
                                      use_fp8, self.path, key, id(self), hid, self._seq)
         out = (recv_x, scales) if use_fp8 else recv_x
-        event = self._event((x, topk_idx, recv_x, scales, recv_count, src_info, pairs, stats)) \
+        event = self._event((x, topk_idx, recv_x, scales, recv_count, src_info, pairs, stats, wait_stats)) \
             if async_finish else _NO_EVENT
         return out, recv_count, handle, event, hook
 

@@ -431,12 +431,16 @@ impl RankGroup {
         let mut count = unsafe { Borrowed::<i32>::new(&s, p.recv_count) };
         let mut layout = unsafe { Borrowed::<i64>::new(&s, p.layout_range) };
         let mut src = unsafe { Borrowed::<i32>::new(&s, p.src_info) };
+        let mut recv_stats = p.recv_stats.map(|q| unsafe { Borrowed::<i32>::new(&s, q) });
+        let mut wait_stats = p.wait_stats.map(|q| unsafe { Borrowed::<i64>::new(&s, q) });
         let mut out = DeviceDispatchOut {
             recv_x: recv_x.view_mut(),
             recv_scales: scales.as_mut().map(|b| b.view_mut()),
             recv_count: count.view_mut(),
             layout_range: layout.view_mut(),
             src_info: src.view_mut(),
+            recv_stats: recv_stats.as_mut().map(|b| b.view_mut()),
+            wait_stats: wait_stats.as_mut().map(|b| b.view_mut()),
         };
         let (xv, tv) = (x.view(), topk.view());
         let id = self.next_handle;

@@ -68,6 +68,10 @@ pub struct DispatchPtrs {
     pub src_info: Ptr,
     /// `int32 [L, R, 2]` (begin, count), length in int64 entries (`L * R`).
     pub layout_range: Ptr,
+    /// `cumulative_local_expert_recv_stats`, `int32 [L]`: the kernels add `recv_count` to it.
+    pub recv_stats: Option<Ptr>,
+    /// `dispatch_wait_recv_cost_stats`, `int64 [R]`: the kernels add their wait per source.
+    pub wait_stats: Option<Ptr>,
 }
 
 /// Addresses of one combine.
@@ -215,14 +219,20 @@ impl Spec {
             row_major(Dtype::I32, &[l, r, 2]),
             dev,
         )?;
-        if let Some(s) = m.recv_stats {
-            let name = "cumulative_local_expert_recv_stats";
-            check(name, s, row_major(Dtype::I32, &[l]), dev)?;
-        }
-        if let Some(s) = m.wait_stats {
-            let name = "dispatch_wait_recv_cost_stats";
-            check(name, s, row_major(Dtype::I64, &[r]), dev)?;
-        }
+        let recv_stats = m
+            .recv_stats
+            .map(|s| {
+                let name = "cumulative_local_expert_recv_stats";
+                check(name, s, row_major(Dtype::I32, &[l]), dev)
+            })
+            .transpose()?;
+        let wait_stats = m
+            .wait_stats
+            .map(|s| {
+                let name = "dispatch_wait_recv_cost_stats";
+                check(name, s, row_major(Dtype::I64, &[r]), dev)
+            })
+            .transpose()?;
         Ok(DispatchPtrs {
             x,
             topk_idx,
@@ -232,6 +242,8 @@ impl Spec {
             recv_count,
             src_info,
             layout_range: (lp, pairs / 2),
+            recv_stats,
+            wait_stats,
         })
     }
 
@@ -334,8 +346,20 @@ mod tests {
                 recv_count: (5, 4),
                 src_info: (6, 48),
                 layout_range: (7, 8),
+                recv_stats: None,
+                wait_stats: None,
             }
         );
+        // The statistics, where given, go to the kernels with their lengths.
+        let (rs, ws) = (rm(Dtype::I32, &[4], 8), rm(Dtype::I64, &[2], 9));
+        let q = s
+            .dispatch(&DispatchMetas {
+                recv_stats: Some(&rs),
+                wait_stats: Some(&ws),
+                ..m
+            })
+            .unwrap();
+        assert_eq!((q.recv_stats, q.wait_stats), (Some((8, 4)), Some((9, 2))));
         // Row-major scales, too many tokens, a missing scales tensor: each named.
         let row = rm(Dtype::F32, &[4, 12, 4], 4);
         let e = s

@@ -726,3 +726,49 @@ def test_a_peer_that_skips_a_call_hands_nobody_wrong_values(group, R, E, skip, p
     else:
         assert isinstance(err, (ep.TimeoutError, ep.PeerError)), repr(err)
         assert err.peer == late or err.kind == "PeerFailed", str(err)
+
+
+@pytest.mark.parametrize("path", ["batched", "per_expert"])
+@pytest.mark.parametrize("hooks", [False, True], ids=["fused", "hooks"])
+def test_dispatch_wait_cost_stats_name_the_late_rank(group, R, E, path, hooks):
+    """dispatch_wait_recv_cost_stats as DeepEP's engines read it: the last rank starts its
+    dispatch 0.2 s late (a host sleep before the call); every other rank's entry for it grows
+    by about that wait (SM clock cycles), its entries for the ranks on time stay far below it,
+    and the late rank waited for nobody that long. cumulative_local_expert_recv_stats gets the
+    call's counts, added on the device."""
+    if R == 1:
+        pytest.skip("one rank: no peer to be late for")
+    import time
+
+    import torch.distributed as dist
+
+    rank, late, delay = group.rank(), R - 1, 0.2
+    b = make_buffer(group, R, E, path=path)
+    ins = inputs(21, R, E, n=T)
+    want, _ = expect(ins, E, MODES["bf16"])
+    x, topk, w, y = (on_gpu(t) for t in ins[rank])
+    b.low_latency_dispatch(x, topk, T, E, use_fp8=False)  # forms the group, loads the kernels
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    waits = torch.zeros(R, dtype=torch.int64, device=x.device)
+    stats = torch.full((E // R,), 3, dtype=torch.int32, device=x.device)
+    if rank == late:
+        time.sleep(delay)
+    recv_x, count, h, _, hook = b.low_latency_dispatch(x, topk, T, E, stats, waits,
+                                                       use_fp8=False, return_recv_hook=hooks)
+    if hooks:
+        hook()
+    torch.cuda.synchronize()
+    b.check()
+    assert oracle.diff(got_of(recv_x, count, h), want[rank]) is None
+    assert (stats.cpu() - 3).tolist() == count.cpu().tolist()
+    got = waits.cpu().tolist()
+    print(f"rank {rank} ({path}, {'hooks' if hooks else 'fused'}): waits {got} cycles")
+    floor = int(delay * 0.25 * 1e9)  # a quarter of the delay at 1 GHz: H200 SMs run faster
+    if rank != late:
+        assert got[late] >= floor, got
+        assert all(v * 10 < got[late] for s, v in enumerate(got) if s != late), got
+    else:
+        assert all(0 <= v < floor for v in got), got
+    dist.barrier(group=group)
+    b.destroy()

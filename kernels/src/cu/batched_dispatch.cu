@@ -451,6 +451,7 @@ __device__ __forceinline__ void dispatch_stage(const KParams& p, const IoTable& 
         bad = 0;
         if (tid < R) {
             long long c;
+            const long long t0 = clock64();
             // loom: gpu_protocol::batched_unpack_block (NCCL, capacity: a poisoned count fails peer_bad), model capacity_bad_input_sender_header_poisoned.
             if (via_nccl(p, tid)) {
                 c = ((const int*)me.rcv_hdr)[tid * HDR_WORDS(L)];
@@ -470,6 +471,8 @@ __device__ __forceinline__ void dispatch_stage(const KParams& p, const IoTable& 
             // loom: gpu_protocol::batched_receive, models batched_two_senders_one_receiver, batched_consecutive_calls, batched_tag_wrap.
             else c = presig ? wait_signal_pre(p, sig_bat(me) + tid, sig0, epoch, rank, tid, PH_DISPATCH_RECV)
                             : wait_signal(p, sig_bat(me) + tid, epoch, rank, tid, PH_DISPATCH_RECV);
+            // Every block waits for every source; block 0's wait is the one counted.
+            if (bid == 0 && !via_nccl(p, tid)) add_wait_cost(io.wait_stats, tid, t0);
             if (c == PEER_LOST) {
                 GONE_ADD(tid);
                 c = 0;
@@ -668,6 +671,7 @@ finish:
     PROF(5);
     // A failed call leaves defined outputs (common.cuh); the pack stage leaves them to its unpack.
     if (last_out && STAGE != 1 && call_failed) fail_dispatch_outputs(p, io, me);
+    else if (last_out && STAGE != 1 && io.recv_stats) add_recv_stats(L, io.recv_stats, me.recv_count);
     if (last_out) PROF(13);  // the last block out: the failure check done
     // The pack stage (1) leaves the epoch for its unpack stage (2). NCCL peers need no ack: the
     // stream orders this call's unpack before the next call's send/recv into the same buffers.

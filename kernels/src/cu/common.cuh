@@ -104,9 +104,12 @@ __device__ __forceinline__ u64* sig_pc(const RankPtrs& p, int R, int L) {       
 // buffer of that name for this call (`IoPtrs` in kernels/src/runtime/layout.rs). `ntok`: an int
 // holding the rank's token count (else meta[0]). Passed by value as the kernels' second
 // parameter (one entry per rank of this launch), read once per block into shared memory.
+// `recv_stats` (int [L]) and `wait_stats` (long long [R]) are the caller's statistics, added to
+// when nonzero and never replaced by a buffer of the group's (stats.cuh).
 #define MAX_LOCAL EP_MAX_LOCAL
 struct IoPtrs {
     u64 x, topk, weights, y, out, recv_x, recv_scales, recv_count, layout, src_info, ntok;
+    u64 recv_stats, wait_stats;
 };
 struct IoTable {
     IoPtrs r[MAX_LOCAL];

@@ -209,6 +209,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::dispat
                 const bool nc = via_nccl(p, s);
                 if (tid == 0) {
                     long long c;
+                    const long long t0 = clock64();
                     if (nc) c = (long long)((const int*)me.rcv_hdr)[s * HDR_WORDS(L) + 2 + l];
                     // Shrink mode: "arrived" is proposed once all L of s's signals are here, so
                     // the blocks of the other local experts can rely on theirs.
@@ -218,6 +219,8 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::dispat
                                              : wait_peer_signals(peer_wait(p, me, KIND, DEC_RECV, rank, s, PH_DISPATCH_RECV),
                                                                  sig_pe(me, R) + s, (u64)R, L, l, epoch);
                     else c = wait_signal(p, sig_pe(me, R) + (u64)l * R + s, epoch, rank, s, PH_DISPATCH_RECV);
+                    // Per local expert, as DeepEP counts it (its receive waits per expert too).
+                    if (!nc) add_wait_cost(io.wait_stats, s, t0);
                     if (c == PEER_LOST) {
                         GONE_ADD(s);
                         c = 0;  // sends nothing in this call
@@ -293,6 +296,7 @@ finish:
     PROF(5);
     // A failed call leaves defined outputs (common.cuh); the pack stage leaves them to its unpack.
     if (last_out && p.stage != 1 && call_failed) fail_dispatch_outputs(p, io, me);
+    else if (last_out && p.stage != 1 && io.recv_stats) add_recv_stats(L, io.recv_stats, me.recv_count);
     if (last_out && p.stage != 1) {
         if (threadIdx.x == 0) {
             // loom: gpu_protocol::finish (the ack), model per_expert_consecutive_calls; shrink_* (no ack to a masked peer).

@@ -95,6 +95,14 @@ pub struct DeviceDispatchOut<'a> {
     pub layout_range: CudaViewMut<'a, i64>,
     /// `[L, R*T]` source token of each received row.
     pub src_info: CudaViewMut<'a, i32>,
+    /// `[L]`, DeepEP's `cumulative_local_expert_recv_stats`: a good call adds its `recv_count`
+    /// to it on the device (a failed call adds nothing).
+    pub recv_stats: Option<CudaViewMut<'a, i32>>,
+    /// `[R]`, DeepEP's `dispatch_wait_recv_cost_stats`: the receive adds the SM clock cycles
+    /// (`clock64`) it waited for each source's tokens (NCCL sources, which arrive before the
+    /// kernel, add nothing). The batched path counts one wait per source, the per-expert path
+    /// one per local expert and source, as DeepEP's kernel does.
+    pub wait_stats: Option<CudaViewMut<'a, i64>>,
 }
 
 /// Element counts of one rank's dispatch outputs (what [`DeviceDispatchOut`] must hold).
@@ -398,6 +406,14 @@ impl GpuGroup {
                 if let Some(s) = &o.recv_scales {
                     self.same_ctx(r, "recv_scales", s)?;
                 }
+                if let Some(s) = &o.recv_stats {
+                    at_least(r, "recv_stats", sizes.recv_count, s.len())?;
+                    self.same_ctx(r, "recv_stats", s)?;
+                }
+                if let Some(s) = &o.wait_stats {
+                    at_least(r, "wait_stats", self.cfg.num_ranks, s.len())?;
+                    self.same_ctx(r, "wait_stats", s)?;
+                }
             }
             ns.push(n);
         }
@@ -464,6 +480,16 @@ impl GpuGroup {
                 let (p, g) = o.src_info.device_ptr_mut(s);
                 slot.src_info = p;
                 guards.push(g);
+                if let Some(st) = o.recv_stats.as_mut() {
+                    let (p, g) = st.device_ptr_mut(s);
+                    slot.recv_stats = p;
+                    guards.push(g);
+                }
+                if let Some(st) = o.wait_stats.as_mut() {
+                    let (p, g) = st.device_ptr_mut(s);
+                    slot.wait_stats = p;
+                    guards.push(g);
+                }
             }
         }
         self.stage_on(Op::Dispatch, path, stage, &raw, &io)?;

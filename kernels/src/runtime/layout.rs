@@ -120,7 +120,9 @@ pub(crate) const NUM_BUFFERS: usize = 26;
 pub(crate) const SHRINK_DECISIONS: usize = 2 * NUM_KINDS;
 
 /// A rank's caller-supplied tensors for one call (`struct IoPtrs` in common.cuh): each nonzero
-/// address replaces the group's own buffer of that name; `ntok` points to an i32 token count.
+/// address replaces the group's own buffer of that name; `ntok` points to an i32 token count;
+/// `recv_stats` (i32 `[L]`) and `wait_stats` (i64 `[R]`) are the caller's statistics, added to
+/// where nonzero (stats.cuh).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct IoPtrs {
@@ -135,6 +137,8 @@ pub(crate) struct IoPtrs {
     pub layout: u64,
     pub src_info: u64,
     pub ntok: u64,
+    pub recv_stats: u64,
+    pub wait_stats: u64,
 }
 
 /// The kernels' second parameter (`struct IoTable`): one entry per rank of the launch, in rank
@@ -608,7 +612,7 @@ mod tests {
         let kp = std::mem::size_of::<KParams>();
         let entry = std::mem::size_of::<IoPtrs>();
         assert_eq!(kp, 176); // the same fields as common.cuh's KParams
-        assert_eq!(entry, 11 * 8);
+        assert_eq!(entry, 13 * 8);
         let narrow = Variant::for_group(32, 32, 132, false);
         let wide = Variant::for_group(256, 256, 132, true);
         assert_eq!(narrow, Variant::default());

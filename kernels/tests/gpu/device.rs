@@ -64,6 +64,10 @@ pub(crate) struct RankOut {
     pub(crate) layout: Guarded<i64>,
     pub(crate) src: Guarded<i32>,
     pub(crate) out: Guarded<u16>,
+    /// DeepEP's cumulative_local_expert_recv_stats `[L]` and dispatch_wait_recv_cost_stats
+    /// `[R]`, from zero: a good dispatch adds its counts and its waits.
+    pub(crate) recv_stats: Guarded<i32>,
+    pub(crate) wait_stats: Guarded<i64>,
 }
 
 impl RankOut {
@@ -77,6 +81,8 @@ impl RankOut {
             layout: Guarded::new(s, z.layout_range, -9),
             src: Guarded::new(s, z.src_info, -11),
             out: Guarded::new(s, cfg.max_tokens_per_rank * cfg.hidden, 0x4321),
+            recv_stats: Guarded::new(s, cfg.num_local_experts(), 0),
+            wait_stats: Guarded::new(s, cfg.num_ranks, 0),
         }
     }
     pub(crate) fn dispatch_out(&mut self) -> DeviceDispatchOut<'_> {
@@ -86,6 +92,8 @@ impl RankOut {
             recv_count: self.count.view_mut(),
             layout_range: self.layout.view_mut(),
             src_info: self.src.view_mut(),
+            recv_stats: Some(self.recv_stats.view_mut()),
+            wait_stats: Some(self.wait_stats.view_mut()),
         }
     }
     /// The dispatch output in the oracle's form (guards checked).
@@ -299,6 +307,18 @@ pub(crate) fn device_case(
                 cfg.describe()
             );
         }
+        if !owned {
+            // One good call on zeroed statistics: they hold its counts, and a wait per
+            // source that is never negative (none for the one-rank path, which waits for
+            // nobody, or for NCCL sources, which arrive before the kernel).
+            let counts = outs[q].count.read(st(q), "recv_count");
+            assert_eq!(outs[q].recv_stats.read(st(q), "recv_stats"), counts);
+            let waits = outs[q].wait_stats.read(st(q), "wait_stats");
+            assert!(waits.iter().all(|&w| w >= 0), "{waits:?}");
+            if r > 1 && !g.uses_nccl() {
+                assert!(waits.iter().any(|&w| w > 0), "no wait counted: {waits:?}");
+            }
+        }
         let n = want_c[q].len();
         let bits = outs[q].out.read(st(q), "out");
         let got_c: Vec<bf16> = bits[..n].iter().map(|&b| bf16::from_bits(b)).collect();
@@ -357,6 +377,8 @@ impl RankOut {
         }
         self.src.all_fill(s, "src_info");
         self.out.all_fill(s, "out");
+        // A failed call adds no rows to the statistics (its waits may count).
+        self.recv_stats.all_fill(s, "recv_stats");
         let _ = self.count.read(s, "recv_count");
         let _ = self.layout.read(s, "layout_range");
     }

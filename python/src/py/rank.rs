@@ -472,7 +472,7 @@ impl GpuRank {
         self.release();
         if r.is_ok() {
             let ts = [x, topk_idx, recv_x, recv_count, src_info, layout_range];
-            self.held_dispatch = Some(hold(&ts, &[recv_x_scales]));
+            self.held_dispatch = Some(hold(&ts, &[recv_x_scales, recv_stats, wait_stats]));
         }
         r
     }
