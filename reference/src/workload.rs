@@ -199,20 +199,9 @@ impl Workload {
         self.topk_idx.iter().flatten().filter(|&&e| e >= 0).count()
     }
 
-    /// The rows each local expert of each rank receives from this routing, without a mask:
-    /// every rank's `recv_count`, from the routing alone (what
-    /// [`Workload::expert_outputs_received`] takes).
+    /// [`received_counts`] of this workload's routing.
     pub fn received_counts(&self) -> Vec<Vec<i32>> {
-        let cfg = &self.config;
-        let l = cfg.num_local_experts();
-        let mut counts = vec![vec![0i32; l]; cfg.num_ranks];
-        for &e in self.topk_idx.iter().flatten() {
-            let Ok(e) = usize::try_from(e) else { continue };
-            if let Some(c) = counts.get_mut(e / l).and_then(|v| v.get_mut(e % l)) {
-                *c = c.saturating_add(1);
-            }
-        }
-        counts
+        received_counts(&self.config, &self.topk_idx)
     }
 
     pub fn dispatch_inputs(&self) -> Vec<RankInput<'_>> {
@@ -281,6 +270,21 @@ impl Workload {
             })
             .collect()
     }
+}
+
+/// The rows each local expert of each rank receives from `topk_idx` (every rank's routing),
+/// without a mask: every rank's `recv_count`, from the routing alone (what
+/// [`Workload::expert_outputs_received`] takes). Ids outside `[0, E)` count nowhere.
+pub fn received_counts<T: AsRef<[i64]>>(cfg: &Config, topk_idx: &[T]) -> Vec<Vec<i32>> {
+    let l = cfg.num_local_experts();
+    let mut counts = vec![vec![0i32; l]; cfg.num_ranks];
+    for &e in topk_idx.iter().flat_map(|t| t.as_ref()) {
+        let Ok(e) = usize::try_from(e) else { continue };
+        if let Some(c) = counts.get_mut(e / l).and_then(|v| v.get_mut(e % l)) {
+            *c = c.saturating_add(1);
+        }
+    }
+    counts
 }
 
 #[cfg(test)]
