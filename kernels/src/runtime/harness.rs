@@ -135,7 +135,7 @@ impl GpuGroup {
 
     /// Uploads every rank's combine inputs (y in the dispatch layout, and the weights), checked
     /// against the routing of the last dispatch upload. Of y only the rows that routing sends
-    /// each local expert go up ([`received_rows`]): combine reads no other row, and the L x R*T
+    /// each local expert go up (`received_rows`): combine reads no other row, and the L x R*T
     /// capacity is E x T rows per rank whatever is sent.
     pub fn upload_combine_inputs(
         &mut self,
