@@ -137,15 +137,11 @@ pub fn expert_outputs(cfg: &Config, dispatch: &[DispatchOutput], seed: u64) -> V
         .collect()
 }
 
-/// `len` zero bf16 values from the allocator's zeroed pages: unlike `vec![bf16::ZERO; len]`,
-/// which writes every element, untouched pages cost no physical memory.
+/// `len` zero bf16 values from the allocator's zeroed pages
+/// (`ep_reference::numerics::bf16::zeroed`): unlike `vec![bf16::ZERO; len]`, which writes every
+/// element, untouched pages cost no physical memory.
 pub fn zeroed_bf16(len: usize) -> Vec<bf16> {
-    let mut v = std::mem::ManuallyDrop::new(vec![0u16; len]);
-    let (ptr, len, cap) = (v.as_mut_ptr(), v.len(), v.capacity());
-    // SAFETY: `bf16` is `#[repr(transparent)]` over `u16` (same size and alignment, every bit
-    // pattern valid), so the allocation of a Vec<u16> is a valid Vec<bf16> of the same length
-    // and capacity; the original Vec is never dropped (ManuallyDrop).
-    unsafe { Vec::from_raw_parts(ptr as *mut bf16, len, cap) }
+    ep_reference::numerics::bf16::zeroed(len)
 }
 
 /// Every rank's dispatch (untimed) into its reused output; the handles in rank order.

@@ -198,7 +198,8 @@ pub fn phase_profile(spec: &BenchSpec) -> Result<String, BenchError> {
     let be = |e: ep_kernels::GpuError| BenchError::Backend(format!("profile: {e}"));
     let cfg = spec.cfg;
     let w = spec.workload();
-    let y = w.expert_outputs(spec.seed);
+    // Drawn for the received rows only (the upload takes no other row).
+    let y = w.expert_outputs_received(spec.seed, &w.received_counts());
     let mut g = GpuGroup::new(
         &cfg,
         GpuOptions {

@@ -104,15 +104,8 @@ fn no_inputs(cfg: &Config) -> Workload {
 /// `recv_count` of every rank's dispatch output, from the routing alone (valid slots per
 /// expert, summed over the sources).
 pub fn received_counts(cfg: &Config, data: &[RankData]) -> Vec<Vec<i32>> {
-    let l = cfg.num_local_experts();
-    let mut counts = vec![vec![0i32; l]; cfg.num_ranks];
-    for d in data {
-        for &e in d.topk_idx.iter().filter(|&&e| e >= 0) {
-            let e = e as usize;
-            counts[e / l][e % l] += 1;
-        }
-    }
-    counts
+    let topk: Vec<&[i64]> = data.iter().map(|d| d.topk_idx.as_slice()).collect();
+    workload::received_counts(cfg, &topk)
 }
 
 /// [`random_y`] for the rows a dispatch filled only (`Workload::expert_outputs_received`):

@@ -35,12 +35,13 @@ pub struct DispatchOutput {
 }
 
 impl DispatchOutput {
-    /// An output with every buffer allocated (zeroed) for `cfg`.
+    /// An output with every buffer allocated (zeroed) for `cfg`, on zeroed pages: only the
+    /// rows a dispatch writes cost memory.
     pub fn zeroed(cfg: &Config) -> DispatchOutput {
         let l = cfg.num_local_experts();
         let rows = l * cfg.rows_per_expert();
         let recv_x = match cfg.mode {
-            Mode::Bf16 => RecvX::Bf16(vec![bf16::ZERO; rows * cfg.hidden]),
+            Mode::Bf16 => RecvX::Bf16(crate::numerics::bf16::zeroed(rows * cfg.hidden)),
             Mode::Fp8 { .. } => RecvX::Fp8(vec![0u8; rows * cfg.hidden]),
         };
         let recv_scales = match cfg.mode {

@@ -199,6 +199,11 @@ impl Workload {
         self.topk_idx.iter().flatten().filter(|&&e| e >= 0).count()
     }
 
+    /// [`received_counts`] of this workload's routing.
+    pub fn received_counts(&self) -> Vec<Vec<i32>> {
+        received_counts(&self.config, &self.topk_idx)
+    }
+
     pub fn dispatch_inputs(&self) -> Vec<RankInput<'_>> {
         (0..self.x.len())
             .map(|r| RankInput {
@@ -232,9 +237,10 @@ impl Workload {
 
     /// As [`Workload::expert_outputs`], drawn only for the rows a dispatch filled: rows
     /// `0..recv_counts[r][l]` of local expert l on rank r (a count is clamped to 0..R*T), every
-    /// other row zero (rows past a count carry no meaning; combine never reads them). The whole
-    /// L x R*T capacity grows as R^2 per rank (7.5 G values for 64 ranks with two experts each at
-    /// T = 128, H = 7168); the received rows are at most R*T*K.
+    /// other row zero on pages never written (rows past a count carry no meaning; combine never
+    /// reads them). The L x R*T capacity is E x T rows per rank (470 MB at E = 256, T = 128,
+    /// H = 7168, whatever R); the received rows are at most R*T*K over all ranks, and only their
+    /// pages cost memory.
     pub fn expert_outputs_received(&self, seed: u64, recv_counts: &[Vec<i32>]) -> Vec<Vec<bf16>> {
         let cfg = &self.config;
         let mut rng = StdRng::seed_from_u64(seed ^ 0x9E37_79B9_7F4A_7C15);
@@ -243,7 +249,7 @@ impl Workload {
         recv_counts
             .iter()
             .map(|counts| {
-                let mut y = vec![bf16::ZERO; len];
+                let mut y = crate::numerics::bf16::zeroed(len);
                 for (l, &n) in counts.iter().enumerate() {
                     let n = usize::try_from(n).unwrap_or(0).min(rows);
                     for v in &mut y[l * rows * h..(l * rows + n) * h] {
@@ -263,5 +269,68 @@ impl Workload {
                 topk_weights: &self.topk_weights[r],
             })
             .collect()
+    }
+}
+
+/// The rows each local expert of each rank receives from `topk_idx` (every rank's routing),
+/// without a mask: every rank's `recv_count`, from the routing alone (what
+/// [`Workload::expert_outputs_received`] takes). Ids outside `[0, E)` count nowhere.
+pub fn received_counts<T: AsRef<[i64]>>(cfg: &Config, topk_idx: &[T]) -> Vec<Vec<i32>> {
+    let l = cfg.num_local_experts();
+    let mut counts = vec![vec![0i32; l]; cfg.num_ranks];
+    for &e in topk_idx.iter().flat_map(|t| t.as_ref()) {
+        let Ok(e) = usize::try_from(e) else { continue };
+        if let Some(c) = counts.get_mut(e / l).and_then(|v| v.get_mut(e % l)) {
+            *c = c.saturating_add(1);
+        }
+    }
+    counts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Mode;
+
+    /// The counts from the routing are the oracle's recv_count, for every routing kind (ranks
+    /// without tokens included).
+    #[test]
+    fn received_counts_are_the_oracles_recv_count() {
+        let cfg = Config::new(4, 16, 8, 128, 4, Mode::Bf16).unwrap();
+        for routing in [
+            Routing::Random { masked: 0.2 },
+            Routing::OneExpert,
+            Routing::EveryRank,
+        ] {
+            let w = Workload::generate(&cfg, &[8, 3, 0, 8], routing, 5);
+            let want: Vec<Vec<i32>> = crate::oracle::dispatch(&cfg, &w.dispatch_inputs())
+                .unwrap()
+                .into_iter()
+                .map(|o| o.recv_count)
+                .collect();
+            assert_eq!(w.received_counts(), want, "{routing:?}");
+            assert!(want.iter().flatten().any(|&c| c > 0));
+        }
+    }
+
+    /// Drawn for the received rows only: every row below its expert's count has values, every
+    /// row past it is zero.
+    #[test]
+    fn expert_outputs_received_fill_the_received_rows_only() {
+        let cfg = Config::new(2, 4, 3, 16, 2, Mode::Bf16).unwrap(); // L = 2, R*T = 6 rows
+        let w = Workload::uniform(&cfg, 3, Routing::Random { masked: 0.0 }, 1);
+        let counts = w.received_counts();
+        let ys = w.expert_outputs_received(9, &counts);
+        let (h, rows) = (cfg.hidden, cfg.rows_per_expert());
+        for (r, y) in ys.iter().enumerate() {
+            assert_eq!(y.len(), 2 * rows * h);
+            for (l, &n) in counts[r].iter().enumerate() {
+                for row in 0..rows {
+                    let v = &y[(l * rows + row) * h..(l * rows + row + 1) * h];
+                    let drawn = v.iter().any(|b| b.to_bits() != 0);
+                    assert_eq!(drawn, row < n as usize, "rank {r} expert {l} row {row}");
+                }
+            }
+        }
     }
 }

@@ -53,11 +53,26 @@ fn bf16_views(
         .collect()
 }
 
-/// Times the receive-hook split of `path`: uploads every rank's inputs to buffers of its own
-/// (on one new stream per GPU of the group), runs `warmup` split pairs and checks the last
-/// combine bit for bit against `want_combine` (the oracle's), then times `iters` pairs with
-/// events around each half, then profiles `iters` more under CUPTI. Synchronises before it
-/// returns (also on errors: the buffers it frees are idle).
+/// The group's own `y` of one rank ([`GpuGroup::own_y`]) seen as a cudarc slice for the hook
+/// split's calls; dropping it gives the address back without freeing it (the group owns it).
+struct BorrowedY(Option<cudarc::driver::CudaSlice<u16>>);
+
+impl Drop for BorrowedY {
+    fn drop(&mut self) {
+        if let Some(s) = self.0.take() {
+            let _ = s.leak();
+        }
+    }
+}
+
+/// Times the receive-hook split of `path`: uploads every rank's x, topk_idx and weights to
+/// buffers of its own (on one new stream per GPU of the group) and combines the group's own y
+/// (what the harness's last combine upload put there: the y `want_combine` was computed from;
+/// a second L x R*T x H copy per rank would not fit beside the group at 64 ranks and more),
+/// runs `warmup` split pairs and checks the last combine bit for bit against `want_combine`
+/// (the oracle's), then times `iters` pairs with events around each half, then profiles
+/// `iters` more under CUPTI. Synchronises before it returns (also on errors: the buffers it
+/// frees are idle).
 #[allow(clippy::too_many_arguments)]
 pub fn hook_split(
     g: &mut GpuGroup,
@@ -65,7 +80,6 @@ pub fn hook_split(
     x: &[Vec<bf16>],
     topk_idx: &[Vec<i64>],
     topk_weights: &[Vec<f32>],
-    y: &[Vec<bf16>],
     want_combine: &[Vec<bf16>],
     iters: usize,
     warmup: usize,
@@ -94,12 +108,13 @@ pub fn hook_split(
         x: CudaSlice<u16>,
         t: CudaSlice<i64>,
         w: CudaSlice<f32>,
-        y: CudaSlice<u16>,
+        y: BorrowedY,
     }
     let mut bufs = Vec::with_capacity(r);
     let mut outbufs: Vec<CudaSlice<u16>> = Vec::with_capacity(r);
     for q in 0..r {
         let s = st(q);
+        let (y_ptr, y_len) = g.own_y(q)?;
         let up = |e| gerr("upload", e);
         // Zero-length inputs (a rank without tokens) still need a valid allocation.
         let pad = |v: Vec<u16>| if v.is_empty() { vec![0u16] } else { v };
@@ -117,14 +132,20 @@ pub fn hook_split(
             x: s.clone_htod(&pad(bits(&x[q]))).map_err(up)?,
             t: s.clone_htod(&t).map_err(up)?,
             w: s.clone_htod(&w).map_err(up)?,
-            y: s.clone_htod(&bits(&y[q])).map_err(up)?,
+            // SAFETY: rank q's own y, `y_len` bf16 (u16) values on this GPU's context, which
+            // the group keeps until it drops; every use is on `s` before this function
+            // synchronises and returns, and the slice is given back unfreed (BorrowedY).
+            y: BorrowedY(Some(unsafe { s.upgrade_device_ptr::<u16>(y_ptr, y_len) })),
         });
         outbufs.push(s.alloc_zeros(x[q].len().max(1)).map_err(up)?);
     }
     let xs: Vec<_> = bufs.iter().map(|b| bf16_view(&b.x)).collect();
     let ts: Vec<_> = bufs.iter().map(|b| b.t.slice(..)).collect();
     let ws: Vec<_> = bufs.iter().map(|b| b.w.slice(..)).collect();
-    let ys: Vec<_> = bufs.iter().map(|b| bf16_view(&b.y)).collect();
+    let ys: Vec<_> = bufs
+        .iter()
+        .map(|b| bf16_view(b.y.0.as_ref().expect("present until drop")))
+        .collect();
     let dins: Vec<DispatchIn> = (0..r)
         .map(|q| DispatchIn {
             x: &xs[q],

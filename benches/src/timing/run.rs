@@ -5,9 +5,10 @@ use crate::timing::events::time_path;
 use crate::timing::hook::{hook_split, HookError, HookSplit};
 use crate::timing::kernel::{kernel_times, KernelTimes};
 use crate::wire::{accounting, nccl_accounting};
-use ep_kernels::runtime::{GpuGroup, GpuOptions, NcclSizes, Path, Transport};
+use ep_kernels::runtime::{Buffers, GpuGroup, GpuOptions, NcclSizes, Path, Transport};
 use ep_reference::oracle::{self, CombineInput, RankInput};
-use ep_reference::Config;
+use ep_reference::workload::received_counts;
+use ep_reference::{Config, DispatchOutput, Op};
 use half::bf16;
 
 /// One path's timings. `dispatch_us`/`combine_us` are CUDA-event figures (stream time from the
@@ -43,8 +44,10 @@ pub struct GpuReport {
     pub paths: Vec<GpuTimings>,
 }
 
-/// Runs both paths on the same inputs (one Vec per rank), checks both bitwise against the oracle
-/// first (Err if not equal), then times each path with CUDA events: `warmup` calls, then `iters`
+/// Runs both paths on the same inputs (one Vec per rank), each on a group of its own that
+/// holds that path's receive area only ([`HostSide`] computes the oracle's outputs once for
+/// both), checks both bitwise against the oracle first (Err if not equal; the received rows of
+/// each rank), then times each path with CUDA events: `warmup` calls, then `iters`
 /// timed calls, each sample one dispatch or one combine launch (events around the launch on
 /// every device; the sample is the slowest device's). On one GPU the timed calls are replayed
 /// from a CUDA graph (event nodes inside the graph); on several, launched one by one. Then
@@ -75,7 +78,8 @@ pub fn run(
     )
 }
 
-/// [`run`] with the group's options (transport, NCCL sizing) and the choice of graph replay
+/// [`run`] with the groups' options (transport, NCCL sizing; `buffers` is set per path) and
+/// the choice of graph replay
 /// (`graph`, one GPU only) or one launch per call. Over NCCL the calls are
 /// launched one by one (exact sizes read headers on the host mid-call: nothing to capture), the
 /// per-expert path runs exact sizes whatever `opts.nccl_sizes` says (capacity would send L*T
@@ -95,51 +99,34 @@ pub fn run_with(
     let num_gpus = opts.num_gpus;
     let nccl = opts.transport == Transport::Nccl;
     let inner = || -> Result<GpuReport, String> {
-        let inputs: Vec<RankInput> = (0..cfg.num_ranks)
-            .map(|r| RankInput {
-                x: &x[r],
-                topk_idx: &topk_idx[r],
-            })
-            .collect();
-        let want = oracle::dispatch(cfg, &inputs).map_err(|e| e.to_string())?;
-        // Expert outputs: y derived from the received rows would need a dequantization; any y
-        // in the dispatch layout is a valid combine input, so use a fixed random one, drawn for
-        // the received rows only (drawing the whole L x R*T capacity took ep-bench past its
-        // time limit at 64 ranks: 15 GB of values, most of them never read).
-        let counts: Vec<Vec<i32>> = want.iter().map(|o| o.recv_count.clone()).collect();
-        let y = ep_kernels::testing::random_y_received(
-            cfg,
-            &counts,
-            &mut ep_kernels::testing::Rng::new(7),
-        );
-        let cin: Vec<CombineInput> = (0..cfg.num_ranks)
-            .map(|r| CombineInput {
-                y: &y[r],
-                topk_idx: &topk_idx[r],
-                topk_weights: &topk_weights[r],
-            })
-            .collect();
-        let want_c = oracle::combine(cfg, &cin).map_err(|e| e.to_string())?;
-        let mut g = GpuGroup::new(cfg, opts).map_err(|e| e.to_string())?;
-        let device = g.describe_devices();
+        let host = HostSide::new(cfg, x, topk_idx, topk_weights)?;
+        let mut device = String::new();
+        let mut gpus = 0;
         let mut paths = Vec::new();
         for path in Path::ALL {
+            // One group per path, holding that path's receive area only, dropped before the
+            // next path's is built: at R = 128 on one GPU 116.7 GiB, against 131.2 GiB for
+            // one group of both paths (`crate::memory::gpu_device_bytes`, `ep-scale bench`).
+            let path_opts = GpuOptions {
+                buffers: Buffers {
+                    path: Some(path),
+                    own_tensors: true,
+                },
+                ..opts
+            };
+            let mut g = GpuGroup::new(cfg, path_opts).map_err(|e| e.to_string())?;
+            device = g.describe_devices();
+            gpus = g.num_gpus();
             let sizes = match path {
                 Path::PerExpert => NcclSizes::Exact,
                 Path::Batched => opts.nccl_sizes,
             };
             g.set_nccl_sizes(sizes);
-            let got = g.dispatch(path, x, topk_idx).map_err(|e| e.to_string())?;
-            for (r, (a, b)) in got.iter().zip(&want).enumerate() {
-                if let Some(d) = a.diff(b) {
-                    return Err(format!(
-                        "{} dispatch differs from the oracle on rank {r}: {d}",
-                        path.name()
-                    ));
-                }
-            }
+            check_dispatch(&mut g, path, x, topk_idx, &host.want)?;
+            let y = &host.y;
+            let want_c = &host.want_c;
             let got_c = g
-                .combine(path, &y, topk_weights)
+                .combine(path, y, topk_weights)
                 .map_err(|e| e.to_string())?;
             for r in 0..cfg.num_ranks {
                 if got_c[r]
@@ -153,18 +140,19 @@ pub fn run_with(
                     ));
                 }
             }
+            drop(got_c);
             let graph = graph && num_gpus == 1 && !nccl;
             let (dt, ct) =
                 time_path(&mut g, path, iters, warmup, graph).map_err(|e| e.to_string())?;
             let kernel = kernel_times(&mut g, path, iters, graph);
+            // The split combines the group's own y, which the combine above uploaded.
             let hook = match hook_split(
                 &mut g,
                 path,
                 x,
                 topk_idx,
                 topk_weights,
-                &y,
-                &want_c,
+                want_c,
                 iters,
                 warmup,
             ) {
@@ -194,10 +182,97 @@ pub fn run_with(
         }
         Ok(GpuReport {
             device,
-            num_gpus: g.num_gpus(),
+            num_gpus: gpus,
             paths,
         })
     };
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(inner))
         .unwrap_or_else(|_| Err("GPU benchmark panicked".into()))
+}
+
+/// What the host holds for a GPU run: the oracle's outputs and the expert outputs, each sized
+/// by what the routing sends, not by the L x R*T capacity (E x T rows per rank, 470 MB of y at
+/// E = 256, T = 128, H = 7168, whatever R): the capacity-shaped buffers sit on zeroed pages
+/// (`DispatchOutput::zeroed`, `ep_reference::numerics::bf16::zeroed`) of which only the
+/// received rows are ever written.
+pub struct HostSide {
+    /// Every rank's dispatch output as the oracle computes it.
+    pub want: Vec<DispatchOutput>,
+    /// Every rank's expert outputs, drawn for the received rows only
+    /// (`testing::random_y_received`; any y in the dispatch layout is a valid combine input).
+    pub y: Vec<Vec<bf16>>,
+    /// Every rank's combine output as the oracle computes it from `y`.
+    pub want_c: Vec<Vec<bf16>>,
+}
+
+impl HostSide {
+    /// Computed once per run, before any group is built.
+    pub fn new(
+        cfg: &Config,
+        x: &[Vec<bf16>],
+        topk_idx: &[Vec<i64>],
+        topk_weights: &[Vec<f32>],
+    ) -> Result<HostSide, String> {
+        let inputs: Vec<RankInput> = (0..cfg.num_ranks)
+            .map(|r| RankInput {
+                x: &x[r],
+                topk_idx: &topk_idx[r],
+            })
+            .collect();
+        // The oracle's dispatch on a thread of its own beside y and the oracle's combine, which
+        // need the counts only (at R = 64 on a development machine: 3.7 s against 4.0 + 3.4 s).
+        let counts = received_counts(cfg, topk_idx);
+        let (want, y_want_c) = std::thread::scope(|s| {
+            let want = s.spawn(|| oracle::dispatch(cfg, &inputs).map_err(|e| e.to_string()));
+            let y = ep_kernels::testing::random_y_received(
+                cfg,
+                &counts,
+                &mut ep_kernels::testing::Rng::new(7),
+            );
+            let cin: Vec<CombineInput> = (0..cfg.num_ranks)
+                .map(|r| CombineInput {
+                    y: &y[r],
+                    topk_idx: &topk_idx[r],
+                    topk_weights: &topk_weights[r],
+                })
+                .collect();
+            let want_c = oracle::combine(cfg, &cin).map_err(|e| e.to_string());
+            let want = want
+                .join()
+                .unwrap_or_else(|_| Err("the oracle's dispatch panicked".into()));
+            (want, want_c.map(|c| (y, c)))
+        });
+        let (y, want_c) = y_want_c?;
+        Ok(HostSide {
+            want: want?,
+            y,
+            want_c,
+        })
+    }
+}
+
+/// One dispatch of every rank on `path` through the host harness, each rank's output read back
+/// (its received rows: `GpuGroup::read_dispatch_output`) and compared with the oracle's before
+/// the next is read, so that one rank's copy is held at a time.
+fn check_dispatch(
+    g: &mut GpuGroup,
+    path: Path,
+    x: &[Vec<bf16>],
+    topk_idx: &[Vec<i64>],
+    want: &[DispatchOutput],
+) -> Result<(), String> {
+    let gpu = |e: ep_kernels::GpuError| e.to_string();
+    g.upload_dispatch_inputs(x, topk_idx).map_err(gpu)?;
+    g.launch(Op::Dispatch, path).map_err(gpu)?;
+    g.sync().map_err(gpu)?;
+    for (r, b) in want.iter().enumerate() {
+        let a = g.read_dispatch_output(r).map_err(gpu)?;
+        if let Some(d) = a.diff(b) {
+            return Err(format!(
+                "{} dispatch differs from the oracle on rank {r}: {d}",
+                path.name()
+            ));
+        }
+    }
+    Ok(())
 }

@@ -24,6 +24,15 @@ pub fn from_f32_rne(x: f32) -> bf16 {
     bf16::from_bits((rounded >> 16) as u16)
 }
 
+/// `len` zero bf16 values on the allocator's zeroed pages (`vec![0u16; len]`, reinterpreted
+/// without a copy): unlike `vec![bf16::ZERO; len]`, which writes every element, pages never
+/// written cost no physical memory. The capacity-sized layouts (L x R*T rows per rank) are
+/// mostly rows no call fills.
+pub fn zeroed(len: usize) -> Vec<bf16> {
+    use half::vec::HalfBitsVecExt;
+    vec![0u16; len].reinterpret_into()
+}
+
 /// bf16 -> f32 is exact.
 pub fn to_f32(x: bf16) -> f32 {
     f32::from_bits((x.to_bits() as u32) << 16)

@@ -9,8 +9,14 @@
 //! - `ep-scale floor` (no GPU needed): per R (E fixed by `--experts`, 256), FP8
 //!   dispatch, one rank's bytes: the floor of the per-destination layout (what it must hold: the
 //!   R x T batch entries it receives, the T x K combine rows it gets back, headers and signals),
-//!   what one buffer set of ours holds (the whole layout; a batched-only group without its own
-//!   tensors, `GpuOptions::buffers`), both sets, and DeepEP's hint (its two buffers).
+//!   what one buffer set of ours allocates (the size hint, in whole 2 MiB pages: the whole
+//!   layout; a batched-only group without its own tensors, `GpuOptions::buffers`), both sets,
+//!   and DeepEP's hint (its two buffers).
+//! - `ep-scale bench` (no GPU needed): per R (E fixed by `--experts`, 256), FP8 dispatch, what
+//!   `ep-bench --backend gpu --ranks R` holds with every rank on one GPU
+//!   (`ep_benches::memory::gpu_device_bytes`: one path's group at a time and the receive-hook
+//!   split's buffers; a group of both paths beside it), and the host memory it writes
+//!   (`ep_benches::memory::estimate`).
 //! - `ep-scale setup` (GPU): `GpuGroup::new` timed for each R (virtual ranks on one GPU; the
 //!   first build of each kernel variant compiles, so each R is built twice and both times
 //!   printed), or why it cannot (memory, residency).
@@ -19,7 +25,7 @@
 //! `--ranks R1,R2,..` (8,16,32,64,128,256).
 
 use ep_kernels::runtime::{
-    bytes_per_rank_with, entry_bytes, footprint, smem_bytes, Variant, MAX_RANKS, SMEM_LIMIT_SM90,
+    bytes_per_rank_with, entry_bytes, hint_bytes, smem_bytes, Variant, MAX_RANKS, SMEM_LIMIT_SM90,
 };
 use ep_kernels::{Buffers, GpuGroup, GpuOptions};
 use ep_reference::{Config, Mode, Path};
@@ -60,7 +66,7 @@ fn parse() -> Result<Opts, String> {
     while let Some(a) = args.next() {
         let mut val = || args.next().ok_or_else(|| format!("{a} needs a value"));
         match a.as_str() {
-            "sizes" | "setup" | "floor" if o.what.is_empty() => o.what = a.clone(),
+            "sizes" | "setup" | "floor" | "bench" if o.what.is_empty() => o.what = a.clone(),
             "--tokens" => o.tokens = val()?.parse().map_err(|e| format!("--tokens: {e}"))?,
             "--hidden" => o.hidden = val()?.parse().map_err(|e| format!("--hidden: {e}"))?,
             "--top-k" => o.top_k = val()?.parse().map_err(|e| format!("--top-k: {e}"))?,
@@ -69,7 +75,7 @@ fn parse() -> Result<Opts, String> {
             "--experts" => o.experts = val()?.parse().map_err(|e| format!("--experts: {e}"))?,
             "-h" | "--help" => {
                 return Err(
-                    "usage: ep-scale sizes|setup|floor [--tokens T] [--experts E] [--hidden H] [--top-k K] \
+                    "usage: ep-scale sizes|setup|floor|bench [--tokens T] [--experts E] [--hidden H] [--top-k K] \
                             [--local L1,L2,..] [--ranks R1,R2,..]"
                         .into(),
                 )
@@ -166,6 +172,8 @@ fn floor(o: &Opts) -> Result<(), String> {
         o.tokens, o.hidden, o.top_k
     );
     println!("| R | floor (1 set) | ours, whole layout (1 set) | ours, batched only, caller's tensors (1 set) | same, 2 sets | DeepEP hint (2 buffers) |");
+    // Ours: what a rank allocates, the Python Buffer's size hint (each set one cuMemAlloc in
+    // whole 2 MiB pages; `runtime::hint_bytes`).
     println!("|---|---|---|---|---|---|");
     let lean = GpuOptions {
         buffers: Buffers {
@@ -180,15 +188,58 @@ fn floor(o: &Opts) -> Result<(), String> {
         }
         let cfg = Config::new(r, e, o.tokens, o.hidden, o.top_k, Mode::FP8)
             .map_err(|err| format!("R = {r}: {err}"))?;
-        let full = bytes_per_rank_with(&cfg, false).map_err(|e| e.to_string())?;
-        let one = footprint(&cfg, &lean, false).map_err(|e| e.to_string())?;
+        let err = |e: ep_kernels::GpuError| e.to_string();
+        let full = hint_bytes(&cfg, &GpuOptions::default(), false, 1).map_err(err)?;
+        let one = hint_bytes(&cfg, &lean, false, 1).map_err(err)?;
+        let two = hint_bytes(&cfg, &lean, false, 2).map_err(err)?;
         println!(
             "| {r} | {} | {} | {} | {} | {} |",
             mib(floor_bytes(&cfg)),
             mib(full),
             mib(one),
-            mib(2 * one),
+            mib(two),
             mib(deepep_hint(o.tokens, o.hidden, r, e)),
+        );
+    }
+    Ok(())
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.1}", b as f64 / (1u64 << 30) as f64)
+}
+
+/// What `ep-bench --backend gpu --ranks R` holds, all ranks on one GPU.
+fn bench(o: &Opts) -> Result<(), String> {
+    let e = o.experts;
+    println!(
+        "ep-bench --backend gpu --ranks R on one GPU (T = {}, H = {}, K = {}, E = {e}, FP8 \
+         dispatch; `ep-scale bench`)\n",
+        o.tokens, o.hidden, o.top_k
+    );
+    println!("| R | group per rank, MiB (the larger path's) | both paths in one group, MiB | hook split per rank, MiB | GPU, GiB (one path's group + split) | GPU, GiB (both paths in one group + split) | host, GB (ep-bench's estimate) |");
+    println!("|---|---|---|---|---|---|---|");
+    let gpu = ep_benches::backend::Backend::Gpu(String::new());
+    for &r in &o.ranks {
+        if !e.is_multiple_of(r) {
+            continue;
+        }
+        let cfg = Config::new(r, e, o.tokens, o.hidden, o.top_k, Mode::FP8)
+            .map_err(|err| format!("R = {r}: {err}"))?;
+        let b = ep_benches::memory::gpu_device_bytes(&cfg, r, false)
+            .ok_or_else(|| format!("R = {r}: the sizes overflow"))?;
+        let both = bytes_per_rank_with(&cfg, false)
+            .map_err(|e| e.to_string())?
+            .next_multiple_of(ep_kernels::runtime::ALLOC_GRANULE) as u64;
+        let both_total = (both + b.hook_per_rank) * r as u64 + (1 << 20);
+        let host = ep_benches::memory::estimate(&cfg, o.tokens, &gpu).touched;
+        println!(
+            "| {r} | {} | {} | {:.1} | {} | {} | {:.1} |",
+            mib(b.group_per_rank as usize),
+            mib(both as usize),
+            b.hook_per_rank as f64 / (1 << 20) as f64,
+            gib(b.total),
+            gib(both_total),
+            host as f64 / 1e9,
         );
     }
     Ok(())
@@ -249,6 +300,7 @@ fn main() -> ExitCode {
     let r = match o.what.as_str() {
         "setup" => setup(&o),
         "floor" => floor(&o),
+        "bench" => bench(&o),
         _ => sizes(&o),
     };
     match r {
