@@ -181,6 +181,8 @@ pub fn virtual_layer(
                     recv_count: b.count.slice_mut(..),
                     layout_range: b.layout.slice_mut(..),
                     src_info: b.src.slice_mut(..),
+                    recv_stats: None,
+                    wait_stats: None,
                 };
                 ((&b.x, &b.topk, b.n), o)
             })
@@ -247,6 +249,8 @@ pub fn rank_layer(
             recv_count: b.count.slice_mut(..),
             layout_range: b.layout.slice_mut(..),
             src_info: b.src.slice_mut(..),
+            recv_stats: None,
+            wait_stats: None,
         };
         ep.dispatch(path, s, &x, &t, Tokens::Host(b.n), Some(&mut out))?
     };
