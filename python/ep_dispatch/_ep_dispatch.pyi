@@ -48,7 +48,8 @@ class CallSpec:
     def check_dispatch(self, x: Any, topk_idx: Any, recv_x: Any, recv_x_scales: Optional[Any],
                        recv_count: Any, src_info: Any, layout_range: Any,
                        recv_stats: Optional[Any] = None, wait_stats: Optional[Any] = None
-                       ) -> Tuple[int, Ptr, Ptr, Ptr, Optional[Ptr], Ptr, Ptr, Ptr]: ...
+                       ) -> Tuple[int, Ptr, Ptr, Ptr, Optional[Ptr], Ptr, Ptr, Ptr,
+                                  Optional[Ptr], Optional[Ptr]]: ...
     def check_combine(self, num_tokens: int, x: Any, topk_idx: Any, topk_weights: Any,
                       out: Any, wait_stats: Optional[Any] = None) -> Tuple[Ptr, Ptr, Ptr, Ptr]: ...
 

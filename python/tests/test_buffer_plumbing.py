@@ -87,7 +87,8 @@ class FakeRank:
 
     def dispatch(self, stream, *tensors):
         self.poll()  # the native call's entry check
-        n, x, topk, recv_x, scales, count, src, layout = self.spec.check_dispatch(*tensors)
+        n, x, topk, recv_x, scales, count, src, layout, stats, _ = \
+            self.spec.check_dispatch(*tensors)
         L, R, T, H, K = self.E // self.w.R, self.w.R, self.T, self.H, self.K
         # A due receive half is enqueued ahead of a new call (as the native rank does).
         self.pending = None
@@ -102,17 +103,19 @@ class FakeRank:
         self.w.dispatch_calls[self.rank] = (
             read(x, torch.bfloat16, np.uint16).reshape(n, H).copy(),
             read(topk, torch.int64, np.int64).reshape(n, K).copy(),
-            (recv_x, scales, count, src, layout))
+            (recv_x, scales, count, src, layout, stats))
         if len(self.w.dispatch_calls) == R:
             calls = [self.w.dispatch_calls[r] for r in range(R)]
             self.w.dispatch_calls = {}
             outs = oracle.dispatch([c[0] for c in calls], [c[1] for c in calls], T, self.E,
                                    **self.mode)
-            for (_, _, (rx, sc, ct, si, lr)), o in zip(calls, outs):
+            for (_, _, (rx, sc, ct, si, lr, st)), o in zip(calls, outs):
                 write(rx, o.recv_x, 1)
                 if sc is not None:  # the Buffer's scales are column-major (DeepEP's strides)
                     write(sc, np.ascontiguousarray(o.recv_x_scales.transpose(0, 2, 1)), 1)
                 write(ct, o.recv_count, 4)
+                if st is not None:  # the kernels add the counts to the caller's stats
+                    write(st, read(st, torch.int32, np.int32) + o.recv_count.astype(np.int32), 4)
                 write(si, o.src_info, 4)
                 begin, cnt = o.layout_pairs()
                 write(lr, np.stack([begin, cnt], axis=-1).astype(np.int32), 8)  # (begin, count)

@@ -70,7 +70,8 @@ def dispatch_tensors(n=5, G=H // 128, scales_dtype=F32):
 
 def test_a_good_dispatch_gives_the_addresses_and_lengths():
     t = dispatch_tensors()
-    n, x, topk, rx, sc, count, src, layout = spec().check_dispatch(**t)
+    n, x, topk, rx, sc, count, src, layout, rs, ws = spec().check_dispatch(**t)
+    assert rs is None and ws is None
     assert n == 5
     assert x == (t["x"].ptr, 5 * H) and topk == (t["topk_idx"].ptr, 5 * K)
     assert rx == (t["recv_x"].ptr, L * RT * H)  # bytes
@@ -111,7 +112,9 @@ def test_the_stats_are_checked_too():
     with pytest.raises(ep.ArgumentError) as e:
         spec().check_dispatch(**t, wait_stats=Tensor(I64, (R + 1,)))
     assert e.value.argument == "dispatch_wait_recv_cost_stats"
-    spec().check_dispatch(**t, recv_stats=Tensor(I32, (L,)), wait_stats=Tensor(I64, (R,)))
+    rs, ws = Tensor(I32, (L,)), Tensor(I64, (R,))
+    got = spec().check_dispatch(**t, recv_stats=rs, wait_stats=ws)
+    assert got[8:] == ((rs.ptr, L), (ws.ptr, R))
 
 
 def test_bf16_and_ue8m0_dispatches():

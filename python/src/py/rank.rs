@@ -61,6 +61,20 @@ pub(super) struct CallSpec {
     dtypes: Dtypes,
 }
 
+/// What `CallSpec.check_dispatch` returns (see there).
+type DispatchAddrs = (
+    usize,
+    Ptr,
+    Ptr,
+    Ptr,
+    Option<Ptr>,
+    Ptr,
+    Ptr,
+    Ptr,
+    Option<Ptr>,
+    Option<Ptr>,
+);
+
 impl CallSpec {
     #[allow(clippy::too_many_arguments)]
     fn dispatch_ptrs(
@@ -207,10 +221,11 @@ impl CallSpec {
 
     /// Checks a dispatch's tensors (`layout_range`: `int32 [L, R, 2]`, the (begin, count) pairs);
     /// returns `(num_tokens, x, topk_idx, recv_x, recv_x_scales, recv_count, src_info,
-    /// layout_range)`, each tensor as `(data_ptr, length)`: elements, bytes for recv_x and its
-    /// scales, int64 entries for layout_range. What the native rank enqueues with.
+    /// layout_range, recv_stats, wait_stats)`, each tensor as `(data_ptr, length)`: elements,
+    /// bytes for recv_x and its scales, int64 entries for layout_range (None for statistics not
+    /// passed). What the native rank enqueues with.
     #[pyo3(signature = (x, topk_idx, recv_x, recv_x_scales, recv_count, src_info, layout_range, recv_stats=None, wait_stats=None))]
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    #[allow(clippy::too_many_arguments)]
     fn check_dispatch(
         &self,
         x: &Bound<'_, PyAny>,
@@ -222,7 +237,7 @@ impl CallSpec {
         layout_range: &Bound<'_, PyAny>,
         recv_stats: Option<&Bound<'_, PyAny>>,
         wait_stats: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<(usize, Ptr, Ptr, Ptr, Option<Ptr>, Ptr, Ptr, Ptr)> {
+    ) -> PyResult<DispatchAddrs> {
         let p = self.dispatch_ptrs(
             x,
             topk_idx,
@@ -243,6 +258,8 @@ impl CallSpec {
             p.recv_count,
             p.src_info,
             p.layout_range,
+            p.recv_stats,
+            p.wait_stats,
         ))
     }
 
