@@ -30,8 +30,13 @@ pub const POISON_CUH: &str = include_str!("cu/poison.cuh");
 pub const FP8_CUH: &str = include_str!("cu/fp8.cuh");
 /// The caller's statistics: the receive's wait per source, the dispatch's row counts.
 pub const STATS_CUH: &str = include_str!("cu/stats.cuh");
+/// LogFMT-10 (bit-identical to `ep_reference::numerics::logfmt`): a row's encoding and the
+/// combine reduction over encoded rows.
+pub const LOGFMT_CUH: &str = include_str!("cu/logfmt.cuh");
 /// The shared headers, in the order every family is compiled with them.
-pub const HEADERS: [&str; 5] = [COMMON_CUH, SHRINK_CUH, POISON_CUH, FP8_CUH, STATS_CUH];
+pub const HEADERS: [&str; 6] = [
+    COMMON_CUH, SHRINK_CUH, POISON_CUH, FP8_CUH, STATS_CUH, LOGFMT_CUH,
+];
 
 /// One module: a `.cu` file and the kernels it defines.
 #[derive(Debug, Clone, Copy)]

@@ -118,8 +118,27 @@ use crate::runtime::{GpuGroup, Path};
 use ep_reference::oracle::{self, CombineInput, RankInput};
 use ep_reference::RankMask;
 
+/// Scales expert outputs so that LogFMT packs most groups (as `ep_verify::check::
+/// logfmt_packable` does for the CPU paths): every group of 128 channels whose (row + group) is
+/// not a multiple of 4 is multiplied by 2^-4 (values in [-8, 8] become [-0.5, 0.5], which pack);
+/// the others keep their values, amax >= 1 mostly, and travel raw.
+pub fn logfmt_packable(ys: &mut [Vec<bf16>], hidden: usize) {
+    for y in ys {
+        for (row, r) in y.chunks_exact_mut(hidden).enumerate() {
+            for (g, group) in r.chunks_mut(128).enumerate() {
+                if (row + g) % 4 != 0 {
+                    for v in group {
+                        *v = bf16::from_f32(v.to_f32() * 0.0625);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// One verification case: dispatch and combine on both paths, compared bit for bit with the
-/// oracle. Returns how many (path, op) comparisons passed.
+/// oracle (the combine in the group's `combine_format`, the oracle's `combine_with` of it).
+/// Returns how many (path, op) comparisons passed.
 pub fn verify_case(g: &mut GpuGroup, data: &[RankData], y: &[Vec<bf16>]) -> Result<usize, String> {
     verify_paths(g, data, y, &[Path::PerExpert, Path::Batched])
 }
@@ -146,7 +165,8 @@ pub fn verify_paths(
             topk_weights: &d.topk_weights,
         })
         .collect();
-    let want_c = oracle::combine(&cfg, &cin).map_err(|e| format!("oracle: {e}"))?;
+    let format = g.combine_format();
+    let want_c = oracle::combine_with(&cfg, &cin, format).map_err(|e| format!("oracle: {e}"))?;
     let mut passed = 0;
     for &path in paths {
         let got = g
@@ -168,8 +188,9 @@ pub fn verify_paths(
         for r in 0..cfg.num_ranks {
             if let Some(d) = ep_reference::output::combine_diff(&got_c[r], &want_c[r], cfg.hidden) {
                 return Err(format!(
-                    "{} combine, {}, rank {r}: {d}",
+                    "{} combine ({}), {}, rank {r}: {d}",
                     path.name(),
+                    format.name(),
                     cfg.describe()
                 ));
             }

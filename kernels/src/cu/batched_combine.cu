@@ -14,6 +14,7 @@ __device__ __forceinline__ void combine_stage(const KParams& p, const IoTable& i
     const int R = p.R, K = p.K, T = p.T;
     const int tid = threadIdx.x, warp = tid >> 5;
     const u64 rowb = 2ull * p.H;
+    const u64 crow = (u64)p.cmb_row;  // LogFMT: cmb_buf's row stride (a raw LogFMT row)
     Smem sm = carve(p, smem_raw);
     __shared__ u64 s_epoch;
     __shared__ int s_n, s_fail;
@@ -149,6 +150,20 @@ __device__ __forceinline__ void combine_stage(const KParams& p, const IoTable& i
         const int lane = tid & 31;
         if (STAGE == 2) {
             // unpack stage: the rows went out in the pack stage
+        } else if (p.logfmt) {
+            // LogFMT: a warp encodes a row straight into its slot, s's receive area at its
+            // (t, k) with the LogFMT stride (never over NCCL: the host refuses it there; and
+            // zero_copy is off, so every row is put).
+            for (int u = bid * NWARPS + warp; u < total; u += nw) {
+                int i = u, s = 0;
+                while (skip(s) || i >= sm.tot[s]) {
+                    if (!skip(s)) i -= sm.tot[s];
+                    s++;
+                }
+                const u64 yrow = (u64)((const int*)me.comb_map)[(u64)s * T * K + i];
+                u8* dst = (u8*)tab[s].cmb_buf + (u64)((const int*)me.row_tk)[yrow] * crow;
+                lf_encode_row(dst, (const u8*)io.y + yrow * rowb, p.H);
+            }
         } else if ((rowb & 15) == 0) {
             const int C = (int)((rowb + 511) / 512);
             const int units = total * C;
@@ -229,7 +244,9 @@ __device__ __forceinline__ void combine_stage(const KParams& p, const IoTable& i
             __syncthreads();
         }
         PROF(3);
-        reduce_tokens(p, io, n, sm.sk, bid, [&](int t, int k) -> const u8* { return (const u8*)sm.rowp[t * K + k]; });
+        // LogFMT: every row at cmb_buf + (t*K + k) * cmb_row (rowp, at the bf16 stride, unused).
+        if (p.logfmt) lf_reduce_tokens(p, io, me, n, sm.sk, bid);
+        else reduce_tokens(p, io, n, sm.sk, bid, [&](int t, int k) -> const u8* { return (const u8*)sm.rowp[t * K + k]; });
     }
 finish:
     PROF(4);

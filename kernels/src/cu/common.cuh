@@ -76,8 +76,8 @@ struct RankPtrs {
     u64 bat_buf;     // R*T entries of entry_bytes (batched dispatch, receive side)
     u64 bat_meta;    // int [R*2]: (tokens, selections) of batch(s->me)
     u64 pe_buf;      // L*R*T entries of pe_entry_bytes (per-expert dispatch, receive side)
-    u64 cmb_buf;     // combine, receive side: T*K rows of 2H bytes at t*K+k; with NCCL
-                     // then R*T*K more (NCCL rows: batched at T*K + d*T*K + pos, per-expert from T*K)
+    u64 cmb_buf;     // combine, receive side: T*K rows of cmb_row bytes at t*K+k; with NCCL
+                     // then R*T*K more of 2H (NCCL rows: batched at T*K + d*T*K + pos, per-expert from T*K)
     u64 sig;         // u64 signal words, see SIG_* below
     u64 state;       // u32 counters and u64 epochs (ST_*)
     u64 bat_cnt;     // int [R*L]: rows of local expert l from source s (batched dispatch, on d)
@@ -155,6 +155,8 @@ struct KParams {
     int scol;                // recv_scales: 0 row-major [L, RT, spr]; 1 DeepEP's column-major
                              // last two dims (word strides RT*spr, 1, RT)
     int refused;             // 1: a call the host refused (its group failed): poison only (poison.cuh)
+    int logfmt;              // combine: 1: rows travel in LogFMT-10 (logfmt.cuh), 0: bf16
+    int cmb_row;             // combine: cmb_buf's row stride, 2H; with logfmt a raw LogFMT row, G*260
 };
 
 // Where row r of local expert l (row l * RT + r of the rank's RT-row blocks) of recv_scales

@@ -321,6 +321,7 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::combin
     const int R = p.R, K = p.K, L = p.L, T = p.T, E = p.E;
     const int tid = threadIdx.x, warp = tid >> 5;
     const u64 rowb = 2ull * p.H;
+    const u64 crow = (u64)p.cmb_row;  // LogFMT: cmb_buf's row stride (a raw LogFMT row)
     const u64 RT = (u64)R * T;
     Smem sm = carve(p, smem_raw);
     __shared__ u64 s_epoch;
@@ -383,7 +384,17 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::combin
         // ---- send: every row of local expert l back to its source's slot t*K+k
         for (int l = bid; l < L && p.stage != 2; l += p.blocks_per_rank) {
             const int cnt = ((const int*)me.recv_count)[l];
-            for (int u = warp; u < cnt * G; u += NWARPS) {
+            // LogFMT: a warp encodes a row straight into its slot (never over NCCL: the host
+            // refuses it there).
+            for (int i = warp; p.logfmt && i < cnt; i += NWARPS) {
+                int s = 0;
+                while (s + 1 < R && i >= layout[(l * R + s + 1) * 2]) s++;
+                if (is_gone(gone, s)) continue;
+                const u64 row = (u64)l * RT + i;
+                const u64 tk = (u64)((const int*)me.row_tk)[row];
+                lf_encode_row((u8*)tab[s].cmb_buf + tk * crow, (const u8*)io.y + row * rowb, p.H);
+            }
+            for (int u = warp; !p.logfmt && u < cnt * G; u += NWARPS) {
                 const int i = u / G, g = u % G;
                 int s = 0;
                 while (s + 1 < R && i >= layout[(l * R + s + 1) * 2]) s++;
@@ -441,7 +452,9 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::combin
         const u8* cbuf = (const u8*)me.cmb_buf;
         const int* cpos = (const int*)me.comb_pos;
         // NCCL owners' rows from row T*K on (their position from this rank's dispatch).
-        reduce_tokens(p, io, n, sm.sk, bid, [&](int t, int k) -> const u8* {
+        // LogFMT (never with NCCL): every row at cmb_buf + (t*K + k) * cmb_row.
+        if (p.logfmt) lf_reduce_tokens(p, io, me, n, sm.sk, bid);
+        else reduce_tokens(p, io, n, sm.sk, bid, [&](int t, int k) -> const u8* {
             const u64 i = via_nccl(p, sm.sk[t * K + k] / L) ? TK + (u64)cpos[t * K + k] : (u64)t * K + k;
             return cbuf + i * rowb;
         });

@@ -25,6 +25,10 @@
 //!   [`DeviceHandle`] it gets; that must be the latest dispatch on that path (the group keeps one
 //!   handle's state). Combine reduces with the routing its dispatch kept, so its topk_idx is
 //!   checked for shape only: the dispatched tensor or a copy of its values at any address.
+//! - Combine's rows travel as bf16, or in LogFMT-10 with `combine_device_with` /
+//!   `combine_send_with` (`CombineFormat::LogFmt`, DeepEP's `use_logfmt`): H a multiple of 128
+//!   and no NCCL peer, else refused before anything is enqueued
+//!   ([`GpuGroup::check_combine_format`]).
 //! - Receive hook: `dispatch_send` / `dispatch_recv` (and `combine_send` / `combine_recv`) are the
 //!   two halves of the fused call (the same kernel, stage 1: send and signal; stage 2: wait,
 //!   receive), so other kernels may run on the stream in between. Same bits as the fused call.
@@ -53,7 +57,7 @@ use crate::runtime::layout::IoTable;
 use crate::runtime::options::NcclSizes;
 use cudarc::driver::sys;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
-use ep_reference::{Error, Op, Path};
+use ep_reference::{CombineFormat, Error, Op, Path};
 use half::bf16;
 
 /// A rank's token count for a device-API dispatch.
@@ -146,6 +150,7 @@ pub struct DispatchHook {
 #[must_use = "the receive half must be issued before the next call"]
 pub struct CombineHook {
     path: Path,
+    format: CombineFormat,
     io: Vec<IoTable>,
 }
 
@@ -328,7 +333,7 @@ impl GpuGroup {
         if hook.handle.group != self.id {
             return Err(GpuError::Handle("a dispatch hook of another group".into()));
         }
-        self.stage_on(Op::Dispatch, hook.handle.path, 2, &raw, &hook.io)?;
+        self.stage_on(Op::Dispatch, hook.handle.path, 2, &raw, &hook.io, CombineFormat::Bf16)?;
         self.finish_device_call(Op::Dispatch, hook.handle.path);
         Ok(hook.handle)
     }
@@ -492,7 +497,7 @@ impl GpuGroup {
                 }
             }
         }
-        self.stage_on(Op::Dispatch, path, stage, &raw, &io)?;
+        self.stage_on(Op::Dispatch, path, stage, &raw, &io, CombineFormat::Bf16)?;
         drop(guards);
         let call = self.calls[kind(Op::Dispatch, path)] + 1;
         if stage == 0 {
@@ -511,7 +516,8 @@ impl GpuGroup {
     }
 
     /// Stage 0 (whole call), 1 (send half) or 2 (receive half) on the caller's streams: one
-    /// kernel launch, or over NCCL the pack / exchange / unpack sequence of that part.
+    /// kernel launch, or over NCCL the pack / exchange / unpack sequence of that part (bf16
+    /// only: a combine's `format` was checked, [`GpuGroup::check_combine_format`]).
     fn stage_on(
         &mut self,
         op: Op,
@@ -519,11 +525,12 @@ impl GpuGroup {
         stage: i32,
         streams: &[sys::CUstream],
         io: &[IoTable],
+        format: CombineFormat,
     ) -> Result<(), GpuError> {
         if self.comms.is_some() {
             self.nccl_call(op, path, streams, io, stage)
         } else {
-            self.launch_stage_on(op, path, stage, streams, io)
+            self.launch_stage_on(op, path, stage, streams, io, format)
         }
     }
 
@@ -541,7 +548,7 @@ impl GpuGroup {
     }
 
     /// Combine of every rank of [`GpuGroup::device_ranks`] after the dispatch of `handle`,
-    /// enqueued on `streams`; rank i's n x H result goes to `outs[i]`.
+    /// enqueued on `streams`; rank i's n x H result goes to `outs[i]`. The rows travel as bf16.
     pub fn combine_device(
         &mut self,
         streams: &[&CudaStream],
@@ -549,8 +556,24 @@ impl GpuGroup {
         ranks: &[CombineIn<'_>],
         outs: &mut [CudaViewMut<'_, bf16>],
     ) -> Result<(), GpuError> {
-        let hook = self.combine_part(streams, handle, ranks, outs, 0)?;
-        let _ = hook;
+        self.combine_device_with(streams, handle, ranks, outs, CombineFormat::Bf16)
+    }
+
+    /// [`GpuGroup::combine_device`] with the rows in `format` (DeepEP's `use_logfmt`), as
+    /// `EpRank::combine_with` on the CPU: LogFMT-10 rows are encoded by their owner and
+    /// decoded in the reduction, the bits of `ep_reference::oracle::combine_with`. A format the
+    /// group cannot run is refused before anything is enqueued
+    /// ([`GpuGroup::check_combine_format`]).
+    pub fn combine_device_with(
+        &mut self,
+        streams: &[&CudaStream],
+        handle: &DeviceHandle,
+        ranks: &[CombineIn<'_>],
+        outs: &mut [CudaViewMut<'_, bf16>],
+        format: CombineFormat,
+    ) -> Result<(), GpuError> {
+        // The whole call: its receive half ran in the same launch, the hook has nothing due.
+        let _whole = self.combine_part(streams, handle, ranks, outs, 0, format)?;
         Ok(())
     }
 
@@ -562,7 +585,20 @@ impl GpuGroup {
         ranks: &[CombineIn<'_>],
         outs: &mut [CudaViewMut<'_, bf16>],
     ) -> Result<CombineHook, GpuError> {
-        self.combine_part(streams, handle, ranks, outs, 1)
+        self.combine_send_with(streams, handle, ranks, outs, CombineFormat::Bf16)
+    }
+
+    /// [`GpuGroup::combine_send`] with the rows in `format`; the hook's receive half decodes
+    /// them ([`GpuGroup::combine_device_with`]).
+    pub fn combine_send_with(
+        &mut self,
+        streams: &[&CudaStream],
+        handle: &DeviceHandle,
+        ranks: &[CombineIn<'_>],
+        outs: &mut [CudaViewMut<'_, bf16>],
+        format: CombineFormat,
+    ) -> Result<CombineHook, GpuError> {
+        self.combine_part(streams, handle, ranks, outs, 1, format)
     }
 
     /// The receive half of a combine: waits for the rows and reduces them into the outputs
@@ -574,7 +610,7 @@ impl GpuGroup {
     ) -> Result<(), GpuError> {
         let n = self.device_ranks().len();
         let raw = self.device_call_check(Op::Combine, hook.path, streams, n)?;
-        self.stage_on(Op::Combine, hook.path, 2, &raw, &hook.io)?;
+        self.stage_on(Op::Combine, hook.path, 2, &raw, &hook.io, hook.format)?;
         self.finish_device_call(Op::Combine, hook.path);
         Ok(())
     }
@@ -586,12 +622,14 @@ impl GpuGroup {
         ranks: &[CombineIn<'_>],
         outs: &mut [CudaViewMut<'_, bf16>],
         stage: i32,
+        format: CombineFormat,
     ) -> Result<CombineHook, GpuError> {
         let path = handle.path;
         let raw = self.device_call_check(Op::Combine, path, streams, ranks.len())?;
         if handle.group != self.id {
             return Err(GpuError::Handle("a handle of another group".into()));
         }
+        self.check_combine_format(format)?;
         self.check_combine_path(path)?;
         let latest = self.calls[kind(Op::Dispatch, path)];
         if handle.call != latest {
@@ -644,12 +682,12 @@ impl GpuGroup {
             slot.out = p;
             guards.push(g);
         }
-        self.stage_on(Op::Combine, path, stage, &raw, &io)?;
+        self.stage_on(Op::Combine, path, stage, &raw, &io, format)?;
         drop(guards);
         if stage == 0 {
             self.finish_device_call(Op::Combine, path);
         }
-        Ok(CombineHook { path, io })
+        Ok(CombineHook { path, format, io })
     }
 
     /// The one-rank face of a process-mode group (or of a single-rank group).
@@ -699,13 +737,29 @@ impl RankEp<'_> {
         handle: &DeviceHandle,
         out: &mut CudaViewMut<'_, bf16>,
     ) -> Result<(), GpuError> {
+        self.combine_with(stream, y, topk_idx, topk_weights, handle, out, CombineFormat::Bf16)
+    }
+
+    /// [`RankEp::combine`] with the rows in `format` ([`GpuGroup::combine_device_with`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn combine_with(
+        &mut self,
+        stream: &CudaStream,
+        y: &CudaView<'_, bf16>,
+        topk_idx: &CudaView<'_, i64>,
+        topk_weights: &CudaView<'_, f32>,
+        handle: &DeviceHandle,
+        out: &mut CudaViewMut<'_, bf16>,
+        format: CombineFormat,
+    ) -> Result<(), GpuError> {
         let inp = [CombineIn {
             y,
             topk_idx,
             topk_weights,
         }];
         let mut o = [out.slice_mut(..)];
-        self.group.combine_device(&[stream], handle, &inp, &mut o)
+        self.group
+            .combine_device_with(&[stream], handle, &inp, &mut o, format)
     }
 
     /// Reads the device error word ([`GpuGroup::check`]).

@@ -7,13 +7,14 @@ use crate::error::cuda;
 use crate::runtime::device::{probe_devices, Dev, HostMirror};
 use crate::runtime::footprint::{footprint, plan_sizes};
 use crate::runtime::layout::{
-    all_peers, carve_rank, check_ranks, entry_bytes_checked, pe_entry_bytes_checked, smem_bytes,
-    to_i32, total_bytes, IoTable, KParams, PeerMask, RankPtrs, ERR_WORDS,
+    all_peers, carve_rank, check_ranks, cmb_row_bytes, entry_bytes_checked,
+    pe_entry_bytes_checked, smem_bytes, to_i32, total_bytes, IoTable, KParams, PeerMask, RankPtrs,
+    ERR_WORDS,
 };
 use crate::runtime::options::{Buffers, GpuOptions, NcclSizes, Transport};
 use crate::runtime::streams::{drain_streams, Drain};
 use cudarc::driver::{result, sys, CudaContext};
-use ep_reference::{Config, Error, Mode, Op, Path};
+use ep_reference::{CombineFormat, Config, Error, Mode, Op, Path};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -50,6 +51,9 @@ pub struct GpuGroup {
     pub(crate) nx: NcclState,
     /// Which buffers the allocation holds ([`Buffers`]); launches that need others are refused.
     pub(crate) buffers: Buffers,
+    /// The format of the combines of the group's own-buffer calls (`launch`, the harness, the
+    /// profile): [`GpuGroup::set_combine_format`].
+    pub(crate) combine_format: CombineFormat,
 }
 
 /// The NCCL transport's host state: the sizing mode, and per device the headers of the last
@@ -180,6 +184,39 @@ impl GpuGroup {
     /// detected.
     pub fn set_nccl_sizes(&mut self, sizes: NcclSizes) {
         self.nx.sizes = sizes;
+    }
+
+    /// The format of every later combine that the group's own-buffer calls issue:
+    /// [`GpuGroup::launch`] of `Op::Combine`, the harness's `combine` / `combine_rank`, and the
+    /// profiles (the device API's calls name theirs: `combine_device_with`, ...). Refused,
+    /// changing nothing, where the group cannot run it ([`GpuGroup::check_combine_format`]).
+    pub fn set_combine_format(&mut self, format: CombineFormat) -> Result<(), GpuError> {
+        self.check_combine_format(format)?;
+        self.combine_format = format;
+        Ok(())
+    }
+
+    /// The format [`GpuGroup::set_combine_format`] set (bf16 until then).
+    pub fn combine_format(&self) -> CombineFormat {
+        self.combine_format
+    }
+
+    /// Whether this group can combine in `format`: LogFMT needs H a multiple of 128
+    /// (`Error::HiddenNotMultiple` with mode "logfmt", as the CPU paths refuse it) and a group
+    /// without NCCL: the NCCL transport's messages carry bf16 rows only, so a LogFMT combine of
+    /// a group with NCCL peers (transport `Nccl` or `TwoTier`) is `GpuError::Unsupported`,
+    /// naming both.
+    pub fn check_combine_format(&self, format: CombineFormat) -> Result<(), GpuError> {
+        format.check(&self.cfg)?;
+        if format == CombineFormat::LogFmt && self.comms.is_some() {
+            return Err(GpuError::Unsupported(
+                "a LogFMT combine (CombineFormat::LogFmt, DeepEP's use_logfmt) over NCCL: the \
+                 NCCL transport carries bf16 rows only; LogFMT runs where every peer is reached \
+                 through CUDA IPC / NVLink (transport Auto), or combine in bf16"
+                    .into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Which buffers the group allocated ([`GpuOptions::buffers`]).
@@ -410,6 +447,7 @@ impl GpuGroup {
             last_op: None,
             nx: NcclState::new(opts.nccl_sizes, g),
             buffers: opts.buffers,
+            combine_format: CombineFormat::Bf16,
         })
     }
 }
@@ -500,6 +538,7 @@ pub(crate) fn kparams(
         trap: opts.trap_on_error as i32,
         shrink: opts.enable_shrink as i32,
         scol: opts.scales_column_major as i32,
+        cmb_row: cmb_row_bytes(cfg, CombineFormat::Bf16)?,
         ..Default::default()
     })
 }

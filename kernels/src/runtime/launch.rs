@@ -5,13 +5,14 @@ use crate::error::GpuError;
 use crate::error::cuda;
 use crate::runtime::footprint::check_launch;
 use crate::runtime::group::{kind, GpuGroup};
-use crate::runtime::layout::{IoTable, KParams, NTHREADS};
+use crate::runtime::layout::{cmb_row_bytes, IoTable, KParams, NTHREADS};
 use cudarc::driver::{result, sys};
-use ep_reference::{Mode, Op, Path};
+use ep_reference::{CombineFormat, Mode, Op, Path};
 use std::ffi::c_void;
 
 impl GpuGroup {
-    /// Launches one call of `op` on `path` on every device. No host synchronisation.
+    /// Launches one call of `op` on `path` on every device (a combine in the group's
+    /// [`GpuGroup::combine_format`]). No host synchronisation.
     pub fn launch(&mut self, op: Op, path: Path) -> Result<(), GpuError> {
         self.launch_inner(Some((op, path)))
     }
@@ -29,8 +30,9 @@ impl GpuGroup {
             }
             return Err(e);
         }
-        if op == Op::Combine {
+        if op == Op::Combine && what.is_some() {
             self.check_combine_path(path)?;
+            self.check_combine_format(self.combine_format)?;
         }
         let nccl = self.comms.is_some();
         if nccl && what.is_some() {
@@ -73,7 +75,8 @@ impl GpuGroup {
         }
         let io = self.io_tables();
         self.params.refused = 1;
-        let launched = self.launch_stage_on(op, path, 0, streams, &io);
+        // The poison sends no rows: the format does not matter.
+        let launched = self.launch_stage_on(op, path, 0, streams, &io, CombineFormat::Bf16);
         self.params.refused = 0;
         if launched.is_ok() {
             self.calls[kind(op, path)] += 1;
@@ -81,15 +84,17 @@ impl GpuGroup {
     }
 
     /// One launch per device: stage 0 = the whole call, 1 = pack (send side), 2 = unpack
-    /// (receive side); -1 = the empty kernel. On the group's streams, with its own buffers.
+    /// (receive side); -1 = the empty kernel. On the group's streams, with its own buffers; a
+    /// combine in the group's [`GpuGroup::combine_format`].
     pub(crate) fn launch_stage(&self, op: Op, path: Path, stage: i32) -> Result<(), GpuError> {
         let streams = self.streams_raw();
         let io = self.io_tables();
-        self.launch_stage_on(op, path, stage, &streams, &io)
+        self.launch_stage_on(op, path, stage, &streams, &io, self.combine_format)
     }
 
     /// [`GpuGroup::launch_stage`] on the given streams (one per device) with the given tensors
-    /// (one table per device; zero entries: the group's own buffers).
+    /// (one table per device; zero entries: the group's own buffers); a combine's rows in
+    /// `format` (checked by the caller: [`GpuGroup::check_combine_format`]).
     pub(crate) fn launch_stage_on(
         &self,
         op: Op,
@@ -97,6 +102,7 @@ impl GpuGroup {
         stage: i32,
         streams: &[sys::CUstream],
         io: &[IoTable],
+        format: CombineFormat,
     ) -> Result<(), GpuError> {
         let what = (stage >= 0).then_some(());
         // Nothing is launched on any device unless every device's launch has its buffers.
@@ -139,6 +145,13 @@ impl GpuGroup {
             kp.ranks_here = dev.ranks as i32;
             kp.nccl_mask = self.masks[di].0;
             kp.stage = stage.max(0);
+            if op == Op::Combine && format == CombineFormat::LogFmt {
+                // Every row is encoded into its receive slot (cmb_row apart): none is read in
+                // place on its own GPU, whatever zero_copy_local says.
+                kp.logfmt = 1;
+                kp.zero_copy = 0;
+                kp.cmb_row = cmb_row_bytes(&self.cfg, format)?;
+            }
             // The table's bytes are the kernel's IoTable parameter: exactly as many entries as
             // the device's build declares.
             let iot: &IoTable = &io[di];

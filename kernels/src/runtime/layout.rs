@@ -3,7 +3,8 @@
 //! of one rank's single allocation into its buffers.
 
 use crate::error::GpuError;
-use ep_reference::Config;
+use ep_reference::numerics::logfmt_wire::slot_bytes;
+use ep_reference::{CombineFormat, Config};
 
 /// Threads per block (NTHREADS in common.cuh).
 pub const NTHREADS: u32 = 512;
@@ -216,6 +217,10 @@ pub(crate) struct KParams {
     /// 1: a call the host refused because the group failed (`GpuGroup::poison_refused`): every
     /// block sends the poison (poison.cuh) and nothing else, as if the error word were set.
     pub refused: i32,
+    /// Combine: 1: the rows travel in LogFMT-10 (logfmt.cuh), 0: bf16.
+    pub logfmt: i32,
+    /// Combine: the byte stride of cmb_buf's first T*K rows ([`cmb_row_bytes`]).
+    pub cmb_row: i32,
 }
 
 /// `a * b * ...` for the size of `what`, or a typed error naming it (no silent wrap in release).
@@ -262,10 +267,15 @@ pub(crate) fn rank_sizes(c: &Config, nccl: bool) -> Result<[usize; NUM_BUFFERS],
     }
     let eb = entry_bytes_checked(c)?;
     let peb = pe_entry_bytes_checked(c)?;
-    // cmb_buf: T*K rows, each put by its owner at t*K+k (both paths); with NCCL, R*T*K rows
-    // more for what NCCL lands (batched: peer d's batch at T*K + d*T*K; per-expert: packed from
-    // T*K).
-    let cmb = prod("cmb_buf", &[if nccl { r + 1 } else { 1 }, t, k, h, 2])?;
+    // cmb_buf: T*K rows, each put by its owner at t*K+k (both paths), of a LogFMT row's largest
+    // size where H suits LogFMT (else 2H); with NCCL, R*T*K rows more for what NCCL lands
+    // (batched: peer d's batch at T*K + d*T*K; per-expert: packed from T*K), all rows 2H then
+    // (NCCL carries bf16 rows only), which holds the T*K LogFMT rows too (4H >= 2H + H/32).
+    let cmb = if nccl {
+        prod("cmb_buf", &[r + 1, t, k, h, 2])?
+    } else {
+        prod("cmb_buf", &[t, k, slot_bytes(h)])?
+    };
     let sig_words = 6usize
         .checked_mul(r)
         .and_then(|a| a.checked_add(l.checked_mul(r)?))
@@ -312,6 +322,16 @@ pub(crate) fn rank_sizes(c: &Config, nccl: bool) -> Result<[usize; NUM_BUFFERS],
     // Every buffer is 256-aligned inside the one allocation: the total must fit too.
     total_bytes(&sizes)?;
     Ok(sizes)
+}
+
+/// The byte stride of cmb_buf's first T*K rows in a combine of `format`: a bf16 row's 2H, or
+/// with LogFMT the largest encoded row (every group raw: 2H + H/32, a multiple of 4).
+pub(crate) fn cmb_row_bytes(c: &Config, format: CombineFormat) -> Result<i32, GpuError> {
+    let bytes = match format {
+        CombineFormat::Bf16 => prod("a combine row", &[c.hidden, 2])?,
+        CombineFormat::LogFmt => slot_bytes(c.hidden),
+    };
+    to_i32("a combine row's bytes", bytes)
 }
 
 /// The bytes of one rank's allocation: every buffer rounded up to 256.
@@ -565,21 +585,29 @@ mod tests {
         assert!(s[22] >= 2 * t * k * pe_entry_bytes(&c));
         assert!(s[22] >= 2 * t * k * rowb);
         assert!(s[22] >= 2 * t * entry_bytes(&c));
-        // cmb_buf (18): T*K rows whatever R (each row at its t*K+k), plus R*T*K for what NCCL
-        // lands.
+        // cmb_buf (18): T*K rows whatever R (each row at its t*K+k), of a raw LogFMT row
+        // (2H + H/32) where H % 128 == 0, else 2H; with NCCL, R*T*K more for what NCCL lands,
+        // every row 2H (NCCL carries bf16 only).
+        let lf_row = rowb + 7168 / 32;
         let one = Config {
             num_ranks: 1,
             num_experts: 8,
             ..c
         };
         assert_eq!(rank_sizes(&one, true).unwrap()[18], 2 * t * k * rowb);
-        assert_eq!(rank_sizes(&one, false).unwrap()[18], t * k * rowb);
+        assert_eq!(rank_sizes(&one, false).unwrap()[18], t * k * lf_row);
         assert_eq!(s[18], 3 * t * k * rowb);
         let wide = Config {
             num_ranks: 256,
             ..c
         };
-        assert_eq!(rank_sizes(&wide, false).unwrap()[18], t * k * rowb);
+        assert_eq!(rank_sizes(&wide, false).unwrap()[18], t * k * lf_row);
+        let odd = cfg(2, 4, 8, 200, 2);
+        assert_eq!(rank_sizes(&odd, false).unwrap()[18], 8 * 2 * 400);
+        // The stride each launch takes: 2H in bf16, a raw LogFMT row's size with LogFMT.
+        assert_eq!(cmb_row_bytes(&c, CombineFormat::Bf16).unwrap(), 2 * 7168);
+        assert_eq!(cmb_row_bytes(&c, CombineFormat::LogFmt).unwrap(), lf_row as i32);
+        assert_eq!(lf_row % 4, 0, "bodies stay 4-aligned");
         // Capacity combine: T * min(K, L) rows.
         assert_eq!(combine_capacity_rows(&c).unwrap(), 128 * 8);
         assert_eq!(
@@ -611,7 +639,7 @@ mod tests {
         // parameter limit, the wide-IO build (256 entries) under CUDA 12.1's 32764 bytes.
         let kp = std::mem::size_of::<KParams>();
         let entry = std::mem::size_of::<IoPtrs>();
-        assert_eq!(kp, 176); // the same fields as common.cuh's KParams
+        assert_eq!(kp, 184); // the same fields as common.cuh's KParams
         assert_eq!(entry, 13 * 8);
         let narrow = Variant::for_group(32, 32, 132, false);
         let wide = Variant::for_group(256, 256, 132, true);

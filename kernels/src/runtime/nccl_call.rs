@@ -15,7 +15,7 @@ use crate::runtime::nccl::{
 };
 use crate::runtime::options::NcclSizes;
 use cudarc::driver::{result, sys};
-use ep_reference::{Error, Op, Path, Phase, Side};
+use ep_reference::{CombineFormat, Error, Op, Path, Phase, Side};
 
 impl GpuGroup {
     /// The rank of device `di` and its NCCL peers.
@@ -69,7 +69,8 @@ impl GpuGroup {
             if op == Op::Dispatch && sizes == NcclSizes::Capacity {
                 self.poison_send_headers(streams)?;
             }
-            self.launch_stage_on(op, path, 1, streams, io)?;
+            // bf16 rows: a LogFMT combine is refused with NCCL (check_combine_format).
+            self.launch_stage_on(op, path, 1, streams, io, CombineFormat::Bf16)?;
             match op {
                 Op::Dispatch => {
                     // Unknown until the exchange is queued (a failed one leaves no sizes).
@@ -81,7 +82,7 @@ impl GpuGroup {
             }
         }
         if part != 1 {
-            self.launch_stage_on(op, path, 2, streams, io)?;
+            self.launch_stage_on(op, path, 2, streams, io, CombineFormat::Bf16)?;
         }
         Ok(())
     }

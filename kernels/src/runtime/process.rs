@@ -23,7 +23,7 @@ use crate::runtime::layout::{
 };
 use crate::runtime::options::{GpuOptions, Transport};
 use cudarc::driver::{result, sys};
-use ep_reference::{Config, Error};
+use ep_reference::{CombineFormat, Config, Error};
 
 /// How one rank reaches its peers (the process-group layer computes it from every rank's node).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -259,6 +259,7 @@ impl ProcessRank {
             last_op: None,
             nx: NcclState::new(opts.nccl_sizes, 1),
             buffers: opts.buffers,
+            combine_format: CombineFormat::Bf16,
         })
     }
 }
