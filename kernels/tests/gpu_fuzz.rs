@@ -14,6 +14,9 @@
 //! routing (uniform, masked at 10-100 %, all to one expert, all to one rank, one expert on every
 //! rank) and token counts (empty ranks, full ranks, anything between), both paths in a random
 //! order: dispatch against `DispatchOutput::diff`, combine against `output::combine_diff`.
+//! About a third of the configs whose H is a multiple of 128 combine in LogFMT-10 (expert
+//! outputs scaled so that most groups pack, `testing::logfmt_packable`), against
+//! `oracle::combine_with`.
 //! Inputs come from the project's one generator, `ep_reference::workload` (on main it has no
 //! special values such as NaN, inf, -0 or subnormals; the fuzz uses what it offers).
 //!
@@ -32,11 +35,11 @@ use ep_test_runner as runner;
 use runner::env_num;
 
 use ep_kernels::runtime::probe_devices;
-use ep_kernels::testing::Rng;
+use ep_kernels::testing::{logfmt_packable, Rng};
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, Path};
 use ep_reference::output::combine_diff;
 use ep_reference::workload::{Routing, Values, Workload};
-use ep_reference::{oracle, Config, Mode};
+use ep_reference::{oracle, CombineFormat, Config, Mode};
 use std::collections::BTreeMap;
 use std::time::Instant;
 
@@ -149,6 +152,8 @@ struct Case {
     gpus: usize,
     zero_copy_local: bool,
     blocks_per_rank: Option<usize>,
+    /// The combine's format (set on the group for this case's rounds).
+    format: CombineFormat,
     rounds: Vec<Round>,
 }
 
@@ -172,9 +177,10 @@ impl Case {
 
     fn describe(&self) -> String {
         format!(
-            "{} on {} GPU(s), zero_copy_local={}, blocks_per_rank={}",
+            "{} on {} GPU(s), combine {}, zero_copy_local={}, blocks_per_rank={}",
             self.cfg.describe(),
             self.gpus,
+            self.format.name(),
             self.zero_copy_local,
             self.blocks_per_rank
                 .map_or("default".to_string(), |b| b.to_string())
@@ -295,12 +301,19 @@ fn draw_case(seed: u64, two_gpus: bool, small: bool, rounds: usize) -> Case {
             }
         })
         .collect();
+    // From a generator of its own: every other choice of a seed is what it was without it.
+    let format = if h % 128 == 0 && Rng::new(seed ^ 0x6C6F_6766_6D74_0001).below(3) == 0 {
+        CombineFormat::LogFmt
+    } else {
+        CombineFormat::Bf16
+    };
     Case {
         seed,
         cfg,
         gpus,
         zero_copy_local,
         blocks_per_rank,
+        format,
         rounds,
     }
 }
@@ -330,7 +343,7 @@ fn generator_self_test(s: &Settings) -> Result<(), String> {
     let mut routings: BTreeMap<&str, usize> = BTreeMap::new();
     let mut ranks = [0usize; 9];
     let (mut wide, mut wide_256) = (0, 0);
-    let (mut empty, mut full, mut zc, mut two) = (0, 0, 0, 0);
+    let (mut empty, mut full, mut zc, mut two, mut logfmt) = (0, 0, 0, 0, 0);
     for c in &cases {
         c.cfg
             .validate()
@@ -367,6 +380,12 @@ fn generator_self_test(s: &Settings) -> Result<(), String> {
             ranks[cfg.num_ranks] += 1;
         }
         zc += c.zero_copy_local as usize;
+        if c.format == CombineFormat::LogFmt {
+            c.format
+                .check(cfg)
+                .map_err(|e| format!("case {}: {e}", c.seed))?;
+            logfmt += 1;
+        }
         two += (c.gpus == 2) as usize;
         for r in &c.rounds {
             *routings.entry(r.plan.name).or_default() += 1;
@@ -387,7 +406,7 @@ fn generator_self_test(s: &Settings) -> Result<(), String> {
         }
     }
     println!(
-        "  {n} cases: modes {modes:?}, R 1..8 {:?}, R 33..256 {wide} ({wide_256} at 256), routings {routings:?}, empty ranks {empty}, full ranks {full}, zero_copy_local {zc}, on 2 GPUs {two}",
+        "  {n} cases: modes {modes:?}, R 1..8 {:?}, R 33..256 {wide} ({wide_256} at 256), routings {routings:?}, empty ranks {empty}, full ranks {full}, zero_copy_local {zc}, on 2 GPUs {two}, LogFMT {logfmt}",
         &ranks[1..]
     );
     if modes.contains(&0) || ranks[1..].contains(&0) || routings.len() < 5 {
@@ -395,6 +414,9 @@ fn generator_self_test(s: &Settings) -> Result<(), String> {
     }
     if wide == 0 || wide_256 == 0 {
         return Err("no case past 32 ranks, or none at 256".into());
+    }
+    if logfmt == 0 || logfmt == n {
+        return Err("no LogFMT case, or no bf16 one".into());
     }
     if empty == 0 || full == 0 || zc == 0 || zc == n || two == 0 {
         return Err(
@@ -428,6 +450,8 @@ struct Stats {
     ranks: BTreeMap<(usize, usize), usize>,
     /// Configs that passed with special values in x and y.
     special: usize,
+    /// Configs that passed with a LogFMT combine.
+    logfmt: usize,
     refused: usize,
     failures: usize,
     group_secs: f64,
@@ -465,6 +489,7 @@ fn run_fuzz(s: &Settings, two_gpus: bool) -> Outcome {
         routings: BTreeMap::new(),
         ranks: BTreeMap::new(),
         special: 0,
+        logfmt: 0,
         refused: 0,
         failures: 0,
         group_secs: 0.0,
@@ -636,15 +661,20 @@ fn run_case(g: &mut GpuGroup, case: &Case, st: &mut Stats) -> Result<(), (usize,
     // Expert outputs y, one set per config (the costliest input to draw): each round's routing
     // reads other rows of it.
     let values = case_values(case.seed);
-    let ys = Workload::uniform(&cfg, 0, Routing::EveryRank, case.seed)
+    let mut ys = Workload::uniform(&cfg, 0, Routing::EveryRank, case.seed)
         .expert_outputs_with(case.seed, values);
+    if case.format == CombineFormat::LogFmt {
+        logfmt_packable(&mut ys, cfg.hidden);
+    }
+    g.set_combine_format(case.format)
+        .map_err(|e| (0, format!("combine format: {e}")))?;
     for (ri, round) in case.rounds.iter().enumerate() {
         let err = |m: String| (ri, m);
         let w =
             Workload::generate_with(&cfg, &round.tokens, round.plan.routing, values, round.seed);
         let want = oracle::dispatch(&cfg, &w.dispatch_inputs())
             .map_err(|e| err(format!("oracle dispatch: {e}")))?;
-        let want_c = oracle::combine(&cfg, &w.combine_inputs(&ys))
+        let want_c = oracle::combine_with(&cfg, &w.combine_inputs(&ys), case.format)
             .map_err(|e| err(format!("oracle combine: {e}")))?;
         let paths = if round.per_expert_first {
             [Path::PerExpert, Path::Batched]
@@ -684,6 +714,7 @@ fn run_case(g: &mut GpuGroup, case: &Case, st: &mut Stats) -> Result<(), (usize,
     if values != Values::Normal {
         st.special += 1;
     }
+    st.logfmt += (case.format == CombineFormat::LogFmt) as usize;
     Ok(())
 }
 
@@ -709,4 +740,5 @@ fn report(st: &Stats, secs: f64, drawn: usize) {
         "  configs passed with special values (inf, NaN, -0, subnormals, > 448) in x and y: {}",
         st.special
     );
+    println!("  configs passed with a LogFMT combine: {}", st.logfmt);
 }

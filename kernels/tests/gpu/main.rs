@@ -10,6 +10,7 @@ mod common;
 mod device;
 mod errors;
 mod graphs;
+mod logfmt;
 mod memory;
 mod nccl;
 mod paths;
@@ -22,6 +23,7 @@ use errors::{trap_child, TRAP_CHILD};
 /// order they run.
 const TESTS: &[&[GpuTest]] = &[
     paths::TESTS,
+    logfmt::TESTS,
     nccl::TESTS,
     device::TESTS,
     graphs::TESTS,
