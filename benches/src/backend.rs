@@ -67,47 +67,6 @@ pub fn run_point(
     spec.rounds()?;
     match backend {
         Backend::Cpu => cpu::run(spec, progress),
-        Backend::Gpu(_) if spec.combine == ep_reference::CombineFormat::LogFmt => {
-            Err(BenchError::Unsupported {
-                flag: "--logfmt",
-                backend: "gpu",
-            })
-        }
         Backend::Gpu(device) => gpu::run(device, spec, progress),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use ep_reference::{CombineFormat, Config, CpuOptions, Mode};
-
-    #[test]
-    fn logfmt_is_refused_on_the_gpu_backend_naming_the_flag() {
-        let spec = BenchSpec {
-            cfg: Config::new(2, 4, 4, 128, 2, Mode::FP8).unwrap(),
-            tokens: 4,
-            masked: 0.0,
-            seed: 0,
-            iters: 1,
-            warmup: 0,
-            cpu: CpuOptions::default(),
-            gpus: 1,
-            graph: None,
-            nccl: None,
-            combine: CombineFormat::LogFmt,
-        };
-        let e = run_point(&Backend::Gpu("none".to_string()), &spec, &|_| {}).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                BenchError::Unsupported {
-                    flag: "--logfmt",
-                    ..
-                }
-            ),
-            "{e}"
-        );
-        assert!(e.to_string().contains("--logfmt"), "{e}");
     }
 }

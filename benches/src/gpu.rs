@@ -50,6 +50,7 @@ pub fn run(
         spec.warmup,
         opts,
         graph,
+        spec.combine,
     )
     .map_err(|e| {
         if e.contains("differ") || e.contains("mismatch") {
@@ -133,6 +134,7 @@ pub fn run(
         },
         paths,
     );
+    point.config.combine = spec.combine.name();
     for ((p, k), h) in point.paths.iter_mut().zip(kernel_times).zip(hook_splits) {
         p.kernel_time = Some(k);
         p.hook_split = Some(h);

@@ -27,7 +27,7 @@ pub struct BenchSpec {
     /// GPU backend: `Some(sizes)` runs every peer through NCCL (one rank per GPU) with that
     /// sizing for the batched path (per-expert always runs exact sizes); `None`: NVLink.
     pub nccl: Option<ep_kernels::NcclSizes>,
-    /// The combine's format (`--logfmt`: LogFMT-10, CPU backend only for now).
+    /// The combine's format (`--logfmt`: LogFMT-10).
     pub combine: ep_reference::CombineFormat,
 }
 
@@ -94,7 +94,7 @@ pub enum BenchError {
     Mismatch(String),
     /// The backend is not usable.
     Backend(String),
-    /// A flag the chosen backend does not implement (`--logfmt` on the GPU backend).
+    /// A flag the chosen backend does not implement.
     Unsupported {
         flag: &'static str,
         backend: &'static str,

@@ -2,7 +2,8 @@
 //! routing: the figures ep-bench prints beside its timings.
 
 use ep_kernels::runtime::{NcclSizes, Path};
-use ep_reference::Config;
+use ep_reference::numerics::logfmt_wire;
+use ep_reference::{bf16, Config};
 
 /// Wire accounting of one dispatch + combine on `path` with the default options (combine reads
 /// rows of owners on the same GPU in place): (dispatch bytes, combine bytes, dispatch messages,
@@ -65,6 +66,26 @@ pub fn accounting(
             2 * (e * r) as u64,
         ),
     }
+}
+
+/// The bytes a LogFMT combine puts, all ranks, per call: every row a dispatch filled (row i
+/// of local expert l on rank d for i < `recv_counts[d][l]`, one per selection) goes back to its
+/// source encoded, `logfmt_wire::row_bytes` of it (4 bytes a group, then 160 packed or 256
+/// raw); none is read in place. Both paths put the same rows.
+pub fn logfmt_combine_bytes(cfg: &Config, recv_counts: &[Vec<i32>], y: &[Vec<bf16>]) -> u64 {
+    let (h, per) = (cfg.hidden, cfg.rows_per_expert());
+    let mut bytes = 0u64;
+    for (counts, y) in recv_counts.iter().zip(y) {
+        for (l, &n) in counts.iter().enumerate() {
+            for i in 0..usize::try_from(n).unwrap_or(0).min(per) {
+                let row = (l * per + i) * h;
+                if let Some(r) = y.get(row..row + h) {
+                    bytes += logfmt_wire::row_bytes(r) as u64;
+                }
+            }
+        }
+    }
+    bytes
 }
 
 /// One NCCL call's wire figures, all ranks: (dispatch bytes, combine bytes, dispatch
@@ -157,6 +178,34 @@ pub fn nccl_accounting(
 mod tests {
     use super::*;
     use ep_reference::Mode;
+
+    /// Encoded sizes by hand: H = 256 (2 groups, 8 meta bytes a row), R = 2, one local expert,
+    /// T = 2 (R*T = 4 rows per expert); rows past the counts are never counted.
+    #[test]
+    fn logfmt_combine_bytes_are_the_encoded_rows() {
+        let cfg = Config::new(2, 2, 2, 256, 1, Mode::Bf16).unwrap();
+        let v = |x: f32| bf16::from_f32(x);
+        // A group that packs: amax < 1, not all equal; one that stays raw: amax >= 1.
+        let packs: Vec<bf16> = (0..128).map(|i| v(0.5 - i as f32 / 512.0)).collect();
+        let raw: Vec<bf16> = (0..128).map(|i| v(1.5 + i as f32)).collect();
+        let row = |a: &[bf16], b: &[bf16]| [a, b].concat();
+        let pad = vec![v(2.0); 256];
+        let y0 = [row(&packs, &packs), row(&packs, &raw), row(&raw, &raw), pad.clone()].concat();
+        let y1 = [row(&raw, &raw), pad.clone(), pad.clone(), pad].concat();
+        let counts = vec![vec![2], vec![1]];
+        let want = (8 + 2 * 160) + (8 + 160 + 256) + (8 + 2 * 256);
+        assert_eq!(
+            logfmt_combine_bytes(&cfg, &counts, &[y0.clone(), y1.clone()]),
+            want as u64
+        );
+        // A count past R*T reads no row past y; a negative one reads none.
+        let counts = vec![vec![9], vec![-3]];
+        let all_four = (8 + 2 * 160) + (8 + 160 + 256) + (8 + 2 * 256) + (8 + 2 * 256);
+        assert_eq!(
+            logfmt_combine_bytes(&cfg, &counts, &[y0, y1]),
+            all_four as u64
+        );
+    }
 
     /// The NCCL figures by hand for a small case: R = 2, E = 4 (L = 2), T = 2, K = 2, H = 128,
     /// bf16. Rank 0: token 0 -> experts 0, 2; token 1 -> 1, -1. Rank 1: token 0 -> 3, 2.

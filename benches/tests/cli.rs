@@ -563,4 +563,16 @@ fn logfmt_runs_the_combine_in_logfmt_and_counts_its_bytes() {
     a[9] = "200";
     a.extend(["--logfmt", "--dispatch", "bf16"]);
     refused(&a, 2, &["--hidden 200", "--logfmt"]);
+    // Where the GPU kernels do not run it: over NCCL, and in multi-process mode (refused
+    // before any GPU is looked at, so this runs without one).
+    refused(
+        &["--logfmt", "--transport", "nccl", "--backend", "gpu"],
+        2,
+        &["--logfmt", "--transport nccl", "bf16 rows only"],
+    );
+    refused(
+        &["--logfmt", "--nprocs", "2"],
+        2,
+        &["--logfmt", "multi-process mode"],
+    );
 }

@@ -181,7 +181,7 @@ pub fn hook_split(
         mark(1)?;
         let handle = g.dispatch_recv(hk, &sref)?;
         mark(2)?;
-        let ch = g.combine_send(&sref, &handle, &cins, ov)?;
+        let ch = g.combine_send_with(&sref, &handle, &cins, ov, g.combine_format())?;
         mark(3)?;
         g.combine_recv(ch, &sref)?;
         mark(4)

@@ -4,11 +4,11 @@
 use crate::timing::events::time_path;
 use crate::timing::hook::{hook_split, HookError, HookSplit};
 use crate::timing::kernel::{kernel_times, KernelTimes};
-use crate::wire::{accounting, nccl_accounting};
+use crate::wire::{accounting, logfmt_combine_bytes, nccl_accounting};
 use ep_kernels::runtime::{Buffers, GpuGroup, GpuOptions, NcclSizes, Path, Transport};
 use ep_reference::oracle::{self, CombineInput, RankInput};
 use ep_reference::workload::received_counts;
-use ep_reference::{Config, DispatchOutput, Op};
+use ep_reference::{CombineFormat, Config, DispatchOutput, Op};
 use half::bf16;
 
 /// One path's timings. `dispatch_us`/`combine_us` are CUDA-event figures (stream time from the
@@ -75,6 +75,7 @@ pub fn run(
         warmup,
         opts,
         num_gpus == 1,
+        CombineFormat::Bf16,
     )
 }
 
@@ -84,7 +85,9 @@ pub fn run(
 /// launched one by one (exact sizes read headers on the host mid-call: nothing to capture), the
 /// per-expert path runs exact sizes whatever `opts.nccl_sizes` says (capacity would send L*T
 /// entries per peer; the group refuses it), and the wire figures come from
-/// [`nccl_accounting`] (no device signals).
+/// [`nccl_accounting`] (no device signals). Combine moves its rows in `format`: with LogFMT the
+/// expert outputs are scaled by 2^-4 ([`HostSide::new_with`]) so that their groups pack, and
+/// its wire figures are [`logfmt_combine_bytes`]'s.
 #[allow(clippy::too_many_arguments)]
 pub fn run_with(
     cfg: &Config,
@@ -95,11 +98,12 @@ pub fn run_with(
     warmup: usize,
     opts: GpuOptions,
     graph: bool,
+    format: CombineFormat,
 ) -> Result<GpuReport, String> {
     let num_gpus = opts.num_gpus;
     let nccl = opts.transport == Transport::Nccl;
     let inner = || -> Result<GpuReport, String> {
-        let host = HostSide::new(cfg, x, topk_idx, topk_weights)?;
+        let host = HostSide::new_with(cfg, x, topk_idx, topk_weights, format)?;
         let mut device = String::new();
         let mut gpus = 0;
         let mut paths = Vec::new();
@@ -115,6 +119,7 @@ pub fn run_with(
                 ..opts
             };
             let mut g = GpuGroup::new(cfg, path_opts).map_err(|e| e.to_string())?;
+            g.set_combine_format(format).map_err(|e| e.to_string())?;
             device = g.describe_devices();
             gpus = g.num_gpus();
             let sizes = match path {
@@ -160,12 +165,21 @@ pub fn run_with(
                 Err(HookError::Mismatch(m)) => return Err(m),
                 Err(HookError::Gpu(e)) => Err(e.to_string()),
             };
-            let (dw, cw, dm, cm, sig) = if g.uses_nccl() {
+            let (dw, mut cw, dm, mut cm, mut sig) = if g.uses_nccl() {
                 let (dw, cw, dm, cm) = nccl_accounting(cfg, topk_idx, path, sizes)?;
                 (dw, cw, dm, cm, 0)
             } else {
                 accounting(cfg, topk_idx, path, num_gpus)
             };
+            if format == CombineFormat::LogFmt {
+                // Every row is put encoded (none read in place): its encoded size; the batched
+                // path then puts a batch to, and signals, every source.
+                cw = logfmt_combine_bytes(cfg, &received_counts(cfg, topk_idx), y);
+                if path == Path::Batched {
+                    let pairs = (cfg.num_ranks * cfg.num_ranks) as u64;
+                    (cm, sig) = (pairs, 2 * pairs);
+                }
+            }
             paths.push(GpuTimings {
                 path,
                 nccl_sizes: g.uses_nccl().then_some(sizes),
@@ -206,12 +220,25 @@ pub struct HostSide {
 }
 
 impl HostSide {
-    /// Computed once per run, before any group is built.
+    /// Computed once per run, before any group is built (a bf16 combine).
     pub fn new(
         cfg: &Config,
         x: &[Vec<bf16>],
         topk_idx: &[Vec<i64>],
         topk_weights: &[Vec<f32>],
+    ) -> Result<HostSide, String> {
+        HostSide::new_with(cfg, x, topk_idx, topk_weights, CombineFormat::Bf16)
+    }
+
+    /// [`HostSide::new`] for a combine in `format`: with LogFMT the expert outputs are scaled
+    /// by 2^-4 (values in [-0.5, 0.5], as the CPU backend feeds them) so that their groups
+    /// pack, and `want_c` is `oracle::combine_with` of the format.
+    pub fn new_with(
+        cfg: &Config,
+        x: &[Vec<bf16>],
+        topk_idx: &[Vec<i64>],
+        topk_weights: &[Vec<f32>],
+        format: CombineFormat,
     ) -> Result<HostSide, String> {
         let inputs: Vec<RankInput> = (0..cfg.num_ranks)
             .map(|r| RankInput {
@@ -224,11 +251,23 @@ impl HostSide {
         let counts = received_counts(cfg, topk_idx);
         let (want, y_want_c) = std::thread::scope(|s| {
             let want = s.spawn(|| oracle::dispatch(cfg, &inputs).map_err(|e| e.to_string()));
-            let y = ep_kernels::testing::random_y_received(
+            let mut y = ep_kernels::testing::random_y_received(
                 cfg,
                 &counts,
                 &mut ep_kernels::testing::Rng::new(7),
             );
+            if format == CombineFormat::LogFmt {
+                // The received rows only: the others stay untouched zero pages.
+                let (h, per) = (cfg.hidden, cfg.rows_per_expert());
+                for (y, c) in y.iter_mut().zip(&counts) {
+                    for (l, &n) in c.iter().enumerate() {
+                        let rows = usize::try_from(n).unwrap_or(0).min(per);
+                        for v in &mut y[l * per * h..(l * per + rows) * h] {
+                            *v = bf16::from_f32(v.to_f32() * 0.0625);
+                        }
+                    }
+                }
+            }
             let cin: Vec<CombineInput> = (0..cfg.num_ranks)
                 .map(|r| CombineInput {
                     y: &y[r],
@@ -236,7 +275,7 @@ impl HostSide {
                     topk_weights: &topk_weights[r],
                 })
                 .collect();
-            let want_c = oracle::combine(cfg, &cin).map_err(|e| e.to_string());
+            let want_c = oracle::combine_with(cfg, &cin, format).map_err(|e| e.to_string());
             let want = want
                 .join()
                 .unwrap_or_else(|_| Err("the oracle's dispatch panicked".into()));

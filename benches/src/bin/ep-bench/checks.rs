@@ -50,6 +50,7 @@ pub(crate) fn refuse_in_multiproc(
         "per_rank",
         "profile",
         "timing",
+        "logfmt",
     ]) {
         let why = if f == "--ranks" {
             "R is the number of processes"
@@ -75,6 +76,17 @@ pub(crate) fn refuse_in_multiproc(
     if launched && given.has("nprocs") {
         return Err(
             "--nprocs does not apply under an external launcher (RANK and WORLD_SIZE are set): the launcher started the processes"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
+/// `--logfmt` needs every peer over CUDA IPC / NVLink: the NCCL transport carries bf16 rows only.
+pub(crate) fn refuse_logfmt_over_nccl(cli: &Cli, given: &Given<'_>) -> Result<(), String> {
+    if given.has("logfmt") && matches!(cli.transport, Transport::Nccl | Transport::TwoTier) {
+        return Err(
+            "--logfmt with --transport nccl: the NCCL transport carries bf16 rows only (LogFMT runs over NVLink): drop one of them"
                 .into(),
         );
     }
@@ -130,12 +142,6 @@ pub(crate) fn refuse_on_backend(given: &Given<'_>, backend: &Backend) -> Result<
             }
         }
         Backend::Gpu(_) => {
-            if given.has("logfmt") {
-                return Err(
-                    "--logfmt (LogFMT-10 combine) runs on the CPU backend only: the GPU kernels do not implement it yet: drop --logfmt, or add --backend cpu"
-                        .to_string(),
-                );
-            }
             if let Some(f) = given.first(&["workers", "timeout_secs"]) {
                 return Err(format!(
                     "{f} applies to the CPU backend (and {}), and this run uses the GPU backend in one process: drop {f}, or add --backend cpu",

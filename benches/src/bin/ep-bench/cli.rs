@@ -103,9 +103,10 @@ pub(crate) struct Cli {
     /// Dispatch payload format (combine is BF16, or LogFMT-10 with --logfmt).
     #[arg(long, value_enum, default_value_t = DispatchArg::Fp8)]
     pub(crate) dispatch: DispatchArg,
-    /// CPU backend: combine in LogFMT-10 (DeepEP's `use_logfmt`; needs --hidden a multiple of
-    /// 128): the expert outputs are scaled into [-0.5, 0.5] so that their groups pack, and the
-    /// combine's wire bytes are the encoded rows'. Refused on the GPU backend for now.
+    /// Combine in LogFMT-10 (DeepEP's `use_logfmt`; needs --hidden a multiple of 128): the
+    /// expert outputs are scaled into [-0.5, 0.5] so that their groups pack, and the combine's
+    /// wire bytes are the encoded rows'. Single process; not with --transport nccl (NCCL
+    /// carries bf16 rows only).
     #[arg(long)]
     pub(crate) logfmt: bool,
     /// FP8: round scales up to powers of two.
