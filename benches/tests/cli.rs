@@ -571,6 +571,11 @@ fn logfmt_runs_the_combine_in_logfmt_and_counts_its_bytes() {
         &["--logfmt", "--transport nccl", "bf16 rows only"],
     );
     refused(
+        &["--logfmt", "--transport", "two-tier", "--backend", "gpu"],
+        2,
+        &["--logfmt", "--transport two-tier", "bf16 rows only"],
+    );
+    refused(
         &["--logfmt", "--nprocs", "2"],
         2,
         &["--logfmt", "multi-process mode"],

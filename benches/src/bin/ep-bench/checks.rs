@@ -85,10 +85,10 @@ pub(crate) fn refuse_in_multiproc(
 /// `--logfmt` needs every peer over CUDA IPC / NVLink: the NCCL transport carries bf16 rows only.
 pub(crate) fn refuse_logfmt_over_nccl(cli: &Cli, given: &Given<'_>) -> Result<(), String> {
     if given.has("logfmt") && matches!(cli.transport, Transport::Nccl | Transport::TwoTier) {
-        return Err(
-            "--logfmt with --transport nccl: the NCCL transport carries bf16 rows only (LogFMT runs over NVLink): drop one of them"
-                .into(),
-        );
+        return Err(format!(
+            "--logfmt with --transport {}: the NCCL transport carries bf16 rows only (LogFMT runs over NVLink): drop one of them",
+            cli.transport.name()
+        ));
     }
     Ok(())
 }
