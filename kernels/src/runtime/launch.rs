@@ -30,7 +30,7 @@ impl GpuGroup {
             }
             return Err(e);
         }
-        if op == Op::Combine && what.is_some() {
+        if op == Op::Combine {
             self.check_combine_path(path)?;
             self.check_combine_format(self.combine_format)?;
         }
