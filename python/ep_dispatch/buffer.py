@@ -184,8 +184,13 @@ class Buffer:
           equal the oracle bit for bit.
         - Kernels run on ``torch.cuda.current_stream()``; ``async_finish=True`` returns an event
           recorded there after them (no separate communication stream).
-        - ``use_logfmt`` is accepted and ignored: combine always sends bf16, so the result is
-          the exact weighted sum of the contract.
+        - ``use_logfmt=True`` sends the combine's rows in our LogFMT-10 (docs/contract.md 4.1:
+          per 128 channels two bf16 bounds and 10 bits a value on a logarithmic grid, or the
+          bf16 values where a group does not suit it), not DeepEP's encoding: the result is the
+          contract's weighted sum of the decoded rows, bit for bit
+          ``ep_dispatch.oracle.combine(..., use_logfmt=True)``. It needs H a multiple of 128
+          (else ``ConfigError`` ``HiddenNotMultiple``) and NVLink peers only (with
+          ``transport='nccl'`` or ``'two-tier'`` it raises ``UnsupportedError``).
         - One group is formed per (shape, FP8 mode); the first call with a new one is collective
           and must not be inside CUDA graph capture (warm up eagerly first).
         - Two operations in flight, as DeepEP's double buffer: a dispatch whose predecessor of
@@ -601,7 +606,7 @@ class Buffer:
         instead of ``x``; either way the batched path's kernels read the expert rows of ranks
         on this GPU in place (ep-kernels' ``zero_copy_local``, always on here), and ranks on
         other GPUs get them as a put, so ``zero_copy`` only chooses which tensor is read.
-        ``use_logfmt`` is accepted and ignored (see the class docstring);
+        ``use_logfmt=True``: the rows travel in LogFMT-10 (see the class docstring);
         ``combine_wait_recv_cost_stats`` (``int64 [R]``) is checked as DeepEP checks it and left
         untouched, as in dispatch.
         """
@@ -636,7 +641,7 @@ class Buffer:
         # dispatch's shape and token count.
         if return_recv_hook:
             cid = g.combine_send(self._stream(), handle._id, y, topk_idx, topk_weights, out,
-                                 wait_stats, handle)  # held natively, as in dispatch
+                                 wait_stats, handle, use_logfmt)  # held natively, as in dispatch
             done = False
 
             def hook():
@@ -647,7 +652,8 @@ class Buffer:
                 with self._notf():
                     g.combine_recv(self._stream(), cid)
         else:
-            g.combine(self._stream(), handle._id, y, topk_idx, topk_weights, out, wait_stats)
+            g.combine(self._stream(), handle._id, y, topk_idx, topk_weights, out, wait_stats,
+                      use_logfmt)
             hook = None
         due = self._due.get(key[0])
         if due is not None and due[key[1]] == handle._seq:

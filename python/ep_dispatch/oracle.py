@@ -182,8 +182,12 @@ def dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8
 
 
 def combine(y, topk_idx, topk_weights, num_max_dispatch_tokens_per_rank, num_experts, *,
-            hidden=None, top_k=None):
-    """Every rank's combine output, bf16 bits ``[n_r, H]`` (``uint16``)."""
+            hidden=None, top_k=None, use_logfmt=False):
+    """Every rank's combine output, bf16 bits ``[n_r, H]`` (``uint16``). ``use_logfmt=True``:
+    the rows as they reach the reduction after LogFMT-10 (docs/contract.md 4.1; H a multiple
+    of 128), what ``Buffer.low_latency_combine(..., use_logfmt=True)`` returns."""
+    if use_logfmt.__class__ is not bool:
+        raise argument_error("use_logfmt", f"{use_logfmt!r} is not a bool")
     T = _int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
     E = _int("num_experts", num_experts)
     ys = _per_rank("y", y, "bf16")
@@ -193,7 +197,7 @@ def combine(y, topk_idx, topk_weights, num_max_dispatch_tokens_per_rank, num_exp
     h = _last_dim("y", hidden, [s for _, s in ys], "hidden")
     k = _last_dim("topk_idx", top_k, [s for _, s in ts], "top_k")
     outs = _native.oracle_combine([b for b, _ in ys], [b for b, _ in ts], [b for b, _ in ws],
-                                  T, E, h, k)
+                                  T, E, h, k, use_logfmt)
     return [_array(b, "uint16", (len(b) // (2 * h), h)) for b in outs]
 
 

@@ -22,7 +22,7 @@ use ep_kernels::{
     Buffers, DeviceDispatchOut, DeviceHandle, GpuError, GpuGroup, GpuOptions, NcclSizes, Path,
     Tokens, Transport,
 };
-use ep_reference::{bf16, Config, Mode};
+use ep_reference::{bf16, CombineFormat, Config, Mode};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
@@ -465,15 +465,29 @@ impl RankGroup {
         Ok(id)
     }
 
-    /// Enqueues a whole combine on `stream` after the dispatch of handle `handle`; returns the
+    /// Enqueues a whole combine on `stream` after the dispatch of handle `handle`, its rows in
+    /// `format` (DeepEP's `use_logfmt`: [`CombineFormat::LogFmt`]; refused, with nothing
+    /// enqueued, where H is not a multiple of 128 or NCCL carries traffic); returns the
     /// combine's id.
-    pub fn combine(&mut self, stream: u64, handle: u64, p: &CombinePtrs) -> Result<u64> {
-        self.combine_part(stream, handle, p, false)
+    pub fn combine(
+        &mut self,
+        stream: u64,
+        handle: u64,
+        p: &CombinePtrs,
+        format: CombineFormat,
+    ) -> Result<u64> {
+        self.combine_part(stream, handle, p, false, format)
     }
 
     /// Enqueues a combine's send half; returns the id its receive half completes.
-    pub fn combine_send(&mut self, stream: u64, handle: u64, p: &CombinePtrs) -> Result<u64> {
-        self.combine_part(stream, handle, p, true)
+    pub fn combine_send(
+        &mut self,
+        stream: u64,
+        handle: u64,
+        p: &CombinePtrs,
+        format: CombineFormat,
+    ) -> Result<u64> {
+        self.combine_part(stream, handle, p, true, format)
     }
 
     /// Enqueues the receive half of combine `id` (as [`RankGroup::dispatch_recv`]).
@@ -492,7 +506,10 @@ impl RankGroup {
         handle: u64,
         p: &CombinePtrs,
         send_only: bool,
+        format: CombineFormat,
     ) -> Result<u64> {
+        // Refused before the due receive half goes out or anything is borrowed.
+        self.group.check_combine_format(format)?;
         let s = self.stream(stream);
         if let Some((_, hook)) = self.pending_combine.take() {
             // As in `dispatch_part`: the previous combine's receive half first.
@@ -513,10 +530,13 @@ impl RankGroup {
         let mut outs = [out.view_mut()];
         let id = self.next_combine;
         if send_only {
-            let hook = self.group.combine_send(&[&s], &h, &ins, &mut outs)?;
+            let hook = self
+                .group
+                .combine_send_with(&[&s], &h, &ins, &mut outs, format)?;
             self.pending_combine = Some((id, hook));
         } else {
-            self.group.combine_device(&[&s], &h, &ins, &mut outs)?;
+            self.group
+                .combine_device_with(&[&s], &h, &ins, &mut outs, format)?;
         }
         self.next_combine += 1;
         Ok(id)

@@ -5,7 +5,8 @@
 use crate::error::{BindError, Result};
 use ep_reference::oracle::{self, CombineInput, RankInput};
 use ep_reference::{
-    bf16, path::run_ranks, Config, CpuOptions, DispatchOutput, Mode, Path, RecvScales, RecvX,
+    bf16, path::run_ranks, CombineFormat, Config, CpuOptions, DispatchOutput, Mode, Path,
+    RecvScales, RecvX,
 };
 use std::time::Duration;
 
@@ -184,12 +185,14 @@ pub fn oracle_dispatch(
     Ok(oracle::dispatch(cfg, &inputs)?)
 }
 
-/// The oracle's combine of every rank (`n_r x H` bf16 each).
+/// The oracle's combine of every rank (`n_r x H` bf16 each), the rows in `format`
+/// (`oracle::combine_with`: LogFMT-10's round trip where asked).
 pub fn oracle_combine(
     cfg: &Config,
     ys: &[Vec<bf16>],
     topks: &[Vec<i64>],
     ws: &[Vec<f32>],
+    format: CombineFormat,
 ) -> Result<Vec<Vec<bf16>>> {
     if topks.len() != ys.len() {
         return Err(BindError::argument(
@@ -211,7 +214,7 @@ pub fn oracle_combine(
             topk_weights: w,
         })
         .collect();
-    Ok(oracle::combine(cfg, &inputs)?)
+    Ok(oracle::combine_with(cfg, &inputs, format)?)
 }
 
 /// bf16 rows as little-endian bits.
@@ -346,7 +349,7 @@ mod tests {
             vec![0.75, 1.5, 9.0, 9.0],
         ];
         let want = oracle_dispatch(&cfg, &xs, &topks).unwrap();
-        let want_c = oracle_combine(&cfg, &ys, &topks, &ws).unwrap();
+        let want_c = oracle_combine(&cfg, &ys, &topks, &ws, CombineFormat::Bf16).unwrap();
         for path in Path::ALL {
             let (got, got_c) =
                 cpu_roundtrip(path, &cfg, &xs, &topks, &ys, &ws, Duration::from_secs(10)).unwrap();

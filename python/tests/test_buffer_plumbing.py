@@ -123,8 +123,9 @@ class FakeRank:
         self.tokens[hid] = n
         return hid
 
-    def combine_send(self, stream, handle, y, topk, w, out, wait_stats=None, keep=None):
-        cid = self.combine(stream, handle, y, topk, w, out, wait_stats)
+    def combine_send(self, stream, handle, y, topk, w, out, wait_stats=None, keep=None,
+                     use_logfmt=False):
+        cid = self.combine(stream, handle, y, topk, w, out, wait_stats, use_logfmt)
         self.pending_c = cid
         return cid
 
@@ -134,23 +135,25 @@ class FakeRank:
         self.pending_c = None
         return True
 
-    def combine(self, stream, handle, *tensors):
+    def combine(self, stream, handle, y, topk, w, out, wait_stats=None, use_logfmt=False):
         self.poll()  # the native call's entry check
         self.pending_c = None  # a due receive half goes first (as in dispatch)
         n = self.tokens[handle]
-        y, topk, w, out = self.spec.check_combine(n, *tensors)
+        y, topk, w, out = self.spec.check_combine(n, y, topk, w, out, wait_stats, use_logfmt)
         L, R, T, H, K = self.E // self.w.R, self.w.R, self.T, self.H, self.K
         assert y[1] == L * R * T * H and topk[1] == n * K and w[1] == topk[1]
         assert out[1] == n * H
         self.w.combine_calls[self.rank] = (
             read(y, torch.bfloat16, np.uint16).reshape(L, R * T, H).copy(),
             read(topk, torch.int64, np.int64).reshape(n, K).copy(),
-            read(w, torch.float32, np.float32).reshape(n, K).copy(), out)
+            read(w, torch.float32, np.float32).reshape(n, K).copy(), out, use_logfmt)
         if len(self.w.combine_calls) == R:
             calls = [self.w.combine_calls[r] for r in range(R)]
             self.w.combine_calls = {}
+            # What the peers would do: the format the calls asked for (the same on every rank).
+            assert len({c[4] for c in calls}) == 1, "the ranks' use_logfmt differ"
             outs = oracle.combine([c[0] for c in calls], [c[1] for c in calls],
-                                  [c[2] for c in calls], T, self.E)
+                                  [c[2] for c in calls], T, self.E, use_logfmt=calls[0][4])
             for c, o in zip(calls, outs):
                 write(c[3], o, 2)
         cid, self.next_c = self.next_c, self.next_c + 1
@@ -248,6 +251,31 @@ def test_dispatch_and_combine_through_the_buffer(buffers, mode):
     for r, (combined, event, hook) in enumerate(outs):
         assert combined.shape == (ins[r][0].shape[0], H) and hook is None
         assert oracle.combine_diff(combined, want_c[r]) is None
+
+
+def test_use_logfmt_reaches_the_native_call_and_differs_from_bf16(buffers):
+    """use_logfmt=True travels to the native combine (whole and hook), which combines in
+    LogFMT: the oracle's LogFMT combine, which differs from the bf16 one for these inputs."""
+    world, bufs = buffers
+    ins = make_inputs(3)
+    ins = [(x, t, w, (y.float() * 0.0625).to(torch.bfloat16)) for x, t, w, y in ins]
+    args = ([i[3] for i in ins], [i[1] for i in ins], [i[2] for i in ins], T, E)
+    want_lf = oracle.combine(*args, use_logfmt=True)
+    want_bf = oracle.combine(*args)
+    assert any(oracle.combine_diff(a, b) is not None for a, b in zip(want_lf, want_bf))
+    for hook in (False, True):
+        res = [b.low_latency_dispatch(i[0], i[1], T, E) for b, i in zip(bufs, ins)]
+        outs = [b.low_latency_combine(i[3], i[1], i[2], rr[2], use_logfmt=True,
+                                      return_recv_hook=hook)
+                for b, i, rr in zip(bufs, ins, res)]
+        for r, (combined, _, h) in enumerate(outs):
+            if hook:
+                h()
+            assert oracle.combine_diff(combined, want_lf[r]) is None, f"rank {r} hook {hook}"
+    with pytest.raises(ep.ArgumentError) as e:
+        bufs[0].low_latency_combine(ins[0][3], ins[0][1], ins[0][2], res[0][2], use_logfmt=1)
+    assert e.value.argument == "use_logfmt"
+
 
 
 def test_hooks_out_stats_and_zero_copy(buffers):

@@ -288,6 +288,53 @@ def test_cuda_graph_capture_and_replay(buf, group, R, E):
         assert oracle.combine_diff(combined, want_c[rank]) is None, seed
 
 
+def logfmt_inputs(seed, R, E):
+    """``inputs`` with full ranks and the expert outputs scaled as the kernels' tests scale them:
+    each group of 128 channels whose (row + group) is not a multiple of 4 times 2^-4 (values
+    mostly below 1: it packs), the rest as drawn (|y| >= 1 somewhere: it travels raw)."""
+    out = []
+    for x, topk, w, y in inputs(seed, R, E, n=T):
+        rows = torch.arange(y.shape[0] * y.shape[1]).reshape(y.shape[0], y.shape[1], 1)
+        groups = torch.arange(H // 128).repeat_interleave(128).reshape(1, 1, H)
+        scale = torch.where((rows + groups) % 4 != 0, 0.0625, 1.0)
+        out.append((x, topk, w, (y.float() * scale).to(torch.bfloat16)))
+    return out
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["whole", "hook"])
+def test_logfmt_combine_matches_the_oracle(buf, group, R, E, hook):
+    """use_logfmt=True: the oracle's LogFMT combine bit for bit (which differs from the bf16
+    one here, so an ignored flag fails); a bf16 combine after it still matches. Over NCCL it
+    is refused (UnsupportedError naming NCCL) before anything is enqueued, and the same
+    dispatch then combines in bf16."""
+    rank = group.rank()
+    ins = logfmt_inputs(10, R, E)
+    args = ([i[3] for i in ins], [i[1] for i in ins], [i[2] for i in ins], T, E)
+    want_lf = oracle.combine(*args, use_logfmt=True)
+    want_bf = oracle.combine(*args)
+    assert any(oracle.combine_diff(a, b) is not None for a, b in zip(want_lf, want_bf))
+    x, topk, w, y = (on_gpu(t) for t in ins[rank])
+    _, _, handle, _, _ = buf.low_latency_dispatch(x, topk, T, E)
+    if buf.transport != "auto":
+        with pytest.raises(ep.UnsupportedError) as e:
+            buf.low_latency_combine(y, topk, w, handle, use_logfmt=True, return_recv_hook=hook)
+        assert "NCCL" in str(e.value) and "LogFMT" in str(e.value)
+        lf = None
+    else:
+        lf, _, chook = buf.low_latency_combine(y, topk, w, handle, use_logfmt=True,
+                                               return_recv_hook=hook)
+        if hook:
+            chook()
+        _, _, handle, _, _ = buf.low_latency_dispatch(x, topk, T, E)
+    # The refused combine left its dispatch to combine: in bf16 now.
+    bf, _, _ = buf.low_latency_combine(y, topk, w, handle)
+    torch.cuda.synchronize()
+    buf.check()
+    if lf is not None:
+        assert oracle.combine_diff(lf, want_lf[rank]) is None
+    assert oracle.combine_diff(bf, want_bf[rank]) is None
+
+
 def test_bad_arguments_raise_before_any_launch(buf, group, R, E):
     ins = inputs(9, R, E, n=4)
     x, topk, w, y = (on_gpu(t) for t in ins[group.rank()])

@@ -150,6 +150,21 @@ def test_combine_tensors_are_checked_against_the_dispatched_tokens():
     assert e.value.argument == "combine_wait_recv_cost_stats"
 
 
+def test_a_logfmt_combine_needs_h_a_multiple_of_128():
+    t = dict(x=Tensor(BF16, (L, RT, H)), topk_idx=Tensor(I64, (5, K)),
+             topk_weights=Tensor(F32, (5, K)), out=Tensor(BF16, (5, H)))
+    assert spec().check_combine(5, **t, use_logfmt=True) == spec().check_combine(5, **t)
+    h = 192  # a multiple of 64, not of 128: bf16 dispatch takes it, LogFMT does not
+    s = native.CallSpec(R, E, T, h, K, False, False, False, 0, DTYPES)
+    t = dict(x=Tensor(BF16, (L, RT, h)), topk_idx=Tensor(I64, (5, K)),
+             topk_weights=Tensor(F32, (5, K)), out=Tensor(BF16, (5, h)))
+    s.check_combine(5, **t)
+    with pytest.raises(ep.ConfigError) as e:
+        s.check_combine(5, **t, use_logfmt=True)
+    assert e.value.kind == "HiddenNotMultiple"
+    assert (e.value.hidden, e.value.multiple, e.value.mode) == (192, 128, "logfmt")
+
+
 def test_a_spec_validates_its_shape_once_when_made():
     with pytest.raises(ep.ConfigError):
         native.CallSpec(3, E, T, H, K, True, False, False, 0, DTYPES)  # E % R

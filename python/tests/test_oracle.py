@@ -65,6 +65,35 @@ def test_hand_checked_bf16_dispatch_and_combine():
     assert (c0[0] == 0x4000).all() and (c0[1] == 0x3F80).all() and (c1[0] == 0x4180).all()
 
 
+def test_logfmt_combine_is_exact_on_raw_groups_and_close_on_packed_ones():
+    """use_logfmt=True: groups that do not pack (|y| >= 1) travel as bf16, so the combine is
+    the bf16 one's bits; packed groups (|y| < 1) decode within LogFMT's bound (2.2% at the
+    widest grid, docs/contract.md 4.1), so it differs from bf16 but stays close. H % 128 != 0
+    is the config error."""
+    rng = np.random.default_rng(32)
+    R, E, T, H, K = 2, 4, 5, 256, 2
+    _, ts = random_case(rng, R, E, T, H, K, masked=0.0)
+    L = E // R
+    big = [bf16(1.0 + rng.random((L, R * T, H)).astype(np.float32)) for _ in range(R)]
+    ws = [np.full(t.shape, 0.5, np.float32) for t in ts]
+    raw = oracle.combine(big, ts, ws, T, E, use_logfmt=True)
+    exact = oracle.combine(big, ts, ws, T, E)
+    for r in range(R):
+        assert oracle.combine_diff(raw[r], exact[r]) is None, r
+    small = [bf16(0.5 * rng.random((L, R * T, H)).astype(np.float32) + 0.01) for _ in range(R)]
+    lf = oracle.combine(small, ts, ws, T, E, use_logfmt=True)
+    bf = oracle.combine(small, ts, ws, T, E)
+    assert any(oracle.combine_diff(a, b) is not None for a, b in zip(lf, bf))
+    for a, b in zip(lf, bf):
+        fa, fb = oracle.f32_from_bf16(a), oracle.f32_from_bf16(b)
+        assert np.all(np.abs(fa - fb) <= 0.03 * np.abs(fb) + 1e-6)
+    with pytest.raises(ep.ConfigError) as e:
+        oracle.combine([y[..., :192] for y in small], ts, ws, T, E, use_logfmt=True)
+    assert e.value.kind == "HiddenNotMultiple"
+    with pytest.raises(ep.ArgumentError):
+        oracle.combine(small, ts, ws, T, E, use_logfmt="yes")
+
+
 def test_outcome_tells_good_from_failed_from_wrong():
     """oracle.outcome: the oracle's outputs are good; a dispatch that received nothing and a
     combine of NaN rows are the failed outputs (either alone, or both); a finite wrong row, or

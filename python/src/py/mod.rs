@@ -146,7 +146,7 @@ fn oracle_dispatch<'py>(
 
 /// The oracle's combine of every rank: bf16 bytes `[n_r, H]` per rank.
 #[pyfunction]
-#[pyo3(signature = (y, topk_idx, topk_weights, num_max_dispatch_tokens_per_rank, num_experts, hidden, top_k))]
+#[pyo3(signature = (y, topk_idx, topk_weights, num_max_dispatch_tokens_per_rank, num_experts, hidden, top_k, use_logfmt=false))]
 #[allow(clippy::too_many_arguments)]
 fn oracle_combine<'py>(
     py: Python<'py>,
@@ -157,6 +157,7 @@ fn oracle_combine<'py>(
     num_experts: usize,
     hidden: usize,
     top_k: usize,
+    use_logfmt: bool,
 ) -> PyResult<Bound<'py, PyList>> {
     let cfg = config(
         y.len(),
@@ -175,7 +176,12 @@ fn oracle_combine<'py>(
         .map(|(r, b)| host::i64s(&format!("topk_idx[{r}]"), b))
         .collect::<Result<Vec<_>, _>>()
         .py_err()?;
-    let outs = host::oracle_combine(&cfg, &ys, &ts, &ws).py_err()?;
+    let format = if use_logfmt {
+        ep_reference::CombineFormat::LogFmt
+    } else {
+        ep_reference::CombineFormat::Bf16
+    };
+    let outs = host::oracle_combine(&cfg, &ys, &ts, &ws, format).py_err()?;
     let list = PyList::empty(py);
     for o in &outs {
         list.append(PyBytes::new(py, &host::bf16_bytes(o)))?;

@@ -14,7 +14,7 @@ use crate::host;
 use crate::keywords;
 use crate::spec::{CombineMetas, CombinePtrs, DispatchMetas, DispatchPtrs};
 use crate::tensor::{check, Dtype, Layout, Want};
-use ep_reference::Config;
+use ep_reference::{CombineFormat, Config};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 use std::time::Duration;
@@ -116,6 +116,9 @@ impl CallSpec {
             .py_err()
     }
 
+    /// The combine's tensors checked (as `check_combine`), after the format: LogFMT needs H a
+    /// multiple of 128 (`HiddenNotMultiple`, mode "logfmt", as the CPU paths refuse it).
+    #[allow(clippy::too_many_arguments)]
     fn combine_ptrs(
         &self,
         num_tokens: usize,
@@ -124,7 +127,9 @@ impl CallSpec {
         topk_weights: &Bound<'_, PyAny>,
         out: &Bound<'_, PyAny>,
         wait_stats: Option<&Bound<'_, PyAny>>,
+        format: CombineFormat,
     ) -> PyResult<CombinePtrs> {
+        format.check(self.spec.config()).py_err()?;
         let d = &self.dtypes;
         let m = (
             meta("x", x, d)?,
@@ -263,9 +268,11 @@ impl CallSpec {
         ))
     }
 
-    /// Checks a combine's tensors after a dispatch of `num_tokens` tokens; returns `(x,
-    /// topk_idx, topk_weights, out)` as `(data_ptr, elements)`.
-    #[pyo3(signature = (num_tokens, x, topk_idx, topk_weights, out, wait_stats=None))]
+    /// Checks a combine's tensors after a dispatch of `num_tokens` tokens (and, with
+    /// `use_logfmt`, that H suits LogFMT); returns `(x, topk_idx, topk_weights, out)` as
+    /// `(data_ptr, elements)`.
+    #[pyo3(signature = (num_tokens, x, topk_idx, topk_weights, out, wait_stats=None, use_logfmt=false))]
+    #[allow(clippy::too_many_arguments)]
     fn check_combine(
         &self,
         num_tokens: usize,
@@ -274,9 +281,20 @@ impl CallSpec {
         topk_weights: &Bound<'_, PyAny>,
         out: &Bound<'_, PyAny>,
         wait_stats: Option<&Bound<'_, PyAny>>,
+        use_logfmt: bool,
     ) -> PyResult<(Ptr, Ptr, Ptr, Ptr)> {
-        let p = self.combine_ptrs(num_tokens, x, topk_idx, topk_weights, out, wait_stats)?;
+        let f = format_of(use_logfmt);
+        let p = self.combine_ptrs(num_tokens, x, topk_idx, topk_weights, out, wait_stats, f)?;
         Ok((p.y, p.topk_idx, p.topk_weights, p.out))
+    }
+}
+
+/// DeepEP's `use_logfmt` as the combine's format.
+fn format_of(use_logfmt: bool) -> CombineFormat {
+    if use_logfmt {
+        CombineFormat::LogFmt
+    } else {
+        CombineFormat::Bf16
     }
 }
 
@@ -503,8 +521,9 @@ impl GpuRank {
     }
 
     /// Enqueues a whole combine on `stream` after the dispatch `handle` (a due receive half
-    /// first), after checking every tensor against that dispatch's token count. Returns its id.
-    #[pyo3(signature = (stream, handle, x, topk_idx, topk_weights, out, wait_stats=None))]
+    /// first), after checking every tensor against that dispatch's token count; its rows in
+    /// LogFMT-10 with `use_logfmt` (H a multiple of 128, no NCCL). Returns its id.
+    #[pyo3(signature = (stream, handle, x, topk_idx, topk_weights, out, wait_stats=None, use_logfmt=false))]
     #[allow(clippy::too_many_arguments)]
     fn combine(
         &mut self,
@@ -515,11 +534,13 @@ impl GpuRank {
         topk_weights: &Bound<'_, PyAny>,
         out: &Bound<'_, PyAny>,
         wait_stats: Option<&Bound<'_, PyAny>>,
+        use_logfmt: bool,
     ) -> PyResult<u64> {
         let n = self.inner.dispatched_tokens(handle).py_err()?;
         let spec = self.spec.get();
-        let p = spec.combine_ptrs(n, x, topk_idx, topk_weights, out, wait_stats)?;
-        let r = self.inner.combine(stream, handle, &p).py_err();
+        let f = format_of(use_logfmt);
+        let p = spec.combine_ptrs(n, x, topk_idx, topk_weights, out, wait_stats, f)?;
+        let r = self.inner.combine(stream, handle, &p, f).py_err();
         self.release();
         r
     }
@@ -527,7 +548,7 @@ impl GpuRank {
     /// Enqueues a combine's send half (as `combine`); its tensors, and `keep` (the Buffer passes
     /// the dispatch's handle, whose tensors the receive half may read), are held until its
     /// receive half is enqueued. Returns its id.
-    #[pyo3(signature = (stream, handle, x, topk_idx, topk_weights, out, wait_stats=None, keep=None))]
+    #[pyo3(signature = (stream, handle, x, topk_idx, topk_weights, out, wait_stats=None, keep=None, use_logfmt=false))]
     #[allow(clippy::too_many_arguments)]
     fn combine_send(
         &mut self,
@@ -539,11 +560,13 @@ impl GpuRank {
         out: &Bound<'_, PyAny>,
         wait_stats: Option<&Bound<'_, PyAny>>,
         keep: Option<&Bound<'_, PyAny>>,
+        use_logfmt: bool,
     ) -> PyResult<u64> {
         let n = self.inner.dispatched_tokens(handle).py_err()?;
         let spec = self.spec.get();
-        let p = spec.combine_ptrs(n, x, topk_idx, topk_weights, out, wait_stats)?;
-        let r = self.inner.combine_send(stream, handle, &p).py_err();
+        let f = format_of(use_logfmt);
+        let p = spec.combine_ptrs(n, x, topk_idx, topk_weights, out, wait_stats, f)?;
+        let r = self.inner.combine_send(stream, handle, &p, f).py_err();
         self.release();
         if r.is_ok() {
             self.held_combine = Some(hold(&[x, topk_idx, topk_weights, out], &[keep]));
