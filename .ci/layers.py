@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The layering check (issue 24, "one crate, one layer"): for every workspace crate's library
+"""The layering check ("one crate, one layer"): for every workspace crate's library
 (src/lib.rs and the modules under it), reads every `crate::` / `super::` path (in `use` items and
 inline), outside comments and `#[cfg(test)]` modules, and reports
 

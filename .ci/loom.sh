@@ -68,7 +68,7 @@ mutants=(
   "gpu_no_agreement:loom_gpu_shrink:shrink_per_expert_two_blocks_agree_at_the_timeout_edge:disagree on the lost peers"
   "gpu_masked_peer_waited:loom_gpu_shrink:shrink_masked_peer_signals_ignored:read a masked peer's entries"
   "gpu_clean_keeps_signals:loom_gpu_shrink:shrink_unmask_with_clean"
-  # a failed rank (issue 28), not orderings: launches enqueued behind a failed one that skip
+  # a failed rank, not orderings: launches enqueued behind a failed one that skip
   # the error word's check send a failed group's data with a valid signal; with the check but
   # without the poison, the peer never learns of the failure and only times out
   "gpu_no_failed_check:loom_gpu_protocol:failed_rank_poisons_enqueued_calls:took a failed rank's data"

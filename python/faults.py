@@ -17,7 +17,7 @@ fails, whatever else happens).
   calls, each pair equal to the oracle on the routing the rank mask leaves (the mask read after
   the dispatch and after the combine), with the lost rank in its mask at the end. A fresh pair
   of processes per trial.
-- ``skip-dispatch``, ``skip-combine`` (issue 28; not with ``--shrink``): one rank, chosen at
+- ``skip-dispatch``, ``skip-combine`` (not with ``--shrink``): one rank, chosen at
   random, is late for one call chosen at random (it sleeps 3x the wait bound before that call's
   dispatch, or before its combine), then carries on. Both ranks must raise (the one that waited:
   the timeout naming the late rank, within the bound + 1 s of the fault; the late rank: the

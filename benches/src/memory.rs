@@ -415,7 +415,7 @@ mod tests {
 
     /// What the GPU holds for ep-bench at 64 and 128 virtual ranks of the standard setting,
     /// from the layout: one path's group (the per-expert one, the larger) and the hook split's
-    /// small buffers fit an H200 (149 GB free after the context, run 14); 256 ranks do not.
+    /// small buffers fit an H200 (149 GB free after the context, BENCHMARKS.md); 256 ranks do not.
     #[test]
     fn ep_bench_fits_an_h200_at_64_and_128_virtual_ranks() {
         const H200_FREE: u64 = 149_000_000_000;

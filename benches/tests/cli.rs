@@ -218,8 +218,7 @@ fn absurd_iteration_counts_are_refused_naming_the_flag() {
     refused(&["--nprocs", "2", "--iters", max], 2, &["--iters", max]);
 }
 
-/// Process mode's own numbers (what `ep-gpu-mp` took before it folded into `ep-bench --nprocs`,
-/// issue 20 item 7.4): a bad one names its flag and exits 2, never a panic; the check rounds and
+/// Process mode's own numbers (the flags of `ep-bench --nprocs`): a bad one names its flag and exits 2, never a panic; the check rounds and
 /// the fault hooks apply to multi-process runs only. Needs no GPU: every case is refused before a
 /// device is touched.
 #[test]

@@ -389,7 +389,7 @@ def test_two_dispatches_in_flight(buffers):
 
 
 def test_an_error_of_one_buffer_set_raises_at_a_call_on_the_other(buffers):
-    """[issue 20, never silent] With two dispatches in flight each buffer set is a group with
+    """Never silent: with two dispatches in flight each buffer set is a group with
     its own error words. An error set 0 recorded must raise at the next call whichever set or
     mode it uses: a third dispatch, a dispatch in another mode (before it forms a group) and
     the combine of set 1's handle all raise it, and nothing new is formed."""

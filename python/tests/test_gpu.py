@@ -699,7 +699,7 @@ def test_two_dispatches_in_flight_equal_one_at_a_time(group, R, E, order):
 @pytest.mark.parametrize("path", ["batched", "per_expert"])
 @pytest.mark.parametrize("skip", ["dispatch", "combine"])
 def test_a_peer_that_skips_a_call_hands_nobody_wrong_values(group, R, E, skip, path):
-    """[issue 28] The last rank is late for call 2 (it sleeps 3x the wait bound before that
+    """The last rank is late for call 2 (it sleeps 3x the wait bound before that
     call's dispatch, or before its combine), then carries on; fresh inputs every call, the
     default options. Every output of every call on every rank is bitwise the oracle's or the
     call's failed output (dispatch: no rows; combine: NaN rows), never finite and wrong; the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Ours beside DeepEP in ONE device call (issue 21): builds DeepEP's v1 low-latency kernels from a
+# Ours beside DeepEP in ONE device call: builds DeepEP's v1 low-latency kernels from a
 # source tree (never part of the project; see ../shared/GPU.md), then on one GPU
 #   1. DeepEP's own tests/test_low_latency.py, unmodified, on ours and on DeepEP
 #      (python/deepep_compat/run.py --impl both), plain and with --use-logfmt;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The failed-rank checks (issue 28) in one device call on one H200: the GPU tests of both
+# The failed-rank checks in one device call on one H200: the GPU tests of both
 # binaries (every kernel carries the poison path), the Python suite with N = 2 ranks and the
 # skipped-call test with N = 4, the ranks sharing the GPU, then the fault trials of faults.py:
 # skip one dispatch, skip one combine, SIGSTOP, SIGKILL.

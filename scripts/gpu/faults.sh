@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fault runs of process mode (issue 10 item 9), on the GPU machine.
+# Fault runs of process mode, on the GPU machine.
 #
 #   bash scripts/gpu/faults.sh BIN_DIR        (BIN_DIR holds the ep-bench binary)
 #
@@ -23,7 +23,7 @@
 #
 # Environment: FAULT_TRIALS (10 per transport x fault), FAULT_TIMEOUT_MS (the GPU wait bound,
 # 1500), FAULT_DETECT_LIMIT_S (how long a survivor may take, whole seconds; default the wait
-# bound + 1 s rounded up: since issue 20 ep_group::mp bounds every host wait after the group
+# bound + 1 s rounded up: ep_group::mp bounds every host wait after the group
 # forms by the job's wait bound, barriers included), FAULT_BUDGET_S (the whole script, 150: trials that no longer fit
 # are skipped and counted), FAULT_ITERS (timed calls per path and op; default 100 on one GPU,
 # where time-sliced processes take ~4.4 ms a call, 3000 on two), FAULT_SEED (bash RANDOM seed),

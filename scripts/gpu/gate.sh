@@ -123,7 +123,7 @@ else
   fi
   step bench-ep2-2proc 30 "$BIN/ep-bench" --nprocs 2 --gpus 2 --masked 0
   step example-2proc 20 "$BIN/moe_layer" --nprocs 2 --gpus 2
-  # ---- phase 3: the network transport (issue 12), both paths, standard setting -----------------
+  # ---- phase 3: the network transport, both paths, standard setting ---------------------------
   # NCCL on its default transports (NVLink P2P between the two GPUs), then forced onto its network
   # transport (sockets) with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (NCCL 2.28.3's documented
   # switches; NCCL_DEBUG=INFO in one run shows the channels going "via NET/Socket"); exact and

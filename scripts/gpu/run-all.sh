@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU verification harness in ONE device call (issue 14 item 3, issue 10 item 9):
+# Every GPU verification harness in ONE device call:
 #
 #   bash scripts/gpu/run-all.sh .gpu        (on the GPU machine, from the repository root)
 #

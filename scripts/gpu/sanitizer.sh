@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU kernels under compute-sanitizer (issue 14 item 3), on the GPU machine.
+# The GPU kernels under compute-sanitizer, on the GPU machine.
 #
 #   bash scripts/gpu/sanitizer.sh BIN_DIR [LOG_DIR]     (BIN_DIR holds gpu_fuzz and gpu)
 #

@@ -152,7 +152,7 @@
 //!
 //! # What the model found in the kernels
 //! Checked against the kernels after the device-API change (u64 epochs, tagged signals, input
-//! and peer-data checks on the device, the NCCL stage split) and again after issue 11's speed
+//! and peer-data checks on the device, the NCCL stage split) and again after the speed
 //! work (the pre-loaded ack, the one-pass routing check, the one-rank path, per-expert over
 //! NCCL, capacity-mode NCCL sizes), and after the receive halves' change (the receive hook's
 //! stage 2 of batched dispatch over NVLink: the pre-loaded signals, no routing or input check;
@@ -167,7 +167,7 @@
 //!   `fence_rel(p)` after the `ST_SENT` count, the one before per-expert's signal, the one in
 //!   common.cuh `last_block_out`), which makes a relaxed store a release pattern. Harmless; kept
 //!   as belt and braces.
-//! - Batched dispatch's ack wait moved (issue 11): thread `32 + d` issues its first `ld_acquire`
+//! - Batched dispatch's ack wait moved: thread `32 + d` issues its first `ld_acquire`
 //!   of `sig_bat_ack(me, R) + d` (`ack0`) at kernel start, before `s_epoch` is read and before
 //!   the routing checks, and calls `wait_ack` only after `in_bad` is known and only if
 //!   "`ack0 < epoch - 1ull`". That is the same protocol: `ack0` is an acquire load, and a value
@@ -260,7 +260,7 @@
 //!   `check_usable`, first thing in launch.rs `launch_inner` and errors.rs `sync`), launching the refused
 //!   call as poison only (`poison_refused`, `KParams.refused`). Before the check, such launches
 //!   sent a failed call's state with valid signals: a peer took a combine of the rows of a
-//!   failed dispatch for good (issue 28).
+//!   failed dispatch for good.
 //! - Shrink mode's agreement orders nothing: `agree_at` is a relaxed CAS (and the mask a
 //!   relaxed `atomicExch`), so a block that ran out while another block's "arrived" was agreed
 //!   has no happens-before with that block's acquire of the signal. What makes its reads safe
