@@ -608,7 +608,7 @@ class Buffer:
         other GPUs get them as a put, so ``zero_copy`` only chooses which tensor is read.
         ``use_logfmt=True``: the rows travel in LogFMT-10 (see the class docstring);
         ``combine_wait_recv_cost_stats`` (``int64 [R]``) is checked as DeepEP checks it and left
-        untouched, as in dispatch.
+        untouched: the combine kernels do not count their waits yet (dispatch's do).
         """
         with self._notf():
             return self._combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
