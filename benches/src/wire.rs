@@ -190,7 +190,13 @@ mod tests {
         let raw: Vec<bf16> = (0..128).map(|i| v(1.5 + i as f32)).collect();
         let row = |a: &[bf16], b: &[bf16]| [a, b].concat();
         let pad = vec![v(2.0); 256];
-        let y0 = [row(&packs, &packs), row(&packs, &raw), row(&raw, &raw), pad.clone()].concat();
+        let y0 = [
+            row(&packs, &packs),
+            row(&packs, &raw),
+            row(&raw, &raw),
+            pad.clone(),
+        ]
+        .concat();
         let y1 = [row(&raw, &raw), pad.clone(), pad.clone(), pad].concat();
         let counts = vec![vec![2], vec![1]];
         let want = (8 + 2 * 160) + (8 + 160 + 256) + (8 + 2 * 256);

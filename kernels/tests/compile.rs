@@ -68,10 +68,13 @@ fn every_kernel_compiles() {
     // are printed too: it is what a group on one node without shrink mode runs.
     // The batched family is loaded once per stage (Variant::at_stage): stages 1 and 2 of every
     // build, besides each build's stage 0.
-    let staged = Variant::all().into_iter().flat_map(|v| {
-        (1..3).map(move |s| (v.at_stage(s), vec![compile::BATCHED]))
-    });
-    let whole = Variant::all().into_iter().skip(1).map(|v| (v, FAMILIES.to_vec()));
+    let staged = Variant::all()
+        .into_iter()
+        .flat_map(|v| (1..3).map(move |s| (v.at_stage(s), vec![compile::BATCHED])));
+    let whole = Variant::all()
+        .into_iter()
+        .skip(1)
+        .map(|v| (v, FAMILIES.to_vec()));
     for (v, families) in whole.chain(staged) {
         for f in families {
             let c = compile::compile_variant(&f, &v, "sm_90", true)

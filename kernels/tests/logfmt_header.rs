@@ -41,7 +41,10 @@ fn the_log2_table_is_the_references() {
     let got = hex_words(LOGFMT_CUH, "LF_LOG2_MANTISSA[128] = {", "};");
     assert_eq!(got.len(), 128, "entries of LF_LOG2_MANTISSA");
     for (m, (g, w)) in got.iter().zip(LOG2_MANTISSA.iter()).enumerate() {
-        assert_eq!(g, w, "LF_LOG2_MANTISSA[{m}]: {g:#010X}, the reference {w:#010X}");
+        assert_eq!(
+            g, w,
+            "LF_LOG2_MANTISSA[{m}]: {g:#010X}, the reference {w:#010X}"
+        );
     }
 }
 
@@ -78,7 +81,10 @@ fn the_sizes_are_the_references() {
 fn the_parser_sees_a_changed_entry() {
     // The check above can fail: one digit changed in a copy of the header is found.
     let changed = LOGFMT_CUH.replacen("0x3C37F286u", "0x3C37F287u", 1);
-    assert!(changed != LOGFMT_CUH, "entry 1 (0x3C37F286u) is not in the header");
+    assert!(
+        changed != LOGFMT_CUH,
+        "entry 1 (0x3C37F286u) is not in the header"
+    );
     let got = hex_words(&changed, "LF_LOG2_MANTISSA[128] = {", "};");
     assert_ne!(got[1], LOG2_MANTISSA[1]);
 }

@@ -145,7 +145,12 @@ impl Dev {
             (compile::BATCHED, 2),
         ];
         for (f, stage) in loads {
-            all.extend(modules::kernels(&self.ctx, &f, &self.variant.at_stage(stage), &self.arch)?);
+            all.extend(modules::kernels(
+                &self.ctx,
+                &f,
+                &self.variant.at_stage(stage),
+                &self.arch,
+            )?);
         }
         self.funcs = Funcs {
             fp8: all[0],

@@ -50,8 +50,8 @@
 //! refused: the harness does not hold that routing). Two groups must not run on one GPU at the
 //! same time (see the crate docs).
 
-use crate::error::GpuError;
 use crate::error::cuda;
+use crate::error::GpuError;
 use crate::runtime::group::{kind, GpuGroup};
 use crate::runtime::layout::IoTable;
 use crate::runtime::options::NcclSizes;
@@ -333,7 +333,14 @@ impl GpuGroup {
         if hook.handle.group != self.id {
             return Err(GpuError::Handle("a dispatch hook of another group".into()));
         }
-        self.stage_on(Op::Dispatch, hook.handle.path, 2, &raw, &hook.io, CombineFormat::Bf16)?;
+        self.stage_on(
+            Op::Dispatch,
+            hook.handle.path,
+            2,
+            &raw,
+            &hook.io,
+            CombineFormat::Bf16,
+        )?;
         self.finish_device_call(Op::Dispatch, hook.handle.path);
         Ok(hook.handle)
     }
@@ -737,7 +744,15 @@ impl RankEp<'_> {
         handle: &DeviceHandle,
         out: &mut CudaViewMut<'_, bf16>,
     ) -> Result<(), GpuError> {
-        self.combine_with(stream, y, topk_idx, topk_weights, handle, out, CombineFormat::Bf16)
+        self.combine_with(
+            stream,
+            y,
+            topk_idx,
+            topk_weights,
+            handle,
+            out,
+            CombineFormat::Bf16,
+        )
     }
 
     /// [`RankEp::combine`] with the rows in `format` ([`GpuGroup::combine_device_with`]).

@@ -2,14 +2,13 @@
 //! communicators, call counts), its release, and building it with every rank in this process
 //! (`GpuGroup::new`, ranks spread over the GPUs, peer access). One rank per process (CUDA IPC or
 //! NCCL) is built by [`ProcessRank`](crate::runtime::ProcessRank).
-use crate::error::GpuError;
 use crate::error::cuda;
+use crate::error::GpuError;
 use crate::runtime::device::{probe_devices, Dev, HostMirror};
 use crate::runtime::footprint::{footprint, plan_sizes};
 use crate::runtime::layout::{
-    all_peers, carve_rank, check_ranks, cmb_row_bytes, entry_bytes_checked,
-    pe_entry_bytes_checked, smem_bytes, to_i32, total_bytes, IoTable, KParams, PeerMask, RankPtrs,
-    ERR_WORDS,
+    all_peers, carve_rank, check_ranks, cmb_row_bytes, entry_bytes_checked, pe_entry_bytes_checked,
+    smem_bytes, to_i32, total_bytes, IoTable, KParams, PeerMask, RankPtrs, ERR_WORDS,
 };
 use crate::runtime::options::{Buffers, GpuOptions, NcclSizes, Transport};
 use crate::runtime::streams::{drain_streams, Drain};

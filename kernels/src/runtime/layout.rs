@@ -606,7 +606,10 @@ mod tests {
         assert_eq!(rank_sizes(&odd, false).unwrap()[18], 8 * 2 * 400);
         // The stride each launch takes: 2H in bf16, a raw LogFMT row's size with LogFMT.
         assert_eq!(cmb_row_bytes(&c, CombineFormat::Bf16).unwrap(), 2 * 7168);
-        assert_eq!(cmb_row_bytes(&c, CombineFormat::LogFmt).unwrap(), lf_row as i32);
+        assert_eq!(
+            cmb_row_bytes(&c, CombineFormat::LogFmt).unwrap(),
+            lf_row as i32
+        );
         assert_eq!(lf_row % 4, 0, "bodies stay 4-aligned");
         // Capacity combine: T * min(K, L) rows.
         assert_eq!(combine_capacity_rows(&c).unwrap(), 128 * 8);

@@ -9,8 +9,8 @@
 //! process does.
 
 use crate::compile::{self, Family};
-use crate::error::GpuError;
 use crate::error::cuda;
+use crate::error::GpuError;
 use crate::runtime::layout::Variant;
 use cudarc::driver::{result, sys, CudaContext};
 use std::sync::{Arc, Mutex};
@@ -67,7 +67,9 @@ fn load(
     let cubin = compile::cubin_variant(f, v, arch)?;
     let optin = cuda(
         "opt-in shared memory",
-        ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+        ctx.attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        ),
     )?;
     // SAFETY: `cubin` is a complete CUBIN image produced by NVRTC for this device's arch; the
     // caller bound `ctx` to this thread.
@@ -94,7 +96,9 @@ fn functions(
         let name = std::ffi::CString::new(k.symbol)
             .map_err(|_| GpuError::Unsupported(format!("kernel symbol {}", k.name)))?;
         // SAFETY: `module` is loaded on the bound context; `name` is a NUL-terminated symbol.
-        let func = cuda(k.name, unsafe { result::module::get_function(module, name) })?;
+        let func = cuda(k.name, unsafe {
+            result::module::get_function(module, name)
+        })?;
         let mut fixed = 0i32;
         // SAFETY: `func` is a kernel of the loaded module; `fixed` receives the answer.
         let rc = unsafe {

@@ -160,9 +160,17 @@ fn gpu_logfmt_standard_setting_r1_r4_equal_oracle() {
         let cfg = Config::new(r, 256, 128, 7168, 8, Mode::FP8).unwrap();
         let mut g = group(&cfg, 1);
         g.set_combine_format(CombineFormat::LogFmt).unwrap();
-        let data = random_inputs(&cfg, &vec![128; r], Routing::Random { masked: 0.05 }, &mut rng);
+        let data = random_inputs(
+            &cfg,
+            &vec![128; r],
+            Routing::Random { masked: 0.05 },
+            &mut rng,
+        );
         let (y, _, _) = logfmt_y(&cfg, &mut rng);
-        assert_eq!(verify_case(&mut g, &data, &y).unwrap_or_else(|e| panic!("{e}")), 4);
+        assert_eq!(
+            verify_case(&mut g, &data, &y).unwrap_or_else(|e| panic!("{e}")),
+            4
+        );
         println!("ok: LogFMT standard setting {}", cfg.describe());
     }
 }
@@ -266,13 +274,24 @@ fn gpu_logfmt_device_api_whole_and_halves_equal_oracle() {
                     let (y, _, _) = logfmt_y(&cfg, &mut rng);
                     for path in Path::ALL {
                         for halves in [false, true] {
-                            device_combine(&mut g, &s, path, &data, &y, CombineFormat::LogFmt, halves)
-                                .unwrap();
+                            device_combine(
+                                &mut g,
+                                &s,
+                                path,
+                                &data,
+                                &y,
+                                CombineFormat::LogFmt,
+                                halves,
+                            )
+                            .unwrap();
                         }
                     }
                 }
             }
-            println!("ok: LogFMT device API {}, whole and halves, both paths", cfg.describe());
+            println!(
+                "ok: LogFMT device API {}, whole and halves, both paths",
+                cfg.describe()
+            );
         }
     }
 }
@@ -324,12 +343,29 @@ fn gpu_logfmt_refused_where_h_is_not_a_multiple_of_128() {
     let data = random_inputs(&cfg, &[4, 3], Routing::Random { masked: 0.0 }, &mut rng);
     let y = random_y(&cfg, &mut rng);
     for halves in [false, true] {
-        let e = device_combine(&mut g, &s, Path::Batched, &data, &y, CombineFormat::LogFmt, halves)
-            .unwrap_err();
+        let e = device_combine(
+            &mut g,
+            &s,
+            Path::Batched,
+            &data,
+            &y,
+            CombineFormat::LogFmt,
+            halves,
+        )
+        .unwrap_err();
         assert!(is_hidden(&e), "halves {halves}: {e:?}");
     }
     g.check().unwrap();
-    device_combine(&mut g, &s, Path::Batched, &data, &y, CombineFormat::Bf16, false).unwrap();
+    device_combine(
+        &mut g,
+        &s,
+        Path::Batched,
+        &data,
+        &y,
+        CombineFormat::Bf16,
+        false,
+    )
+    .unwrap();
     println!("ok: LogFMT refused with H = 200 (HiddenNotMultiple), bf16 runs after");
 }
 
@@ -345,6 +381,9 @@ fn gpu_logfmt_refused_over_nccl() {
     let mut rng = Rng::new(4);
     let data = random_inputs(&cfg, &[8], Routing::Random { masked: 0.0 }, &mut rng);
     let y = random_y(&cfg, &mut rng);
-    assert_eq!(verify_case(&mut g, &data, &y).unwrap_or_else(|e| panic!("{e}")), 4);
+    assert_eq!(
+        verify_case(&mut g, &data, &y).unwrap_or_else(|e| panic!("{e}")),
+        4
+    );
     println!("ok: LogFMT over NCCL refused: {m}");
 }

@@ -10,8 +10,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use crate::checks::{
-    check_memory, multiproc_config, refuse_in_multiproc, refuse_in_single,
-    refuse_logfmt_over_nccl, refuse_nccl_sizes, refuse_on_backend,
+    check_memory, multiproc_config, refuse_in_multiproc, refuse_in_single, refuse_logfmt_over_nccl,
+    refuse_nccl_sizes, refuse_on_backend,
 };
 use crate::cli::{BackendArg, Cli, Given, TimingArg, MAX_TIMEOUT_SECS};
 use clap::{CommandFactory, FromArgMatches};
