@@ -50,8 +50,7 @@
 //! refused: the harness does not hold that routing). Two groups must not run on one GPU at the
 //! same time (see the crate docs).
 
-use crate::error::cuda;
-use crate::error::GpuError;
+use crate::error::{cuda, GpuError};
 use crate::runtime::group::{kind, GpuGroup};
 use crate::runtime::layout::IoTable;
 use crate::runtime::options::NcclSizes;

@@ -2,8 +2,7 @@
 //! communicators, call counts), its release, and building it with every rank in this process
 //! (`GpuGroup::new`, ranks spread over the GPUs, peer access). One rank per process (CUDA IPC or
 //! NCCL) is built by [`ProcessRank`](crate::runtime::ProcessRank).
-use crate::error::cuda;
-use crate::error::GpuError;
+use crate::error::{cuda, GpuError};
 use crate::runtime::device::{probe_devices, Dev, HostMirror};
 use crate::runtime::footprint::{footprint, plan_sizes};
 use crate::runtime::layout::{

@@ -1,7 +1,6 @@
 //! The host-slice harness for tests and benchmarks: checked uploads of host inputs, the
 //! synchronous dispatch/combine, and the read-back of every rank's outputs.
-use crate::error::cuda;
-use crate::error::GpuError;
+use crate::error::{cuda, GpuError};
 use crate::runtime::group::GpuGroup;
 use cudarc::driver::result;
 use ep_reference::Path;

@@ -1,8 +1,7 @@
 //! Launching the kernels: one launch per device and call (or per stage: pack, unpack), the
 //! refused call's poison launch, and the host's count of the calls that went out. Over NCCL a
 //! call's pack / exchange / unpack sequence is `nccl::call`.
-use crate::error::cuda;
-use crate::error::GpuError;
+use crate::error::{cuda, GpuError};
 use crate::runtime::footprint::check_launch;
 use crate::runtime::group::{kind, GpuGroup};
 use crate::runtime::layout::{cmb_row_bytes, IoTable, KParams, NTHREADS};

@@ -13,8 +13,7 @@
 //! rank's clean has run (the caller's barrier, e.g. `torch.distributed.barrier()` after
 //! synchronising the stream).
 
-use crate::error::cuda;
-use crate::error::GpuError;
+use crate::error::{cuda, GpuError};
 use crate::runtime::group::GpuGroup;
 use crate::runtime::layout::{rank_sizes, SHRINK_DECISIONS};
 use cudarc::driver::{result, sys};

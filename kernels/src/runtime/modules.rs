@@ -9,8 +9,7 @@
 //! process does.
 
 use crate::compile::{self, Family};
-use crate::error::cuda;
-use crate::error::GpuError;
+use crate::error::{cuda, GpuError};
 use crate::runtime::layout::Variant;
 use cudarc::driver::{result, sys, CudaContext};
 use std::sync::{Arc, Mutex};

@@ -5,8 +5,7 @@
 //! the device: past the group's timeout the communicators are aborted and the group refuses
 //! later calls). These are `GpuGroup` methods, so they sit beside `group.rs` rather than in
 //! `nccl/`, which `group.rs` uses (`Comms`): the layering check refuses that circle.
-use crate::error::cuda;
-use crate::error::GpuError;
+use crate::error::{cuda, GpuError};
 use crate::runtime::group::{kind, GpuGroup};
 use crate::runtime::layout::{combine_capacity_rows, prod, IoTable};
 use crate::runtime::nccl::{

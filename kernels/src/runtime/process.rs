@@ -12,8 +12,7 @@
 //!
 //! The kernels are those of a single-process group.
 
-use crate::error::cuda;
-use crate::error::GpuError;
+use crate::error::{cuda, GpuError};
 use crate::runtime::device::{probe_devices, Dev};
 use crate::runtime::footprint::{footprint, plan_sizes};
 use crate::runtime::group::{check_shrink, kparams, next_group_id, upload_table};

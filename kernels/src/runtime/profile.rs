@@ -1,7 +1,6 @@
 //! Debugging and testing aids: `%globaltimer` stamps per block and phase, and the payload
 //! encoder run alone.
-use crate::error::cuda;
-use crate::error::GpuError;
+use crate::error::{cuda, GpuError};
 use crate::runtime::group::GpuGroup;
 use crate::runtime::layout::{align, KParams, NTHREADS};
 #[cfg(feature = "testing")]
