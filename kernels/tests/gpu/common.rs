@@ -47,6 +47,20 @@ pub(crate) fn group_with(cfg: &Config, gpus: usize, zero_copy_local: bool) -> Gp
     .unwrap_or_else(|e| panic!("{}: {e}", cfg.describe()))
 }
 
+/// Round `round`'s token counts of R ranks: every third rank (shifted by the round) sends none,
+/// the others a random count in 0..=max, so each rank is empty in one round of three.
+pub(crate) fn round_tokens(r: usize, max: usize, round: usize, rng: &mut Rng) -> Vec<usize> {
+    (0..r)
+        .map(|s| {
+            if (s + round) % 3 == 2 {
+                0
+            } else {
+                rng.below(max + 1)
+            }
+        })
+        .collect()
+}
+
 /// Random configs at R ranks on `gpus` GPUs, every mode, with masked slots, empty ranks and
 /// uneven token counts.
 pub(crate) fn random_configs(r: usize, gpus: usize, seed: u64, zero_copy_local: bool) -> usize {
@@ -65,15 +79,7 @@ pub(crate) fn random_configs(r: usize, gpus: usize, seed: u64, zero_copy_local: 
         let cfg = Config::new(r, e, t, h, k, *mode).unwrap();
         let mut g = group_with(&cfg, gpus, zero_copy_local);
         for round in 0..3 {
-            let tokens: Vec<usize> = (0..r)
-                .map(|s| {
-                    if (s + round) % 3 == 2 {
-                        0
-                    } else {
-                        rng.below(t + 1)
-                    }
-                })
-                .collect();
+            let tokens = round_tokens(r, t, round, &mut rng);
             let data = random_inputs(&cfg, &tokens, Routing::Random { masked: 0.15 }, &mut rng);
             let y = random_y(&cfg, &mut rng);
             checks += verify_case(&mut g, &data, &y).unwrap_or_else(|e| panic!("{e}"));

@@ -401,15 +401,7 @@ pub(crate) fn device_configs(r: usize, streams: &[Arc<CudaStream>], seed: u64) {
         let cfg = Config::new(r, e, t, h, k, *mode).unwrap();
         let mut g = group(&cfg, streams.len());
         for round in 0..3 {
-            let tokens: Vec<usize> = (0..r)
-                .map(|s| {
-                    if (s + round) % 3 == 2 {
-                        0
-                    } else {
-                        rng.below(t + 1)
-                    }
-                })
-                .collect();
+            let tokens = round_tokens(r, t, round, &mut rng);
             let data = random_inputs(&cfg, &tokens, Routing::Random { masked: 0.15 }, &mut rng);
             let y = random_y(&cfg, &mut rng);
             for path in [Path::PerExpert, Path::Batched] {

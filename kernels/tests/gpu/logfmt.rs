@@ -105,15 +105,7 @@ fn logfmt_configs(r: usize, gpus: usize, seed: u64, zero_copy_local: bool) -> us
             .unwrap_or_else(|e| panic!("{}: {e}", cfg.describe()));
         let (mut packed, mut raw) = (0, 0);
         for round in 0..3 {
-            let tokens: Vec<usize> = (0..r)
-                .map(|s| {
-                    if (s + round) % 3 == 2 {
-                        0
-                    } else {
-                        rng.below(t + 1)
-                    }
-                })
-                .collect();
+            let tokens = round_tokens(r, t, round, &mut rng);
             let data = random_inputs(&cfg, &tokens, Routing::Random { masked: 0.15 }, &mut rng);
             let (y, p, w) = logfmt_y(&cfg, &mut rng);
             packed += p;

@@ -104,15 +104,7 @@ fn gpu_groups_without_left_out_buffers_equal_oracle() {
             )
             .unwrap_or_else(|e| panic!("{}: {e}", cfg.describe()));
             for round in 0..3 {
-                let tokens: Vec<usize> = (0..r)
-                    .map(|q| {
-                        if (q + round) % 3 == 2 {
-                            0
-                        } else {
-                            rng.below(t + 1)
-                        }
-                    })
-                    .collect();
+                let tokens = round_tokens(r, t, round, &mut rng);
                 let data = random_inputs(&cfg, &tokens, Routing::Random { masked: 0.1 }, &mut rng);
                 let y = random_y(&cfg, &mut rng);
                 // The caller's outputs (guarded): never the group's own.

@@ -47,15 +47,7 @@ pub(crate) fn nccl_case(r: usize, seed: u64, sizes: NcclSizes) -> usize {
         let cfg = Config::new(r, e, t, h, k, *mode).unwrap();
         let mut g = GpuGroup::new(&cfg, opts).unwrap_or_else(|e| panic!("{}: {e}", cfg.describe()));
         for round in 0..3 {
-            let tokens: Vec<usize> = (0..r)
-                .map(|s| {
-                    if (s + round) % 3 == 2 {
-                        0
-                    } else {
-                        rng.below(t + 1)
-                    }
-                })
-                .collect();
+            let tokens = round_tokens(r, t, round, &mut rng);
             let data = random_inputs(&cfg, &tokens, Routing::Random { masked: 0.15 }, &mut rng);
             let y = random_y(&cfg, &mut rng);
             checks += verify_paths(&mut g, &data, &y, paths)
@@ -241,15 +233,7 @@ pub(crate) fn nccl_device_case(r: usize, seed: u64) {
         let cfg = Config::new(r, 3 * r, 16, h, 3, mode).unwrap();
         let mut g = GpuGroup::new(&cfg, nccl_opts(r, NcclSizes::Capacity)).unwrap();
         for (round, owned) in [false, true, false].into_iter().enumerate() {
-            let tokens: Vec<usize> = (0..r)
-                .map(|q| {
-                    if (q + round) % 3 == 2 {
-                        0
-                    } else {
-                        rng.below(17)
-                    }
-                })
-                .collect();
+            let tokens = round_tokens(r, 16, round, &mut rng);
             let data = random_inputs(&cfg, &tokens, Routing::Random { masked: 0.1 }, &mut rng);
             let y = random_y(&cfg, &mut rng);
             device_case(&mut g, &streams, Path::Batched, &data, &y, owned);
