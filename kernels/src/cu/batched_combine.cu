@@ -151,18 +151,25 @@ __device__ __forceinline__ void combine_stage(const KParams& p, const IoTable& i
         if (STAGE == 2) {
             // unpack stage: the rows went out in the pack stage
         } else if (p.logfmt) {
-            // LogFMT: a warp encodes a row straight into its slot, s's receive area at its
-            // (t, k) with the LogFMT stride (never over NCCL: the host refuses it there; and
-            // zero_copy is off, so every row is put).
-            for (int u = bid * NWARPS + warp; u < total; u += nw) {
-                int i = u, s = 0;
-                while (skip(s) || i >= sm.tot[s]) {
-                    if (!skip(s)) i -= sm.tot[s];
-                    s++;
+            // LogFMT: the block encodes its rows (u = bid, bid + blocks_per_rank, ...) straight
+            // into their slots, s's receive area at its (t, k) with the LogFMT stride (never over
+            // NCCL: the host refuses it there; and zero_copy is off, so every row is put), in
+            // rounds of lf_encode_rows.
+            const int rpr = min(LF_ROWS, LF_UNITS / (p.H / LF_GROUP));
+            const int mine = total > bid ? (total - bid + p.blocks_per_rank - 1) / p.blocks_per_rank : 0;
+            for (int r0 = 0; r0 < mine; r0 += rpr) {
+                const int nr = min(rpr, mine - r0);
+                if (tid < nr) {
+                    int i = bid + (r0 + tid) * p.blocks_per_rank, s = 0;
+                    while (skip(s) || i >= sm.tot[s]) {
+                        if (!skip(s)) i -= sm.tot[s];
+                        s++;
+                    }
+                    const u64 yrow = (u64)((const int*)me.comb_map)[(u64)s * T * K + i];
+                    lf_s_dst[tid] = (u64)((u8*)tab[s].cmb_buf + (u64)((const int*)me.row_tk)[yrow] * crow);
+                    lf_s_src[tid] = (u64)((const u8*)io.y + yrow * rowb);
                 }
-                const u64 yrow = (u64)((const int*)me.comb_map)[(u64)s * T * K + i];
-                u8* dst = (u8*)tab[s].cmb_buf + (u64)((const int*)me.row_tk)[yrow] * crow;
-                lf_encode_row(dst, (const u8*)io.y + yrow * rowb, p.H);
+                lf_encode_rows(nr, p.H, p.prof);
             }
         } else if ((rowb & 15) == 0) {
             const int C = (int)((rowb + 511) / 512);
