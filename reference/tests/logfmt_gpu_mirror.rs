@@ -327,3 +327,125 @@ fn exp2_poly_error_is_within_what_the_margin_assumes() {
     println!("largest relative error of exp2_poly seen: {max:.3e}");
     assert!(max < 2e-7, "{max}");
 }
+
+/// Word `w` of a packed body whose lane j holds bits 40j..40j+39 in `v[j]` (logfmt.cuh
+/// lf_body_word).
+fn body_word(v: &[u64; 32], w: usize) -> u32 {
+    let a = 4 * w / 5;
+    let o = 32 * w - 40 * a;
+    let (lo, hi) = (v[a & 31], v[(a + 1) & 31]);
+    ((lo >> o) | (hi.checked_shl(40 - o as u32).unwrap_or(0))) as u32
+}
+
+#[test]
+fn gpu_rounds_write_the_reference_bytes_and_decode_to_its_values() {
+    use ep_reference::numerics::logfmt_wire::{decode_row, encode_row, max_row_bytes};
+    use half::bf16;
+    let cs = consts();
+    let mut rng = Rng(11);
+    for case in 0..48 {
+        let gs = [1usize, 2, 3, 56, 57, 64, 100, 512][case % 8];
+        let h = 128 * gs;
+        // logfmt.cuh: rows a round, min(LF_ROWS, LF_UNITS / G).
+        let rpr = 32usize.min(512 / gs);
+        let nrows = 1 + rng.below(2 * rpr as u64 + 3) as usize;
+        let rows: Vec<Vec<bf16>> = (0..nrows)
+            .map(|_| {
+                (0..h)
+                    .map(|i| {
+                        let u = (rng.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                        // Every third group of a row raw (amax >= 1), the rest packed.
+                        let s = if (i / 128 + case) % 3 == 0 { 4.0 } else { 1.0 };
+                        bf16::from_f32(u * s)
+                    })
+                    .collect()
+            })
+            .collect();
+        for r0 in (0..nrows).step_by(rpr) {
+            let nr = rpr.min(nrows - r0);
+            let units = nr * gs;
+            let bits = |u: usize| -> Vec<u16> {
+                let (j, g) = (u / gs, u % gs);
+                rows[r0 + j][g * 128..(g + 1) * 128]
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            };
+            // (A) meta words, (B) packed flags.
+            let metas: Vec<Meta> = (0..units).map(|u| Meta::of(bits(u))).collect();
+            let mut mask = [0u32; 16];
+            for (u, m) in metas.iter().enumerate() {
+                mask[u >> 5] |= u32::from(m.is_packed()) << (u & 31);
+            }
+            // (C) each unit's body at the offset its row's flags give.
+            let mut out = vec![vec![0u8; max_row_bytes(h)]; nr];
+            for (u, meta) in metas.iter().enumerate() {
+                let (j, g) = (u / gs, u % gs);
+                let dst = &mut out[j];
+                dst[4 * g..4 * g + 4].copy_from_slice(&meta.to_bytes());
+                let (b0, b1) = (j * gs, j * gs + g);
+                let mut np = 0usize;
+                for (w, word) in mask.iter().enumerate().take((b1 + 31) >> 5).skip(b0 >> 5) {
+                    let lo = b0.saturating_sub(32 * w);
+                    let hi = (b1 - 32 * w).min(32);
+                    let m =
+                        (if hi >= 32 { u32::MAX } else { (1u32 << hi) - 1 }) & !((1u32 << lo) - 1);
+                    np += (word & m).count_ones() as usize;
+                }
+                let at = gs * 4 + np * 160 + (g - np) * 256;
+                let vals = bits(u);
+                if let Some(grid) = meta.grid() {
+                    let f = fast_of(&cs, *meta, &grid);
+                    let mut lanes = [0u64; 32];
+                    for (l, lane) in lanes.iter_mut().enumerate() {
+                        for i in 0..4 {
+                            let b = vals[4 * l + i];
+                            let c = fast_code(&f, &grid, b & 0x7FFF).0;
+                            *lane |= u64::from(u32::from(b >> 15) << 9 | c) << (10 * i);
+                        }
+                    }
+                    for w in 0..40 {
+                        dst[at + 4 * w..at + 4 * w + 4]
+                            .copy_from_slice(&body_word(&lanes, w).to_le_bytes());
+                    }
+                } else {
+                    for (i, b) in vals.iter().enumerate() {
+                        dst[at + 2 * i..at + 2 * i + 2].copy_from_slice(&b.to_le_bytes());
+                    }
+                }
+            }
+            for (j, got) in out.iter().enumerate() {
+                let mut want = vec![0u8; max_row_bytes(h)];
+                let n = encode_row(&rows[r0 + j], &mut want);
+                assert_eq!(&got[..n], &want[..n], "case {case}, row {}", r0 + j);
+                // The decoder's values: each packed field's fast_magnitude with its sign.
+                let mut dec = vec![0f32; h];
+                decode_row(&want[..n], &mut dec);
+                let mut at = gs * 4;
+                for g in 0..gs {
+                    let m = Meta::from_bytes(want[4 * g..4 * g + 4].try_into().unwrap());
+                    if let Some(grid) = m.grid() {
+                        for c in 0..128 {
+                            let bit = 10 * c;
+                            let word = u32::from_le_bytes(
+                                want[at + bit / 8..at + bit / 8 + 4].try_into().unwrap(),
+                            );
+                            let f = (word >> (bit % 8)) & 0x3FF;
+                            let v = f32::from_bits(
+                                fast_magnitude(&grid, f & 511).to_bits() | (f & 0x200) << 22,
+                            );
+                            assert_eq!(
+                                v.to_bits(),
+                                dec[g * 128 + c].to_bits(),
+                                "case {case} group {g} channel {c}"
+                            );
+                        }
+                        at += 160;
+                    } else {
+                        at += 256;
+                    }
+                }
+            }
+        }
+    }
+}
