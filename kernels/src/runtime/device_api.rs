@@ -86,6 +86,30 @@ pub struct CombineIn<'a> {
     pub topk_weights: &'a CudaView<'a, f32>,
 }
 
+/// A device-API combine's options beyond its tensors (`GpuGroup::combine_device_opts`,
+/// `combine_send_opts`): the rows' format, and DeepEP's `combine_wait_recv_cost_stats`.
+#[derive(Debug)]
+pub struct CombineOpts<'s, 'a> {
+    /// bf16 rows, or LogFMT-10 (`use_logfmt`).
+    pub format: CombineFormat,
+    /// One `[R]` i64 per rank of the call: the receive adds the SM clock cycles (`clock64`) it
+    /// waited for each owner's rows (NCCL owners, whose rows arrive before the kernel, and a
+    /// group of every rank on one GPU with `zero_copy_local`, which reads the rows in place and
+    /// waits for nobody, add nothing). The batched path counts one wait per owner, the
+    /// per-expert path one per expert and owner, as its dispatch does.
+    pub wait_stats: Option<&'s mut [CudaViewMut<'a, i64>]>,
+}
+
+impl CombineOpts<'_, '_> {
+    /// `format`, no statistics.
+    pub fn format(format: CombineFormat) -> Self {
+        CombineOpts {
+            format,
+            wait_stats: None,
+        }
+    }
+}
+
 /// Caller-allocated dispatch outputs of one rank (sizes: [`GpuGroup::dispatch_out_sizes`]).
 #[derive(Debug)]
 pub struct DeviceDispatchOut<'a> {
@@ -572,8 +596,21 @@ impl GpuGroup {
         outs: &mut [CudaViewMut<'_, bf16>],
         format: CombineFormat,
     ) -> Result<(), GpuError> {
+        self.combine_device_opts(streams, handle, ranks, outs, CombineOpts::format(format))
+    }
+
+    /// [`GpuGroup::combine_device_with`] with every option ([`CombineOpts`]: the format and the
+    /// wait statistics).
+    pub fn combine_device_opts(
+        &mut self,
+        streams: &[&CudaStream],
+        handle: &DeviceHandle,
+        ranks: &[CombineIn<'_>],
+        outs: &mut [CudaViewMut<'_, bf16>],
+        opts: CombineOpts<'_, '_>,
+    ) -> Result<(), GpuError> {
         // The whole call: its receive half ran in the same launch, the hook has nothing due.
-        let _whole = self.combine_part(streams, handle, ranks, outs, 0, format)?;
+        let _whole = self.combine_part(streams, handle, ranks, outs, 0, opts)?;
         Ok(())
     }
 
@@ -598,7 +635,20 @@ impl GpuGroup {
         outs: &mut [CudaViewMut<'_, bf16>],
         format: CombineFormat,
     ) -> Result<CombineHook, GpuError> {
-        self.combine_part(streams, handle, ranks, outs, 1, format)
+        self.combine_send_opts(streams, handle, ranks, outs, CombineOpts::format(format))
+    }
+
+    /// [`GpuGroup::combine_send_with`] with every option ([`CombineOpts`]); the hook's receive
+    /// half adds its waits to the statistics given here.
+    pub fn combine_send_opts(
+        &mut self,
+        streams: &[&CudaStream],
+        handle: &DeviceHandle,
+        ranks: &[CombineIn<'_>],
+        outs: &mut [CudaViewMut<'_, bf16>],
+        opts: CombineOpts<'_, '_>,
+    ) -> Result<CombineHook, GpuError> {
+        self.combine_part(streams, handle, ranks, outs, 1, opts)
     }
 
     /// The receive half of a combine: waits for the rows and reduces them into the outputs
@@ -622,8 +672,12 @@ impl GpuGroup {
         ranks: &[CombineIn<'_>],
         outs: &mut [CudaViewMut<'_, bf16>],
         stage: i32,
-        format: CombineFormat,
+        opts: CombineOpts<'_, '_>,
     ) -> Result<CombineHook, GpuError> {
+        let CombineOpts {
+            format,
+            wait_stats,
+        } = opts;
         let path = handle.path;
         let raw = self.device_call_check(Op::Combine, path, streams, ranks.len())?;
         if handle.group != self.id {
@@ -646,6 +700,20 @@ impl GpuGroup {
             }
             .into());
         }
+        if let Some(ws) = wait_stats.as_deref() {
+            if ws.len() != ranks.len() {
+                return Err(Error::WrongRankCount {
+                    expected: ranks.len(),
+                    got: ws.len(),
+                }
+                .into());
+            }
+            for (i, w) in ws.iter().enumerate() {
+                let r = self.device_ranks().start + i;
+                at_least(r, "wait_stats", self.cfg.num_ranks, w.len())?;
+                self.same_ctx(r, "wait_stats", w)?;
+            }
+        }
         let cfg = self.cfg;
         let y_len = cfg.num_local_experts() * cfg.rows_per_expert() * cfg.hidden;
         let (t, k) = (cfg.max_tokens_per_rank, cfg.top_k);
@@ -667,6 +735,8 @@ impl GpuGroup {
         }
         let mut io = self.io_tables();
         let mut guards = Vec::new();
+        // Rank i's statistics, in rank order (their count was checked above).
+        let mut waits = wait_stats.map(|ws| ws.iter_mut());
         for (i, (inp, out)) in ranks.iter().zip(outs.iter_mut()).enumerate() {
             let r = self.device_ranks().start + i;
             let di = self.dev_of(r);
@@ -681,6 +751,11 @@ impl GpuGroup {
             let (p, g) = out.device_ptr_mut(s);
             slot.out = p;
             guards.push(g);
+            if let Some(w) = waits.as_mut().and_then(|it| it.next()) {
+                let (p, g) = w.device_ptr_mut(s);
+                slot.wait_stats = p;
+                guards.push(g);
+            }
         }
         self.stage_on(Op::Combine, path, stage, &raw, &io, format)?;
         drop(guards);

@@ -31,7 +31,7 @@ mod streams;
 
 pub use device::{probe, probe_devices};
 pub use device_api::{
-    CombineHook, CombineIn, DeviceDispatchOut, DeviceHandle, DispatchHook, DispatchIn,
+    CombineHook, CombineIn, CombineOpts, DeviceDispatchOut, DeviceHandle, DispatchHook, DispatchIn,
     DispatchOutSizes, RankEp, Tokens,
 };
 /// The path a call runs (ep-reference's: the CPU backend runs the same two).
