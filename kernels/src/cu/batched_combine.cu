@@ -229,8 +229,10 @@ __device__ __forceinline__ void combine_stage(const KParams& p, const IoTable& i
         if (STAGE == 1) goto finish;  // pack stage: the reduction runs after the NCCL exchange
         // ---- receive: every owner's batch, then the reduction in k order
         bad = 0;
+        // Every block waits for every owner; block 0's wait is the one counted (wait_stats).
         for (int d = tid; d < R && !all_local; d += NTHREADS) {
             if (via_nccl(p, d)) continue;
+            const long long t0 = clock64();
             if (SHRINK(p)) {
                 if (is_gone(gone, d)) continue;
                 const long long c = wait_peer_signals(peer_wait(p, me, KIND, DEC_RECV, rank, d, PH_COMBINE_RECV), sig_cb(me, R) + d, 0, 1, 0, epoch);
@@ -241,6 +243,7 @@ __device__ __forceinline__ void combine_stage(const KParams& p, const IoTable& i
                 bad |= (presig && d == tid ? wait_signal_pre(p, sig_cb(me, R) + d, sig0, epoch, rank, d, PH_COMBINE_RECV)
                                            : wait_signal(p, sig_cb(me, R) + d, epoch, rank, d, PH_COMBINE_RECV)) < 0;
             }
+            if (bid == 0) add_wait_cost(io.wait_stats, d, t0);
         }
         if (__syncthreads_or(bad)) goto finish;
         if (gone_differs(GONE_LIVE(), gone0)) {

@@ -436,15 +436,23 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::combin
             // One thread per owner: "arrived" once all L of its experts' signals are here.
             for (int d = tid; d < R; d += NTHREADS) {
                 if (via_nccl(p, d) || is_gone(gone, d)) continue;
+                const long long t0 = clock64();
                 const long long c = wait_peer_signals(peer_wait(p, me, KIND, DEC_RECV, rank, d, PH_COMBINE_RECV),
                                                       sig_pc(me, R, L) + (u64)d * L, 1, L, -1, epoch);
+                if (bid == 0) add_wait_cost(io.wait_stats, d, t0);
                 if (c == PEER_LOST) GONE_ADD(d);
                 else bad |= c < 0;
             }
         } else {
-            for (int e = tid; e < E; e += NTHREADS)
+            // Every block waits for every expert's signal; block 0's waits are the ones counted
+            // (wait_stats: one per expert of each owner, as the per-expert dispatch counts).
+            for (int e = tid; e < E; e += NTHREADS) {
+                if (via_nccl(p, e / L)) continue;
+                const long long t0 = clock64();
                 // loom: not modelled itself; the same wait_signal as per-expert dispatch (model per_expert_two_senders_one_receiver).
-                if (!via_nccl(p, e / L)) bad |= wait_signal(p, sig_pc(me, R, L) + e, epoch, rank, e / L, PH_COMBINE_RECV) < 0;
+                bad |= wait_signal(p, sig_pc(me, R, L) + e, epoch, rank, e / L, PH_COMBINE_RECV) < 0;
+                if (bid == 0) add_wait_cost(io.wait_stats, e / L, t0);
+            }
         }
         if (__syncthreads_or(bad)) goto finish;
         if (gone_any(GONE_LIVE())) {

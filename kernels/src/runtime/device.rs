@@ -50,7 +50,7 @@ pub(crate) struct Funcs {
     pub(crate) bat_combine: [sys::CUfunction; 3],
 }
 
-/// One GPU: its context, stream, modules and the table of every rank's addresses.
+/// One GPU: its context, stream, kernels and the table of every rank's addresses.
 pub(crate) struct Dev {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: sys::CUstream,
