@@ -200,8 +200,14 @@ pub fn phase_profile(spec: &BenchSpec) -> Result<String, BenchError> {
     let be = |e: ep_kernels::GpuError| BenchError::Backend(format!("profile: {e}"));
     let cfg = spec.cfg;
     let w = spec.workload();
-    // Drawn for the received rows only (the upload takes no other row).
-    let y = w.expert_outputs_received(spec.seed, &w.received_counts());
+    // Drawn for the received rows only (the upload takes no other row); for LogFMT scaled by
+    // 2^-4 into [-0.5, 0.5], as the timed runs do, so that the groups pack.
+    let mut y = w.expert_outputs_received(spec.seed, &w.received_counts());
+    if spec.combine == ep_reference::CombineFormat::LogFmt {
+        for v in y.iter_mut().flatten() {
+            *v = half::bf16::from_f32(v.to_f32() * 0.0625);
+        }
+    }
     let mut g = GpuGroup::new(
         &cfg,
         GpuOptions {
@@ -210,6 +216,8 @@ pub fn phase_profile(spec: &BenchSpec) -> Result<String, BenchError> {
         },
     )
     .map_err(be)?;
+    // The combine in the point's format (`--logfmt`: the LogFMT encoder's and decoder's stamps).
+    g.set_combine_format(spec.combine).map_err(be)?;
     let mut s = String::new();
     let empty = crate::timing::time_empty(&mut g, 200).map_err(be)?;
     let med = |v: &[f64]| Summary::of(v).map_or(f64::NAN, |m| m.median_us);

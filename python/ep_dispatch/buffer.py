@@ -607,8 +607,9 @@ class Buffer:
         on this GPU in place (ep-kernels' ``zero_copy_local``, always on here), and ranks on
         other GPUs get them as a put, so ``zero_copy`` only chooses which tensor is read.
         ``use_logfmt=True``: the rows travel in LogFMT-10 (see the class docstring);
-        ``combine_wait_recv_cost_stats`` (``int64 [R]``) is checked as DeepEP checks it and left
-        untouched: the combine kernels do not count their waits yet (dispatch's do).
+        ``combine_wait_recv_cost_stats`` (``int64 [R]``) gets the SM clock cycles the receive
+        waited for each owner's rows, as dispatch's stats do (nothing where every rank is on this
+        GPU: the batched kernels then read the rows in place and wait for nobody).
         """
         with self._notf():
             return self._combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,

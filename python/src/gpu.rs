@@ -528,15 +528,21 @@ impl RankGroup {
             topk_weights: &wv,
         }];
         let mut outs = [out.view_mut()];
+        let mut waits = p.wait_stats.map(|q| unsafe { Borrowed::<i64>::new(&s, q) });
+        let mut wait_view = waits.as_mut().map(|b| [b.view_mut()]);
+        let opts = ep_kernels::CombineOpts {
+            format,
+            wait_stats: wait_view.as_mut().map(|v| &mut v[..]),
+        };
         let id = self.next_combine;
         if send_only {
             let hook = self
                 .group
-                .combine_send_with(&[&s], &h, &ins, &mut outs, format)?;
+                .combine_send_opts(&[&s], &h, &ins, &mut outs, opts)?;
             self.pending_combine = Some((id, hook));
         } else {
             self.group
-                .combine_device_with(&[&s], &h, &ins, &mut outs, format)?;
+                .combine_device_opts(&[&s], &h, &ins, &mut outs, opts)?;
         }
         self.next_combine += 1;
         Ok(id)

@@ -85,6 +85,8 @@ pub struct CombinePtrs {
     pub topk_weights: Ptr,
     /// `bf16 [n, H]`.
     pub out: Ptr,
+    /// `combine_wait_recv_cost_stats`, `int64 [R]`: the kernels add their wait per owner.
+    pub wait_stats: Option<Ptr>,
 }
 
 /// The tensors of one dispatch, as they describe themselves.
@@ -262,15 +264,19 @@ impl Spec {
             dev,
         )?;
         let out = check("out", m.out, row_major(Dtype::Bf16, &[n, h]), dev)?;
-        if let Some(s) = m.wait_stats {
-            let name = "combine_wait_recv_cost_stats";
-            check(name, s, row_major(Dtype::I64, &[r]), dev)?;
-        }
+        let wait_stats = m
+            .wait_stats
+            .map(|s| {
+                let name = "combine_wait_recv_cost_stats";
+                check(name, s, row_major(Dtype::I64, &[r]), dev)
+            })
+            .transpose()?;
         Ok(CombinePtrs {
             y,
             topk_idx,
             topk_weights,
             out,
+            wait_stats,
         })
     }
 }

@@ -139,7 +139,7 @@ class FakeRank:
         self.poll()  # the native call's entry check
         self.pending_c = None  # a due receive half goes first (as in dispatch)
         n = self.tokens[handle]
-        y, topk, w, out = self.spec.check_combine(n, y, topk, w, out, wait_stats, use_logfmt)
+        y, topk, w, out, _ = self.spec.check_combine(n, y, topk, w, out, wait_stats, use_logfmt)
         L, R, T, H, K = self.E // self.w.R, self.w.R, self.T, self.H, self.K
         assert y[1] == L * R * T * H and topk[1] == n * K and w[1] == topk[1]
         assert out[1] == n * H

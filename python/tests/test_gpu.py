@@ -825,3 +825,47 @@ def test_dispatch_wait_cost_stats_name_the_late_rank(group, R, E, path, hooks):
         assert all(v * 10 < got[late] for s, v in enumerate(got) if s != late), got
     else:
         assert all(0 <= v < floor for v in got), got
+
+
+@pytest.mark.parametrize("path", ["batched", "per_expert"])
+@pytest.mark.parametrize("hooks", [False, True], ids=["fused", "hooks"])
+def test_combine_wait_cost_stats_name_the_late_rank(group, R, E, path, hooks):
+    """combine_wait_recv_cost_stats: the last rank starts its combine 0.2 s late; every other
+    rank's entry for it grows by about that wait, the others stay far below it."""
+    if R == 1:
+        pytest.skip("one rank: no peer to be late for")
+    import time
+
+    import torch.distributed as dist
+
+    rank, late, delay = group.rank(), R - 1, 0.2
+    b = make_buffer(group, R, E, path=path)
+    ins = inputs(22, R, E, n=T)
+    _, want_c = expect(ins, E, MODES["bf16"])
+    x, topk, w, y = (on_gpu(t) for t in ins[rank])
+    _, _, h0, _, _ = b.low_latency_dispatch(x, topk, T, E, use_fp8=False)
+    b.low_latency_combine(y, topk, w, h0)  # forms the group and loads the kernels
+    _, _, h, _, _ = b.low_latency_dispatch(x, topk, T, E, use_fp8=False)
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    waits = torch.zeros(R, dtype=torch.int64, device=x.device)
+    if rank == late:
+        time.sleep(delay)
+    out, _, hook = b.low_latency_combine(y, topk, w, h, return_recv_hook=hooks,
+                                         combine_wait_recv_cost_stats=waits)
+    if hooks:
+        hook()
+    torch.cuda.synchronize()
+    b.check()
+    got = waits.cpu().tolist()
+    print(f"rank {rank} ({path}, {'hooks' if hooks else 'fused'}): combine waits {got} cycles")
+    diff = oracle.combine_diff(out, want_c[rank])
+    dist.barrier(group=group)  # every rank done before any assertion can end its test
+    b.destroy()
+    assert diff is None
+    floor = int(delay * 0.25 * 1e9)  # a quarter of the delay at 1 GHz: H200 SMs run faster
+    if rank != late:
+        assert got[late] >= floor, got
+        assert all(v * 10 < got[late] for s, v in enumerate(got) if s != late), got
+    else:
+        assert all(0 <= v < floor for v in got), got

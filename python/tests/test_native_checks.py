@@ -136,8 +136,10 @@ def test_combine_tensors_are_checked_against_the_dispatched_tokens():
     s = spec()
     t = dict(x=Tensor(BF16, (L, RT, H)), topk_idx=Tensor(I64, (5, K)),
              topk_weights=Tensor(F32, (5, K)), out=Tensor(BF16, (5, H)))
-    y, topk, w, out = s.check_combine(5, **t)
-    assert y[1] == L * RT * H and out == (t["out"].ptr, 5 * H)
+    y, topk, w, out, ws = s.check_combine(5, **t)
+    assert y[1] == L * RT * H and out == (t["out"].ptr, 5 * H) and ws is None
+    stats = Tensor(I64, (R,))
+    assert s.check_combine(5, **t, wait_stats=stats)[4] == (stats.ptr, R)
     for name, bad in [("x", Tensor(BF16, (L, RT, H // 2))),
                       ("topk_weights", Tensor(I64, (5, K))),
                       ("out", Tensor(BF16, (4, H))),

@@ -151,18 +151,25 @@ __device__ __forceinline__ void combine_stage(const KParams& p, const IoTable& i
         if (STAGE == 2) {
             // unpack stage: the rows went out in the pack stage
         } else if (p.logfmt) {
-            // LogFMT: a warp encodes a row straight into its slot, s's receive area at its
-            // (t, k) with the LogFMT stride (never over NCCL: the host refuses it there; and
-            // zero_copy is off, so every row is put).
-            for (int u = bid * NWARPS + warp; u < total; u += nw) {
-                int i = u, s = 0;
-                while (skip(s) || i >= sm.tot[s]) {
-                    if (!skip(s)) i -= sm.tot[s];
-                    s++;
+            // LogFMT: the block encodes its rows (u = bid, bid + blocks_per_rank, ...) straight
+            // into their slots, s's receive area at its (t, k) with the LogFMT stride (never over
+            // NCCL: the host refuses it there; and zero_copy is off, so every row is put), in
+            // rounds of lf_encode_rows.
+            const int rpr = min(LF_ROWS, LF_UNITS / (p.H / LF_GROUP));
+            const int mine = total > bid ? (total - bid + p.blocks_per_rank - 1) / p.blocks_per_rank : 0;
+            for (int r0 = 0; r0 < mine; r0 += rpr) {
+                const int nr = min(rpr, mine - r0);
+                if (tid < nr) {
+                    int i = bid + (r0 + tid) * p.blocks_per_rank, s = 0;
+                    while (skip(s) || i >= sm.tot[s]) {
+                        if (!skip(s)) i -= sm.tot[s];
+                        s++;
+                    }
+                    const u64 yrow = (u64)((const int*)me.comb_map)[(u64)s * T * K + i];
+                    lf_s_dst[tid] = (u64)((u8*)tab[s].cmb_buf + (u64)((const int*)me.row_tk)[yrow] * crow);
+                    lf_s_src[tid] = (u64)((const u8*)io.y + yrow * rowb);
                 }
-                const u64 yrow = (u64)((const int*)me.comb_map)[(u64)s * T * K + i];
-                u8* dst = (u8*)tab[s].cmb_buf + (u64)((const int*)me.row_tk)[yrow] * crow;
-                lf_encode_row(dst, (const u8*)io.y + yrow * rowb, p.H);
+                lf_encode_rows(nr, p.H, p.prof);
             }
         } else if ((rowb & 15) == 0) {
             const int C = (int)((rowb + 511) / 512);
@@ -222,8 +229,10 @@ __device__ __forceinline__ void combine_stage(const KParams& p, const IoTable& i
         if (STAGE == 1) goto finish;  // pack stage: the reduction runs after the NCCL exchange
         // ---- receive: every owner's batch, then the reduction in k order
         bad = 0;
+        // Every block waits for every owner; block 0's wait is the one counted (wait_stats).
         for (int d = tid; d < R && !all_local; d += NTHREADS) {
             if (via_nccl(p, d)) continue;
+            const long long t0 = clock64();
             if (SHRINK(p)) {
                 if (is_gone(gone, d)) continue;
                 const long long c = wait_peer_signals(peer_wait(p, me, KIND, DEC_RECV, rank, d, PH_COMBINE_RECV), sig_cb(me, R) + d, 0, 1, 0, epoch);
@@ -234,6 +243,7 @@ __device__ __forceinline__ void combine_stage(const KParams& p, const IoTable& i
                 bad |= (presig && d == tid ? wait_signal_pre(p, sig_cb(me, R) + d, sig0, epoch, rank, d, PH_COMBINE_RECV)
                                            : wait_signal(p, sig_cb(me, R) + d, epoch, rank, d, PH_COMBINE_RECV)) < 0;
             }
+            if (bid == 0) add_wait_cost(io.wait_stats, d, t0);
         }
         if (__syncthreads_or(bad)) goto finish;
         if (gone_differs(GONE_LIVE(), gone0)) {

@@ -384,15 +384,21 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::combin
         // ---- send: every row of local expert l back to its source's slot t*K+k
         for (int l = bid; l < L && p.stage != 2; l += p.blocks_per_rank) {
             const int cnt = ((const int*)me.recv_count)[l];
-            // LogFMT: a warp encodes a row straight into its slot (never over NCCL: the host
-            // refuses it there).
-            for (int i = warp; p.logfmt && i < cnt; i += NWARPS) {
-                int s = 0;
-                while (s + 1 < R && i >= layout[(l * R + s + 1) * 2]) s++;
-                if (is_gone(gone, s)) continue;
-                const u64 row = (u64)l * RT + i;
-                const u64 tk = (u64)((const int*)me.row_tk)[row];
-                lf_encode_row((u8*)tab[s].cmb_buf + tk * crow, (const u8*)io.y + row * rowb, p.H);
+            // LogFMT: the block encodes the expert's rows straight into their slots (never over
+            // NCCL: the host refuses it there), in rounds of lf_encode_rows.
+            const int rpr = p.logfmt ? min(LF_ROWS, LF_UNITS / (p.H / LF_GROUP)) : 1;
+            for (int r0 = 0; p.logfmt && r0 < cnt; r0 += rpr) {
+                const int nr = min(rpr, cnt - r0);
+                if (tid < nr) {
+                    const int i = r0 + tid;
+                    int s = 0;
+                    while (s + 1 < R && i >= layout[(l * R + s + 1) * 2]) s++;
+                    const u64 row = (u64)l * RT + i;
+                    const u64 tk = (u64)((const int*)me.row_tk)[row];
+                    lf_s_dst[tid] = is_gone(gone, s) ? 0ull : (u64)((u8*)tab[s].cmb_buf + tk * crow);
+                    lf_s_src[tid] = (u64)((const u8*)io.y + row * rowb);
+                }
+                lf_encode_rows(nr, p.H, p.prof);
             }
             for (int u = warp; !p.logfmt && u < cnt * G; u += NWARPS) {
                 const int i = u / G, g = u % G;
@@ -430,15 +436,23 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) ep_per_expert::combin
             // One thread per owner: "arrived" once all L of its experts' signals are here.
             for (int d = tid; d < R; d += NTHREADS) {
                 if (via_nccl(p, d) || is_gone(gone, d)) continue;
+                const long long t0 = clock64();
                 const long long c = wait_peer_signals(peer_wait(p, me, KIND, DEC_RECV, rank, d, PH_COMBINE_RECV),
                                                       sig_pc(me, R, L) + (u64)d * L, 1, L, -1, epoch);
+                if (bid == 0) add_wait_cost(io.wait_stats, d, t0);
                 if (c == PEER_LOST) GONE_ADD(d);
                 else bad |= c < 0;
             }
         } else {
-            for (int e = tid; e < E; e += NTHREADS)
+            // Every block waits for every expert's signal; block 0's waits are the ones counted
+            // (wait_stats: one per expert of each owner, as the per-expert dispatch counts).
+            for (int e = tid; e < E; e += NTHREADS) {
+                if (via_nccl(p, e / L)) continue;
+                const long long t0 = clock64();
                 // loom: not modelled itself; the same wait_signal as per-expert dispatch (model per_expert_two_senders_one_receiver).
-                if (!via_nccl(p, e / L)) bad |= wait_signal(p, sig_pc(me, R, L) + e, epoch, rank, e / L, PH_COMBINE_RECV) < 0;
+                bad |= wait_signal(p, sig_pc(me, R, L) + e, epoch, rank, e / L, PH_COMBINE_RECV) < 0;
+                if (bid == 0) add_wait_cost(io.wait_stats, e / L, t0);
+            }
         }
         if (__syncthreads_or(bad)) goto finish;
         if (gone_any(GONE_LIVE())) {

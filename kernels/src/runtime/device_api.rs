@@ -51,6 +51,9 @@
 //! same time (see the crate docs).
 
 use crate::error::{cuda, GpuError};
+use crate::runtime::device_io::{
+    CombineIn, CombineOpts, DeviceDispatchOut, DispatchIn, DispatchOutSizes, Tokens,
+};
 use crate::runtime::group::{kind, GpuGroup};
 use crate::runtime::layout::IoTable;
 use crate::runtime::options::NcclSizes;
@@ -58,65 +61,6 @@ use cudarc::driver::sys;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
 use ep_reference::{CombineFormat, Error, Op, Path};
 use half::bf16;
-
-/// A rank's token count for a device-API dispatch.
-#[derive(Debug, Clone, Copy)]
-pub enum Tokens<'a> {
-    /// Known on the host (checked against T).
-    Host(usize),
-    /// One i32 in device memory, read by the kernel when it runs (checked there against T).
-    Device(&'a CudaView<'a, i32>),
-}
-
-/// One rank's dispatch inputs: x `[n, H]` bf16, topk_idx `[n, K]` i64.
-#[derive(Debug)]
-pub struct DispatchIn<'a> {
-    pub x: &'a CudaView<'a, bf16>,
-    pub topk_idx: &'a CudaView<'a, i64>,
-    pub n_tokens: Tokens<'a>,
-}
-
-/// One rank's combine inputs: y `[L, R*T, H]` bf16 (the expert outputs in the dispatch layout),
-/// topk_idx (the dispatched tensor) and topk_weights `[n, K]` f32.
-#[derive(Debug)]
-pub struct CombineIn<'a> {
-    pub y: &'a CudaView<'a, bf16>,
-    pub topk_idx: &'a CudaView<'a, i64>,
-    pub topk_weights: &'a CudaView<'a, f32>,
-}
-
-/// Caller-allocated dispatch outputs of one rank (sizes: [`GpuGroup::dispatch_out_sizes`]).
-#[derive(Debug)]
-pub struct DeviceDispatchOut<'a> {
-    /// L*R*T rows of `recv_x_row_bytes` bytes (bf16 rows, or e4m3 bytes).
-    pub recv_x: CudaViewMut<'a, u8>,
-    /// FP8 modes: L*R*T rows of `scales_per_row` 4-byte words (f32, or UE8M0 packed in i32).
-    pub recv_scales: Option<CudaViewMut<'a, u8>>,
-    /// `[L]` rows received per local expert.
-    pub recv_count: CudaViewMut<'a, i32>,
-    /// `[L, R]` (begin, count) as two i32 in one i64.
-    pub layout_range: CudaViewMut<'a, i64>,
-    /// `[L, R*T]` source token of each received row.
-    pub src_info: CudaViewMut<'a, i32>,
-    /// `[L]`, DeepEP's `cumulative_local_expert_recv_stats`: a good call adds its `recv_count`
-    /// to it on the device (a failed call adds nothing).
-    pub recv_stats: Option<CudaViewMut<'a, i32>>,
-    /// `[R]`, DeepEP's `dispatch_wait_recv_cost_stats`: the receive adds the SM clock cycles
-    /// (`clock64`) it waited for each source's tokens (NCCL sources, which arrive before the
-    /// kernel, add nothing). The batched path counts one wait per source, the per-expert path
-    /// one per local expert and source, as DeepEP's kernel does.
-    pub wait_stats: Option<CudaViewMut<'a, i64>>,
-}
-
-/// Element counts of one rank's dispatch outputs (what [`DeviceDispatchOut`] must hold).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DispatchOutSizes {
-    pub recv_x_bytes: usize,
-    pub recv_scales_bytes: usize,
-    pub recv_count: usize,
-    pub layout_range: usize,
-    pub src_info: usize,
-}
 
 /// What combine needs from its dispatch: which group, path and call it was, and the routing
 /// tensors it used. Returned by a dispatch (or its receive half).
@@ -578,8 +522,21 @@ impl GpuGroup {
         outs: &mut [CudaViewMut<'_, bf16>],
         format: CombineFormat,
     ) -> Result<(), GpuError> {
+        self.combine_device_opts(streams, handle, ranks, outs, CombineOpts::format(format))
+    }
+
+    /// [`GpuGroup::combine_device_with`] with every option ([`CombineOpts`]: the format and the
+    /// wait statistics).
+    pub fn combine_device_opts(
+        &mut self,
+        streams: &[&CudaStream],
+        handle: &DeviceHandle,
+        ranks: &[CombineIn<'_>],
+        outs: &mut [CudaViewMut<'_, bf16>],
+        opts: CombineOpts<'_, '_>,
+    ) -> Result<(), GpuError> {
         // The whole call: its receive half ran in the same launch, the hook has nothing due.
-        let _whole = self.combine_part(streams, handle, ranks, outs, 0, format)?;
+        let _whole = self.combine_part(streams, handle, ranks, outs, 0, opts)?;
         Ok(())
     }
 
@@ -604,7 +561,20 @@ impl GpuGroup {
         outs: &mut [CudaViewMut<'_, bf16>],
         format: CombineFormat,
     ) -> Result<CombineHook, GpuError> {
-        self.combine_part(streams, handle, ranks, outs, 1, format)
+        self.combine_send_opts(streams, handle, ranks, outs, CombineOpts::format(format))
+    }
+
+    /// [`GpuGroup::combine_send_with`] with every option ([`CombineOpts`]); the hook's receive
+    /// half adds its waits to the statistics given here.
+    pub fn combine_send_opts(
+        &mut self,
+        streams: &[&CudaStream],
+        handle: &DeviceHandle,
+        ranks: &[CombineIn<'_>],
+        outs: &mut [CudaViewMut<'_, bf16>],
+        opts: CombineOpts<'_, '_>,
+    ) -> Result<CombineHook, GpuError> {
+        self.combine_part(streams, handle, ranks, outs, 1, opts)
     }
 
     /// The receive half of a combine: waits for the rows and reduces them into the outputs
@@ -628,8 +598,9 @@ impl GpuGroup {
         ranks: &[CombineIn<'_>],
         outs: &mut [CudaViewMut<'_, bf16>],
         stage: i32,
-        format: CombineFormat,
+        opts: CombineOpts<'_, '_>,
     ) -> Result<CombineHook, GpuError> {
+        let CombineOpts { format, wait_stats } = opts;
         let path = handle.path;
         let raw = self.device_call_check(Op::Combine, path, streams, ranks.len())?;
         if handle.group != self.id {
@@ -652,6 +623,20 @@ impl GpuGroup {
             }
             .into());
         }
+        if let Some(ws) = wait_stats.as_deref() {
+            if ws.len() != ranks.len() {
+                return Err(Error::WrongRankCount {
+                    expected: ranks.len(),
+                    got: ws.len(),
+                }
+                .into());
+            }
+            for (i, w) in ws.iter().enumerate() {
+                let r = self.device_ranks().start + i;
+                at_least(r, "wait_stats", self.cfg.num_ranks, w.len())?;
+                self.same_ctx(r, "wait_stats", w)?;
+            }
+        }
         let cfg = self.cfg;
         let y_len = cfg.num_local_experts() * cfg.rows_per_expert() * cfg.hidden;
         let (t, k) = (cfg.max_tokens_per_rank, cfg.top_k);
@@ -673,6 +658,8 @@ impl GpuGroup {
         }
         let mut io = self.io_tables();
         let mut guards = Vec::new();
+        // Rank i's statistics, in rank order (their count was checked above).
+        let mut waits = wait_stats.map(|ws| ws.iter_mut());
         for (i, (inp, out)) in ranks.iter().zip(outs.iter_mut()).enumerate() {
             let r = self.device_ranks().start + i;
             let di = self.dev_of(r);
@@ -687,6 +674,11 @@ impl GpuGroup {
             let (p, g) = out.device_ptr_mut(s);
             slot.out = p;
             guards.push(g);
+            if let Some(w) = waits.as_mut().and_then(|it| it.next()) {
+                let (p, g) = w.device_ptr_mut(s);
+                slot.wait_stats = p;
+                guards.push(g);
+            }
         }
         self.stage_on(Op::Combine, path, stage, &raw, &io, format)?;
         drop(guards);

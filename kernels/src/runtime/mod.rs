@@ -14,6 +14,7 @@
 
 mod device;
 pub mod device_api;
+mod device_io;
 mod errors;
 mod footprint;
 mod group;
@@ -30,9 +31,9 @@ mod profile;
 mod streams;
 
 pub use device::{probe, probe_devices};
-pub use device_api::{
-    CombineHook, CombineIn, DeviceDispatchOut, DeviceHandle, DispatchHook, DispatchIn,
-    DispatchOutSizes, RankEp, Tokens,
+pub use device_api::{CombineHook, DeviceHandle, DispatchHook, RankEp};
+pub use device_io::{
+    CombineIn, CombineOpts, DeviceDispatchOut, DispatchIn, DispatchOutSizes, Tokens,
 };
 /// The path a call runs (ep-reference's: the CPU backend runs the same two).
 pub use ep_reference::Path;

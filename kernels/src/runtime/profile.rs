@@ -21,7 +21,9 @@ impl GpuGroup {
     /// done, p2 sent (one rank: rows written), p3 signals in, p11 row counts loaded, p4
     /// expanded, p5 out (exit counter); the last block out only: p13 failure check, p12 epoch
     /// and acks stored. Batched combine: p0 start, p8 row-address table, p1 set-up done, p2
-    /// sent, p3 signals in, p4 reduced, p5, p13, p12 as dispatch.
+    /// sent, p3 signals in, p4 reduced, p5, p13, p12 as dispatch. A LogFMT combine (both
+    /// paths) adds, in its last encoding round, p9 meta words done and p10 group constants
+    /// done (both before p2), and p14 warp 0's reduction run set up (after p3).
     pub fn profile(&mut self, op: Op, path: Path) -> Result<Vec<[u64; PROF_SLOTS]>, GpuError> {
         let (buf, grid) = self.clear_stamps(0)?;
         self.params.prof = buf;

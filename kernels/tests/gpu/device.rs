@@ -5,10 +5,10 @@ use crate::common::*;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaViewMut, DeviceRepr};
 use ep_kernels::runtime::probe_devices;
 use ep_kernels::testing::{random_inputs, random_y, Rng, Routing};
-use ep_kernels::{CombineIn, DeviceDispatchOut, DispatchIn, Tokens};
+use ep_kernels::{CombineIn, CombineOpts, DeviceDispatchOut, DispatchIn, Tokens};
 use ep_kernels::{GpuError, GpuGroup, Path};
 use ep_reference::oracle::{self, CombineInput};
-use ep_reference::{Config, Error, Mode};
+use ep_reference::{CombineFormat, Config, Error, Mode};
 use ep_reference::{DispatchOutput, RecvScales, RecvX};
 use ep_test_runner::{gpu_test, GpuTest};
 use half::bf16;
@@ -283,10 +283,19 @@ pub(crate) fn device_case(
             topk_weights: &ws[q],
         })
         .collect();
+    // combine_wait_recv_cost_stats, from zero (the caller's; apart from `outs`, which the
+    // combine's output views borrow).
+    let mut cwaits: Vec<Guarded<i64>> = (0..r).map(|q| Guarded::new(st(q), r, 0)).collect();
     {
         let mut fulls = out_views(&mut outs);
         let mut couts = inner(&mut fulls);
-        g.combine_device(&sref, &handle, &cins, &mut couts).unwrap();
+        let mut wviews: Vec<_> = cwaits.iter_mut().map(|w| w.view_mut()).collect();
+        let opts = CombineOpts {
+            format: CombineFormat::Bf16,
+            wait_stats: Some(&mut wviews),
+        };
+        g.combine_device_opts(&sref, &handle, &cins, &mut couts, opts)
+            .unwrap();
     }
     for s in streams {
         s.synchronize().unwrap();
@@ -328,6 +337,14 @@ pub(crate) fn device_case(
                 path.name(),
                 cfg.describe()
             );
+        }
+        // Combine's waits: never negative; the per-expert path waits for every owner's
+        // signals (the batched one, every rank on this GPU with zero_copy_local, reads the
+        // rows in place and waits for nobody).
+        let cw = cwaits[q].read(st(q), "combine wait_stats");
+        assert!(cw.iter().all(|&w| w >= 0), "{cw:?}");
+        if r > 1 && path == Path::PerExpert && !g.uses_nccl() {
+            assert!(cw.iter().any(|&w| w > 0), "no combine wait counted: {cw:?}");
         }
         // Rows past n tokens are the caller's: untouched.
         assert!(

@@ -269,8 +269,8 @@ impl CallSpec {
     }
 
     /// Checks a combine's tensors after a dispatch of `num_tokens` tokens (and, with
-    /// `use_logfmt`, that H suits LogFMT); returns `(x, topk_idx, topk_weights, out)` as
-    /// `(data_ptr, elements)`.
+    /// `use_logfmt`, that H suits LogFMT); returns `(x, topk_idx, topk_weights, out,
+    /// wait_stats)` as `(data_ptr, elements)` (None for statistics not passed).
     #[pyo3(signature = (num_tokens, x, topk_idx, topk_weights, out, wait_stats=None, use_logfmt=false))]
     #[allow(clippy::too_many_arguments)]
     fn check_combine(
@@ -282,10 +282,10 @@ impl CallSpec {
         out: &Bound<'_, PyAny>,
         wait_stats: Option<&Bound<'_, PyAny>>,
         use_logfmt: bool,
-    ) -> PyResult<(Ptr, Ptr, Ptr, Ptr)> {
+    ) -> PyResult<(Ptr, Ptr, Ptr, Ptr, Option<Ptr>)> {
         let f = format_of(use_logfmt);
         let p = self.combine_ptrs(num_tokens, x, topk_idx, topk_weights, out, wait_stats, f)?;
-        Ok((p.y, p.topk_idx, p.topk_weights, p.out))
+        Ok((p.y, p.topk_idx, p.topk_weights, p.out, p.wait_stats))
     }
 }
 
@@ -569,7 +569,7 @@ impl GpuRank {
         let r = self.inner.combine_send(stream, handle, &p, f).py_err();
         self.release();
         if r.is_ok() {
-            self.held_combine = Some(hold(&[x, topk_idx, topk_weights, out], &[keep]));
+            self.held_combine = Some(hold(&[x, topk_idx, topk_weights, out], &[keep, wait_stats]));
         }
         r
     }
