@@ -130,6 +130,6 @@ pub use error::GpuError;
 /// The NCCL transport, at its old path (now `runtime::nccl`).
 pub use runtime::nccl;
 pub use runtime::{
-    Buffers, CombineIn, CombineOpts, DeviceDispatchOut, DeviceHandle, DispatchIn, GpuGroup, GpuOptions,
-    NcclSizes, Path, RankEp, Tokens, Transport,
+    Buffers, CombineIn, CombineOpts, DeviceDispatchOut, DeviceHandle, DispatchIn, GpuGroup,
+    GpuOptions, NcclSizes, Path, RankEp, Tokens, Transport,
 };
