@@ -776,14 +776,16 @@ def test_a_peer_that_skips_a_call_hands_nobody_wrong_values(group, R, E, skip, p
         assert err.peer == late or err.kind == "PeerFailed", str(err)
 
 
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
 @pytest.mark.parametrize("path", ["batched", "per_expert"])
 @pytest.mark.parametrize("hooks", [False, True], ids=["fused", "hooks"])
-def test_dispatch_wait_cost_stats_name_the_late_rank(group, R, E, path, hooks):
-    """dispatch_wait_recv_cost_stats as DeepEP's engines read it: the last rank starts its
-    dispatch 0.2 s late (a host sleep before the call); every other rank's entry for it grows
-    by about that wait (SM clock cycles), its entries for the ranks on time stay far below it,
-    and the late rank waited for nobody that long. cumulative_local_expert_recv_stats gets the
-    call's counts, added on the device."""
+def test_wait_cost_stats_name_the_late_rank(group, R, E, op, path, hooks):
+    """The wait-cost stats as DeepEP's engines read them (dispatch_wait_recv_cost_stats,
+    combine_wait_recv_cost_stats): the last rank starts the operation 0.2 s late (a host sleep
+    before the call); every other rank's entry for it grows by about that wait (SM clock
+    cycles), its entries for the ranks on time stay far below it, and the late rank waited for
+    nobody that long. A dispatch also adds its counts to cumulative_local_expert_recv_stats, on
+    the device."""
     if R == 1:
         pytest.skip("one rank: no peer to be late for")
     import time
@@ -792,77 +794,42 @@ def test_dispatch_wait_cost_stats_name_the_late_rank(group, R, E, path, hooks):
 
     rank, late, delay = group.rank(), R - 1, 0.2
     b = make_buffer(group, R, E, path=path)
-    ins = inputs(21, R, E, n=T)
-    want, _ = expect(ins, E, MODES["bf16"])
+    ins = inputs(21 if op == "dispatch" else 22, R, E, n=T)
+    want, want_c = expect(ins, E, MODES["bf16"])
     x, topk, w, y = (on_gpu(t) for t in ins[rank])
-    # A whole pair first: it forms the group (collectively, on the host) and leaves no
-    # dispatch due, so the timed one runs on the same set and forms nothing.
+    # A whole pair first: it forms the group (collectively, on the host) and loads the
+    # kernels, and leaves no dispatch due, so the timed call runs on the same set.
     _, _, h0, _, _ = b.low_latency_dispatch(x, topk, T, E, use_fp8=False)
     b.low_latency_combine(y, topk, w, h0)
+    if op == "combine":
+        _, _, h, _, _ = b.low_latency_dispatch(x, topk, T, E, use_fp8=False)
     torch.cuda.synchronize()
     dist.barrier(group=group)
     waits = torch.zeros(R, dtype=torch.int64, device=x.device)
     stats = torch.full((E // R,), 3, dtype=torch.int32, device=x.device)
     if rank == late:
         time.sleep(delay)
-    recv_x, count, h, _, hook = b.low_latency_dispatch(x, topk, T, E, stats, waits,
-                                                       use_fp8=False, return_recv_hook=hooks)
-    if hooks:
-        hook()
-    torch.cuda.synchronize()
-    b.check()
-    got = waits.cpu().tolist()
-    print(f"rank {rank} ({path}, {'hooks' if hooks else 'fused'}): waits {got} cycles")
-    diff = oracle.diff(got_of(recv_x, count, h), want[rank])
-    added = (stats.cpu() - 3).tolist() == count.cpu().tolist()
-    dist.barrier(group=group)  # every rank done before any assertion can end its test
-    b.destroy()
-    assert diff is None
-    assert added
-    floor = int(delay * 0.25 * 1e9)  # a quarter of the delay at 1 GHz: H200 SMs run faster
-    if rank != late:
-        assert got[late] >= floor, got
-        assert all(v * 10 < got[late] for s, v in enumerate(got) if s != late), got
+    if op == "dispatch":
+        recv_x, count, h, _, hook = b.low_latency_dispatch(
+            x, topk, T, E, stats, waits, use_fp8=False, return_recv_hook=hooks)
     else:
-        assert all(0 <= v < floor for v in got), got
-
-
-@pytest.mark.parametrize("path", ["batched", "per_expert"])
-@pytest.mark.parametrize("hooks", [False, True], ids=["fused", "hooks"])
-def test_combine_wait_cost_stats_name_the_late_rank(group, R, E, path, hooks):
-    """combine_wait_recv_cost_stats: the last rank starts its combine 0.2 s late; every other
-    rank's entry for it grows by about that wait, the others stay far below it."""
-    if R == 1:
-        pytest.skip("one rank: no peer to be late for")
-    import time
-
-    import torch.distributed as dist
-
-    rank, late, delay = group.rank(), R - 1, 0.2
-    b = make_buffer(group, R, E, path=path)
-    ins = inputs(22, R, E, n=T)
-    _, want_c = expect(ins, E, MODES["bf16"])
-    x, topk, w, y = (on_gpu(t) for t in ins[rank])
-    _, _, h0, _, _ = b.low_latency_dispatch(x, topk, T, E, use_fp8=False)
-    b.low_latency_combine(y, topk, w, h0)  # forms the group and loads the kernels
-    _, _, h, _, _ = b.low_latency_dispatch(x, topk, T, E, use_fp8=False)
-    torch.cuda.synchronize()
-    dist.barrier(group=group)
-    waits = torch.zeros(R, dtype=torch.int64, device=x.device)
-    if rank == late:
-        time.sleep(delay)
-    out, _, hook = b.low_latency_combine(y, topk, w, h, return_recv_hook=hooks,
-                                         combine_wait_recv_cost_stats=waits)
+        out, _, hook = b.low_latency_combine(y, topk, w, h, return_recv_hook=hooks,
+                                             combine_wait_recv_cost_stats=waits)
     if hooks:
         hook()
     torch.cuda.synchronize()
     b.check()
     got = waits.cpu().tolist()
-    print(f"rank {rank} ({path}, {'hooks' if hooks else 'fused'}): combine waits {got} cycles")
-    diff = oracle.combine_diff(out, want_c[rank])
+    print(f"rank {rank} ({op}, {path}, {'hooks' if hooks else 'fused'}): waits {got} cycles")
+    if op == "dispatch":
+        diff = oracle.diff(got_of(recv_x, count, h), want[rank])
+        added = (stats.cpu() - 3).tolist() == count.cpu().tolist()
+    else:
+        diff, added = oracle.combine_diff(out, want_c[rank]), True
     dist.barrier(group=group)  # every rank done before any assertion can end its test
     b.destroy()
     assert diff is None
+    assert added, "cumulative_local_expert_recv_stats did not get the call's counts"
     floor = int(delay * 0.25 * 1e9)  # a quarter of the delay at 1 GHz: H200 SMs run faster
     if rank != late:
         assert got[late] >= floor, got
