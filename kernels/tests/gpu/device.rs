@@ -217,6 +217,7 @@ pub(crate) fn oracle_of(
     cfg: &Config,
     data: &[ep_kernels::testing::RankData],
     y: &[Vec<bf16>],
+    format: CombineFormat,
 ) -> (Vec<DispatchOutput>, Vec<Vec<bf16>>) {
     let inputs = ep_kernels::testing::rank_inputs(data);
     let want = oracle::dispatch(cfg, &inputs).unwrap();
@@ -229,11 +230,21 @@ pub(crate) fn oracle_of(
             topk_weights: &d.topk_weights,
         })
         .collect();
-    (want, oracle::combine(cfg, &cin).unwrap())
+    (want, oracle::combine_with(cfg, &cin, format).unwrap())
 }
 
-/// Device-API dispatch + combine of every rank, outputs in caller buffers (guarded) or, with
-/// `owned`, in the group's own buffers; compared bit for bit with the oracle.
+/// How [`device_case_with`] runs a case.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Case {
+    /// The dispatch's outputs in the group's own buffers (else in guarded caller buffers).
+    pub(crate) owned: bool,
+    /// The combine's row format.
+    pub(crate) format: CombineFormat,
+    /// The combine as its send half and receive half (else one whole call).
+    pub(crate) halves: bool,
+}
+
+/// [`device_case_with`] with a whole bf16 combine; a refusal panics.
 pub(crate) fn device_case(
     g: &mut GpuGroup,
     streams: &[Arc<CudaStream>],
@@ -242,6 +253,33 @@ pub(crate) fn device_case(
     y: &[Vec<bf16>],
     owned: bool,
 ) {
+    let case = Case {
+        owned,
+        format: CombineFormat::Bf16,
+        halves: false,
+    };
+    device_case_with(g, streams, path, data, y, case)
+        .unwrap_or_else(|e| panic!("device {} combine refused: {e}", path.name()));
+}
+
+/// Device-API dispatch + combine of every rank, the dispatch's outputs in caller buffers
+/// (guarded) or in the group's own buffers, the combine's in guarded caller buffers, in
+/// `case.format`, whole or as its two halves; compared bit for bit with the oracle (a
+/// difference panics), the statistics checked. `Err`: the combine call's refusal (nothing was
+/// enqueued for it).
+pub(crate) fn device_case_with(
+    g: &mut GpuGroup,
+    streams: &[Arc<CudaStream>],
+    path: Path,
+    data: &[ep_kernels::testing::RankData],
+    y: &[Vec<bf16>],
+    case: Case,
+) -> Result<(), GpuError> {
+    let Case {
+        owned,
+        format,
+        halves,
+    } = case;
     let cfg = *g.config();
     let r = cfg.num_ranks;
     let per = r / streams.len();
@@ -291,18 +329,22 @@ pub(crate) fn device_case(
         let mut couts = inner(&mut fulls);
         let mut wviews: Vec<_> = cwaits.iter_mut().map(|w| w.view_mut()).collect();
         let opts = CombineOpts {
-            format: CombineFormat::Bf16,
+            format,
             wait_stats: Some(&mut wviews),
         };
-        g.combine_device_opts(&sref, &handle, &cins, &mut couts, opts)
-            .unwrap();
+        if halves {
+            let hook = g.combine_send_opts(&sref, &handle, &cins, &mut couts, opts)?;
+            g.combine_recv(hook, &sref).unwrap();
+        } else {
+            g.combine_device_opts(&sref, &handle, &cins, &mut couts, opts)?;
+        }
     }
     for s in streams {
         s.synchronize().unwrap();
     }
     g.check()
         .unwrap_or_else(|e| panic!("{} {}: {e}", path.name(), cfg.describe()));
-    let (want, want_c) = oracle_of(&cfg, data, y);
+    let (want, want_c) = oracle_of(&cfg, data, y, format);
     for q in 0..r {
         let got = if owned {
             g.read_dispatch_output(q).unwrap()
@@ -333,8 +375,9 @@ pub(crate) fn device_case(
         let got_c: Vec<bf16> = bits[..n].iter().map(|&b| bf16::from_bits(b)).collect();
         if let Some(d) = ep_reference::output::combine_diff(&got_c, &want_c[q], cfg.hidden) {
             panic!(
-                "device {} combine, {}, rank {q}: {d}",
+                "device {} combine ({}, halves {halves}), {}, rank {q}: {d}",
                 path.name(),
+                format.name(),
                 cfg.describe()
             );
         }
@@ -352,6 +395,7 @@ pub(crate) fn device_case(
             "combine wrote past n tokens"
         );
     }
+    Ok(())
 }
 
 /// The combine outputs (u16 buffers with guards) as whole bf16 views.

@@ -10,7 +10,7 @@ use ep_kernels::{CombineIn, DeviceDispatchOut, DeviceHandle, DispatchIn, Tokens}
 use ep_kernels::{GpuError, GpuGroup, GpuOptions, NcclSizes, Path};
 use ep_reference::oracle::{self, CombineInput};
 use ep_reference::RecvX;
-use ep_reference::{Config, Mode};
+use ep_reference::{CombineFormat, Config, Mode};
 use ep_test_runner::{gpu_test, GpuTest};
 use half::bf16;
 use std::sync::Arc;
@@ -295,7 +295,7 @@ fn gpu_rank_ep_process_mode_equals_oracle() {
             }
             s.synchronize().unwrap();
             ep.check().unwrap();
-            let (want, want_c) = oracle_of(&cfg, &data, &y);
+            let (want, want_c) = oracle_of(&cfg, &data, &y, CombineFormat::Bf16);
             if let Some(d) = out.read_dispatch(&cfg, &s).diff(&want[0]) {
                 panic!("RankEp {} {}: {d}", path.name(), cfg.describe());
             }

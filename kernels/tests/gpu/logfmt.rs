@@ -8,9 +8,8 @@ use crate::common::*;
 use crate::device::*;
 use cudarc::driver::CudaStream;
 use ep_kernels::testing::{logfmt_packable, random_inputs, random_y, verify_case, Rng, Routing};
-use ep_kernels::{CombineIn, DispatchIn, GpuError, GpuGroup, NcclSizes, Path, Tokens};
+use ep_kernels::{GpuError, GpuGroup, NcclSizes, Path};
 use ep_reference::numerics::logfmt::Meta;
-use ep_reference::oracle::{self, CombineInput};
 use ep_reference::{CombineFormat, Config, Error, Mode};
 use ep_test_runner::{gpu_test, GpuTest};
 use half::bf16;
@@ -167,10 +166,8 @@ fn gpu_logfmt_standard_setting_r1_r4_equal_oracle() {
     }
 }
 
-/// Device-API dispatch (into the group's buffers), then a combine in `format` into guarded
-/// caller outputs, whole (`halves` false) or as `combine_send_with` + `combine_recv`; both
-/// compared bit for bit with the oracle (a difference panics). `Err`: the combine call's
-/// refusal (nothing was enqueued for it).
+/// [`device_case_with`] on stream `s`: the dispatch into the group's buffers, the combine in
+/// `format`, whole or as its halves.
 fn device_combine(
     g: &mut GpuGroup,
     s: &Arc<CudaStream>,
@@ -180,75 +177,12 @@ fn device_combine(
     format: CombineFormat,
     halves: bool,
 ) -> Result<(), GpuError> {
-    let cfg = *g.config();
-    let r = cfg.num_ranks;
-    let mut ins: Vec<RankIn> = (0..r).map(|_| RankIn::new(&cfg, s)).collect();
-    for q in 0..r {
-        ins[q].set(s, &data[q], Some(&y[q]));
-    }
-    let mut outs: Vec<RankOut> = (0..r).map(|_| RankOut::new(g, s)).collect();
-    s.synchronize().unwrap();
-    let xs: Vec<_> = ins.iter().map(|i| as_bf16(&i.x)).collect();
-    let ts: Vec<_> = ins.iter().map(|i| i.topk.slice(..)).collect();
-    let ws: Vec<_> = ins.iter().map(|i| i.w.slice(..)).collect();
-    let yv: Vec<_> = ins.iter().map(|i| as_bf16(&i.y)).collect();
-    let dins: Vec<DispatchIn> = (0..r)
-        .map(|q| DispatchIn {
-            x: &xs[q],
-            topk_idx: &ts[q],
-            n_tokens: Tokens::Host(data[q].topk_idx.len() / cfg.top_k),
-        })
-        .collect();
-    let sref = [s.as_ref()];
-    let handle = g.dispatch_device(path, &sref, &dins, None).unwrap();
-    let cins: Vec<CombineIn> = (0..r)
-        .map(|q| CombineIn {
-            y: &yv[q],
-            topk_idx: &ts[q],
-            topk_weights: &ws[q],
-        })
-        .collect();
-    {
-        let mut fulls = out_views(&mut outs);
-        let mut couts = inner(&mut fulls);
-        if halves {
-            let hook = g.combine_send_with(&sref, &handle, &cins, &mut couts, format)?;
-            g.combine_recv(hook, &sref).unwrap();
-        } else {
-            g.combine_device_with(&sref, &handle, &cins, &mut couts, format)?;
-        }
-    }
-    s.synchronize().unwrap();
-    g.check()
-        .unwrap_or_else(|e| panic!("{} {}: {e}", path.name(), cfg.describe()));
-    let cin: Vec<CombineInput> = data
-        .iter()
-        .zip(y)
-        .map(|(d, y)| CombineInput {
-            y,
-            topk_idx: &d.topk_idx,
-            topk_weights: &d.topk_weights,
-        })
-        .collect();
-    let want = oracle::combine_with(&cfg, &cin, format).unwrap();
-    for q in 0..r {
-        let n = want[q].len();
-        let bits = outs[q].out.read(s, "out");
-        let got: Vec<bf16> = bits[..n].iter().map(|&b| bf16::from_bits(b)).collect();
-        if let Some(d) = ep_reference::output::combine_diff(&got, &want[q], cfg.hidden) {
-            panic!(
-                "device {} combine ({}, halves {halves}), {}, rank {q}: {d}",
-                path.name(),
-                format.name(),
-                cfg.describe()
-            );
-        }
-        assert!(
-            bits[n..].iter().all(|&b| b == 0x4321),
-            "combine wrote past n tokens"
-        );
-    }
-    Ok(())
+    let case = Case {
+        owned: true,
+        format,
+        halves,
+    };
+    device_case_with(g, std::slice::from_ref(s), path, data, y, case)
 }
 
 fn gpu_logfmt_device_api_whole_and_halves_equal_oracle() {
