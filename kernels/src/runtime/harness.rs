@@ -51,17 +51,40 @@ impl GpuGroup {
         self.finish_uploads()
     }
 
-    /// Process mode: uploads this rank's combine inputs (checked against the last dispatch).
+    /// Process mode: uploads this rank's combine inputs (checked against the last dispatch). Of
+    /// y only the rows the last dispatch delivered to each local expert go up (its recv_count,
+    /// read back from the device): combine reads no other row.
     pub fn upload_rank_combine(&mut self, y: &[bf16], w: &[f32]) -> Result<(), GpuError> {
         self.check_usable()?;
         self.own_tensors_or_err("upload_rank_combine")?;
         let r = self.own_or_err()?;
         check_combine_inputs(&self.cfg, r, y.len(), &self.topk[r], w.len())?;
         let p = self.ptrs[r];
+        let (per, h) = (self.cfg.rows_per_expert(), self.cfg.hidden);
+        let mut counts = vec![0i32; self.cfg.num_local_experts()];
         self.devs[0].bind()?;
-        // SAFETY: y holds L*R*T*H values, w n*K (checked); buffers sized so, bound context.
+        // The last dispatch ran on the group's own (non-blocking) stream: done before its
+        // counts are read on the legacy one.
+        cuda(
+            "synchronize before reading recv_count",
+            self.devs[0].ctx.synchronize(),
+        )?;
+        // SAFETY: recv_count holds L i32 (rank_sizes) on the bound context, now idle; y holds
+        // L*R*T*H values and w n*K (checked), and each row range lies inside y (at most R*T
+        // rows per expert: row_count clamps the device's count); the buffers are sized so.
         unsafe {
-            cuda("upload y", result::memcpy_htod_sync(p.y, y))?;
+            cuda(
+                "read recv_count",
+                result::memcpy_dtoh_sync(&mut counts, p.recv_count),
+            )?;
+            for (e, &c) in counts.iter().enumerate() {
+                htod_part(
+                    "upload y",
+                    p.y,
+                    y,
+                    e * per * h..(e * per + row_count(c, per)) * h,
+                )?;
+            }
             if !w.is_empty() {
                 cuda("upload weights", result::memcpy_htod_sync(p.weights, w))?;
             }
