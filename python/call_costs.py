@@ -64,14 +64,17 @@ class NullRank:
         done, self.pending = self.pending == hid, None
         return done
 
-    def combine(self, stream, handle, x, topk_idx, topk_weights, out, wait_stats=None):
-        self.spec.check_combine(T, x, topk_idx, topk_weights, out, wait_stats)
+    def combine(self, stream, handle, x, topk_idx, topk_weights, out, wait_stats=None,
+                use_logfmt=False):
+        self.spec.check_combine(T, x, topk_idx, topk_weights, out, wait_stats, use_logfmt)
         self.pending_c = None
         self.next_c += 1
         return self.next_c - 1
 
-    def combine_send(self, stream, handle, *tensors, keep=None):
-        self.pending_c = self.combine(stream, handle, *tensors[:5])
+    def combine_send(self, stream, handle, x, topk_idx, topk_weights, out, wait_stats=None,
+                     keep=None, use_logfmt=False):
+        self.pending_c = self.combine(stream, handle, x, topk_idx, topk_weights, out,
+                                      wait_stats, use_logfmt)
         return self.pending_c
 
     def combine_recv(self, stream, cid):
