@@ -16,10 +16,9 @@ use half::bf16;
 /// Which of the two protocols moves a call's data (docs/contract.md section 6), on every
 /// backend: the per-expert reference or the per-destination batches. The same bits either way.
 ///
-/// One name each ([`Path::name`], parsed back by `FromStr`, shown by `Display`): `per-expert`
-/// and `batched`, as command-line flags and reports spell them. The Python API's `path=`
-/// keyword spells the first `per_expert` ([`Path::python_keyword`],
-/// [`Path::from_python_keyword`]); each parse accepts its own spelling only.
+/// One name each ([`Path::name`], shown by `Display`): `per-expert` and `batched`, as flags,
+/// reports and error messages spell them. The one parse (`FromStr`) takes those names and
+/// `per_expert`, the spelling of the Python API's `path=` keyword.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Path {
     /// One message per selection, one signal per (expert, source).
@@ -39,28 +38,18 @@ impl Path {
             Path::Batched => "batched",
         }
     }
-
-    /// The path's name as the Python API's `path=` keyword spells it (a Python-style word:
-    /// `per_expert`; the Buffer keeps what it was given as its `path` attribute).
-    pub fn python_keyword(self) -> &'static str {
-        match self {
-            Path::PerExpert => "per_expert",
-            Path::Batched => "batched",
-        }
-    }
-
-    /// The path a Python `path=` keyword names ([`Path::python_keyword`]'s spelling only).
-    pub fn from_python_keyword(keyword: &str) -> std::result::Result<Path, UnknownName> {
-        names::parse("path", keyword, &Path::ALL, Path::python_keyword)
-    }
 }
+
+/// Other spellings the parse takes: `per_expert`, the Python API's `path=` keyword since its
+/// first release (never shown: every message names [`Path::name`]).
+const PATH_ALIASES: [(&str, Path); 1] = [("per_expert", Path::PerExpert)];
 
 impl FromStr for Path {
     type Err = UnknownName;
 
-    /// The path [`Path::name`] spells `s` (that spelling only).
+    /// The path [`Path::name`] (or an alias: `per_expert`) spells `s`.
     fn from_str(s: &str) -> std::result::Result<Path, UnknownName> {
-        names::parse("path", s, &Path::ALL, Path::name)
+        names::parse_or_alias("path", s, &Path::ALL, Path::name, &PATH_ALIASES)
     }
 }
 
@@ -239,24 +228,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn each_path_has_one_name_and_one_python_keyword() {
+    fn each_path_has_one_name_and_one_parse() {
         for p in Path::ALL {
             assert_eq!(p.name().parse::<Path>(), Ok(p));
             assert_eq!(p.to_string(), p.name());
-            assert_eq!(Path::from_python_keyword(p.python_keyword()), Ok(p));
         }
         assert_eq!(Path::PerExpert.name(), "per-expert");
-        assert_eq!(Path::PerExpert.python_keyword(), "per_expert");
-        // Each parse takes its own spelling only.
-        let e = "per_expert".parse::<Path>().unwrap_err();
+        // The Python keyword's spelling parses too, and is never shown.
+        assert_eq!("per_expert".parse::<Path>(), Ok(Path::PerExpert));
+        let e = "per expert".parse::<Path>().unwrap_err();
         assert_eq!(
             e.to_string(),
-            "\"per_expert\" is not a path (expected 'per-expert' or 'batched')"
-        );
-        let e = Path::from_python_keyword("per-expert").unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "\"per-expert\" is not a path (expected 'per_expert' or 'batched')"
+            "\"per expert\" is not a path (expected 'per-expert' or 'batched')"
         );
         assert!("Batched".parse::<Path>().is_err());
         // Display pads like a str (report tables align on it).
