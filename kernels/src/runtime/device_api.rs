@@ -54,6 +54,7 @@ use crate::error::{cuda, GpuError};
 use crate::runtime::device_io::{
     CombineIn, CombineOpts, DeviceDispatchOut, DispatchIn, DispatchOutSizes, Tokens,
 };
+use crate::runtime::driver;
 use crate::runtime::group::{kind, GpuGroup};
 use crate::runtime::layout::IoTable;
 use crate::runtime::options::NcclSizes;
@@ -407,7 +408,7 @@ impl GpuGroup {
                     // SAFETY: `meta` is a live 16-byte buffer of this group on the bound
                     // context; the stream belongs to it (checked).
                     cuda("set n_tokens", unsafe {
-                        sys::cuMemsetD32Async(self.ptrs[r].meta, n as u32, 1, raw[di]).result()
+                        driver::memset_d32_async(self.ptrs[r].meta, n as u32, 1, raw[di])
                     })?;
                 }
             }

@@ -4,6 +4,7 @@
 //! NCCL) is built by [`ProcessRank`](crate::runtime::ProcessRank).
 use crate::error::{cuda, GpuError};
 use crate::runtime::device::{probe_devices, Dev, HostMirror};
+use crate::runtime::driver;
 use crate::runtime::footprint::{footprint, plan_sizes};
 use crate::runtime::layout::{
     all_peers, carve_rank, check_ranks, cmb_row_bytes, entry_bytes_checked, pe_entry_bytes_checked,
@@ -119,9 +120,10 @@ impl Drop for IpcMappings {
         if let Some(ctx) = &self.ctx {
             let _ = ctx.bind_to_thread();
             for &p in &self.ptrs {
-                // SAFETY: `p` was opened with cuIpcOpenMemHandle on this context; the work that
-                // used it is finished (the group's Drop synchronised its streams first).
-                let _ = unsafe { sys::cuIpcCloseMemHandle(p) };
+                // SAFETY: `p` was opened with cuIpcOpenMemHandle on this context and is closed
+                // once, here; the work that used it is finished (the group's Drop waited for
+                // its streams first, and leaks these mappings instead when one stayed busy).
+                let _ = unsafe { driver::ipc_close(p) };
             }
         }
     }
@@ -332,17 +334,11 @@ impl GpuGroup {
                     continue;
                 }
                 devs[a].bind()?;
-                let mut can = 0i32;
-                // SAFETY: valid device handles; `can` receives the answer.
-                let rc = unsafe {
-                    sys::cuDeviceCanAccessPeer(
-                        &mut can,
-                        devs[a].ctx.cu_device(),
-                        devs[b].ctx.cu_device(),
-                    )
-                };
-                cuda("cuDeviceCanAccessPeer", rc.result())?;
-                if can == 0 {
+                let can = cuda(
+                    "cuDeviceCanAccessPeer",
+                    driver::can_access_peer(&devs[a].ctx, &devs[b].ctx),
+                )?;
+                if !can {
                     if per == 1 {
                         // Transport::Auto: this pair goes through NCCL.
                         nccl_pairs.push((a, b));
@@ -352,11 +348,11 @@ impl GpuGroup {
                         "GPU {a} cannot access GPU {b}, and NCCL needs one rank per GPU"
                     )));
                 }
-                // SAFETY: the context of `a` is bound; `b`'s context is live.
-                let rc = unsafe { sys::cuCtxEnablePeerAccess(devs[b].ctx.cu_ctx(), 0) };
-                if rc != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
-                    cuda("cuCtxEnablePeerAccess", rc.result())?;
-                }
+                // The context of `a` is bound.
+                cuda(
+                    "cuCtxEnablePeerAccess",
+                    driver::enable_peer_access(&devs[b].ctx),
+                )?;
             }
         }
         // Memory.

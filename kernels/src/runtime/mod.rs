@@ -15,6 +15,7 @@
 mod device;
 pub mod device_api;
 mod device_io;
+mod driver;
 mod errors;
 mod footprint;
 mod group;

@@ -6,6 +6,7 @@
 //! later calls). These are `GpuGroup` methods, so they sit beside `group.rs` rather than in
 //! `nccl/`, which `group.rs` uses (`Comms`): the layering check refuses that circle.
 use crate::error::{cuda, GpuError};
+use crate::runtime::driver;
 use crate::runtime::group::{kind, GpuGroup};
 use crate::runtime::layout::{combine_capacity_rows, prod, IoTable};
 use crate::runtime::nccl::{
@@ -105,7 +106,7 @@ impl GpuGroup {
             // SAFETY: snd_hdr holds R*(2+L) i32 of this rank on the bound context; the stream
             // belongs to it (checked by the caller).
             cuda("poison the send headers", unsafe {
-                sys::cuMemsetD32Async(self.ptrs[r].snd_hdr, POISON_HDR, words, streams[di]).result()
+                driver::memset_d32_async(self.ptrs[r].snd_hdr, POISON_HDR, words, streams[di])
             })?;
         }
         Ok(())
@@ -274,14 +275,15 @@ impl GpuGroup {
             self.devs[di].bind()?;
             loop {
                 // SAFETY: the stream belongs to the bound context (checked by the caller).
-                let rc = unsafe { sys::cuStreamQuery(stream) };
-                if rc == sys::CUresult::CUDA_SUCCESS {
-                    break;
-                }
-                if rc != sys::CUresult::CUDA_ERROR_NOT_READY {
-                    let err = GpuError::Cuda(format!("kernel or NCCL transfer failed: {rc:?}"));
-                    self.broken = Some(err.clone());
-                    return Err(err);
+                match unsafe { driver::stream_done(stream) } {
+                    Ok(true) => break,
+                    Ok(false) => {}
+                    Err(e) => {
+                        let err =
+                            GpuError::Cuda(format!("kernel or NCCL transfer failed: {:?}", e.0));
+                        self.broken = Some(err.clone());
+                        return Err(err);
+                    }
                 }
                 if t0.elapsed() > limit {
                     let (rank, peers) = self.nccl_peers(di);
