@@ -73,7 +73,7 @@
 //! - `batched_two_senders_one_receiver_two_calls` (the slow one): all of the batched orderings
 //!   at once, two sender blocks and one receiver block over two calls.
 //! - `capacity_bad_input_sender_header_poisoned`: NCCL capacity mode (batched): the host's
-//!   poisoning of the send headers (nccl_call.rs `poison_send_headers`) and the unpack's bound on
+//!   poisoning of the send headers (nccl/call.rs `poison_send_headers`) and the unpack's bound on
 //!   the received token count, across a call whose sender stops on bad input (mutant
 //!   `gpu_no_hdr_poison`).
 //! - `failed_rank_poisons_enqueued_calls`, `per_expert_failed_rank_poisons_enqueued_calls`: a
@@ -565,7 +565,7 @@ fn every_block(
     reps
 }
 
-/// One batched dispatch over NCCL in capacity mode (nccl_call.rs `nccl_call`): the host poisons
+/// One batched dispatch over NCCL in capacity mode (nccl/call.rs `Link::call`): the host poisons
 /// every rank's send headers, the pack launches run, the grouped exchange, the unpack launches.
 /// Returns the pack and the unpack reports per rank, each launch's end checked
 /// ([`check_exit`]: the pack stage writes no outputs).

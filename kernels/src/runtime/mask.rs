@@ -163,7 +163,7 @@ impl GpuGroup {
     /// `gpu_clean_keeps_signals`).
     pub fn clean_mask(&mut self, streams: Option<&[&CudaStream]>) -> Result<(), GpuError> {
         self.check_shrink_call()?;
-        let sizes = rank_sizes(&self.cfg, self.comms.is_some())?;
+        let sizes = rank_sizes(&self.cfg, self.nccl.is_some())?;
         let (sig, state, shrink) = (sizes[19], sizes[20], sizes[25]);
         let peb = self.params.pe_entry_bytes as usize;
         let (l, r, t) = (

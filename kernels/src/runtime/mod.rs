@@ -25,7 +25,6 @@ mod layout;
 mod mask;
 mod modules;
 pub mod nccl;
-mod nccl_call;
 mod options;
 mod process;
 mod profile;

@@ -16,8 +16,8 @@ use crate::error::{cuda, GpuError};
 use crate::runtime::device::{probe_devices, Dev};
 use crate::runtime::driver;
 use crate::runtime::footprint::{footprint, plan_sizes};
-use crate::runtime::group::{check_shrink, kparams, next_group_id, upload_table};
-use crate::runtime::group::{GpuGroup, IpcMappings, NcclState};
+use crate::runtime::group::{check_shrink, kparams, link, next_group_id, upload_table};
+use crate::runtime::group::{GpuGroup, IpcMappings};
 use crate::runtime::layout::{
     carve_rank, check_ranks, smem_bytes, total_bytes, PeerMask, RankPtrs, NUM_BUFFERS,
 };
@@ -226,6 +226,8 @@ impl ProcessRank {
         };
         upload_table(&mut dev, &ptrs)?;
         let params = kparams(&cfg, &opts, bpr, rank, 1, true)?;
+        let masks = vec![plan.nccl_mask];
+        let nccl = comms.map(|c| link(c, &cfg, &params, std::slice::from_ref(&dev), &masks, &ptrs));
         Ok(GpuGroup {
             id: next_group_id(),
             cfg,
@@ -239,13 +241,12 @@ impl ProcessRank {
             last_dispatch: None,
             calls: [0; 4],
             broken: None,
-            masks: vec![plan.nccl_mask],
-            comms,
-            sels: vec![(vec![0; r], vec![0; r])],
+            masks,
+            nccl,
             own: Some(rank),
             ipc_opened,
             last_op: None,
-            nx: NcclState::new(opts.nccl_sizes, 1),
+            nccl_sizes: opts.nccl_sizes,
             buffers: opts.buffers,
             combine_format: CombineFormat::Bf16,
         })

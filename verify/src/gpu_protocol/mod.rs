@@ -282,13 +282,13 @@
 //!   masks end up symmetric with no message of their own.
 //! - NCCL transport, exact sizes (`NcclSizes::Exact`, not modelled): a rank with bad input also
 //!   skips, in its pack stage (`p.stage` 1), the writes of `snd_hdr` and the staged batches, so
-//!   what sits there is an earlier call's, valid-looking. nccl_call.rs `nccl_dispatch_exchange`
-//!   reads the error word ("`self.check()?;`") after the header exchange and `wait_streams_on`,
+//!   what sits there is an earlier call's, valid-looking. nccl/call.rs `dispatch_exchange`
+//!   reads the error word ("`group.check()?;`") after the header exchange and `wait_streams`,
 //!   before it reads the headers back to size the payload: no batch of the call is sent, and the
 //!   peers' NCCL waits end at their bound instead of taking stale rows (not yet run on a GPU).
 //! - NCCL transport, capacity sizes (`NcclSizes::Capacity`, modelled for batched dispatch):
 //!   header and the whole T-entry region go in one grouped exchange with no host look. The
-//!   host first sets every send-header word to `POISON_HDR` = i32::MAX (nccl_call.rs
+//!   host first sets every send-header word to `POISON_HDR` = i32::MAX (nccl/call.rs
 //!   `poison_send_headers`, in stream order before the pack kernel); a good pack stage
 //!   overwrites it, a bad one leaves it; the peer's unpack (stage 2: "`c = ((const
 //!   int*)me.rcv_hdr)[tid * HDR_WORDS(L)]`" instead of `wait_signal`) bounds it with
