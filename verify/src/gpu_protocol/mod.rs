@@ -96,7 +96,7 @@
 //!   ran out under "arrived" waits again, bounded). A model loses a rank at the timeout's edge
 //!   (a wait of one poll that its signal may or may not beat), by never signalling
 //!   (`fault_rank`), or by the host's [`update_mask`] before a launch. [`clean_mask`] is the
-//!   host's zeroing (runtime/mask.rs `GpuGroup::clean_mask`), run with every launch joined:
+//!   host's zeroing (runtime/shrink.rs `GpuGroup::clean_mask`), run with every launch joined:
 //!   every rank restarts from epoch 0. Not modelled: combine's shrink path (the same
 //!   `wait_peer_signals` / `wait_peer_ack` and the same no-ack rule, on the combine words),
 //!   the routing's "a masked owner's selection counts as -1" and the peer-written row counts
@@ -245,7 +245,7 @@
 //!   `bad_input_receiver_then_enqueued_call`). Its peers never see a valid signal: on the same
 //!   device their waits stop on the error flag or the poison within 64 polls; on another device
 //!   on the poison (`ERR_PEER_FAILED`) or their own bound, which the host ranks after the input
-//!   error (errors.rs `cause_first`: input, peer data, timeouts, then a peer's failure;
+//!   error (error_word.rs `cause_first`: input, peer data, timeouts, then a peer's failure;
 //!   `GpuGroup::check`). If the caller's routing changed while the launch ran, blocks could
 //!   disagree on `in_bad` and the next item applies.
 //! - A batched dispatch block whose `wait_ack` fails skips the send side ("`if
@@ -256,8 +256,8 @@
 //!   start (`s_fail`) and stores the poison instead (poison.cuh; model
 //!   `failed_rank_poisons_enqueued_calls`, mutants `gpu_no_failed_check`, `gpu_no_poison`),
 //!   launches enqueued behind the failed one (benchmarks, graph replay, process mode) included;
-//!   and the host refuses every call after an error (errors.rs `GpuGroup::check` sets `broken`;
-//!   `check_usable`, first thing in launch.rs `launch_inner` and errors.rs `sync`), launching the refused
+//!   and the host refuses every call after an error (error_word.rs `GpuGroup::check` sets `broken`;
+//!   `check_usable`, first thing in launch.rs `launch_inner` and error_word.rs `sync`), launching the refused
 //!   call as poison only (`poison_refused`, `KParams.refused`). Before the check, such launches
 //!   sent a failed call's state with valid signals: a peer took a combine of the rows of a
 //!   failed dispatch for good.
