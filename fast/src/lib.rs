@@ -9,7 +9,7 @@
 //! protocol ([`finish`]); the buffers are allocated once per group and reused call after call,
 //! with epoch-tagged signals and credits (`ep_reference::transport`). DeepEP's shrink mode (a
 //! rank mask, `EpRank::update_mask`, `CpuOptions::enable_shrink`) works as
-//! `ep_reference::transport::mask` describes for both CPU paths.
+//! `ep_reference::transport::mask_table` describes for both CPU paths.
 //!
 //! Under `--cfg ep_loom` the staging workers cannot be spawned as scoped threads (loom has no
 //! scope): drive [`DispatchCall`] / [`CombineCall`] from loom threads instead, or use one worker.

@@ -2,7 +2,7 @@
 //! the owning rank's region for (local expert, source rank); one signal per expert per source.
 //! Combine sends every expert row back on its own. Simple, obviously right, slow: the
 //! executable form of docs/contract.md's "Per-expert (the reference)". Masked ranks (DeepEP's
-//! shrink mode) are skipped as [`crate::transport::mask`] describes.
+//! shrink mode) are skipped as [`crate::transport::mask_table`] describes.
 
 mod combine;
 mod dispatch;
