@@ -10,7 +10,7 @@ use std::sync::Barrier;
 use std::time::Instant;
 
 use ep_reference::oracle;
-use ep_reference::path::run_ranks;
+use ep_reference::rank::run_ranks;
 use ep_reference::workload::Workload;
 use ep_reference::{
     bf16, CallStats, CombineFormat, Config, CpuOptions, DispatchOutput, Handle, Path,

@@ -26,7 +26,7 @@ pub use shared::Shared;
 
 use ep_reference::bf16;
 use ep_reference::numerics::logfmt_wire::slot_bytes;
-use ep_reference::path::next_group_id;
+use ep_reference::rank::next_group_id;
 use ep_reference::sync::{Arc, Deadline, SharedRows};
 use ep_reference::transport::{memory, CreditTable, MaskTable, Signal, Waiter};
 use ep_reference::{
@@ -345,7 +345,7 @@ impl EpRank for BatchedRank {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ep_reference::path::run_ranks;
+    use ep_reference::rank::run_ranks;
     use ep_reference::workload::{Routing, Workload};
     use ep_reference::{oracle, Error, Mode, Op};
     use std::time::Duration;
@@ -494,7 +494,7 @@ mod tests {
                         (
                             "staging_workers",
                             workers as u128,
-                            ep_reference::path::MAX_STAGING_WORKERS as u128
+                            ep_reference::options::MAX_STAGING_WORKERS as u128
                         )
                     );
                 }

@@ -224,7 +224,7 @@ fn consecutive_calls_reuse_buffers() {
 /// another config is refused.
 #[test]
 fn dispatch_into_reuses_outputs() {
-    use ep_reference::path::run_ranks;
+    use ep_reference::rank::run_ranks;
     use ep_reference::{oracle, DispatchOutput, EpRank, Error};
 
     fn run<R: EpRank>(mut ranks: Vec<R>, cfg: &Config) {

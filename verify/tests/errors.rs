@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use ep_reference::error::{Op, Phase, Side};
-use ep_reference::path::run_ranks;
+use ep_reference::rank::run_ranks;
 use ep_reference::workload::{Routing, Workload};
 use ep_reference::{
     bf16, oracle, per_expert, Config, CpuOptions, EpRank, Error, Mode, Path, RankMask,
