@@ -570,9 +570,9 @@ mod tests {
         }
     }
 
-    /// Issue 20 item 7.2: warm-up + timed rounds wrapped (iters 2^64-1, warmup 1: 0 rounds,
-    /// a point of NaN latencies and 0 samples). A library caller gets a typed error naming the
-    /// count, before anything is generated.
+    /// Warm-up + timed rounds that would wrap (iters 2^64-1, warmup 1: 0 rounds, a point of NaN
+    /// latencies and 0 samples) are a typed error naming the count for a library caller,
+    /// before anything is generated.
     #[test]
     fn absurd_iteration_counts_are_config_errors() {
         use ep_reference::Error;

@@ -1,4 +1,4 @@
-//! The GPU timing harness (was `ep_kernels::bench`): what `ep-bench --backend gpu` and the
+//! The GPU timing harness: what `ep-bench --backend gpu` and the
 //! criterion GPU bench time, on a group of the GPU library (ep-kernels).
 //!
 //! - [`run()`]: the entry point: both paths checked bitwise against the oracle on the same

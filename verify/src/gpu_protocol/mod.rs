@@ -142,23 +142,21 @@
 //! only its own look at the error word; `batched_one_sender_two_receivers` must see a last
 //! block out that read its entries and misses the other block's failed wait (an assertion of
 //! the tests' `check_exit`; `batched_two_senders_one_receiver_two_calls` sees it too).
-//! `fault_timeout_stops_every_waiter` no longer does: since the claim loser's wait every block
-//! there whose wait failed sees the error word raised at its end by itself.
+//! `fault_timeout_stops_every_waiter` does not: with the claim loser's wait every block there
+//! whose wait failed sees the error word raised at its end by itself.
 //! `gpu_loser_no_wait` is not an ordering either: `report_error` without the claim loser's
-//! wait for the code (as before commit 5b0efe0); `fault_two_ranks_one_device_both_time_out`
+//! wait for the code; `fault_two_ranks_one_device_both_time_out`
 //! must see a rank whose only block lost the claim to a block of the other rank of its device,
 //! went out with the error word still 0, and, as the last block out, did not know its call
 //! failed (`check_exit`).
 //!
 //! # What the model found in the kernels
-//! Checked against the kernels after the device-API change (u64 epochs, tagged signals, input
-//! and peer-data checks on the device, the NCCL stage split) and again after the speed
-//! work (the pre-loaded ack, the one-pass routing check, the one-rank path, per-expert over
-//! NCCL, capacity-mode NCCL sizes), and after the receive halves' change (the receive hook's
-//! stage 2 of batched dispatch over NVLink: the pre-loaded signals, no routing or input check;
-//! modelled since), and after the exit count's failure flag (`last_block_out`'s
-//! `EXIT_FAILED`; modelled since), and after the claim loser's wait (`report_error_at`,
-//! commit 5b0efe0; modelled since). No ordering is missing.
+//! Checked against the kernels as they are: u64 epochs, tagged signals, input and peer-data
+//! checks on the device, the NCCL stage split, the pre-loaded ack, the one-pass routing check,
+//! the one-rank path, per-expert over NCCL, capacity-mode NCCL sizes, the receive hook's stage
+//! 2 of batched dispatch over NVLink (the pre-loaded signals, no routing or input check), the
+//! exit count's failure flag (`last_block_out`'s `EXIT_FAILED`) and the claim loser's wait
+//! (`report_error_at`), each modelled. No ordering is missing.
 //! Observations:
 //! - The `.release` of the signal stores (batched dispatch "`st_release(p, sig_bat(tab[d]) +
 //!   rank, signal_word(epoch, ...))`", per-expert "`st_release(p, sig_pe(tab[d], R) + ...`") and
@@ -211,7 +209,7 @@
 //!   (one error word for every rank a launch runs there) and no block of this rank brought the
 //!   flag, this rank's last block out could find `call_failed` false and leave a failed call's
 //!   outputs unwritten (two ranks on one device, both waiting for a rank that never signals,
-//!   one block each). Closed by commit 5b0efe0: the loser of the claim now waits, bounded by
+//!   one block each). The kernels close it: the loser of the claim waits, bounded by
 //!   100 us of `%globaltimer`, until the code is nonzero ("`while (ld_volatile_u32(w) == 0u &&
 //!   globaltimer() - t0 < 100000ull) {}`" in `report_error_at`), so whoever reported sees
 //!   `failed(p)` from then on. The model does the same (`waits::report_error`, bounded by
@@ -285,7 +283,7 @@
 //!   what sits there is an earlier call's, valid-looking. nccl/call.rs `dispatch_exchange`
 //!   reads the error word ("`group.check()?;`") after the header exchange and `wait_streams`,
 //!   before it reads the headers back to size the payload: no batch of the call is sent, and the
-//!   peers' NCCL waits end at their bound instead of taking stale rows (not yet run on a GPU).
+//!   peers' NCCL waits end at their bound instead of taking stale rows.
 //! - NCCL transport, capacity sizes (`NcclSizes::Capacity`, modelled for batched dispatch):
 //!   header and the whole T-entry region go in one grouped exchange with no host look. The
 //!   host first sets every send-header word to `POISON_HDR` = i32::MAX (nccl/call.rs
