@@ -98,8 +98,9 @@ impl Drop for IpcMappings {
             let _ = ctx.bind_to_thread();
             for &p in &self.ptrs {
                 // SAFETY: `p` was opened with cuIpcOpenMemHandle on this context and is closed
-                // once, here; the work that used it is finished (the group's Drop waited for
-                // its streams first, and leaks these mappings instead when one stayed busy).
+                // once, here, with no work left that uses it: in the group's Drop after its
+                // streams drained (a stream still busy leaks these mappings instead), or on a
+                // failed `ProcessRank::join`, before anything was queued.
                 let _ = unsafe { driver::ipc_close(p) };
             }
         }
