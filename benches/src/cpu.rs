@@ -10,7 +10,7 @@ use std::sync::Barrier;
 use std::time::Instant;
 
 use ep_reference::oracle;
-use ep_reference::path::run_ranks;
+use ep_reference::rank::run_ranks;
 use ep_reference::workload::Workload;
 use ep_reference::{
     bf16, CallStats, CombineFormat, Config, CpuOptions, DispatchOutput, Handle, Path,
@@ -570,9 +570,9 @@ mod tests {
         }
     }
 
-    /// Issue 20 item 7.2: warm-up + timed rounds wrapped (iters 2^64-1, warmup 1: 0 rounds,
-    /// a point of NaN latencies and 0 samples). A library caller gets a typed error naming the
-    /// count, before anything is generated.
+    /// Warm-up + timed rounds that would wrap (iters 2^64-1, warmup 1: 0 rounds, a point of NaN
+    /// latencies and 0 samples) are a typed error naming the count for a library caller,
+    /// before anything is generated.
     #[test]
     fn absurd_iteration_counts_are_config_errors() {
         use ep_reference::Error;

@@ -2,7 +2,7 @@
 //! the bad value and says what would be accepted, instead of the config field alone.
 
 use ep_reference::config::{MAX_EXPERTS, MAX_HIDDEN, MAX_RANKS, MAX_TOKENS_PER_RANK};
-use ep_reference::path::MAX_STAGING_WORKERS;
+use ep_reference::options::MAX_STAGING_WORKERS;
 use ep_reference::{Config, Error};
 
 /// Which flags set each field of one point's config.

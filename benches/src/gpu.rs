@@ -187,8 +187,7 @@ fn hook_split(h: &Result<crate::timing::HookSplit, String>) -> HookSplit {
     }
 }
 
-/// `ep-bench --profile`: the in-kernel phase profile of one call of each kernel (moved here from
-/// the old `ep-gpu-check`). Every block stamps `%globaltimer` at the start of each phase; a
+/// `ep-bench --profile`: the in-kernel phase profile of one call of each kernel. Every block stamps `%globaltimer` at the start of each phase; a
 /// line per (path, op) gives, per phase i, the median/max over device 0's blocks of
 /// (stamp_i - earliest block start), in us, from the third of three profiled calls (the first
 /// two warm up). First line: the per-launch time of an empty kernel with the same grid, stream

@@ -13,7 +13,7 @@
 //! - [`flags`], [`memory`]: ep-bench's checks before anything runs: config errors in the
 //!   command line's words, and the memory a point needs against what the machine has;
 //! - [`accounting`], [`stats`]: docs/contract.md's bandwidth accounting and the percentile math;
-//! - [`timing`], [`cupti`], [`wire`]: the GPU timing harness (CUDA events, graph replay, the
+//! - [`timing`], [`cupti`], [`traffic`]: the GPU timing harness (CUDA events, graph replay, the
 //!   receive-hook split), kernel time from CUPTI's activity records, and the wire figures of
 //!   the GPU transports;
 //! - [`multiproc`]: `ep-bench --nprocs`, one process per rank.
@@ -30,7 +30,7 @@ pub mod report;
 pub mod spec;
 pub mod stats;
 pub mod timing;
-pub mod wire;
+pub mod traffic;
 
 /// The README's code blocks, compiled (and the CPU one run) by `cargo test --doc`.
 #[cfg(doctest)]

@@ -129,7 +129,7 @@ pub struct MpTiming {
     pub dispatch_us: f64,
     pub combine_us: f64,
     /// NCCL transport: the path and the sizing it ran (its wire figures follow from them and
-    /// the report's `timed_topk_idx`: [`crate::wire::nccl_accounting`]).
+    /// the report's `timed_topk_idx`: [`crate::traffic::nccl_accounting`]).
     pub nccl: Option<(Path, NcclSizes)>,
 }
 
@@ -247,7 +247,7 @@ pub fn rank(o: &MpOptions) -> ExitCode {
         );
         // Over NCCL, the wire figures of one call, all ranks.
         let wire = t.nccl.and_then(|(path, sizes)| {
-            crate::wire::nccl_accounting(&cfg, &rep.timed_topk_idx, path, sizes)
+            crate::traffic::nccl_accounting(&cfg, &rep.timed_topk_idx, path, sizes)
                 .map(|w| (sizes.name(), w))
                 .ok()
         });

@@ -338,7 +338,7 @@ fn flags_that_do_not_apply_are_refused() {
     let mut a = TINY.to_vec();
     a.extend(["--json", "--per-rank"]);
     refused(&a, 2, &["--per-rank"]);
-    // The phase profile (formerly ep-gpu-check's) is the GPU kernels' own.
+    // The phase profile is the GPU kernels' own.
     let mut a = TINY.to_vec();
     a.push("--profile");
     refused(

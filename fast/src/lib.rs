@@ -9,7 +9,7 @@
 //! protocol ([`finish`]); the buffers are allocated once per group and reused call after call,
 //! with epoch-tagged signals and credits (`ep_reference::transport`). DeepEP's shrink mode (a
 //! rank mask, `EpRank::update_mask`, `CpuOptions::enable_shrink`) works as
-//! `ep_reference::transport::mask` describes for both CPU paths.
+//! `ep_reference::transport::mask_table` describes for both CPU paths.
 //!
 //! Under `--cfg ep_loom` the staging workers cannot be spawned as scoped threads (loom has no
 //! scope): drive [`DispatchCall`] / [`CombineCall`] from loom threads instead, or use one worker.
@@ -26,7 +26,7 @@ pub use shared::Shared;
 
 use ep_reference::bf16;
 use ep_reference::numerics::logfmt_wire::slot_bytes;
-use ep_reference::path::next_group_id;
+use ep_reference::rank::next_group_id;
 use ep_reference::sync::{Arc, Deadline, SharedRows};
 use ep_reference::transport::{memory, CreditTable, MaskTable, Signal, Waiter};
 use ep_reference::{
@@ -345,7 +345,7 @@ impl EpRank for BatchedRank {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ep_reference::path::run_ranks;
+    use ep_reference::rank::run_ranks;
     use ep_reference::workload::{Routing, Workload};
     use ep_reference::{oracle, Error, Mode, Op};
     use std::time::Duration;
@@ -381,9 +381,9 @@ mod tests {
         }
     }
 
-    /// Issue 10 item 7: a staging worker that panics made its rank's thread panic, and left the
-    /// finish counters open, so every later call of that rank timed out. Now the call returns
-    /// `WorkerPanicked` and the group goes on, correct.
+    /// A staging worker that panics fails its call with `WorkerPanicked` (not its rank's thread,
+    /// and without leaving the finish counters open, which would time out every later call of
+    /// that rank), and the group goes on, correct.
     fn a_panicking_worker_fails_only_its_call(worker: usize, workers: usize, op: Op) {
         let cfg = Config::new(2, 8, 8, 128, 3, Mode::FP8).unwrap();
         let opts = CpuOptions {
@@ -475,10 +475,9 @@ mod tests {
         a_panicking_worker_fails_only_its_call(0, 1, Op::Combine);
     }
 
-    /// Issue 20 item 7.1: `ep-bench --workers 18446744073709551615` panicked (a vector of that
-    /// many thread handles), 10^6 failed to spawn its threads, 10^8 aborted. A group asked for
-    /// more staging workers than the documented maximum is refused when it is built, with the
-    /// typed error naming the option; the maximum itself still works.
+    /// A group asked for more staging workers than the documented maximum (2^64-1 would be a
+    /// vector of that many thread handles, 10^6 threads fail to spawn, 10^8 abort) is refused
+    /// when it is built, with the typed error naming the option; the maximum itself works.
     #[test]
     fn absurd_staging_worker_counts_are_a_typed_error() {
         let cfg = Config::new(2, 8, 8, 128, 3, Mode::FP8).unwrap();
@@ -494,7 +493,7 @@ mod tests {
                         (
                             "staging_workers",
                             workers as u128,
-                            ep_reference::path::MAX_STAGING_WORKERS as u128
+                            ep_reference::options::MAX_STAGING_WORKERS as u128
                         )
                     );
                 }

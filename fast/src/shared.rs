@@ -31,7 +31,7 @@ pub struct Shared {
     pub(crate) combine: Vec<Region>,
     pub(crate) combine_credit: CreditTable,
     pub(crate) combine_finish: Vec<FinishCounter>,
-    /// The group's rank mask and every rank's call counts (`ep_reference::transport::mask`).
+    /// The group's rank mask and every rank's call counts (`ep_reference::transport::mask_table`).
     pub(crate) mask: MaskTable,
     /// Unit tests' fault injection: (rank, worker) whose next staging panics.
     #[cfg(test)]

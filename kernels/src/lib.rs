@@ -127,8 +127,6 @@ pub mod variant;
 /// The cudarc this crate is built on (its `CudaStream`, `CudaView`, ... are the device API's types).
 pub use cudarc;
 pub use error::GpuError;
-/// The NCCL transport, at its old path (now `runtime::nccl`).
-pub use runtime::nccl;
 pub use runtime::{
     Buffers, CombineIn, CombineOpts, DeviceDispatchOut, DeviceHandle, DispatchIn, GpuGroup,
     GpuOptions, NcclSizes, Path, RankEp, Tokens, Transport,

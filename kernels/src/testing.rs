@@ -118,8 +118,8 @@ use crate::runtime::{GpuGroup, Path};
 use ep_reference::oracle::{self, CombineInput, RankInput};
 use ep_reference::RankMask;
 
-/// Scales expert outputs so that LogFMT packs most groups (as `ep_verify::check::
-/// logfmt_packable` does for the CPU paths): every group of 128 channels whose (row + group) is
+/// Scales expert outputs so that LogFMT packs most groups (as `ep_verify::logfmt_packable`
+/// does for the CPU paths): every group of 128 channels whose (row + group) is
 /// not a multiple of 4 is multiplied by 2^-4 (values in [-8, 8] become [-0.5, 0.5], which pack);
 /// the others keep their values, amax >= 1 mostly, and travel raw.
 pub fn logfmt_packable(ys: &mut [Vec<bf16>], hidden: usize) {

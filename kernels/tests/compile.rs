@@ -42,7 +42,7 @@ fn every_kernel_compiles() {
             );
             // The kernel's machine code, in bytes (its `.text.<symbol>` section): every SM
             // fetches what a launch executes into a cold instruction cache, so code size is a
-            // cost of its own (the phase profile's receive halves, BENCHMARKS.md run 16).
+            // cost of its own (the phase profile's receive halves in BENCHMARKS.md show it).
             let bytes = text_bytes(&c.cubin, k.symbol)
                 .unwrap_or_else(|| panic!("{}: no .text section for {}", f.name, k.symbol));
             assert!(bytes > 0, "{}: {} has no code", f.name, k.symbol);

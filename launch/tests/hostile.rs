@@ -1,4 +1,4 @@
-//! Issue 10 item 3: strangers at the rendezvous port. A raw TCP client (std::net::TcpStream)
+//! Strangers at the rendezvous port. A raw TCP client (std::net::TcpStream)
 //! plays the stranger against a real rendezvous on 127.0.0.1; in every case the job's real ranks
 //! still complete their all_gather and nobody real is blamed. Loops are bounded in count and
 //! time; every test finishes by itself.
@@ -512,10 +512,10 @@ fn impostor_reporting_rank_2(at_once: bool) -> (u16, JoinHandle<()>) {
 
 #[test]
 fn a_report_from_an_unproven_rank_0_blames_nobody_else() {
-    // Issue 20 item 7.5: a rank believed an Abort from the endpoint it dialled before that
-    // endpoint had proved it holds the job token, and blamed the rank the report named (exit
-    // 86: the launcher then blamed an innocent rank 2). Nothing an unproven peer says is
-    // believed: the rank fails, naming nobody but itself.
+    // An Abort from the endpoint a rank dialled, before that endpoint has proved it holds the
+    // job token, must not make the rank blame the rank the report names (exit 86 would make
+    // the launcher blame an innocent rank 2). Nothing an unproven peer says is believed: the
+    // rank fails, naming nobody but itself.
     bounded(Duration::from_secs(60), || {
         for at_once in [true, false] {
             let (port, fake) = impostor_reporting_rank_2(at_once);
@@ -678,11 +678,10 @@ fn relay(root_port: u16, tamper: Tamper) -> u16 {
 
 #[test]
 fn a_relay_that_alters_or_replays_a_later_frame_is_caught_naming_the_peer() {
-    // Issue 20 item 7.7: after the HMAC exchange frames were neither authenticated nor
-    // integrity-checked, so a relay in the middle could alter what they carry (the NCCL
-    // unique id, CUDA IPC handles) and the ranks took it. Every later frame now carries a tag
-    // under a key derived from the exchange; an altered, replayed or reordered frame is
-    // refused with an authentication error naming the peer it came from.
+    // A relay in the middle must not be able to alter what the frames after the HMAC exchange
+    // carry (the NCCL unique id, CUDA IPC handles): every such frame carries a tag under a key
+    // derived from the exchange, and an altered, replayed or reordered frame is refused with an
+    // authentication error naming the peer it came from.
     bounded(Duration::from_secs(60), || {
         let id = b"nccl-unique-id: 0123456789abcdef".to_vec();
         for tamper in [Tamper::FlipToRank, Tamper::FlipToRoot, Tamper::ReplayToRank] {

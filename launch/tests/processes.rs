@@ -609,9 +609,9 @@ fn connected_in(output: &[String], rank: usize) -> Duration {
 
 #[test]
 fn real_ranks_join_promptly_while_rank_0_near_its_descriptor_limit_is_flooded() {
-    // Issue 20 item 7.6: rank 0 with 24-64 descriptors under a sustained connect flood: a real
-    // rank's join took up to 15 s, and once never happened (the innocent rank was blamed). Its
-    // join must take about as long as without the flood. Rank 2 starts 0.3 s into the flood.
+    // Rank 0 with 24-64 descriptors under a sustained connect flood: a real rank's join must
+    // take about as long as without the flood (not up to 15 s, nor never, with the innocent rank
+    // blamed). Rank 2 starts 0.3 s into the flood.
     for nofile in [24, 40, 64] {
         let prefix = format!("ulimit -n {nofile} &&");
         let (r, opened) = with_stranger("0.3", &prefix, |port| {

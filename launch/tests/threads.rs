@@ -605,8 +605,8 @@ fn blobs_above_the_limit_fail_naming_the_sender() {
 
 #[test]
 fn a_bracketed_ipv6_master_addr_resolves_and_the_group_forms() {
-    // Issue 20 item 7.8: `MASTER_ADDR=[::1]` passed the loopback check, then could not be
-    // resolved ("cannot resolve [::1]:port"), on rank 0 (bind) and on the others (connect).
+    // `MASTER_ADDR=[::1]` passes the loopback check and resolves, on rank 0 (bind) and on the
+    // others (connect): no "cannot resolve [::1]:port".
     bounded(Duration::from_secs(60), || {
         let port = match TcpListener::bind("[::1]:0") {
             Ok(l) => l.local_addr().unwrap().port(),

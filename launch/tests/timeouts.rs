@@ -1,4 +1,4 @@
-//! Issue 10 item 7: huge timeouts saturate (wait "forever") instead of panicking on
+//! Huge timeouts saturate (wait "forever") instead of panicking on
 //! `Instant + Duration` or `Duration * n` overflow. Loopback only; every wait is bounded by the
 //! test itself.
 

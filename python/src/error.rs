@@ -1,6 +1,6 @@
 //! The one error type of the bindings: the contract's errors, the GPU backend's, and bad
-//! arguments found while turning Python values into Rust ones. The PyO3 glue (`py.rs`) maps each
-//! to its Python exception class.
+//! arguments found while turning Python values into Rust ones. The PyO3 glue maps each to its
+//! Python exception class (`py/exceptions.rs`).
 
 use ep_group::GroupError;
 use ep_kernels::GpuError;

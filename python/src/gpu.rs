@@ -98,9 +98,9 @@ pub fn check_path_on(path: Path, transport: Transport) -> Result<()> {
              on torch's current stream without synchronising it (stream-ordered, capturable), \
              so it runs NCCL with fixed capacities, which only the batched path has. Use \
              path='{}' (the same bits), or transport='{}' within one node",
-            path.python_keyword(),
+            path.name(),
             transport.name(),
-            Path::Batched.python_keyword(),
+            Path::Batched.name(),
             Transport::Auto.name(),
         ))
         .into());
@@ -677,7 +677,7 @@ mod tests {
             );
             let m = e.to_string();
             for words in [
-                &format!("path='per_expert' with transport='{name}'") as &str,
+                &format!("path='per-expert' with transport='{name}'") as &str,
                 reach,
                 "exact sizes",
                 "host round trip",

@@ -5,7 +5,7 @@
 use crate::error::{BindError, Result};
 use ep_reference::oracle::{self, CombineInput, RankInput};
 use ep_reference::{
-    bf16, path::run_ranks, CombineFormat, Config, CpuOptions, DispatchOutput, Mode, Path,
+    bf16, rank::run_ranks, CombineFormat, Config, CpuOptions, DispatchOutput, Mode, Path,
     RecvScales, RecvX,
 };
 use std::time::Duration;

@@ -124,7 +124,7 @@ def test_our_keywords_are_checked_before_the_device(kwargs, argument):
 
 
 def test_every_transport_keyword_parses():
-    for path in ("batched", "per_expert"):
+    for path in ("batched", "per_expert", "per-expert"):
         ep._native.check_keywords(path, "auto", 10.0)
     for transport in ("auto", "nccl", "two-tier"):
         ep._native.check_keywords("batched", transport, 10.0)
@@ -145,7 +145,8 @@ def test_per_expert_over_nccl_is_refused_before_the_device_and_says_why(transpor
     assert e.value.kind == "Unsupported"
     assert isinstance(e.value, NotImplementedError)
     msg = str(e.value)
-    for words in (f"path='per_expert' with transport='{transport}'", reach, "exact sizes",
+    # The message names the path as every message does ('per-expert'; both spellings parse).
+    for words in (f"path='per-expert' with transport='{transport}'", reach, "exact sizes",
                   "host round trip", "stream-ordered", "fixed capacities",
                   "Use path='batched'"):
         assert words in msg, f"{words!r} not in {msg!r}"

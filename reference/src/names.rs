@@ -1,6 +1,8 @@
 //! The names of the workspace's choice enums (the path of a call, the dispatch mode,
-//! ep-kernels' transport and NCCL sizing): each value has one name, shown to users (CLI flags, reports, JSON) and parsed
-//! back by the enum's `FromStr`, which goes through [`parse`], the one parse they share.
+//! ep-kernels' transport and NCCL sizing): each value has one name, shown to users (CLI flags,
+//! reports, JSON, error messages) and parsed back by the enum's `FromStr`, which goes through
+//! [`parse`] (or [`parse_or_alias`], for a value that an interface has always spelled another
+//! way too), the one parse they share.
 
 /// A name that is none of a choice's values: the `FromStr` error of every choice enum.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -22,9 +24,23 @@ pub fn parse<T: Copy>(
     all: &[T],
     name: fn(T) -> &'static str,
 ) -> Result<T, UnknownName> {
+    parse_or_alias(what, given, all, name, &[])
+}
+
+/// [`parse`], which also takes each of `aliases` (another spelling that some interface has
+/// always accepted, e.g. the Python keyword `per_expert`) for its value. The error lists the
+/// names only: an alias is accepted, never shown.
+pub fn parse_or_alias<T: Copy>(
+    what: &'static str,
+    given: &str,
+    all: &[T],
+    name: fn(T) -> &'static str,
+    aliases: &[(&str, T)],
+) -> Result<T, UnknownName> {
     all.iter()
         .copied()
         .find(|&v| name(v) == given)
+        .or_else(|| aliases.iter().find(|a| a.0 == given).map(|a| a.1))
         .ok_or_else(|| UnknownName {
             what,
             given: given.to_string(),
@@ -74,7 +90,19 @@ mod tests {
     }
 
     #[test]
-    fn every_mode_and_path_parses_back_from_its_name_only() {
+    fn an_alias_parses_to_its_value_and_is_never_listed() {
+        let all = [1u8, 2];
+        let name = |v: u8| ["", "one", "two"][v as usize];
+        let aliases = [("uno", 1u8)];
+        assert_eq!(parse_or_alias("number", "uno", &all, name, &aliases), Ok(1));
+        assert_eq!(parse_or_alias("number", "two", &all, name, &aliases), Ok(2));
+        let e = parse_or_alias("number", "dos", &all, name, &aliases).unwrap_err();
+        assert_eq!(e.expected, "'one' or 'two'");
+        assert!(parse("number", "uno", &all, name).is_err());
+    }
+
+    #[test]
+    fn every_mode_and_path_parses_back_from_its_name() {
         use crate::{Mode, Path};
         for m in Mode::ALL {
             assert_eq!(m.name().parse::<Mode>(), Ok(m));

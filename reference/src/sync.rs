@@ -46,7 +46,7 @@ impl Deadline {
     }
 
     /// A deadline with the same timeout, starting now: what a call's later waits get after
-    /// a wait that ran out was resolved by masking its peer (`transport::mask`), so that each
+    /// a wait that ran out was resolved by masking its peer (`transport::mask_table`), so that each
     /// of them still has a whole timeout. Under loom every wait has its own polls anyway.
     pub fn restarted(&self) -> Deadline {
         Deadline::after(self.timeout)

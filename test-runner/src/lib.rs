@@ -51,7 +51,7 @@ impl Needs {
         if self.gpus > 0 {
             ep_kernels::runtime::probe_devices(self.gpus)?;
         }
-        if self.nccl && !ep_kernels::nccl::nccl_present() {
+        if self.nccl && !ep_kernels::runtime::nccl::nccl_present() {
             return Err("no NCCL (libnccl.so.2 not found)".to_string());
         }
         Ok(())

@@ -3,7 +3,7 @@
 
 use ep_reference::oracle;
 use ep_reference::output::combine_diff;
-use ep_reference::path::run_ranks;
+use ep_reference::rank::run_ranks;
 use ep_reference::workload::Workload;
 use ep_reference::{bf16, CombineFormat, DispatchOutput, EpRank, Handle, RankMask, Result};
 

@@ -7,7 +7,7 @@
 //! This library holds the harness the tests share: run a path on a workload and compare it, and
 //! [`gpu_protocol`], the CUDA kernels' synchronisation as a model that loom checks.
 
-pub mod check;
+mod check;
 pub mod differential;
 pub mod gpu_protocol;
 

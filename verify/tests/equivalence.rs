@@ -177,7 +177,7 @@ fn logfmt_combine_both_paths_equal_the_oracle() {
     assert_eq!(got, Err(want.clone()));
     let mut a = per_expert::group(&cfg, CpuOptions::default()).unwrap();
     let handles = dispatch_handles(&mut a, &w);
-    let res = ep_verify::check::combine_all_with(&mut a, &w, &ys, &handles, CombineFormat::LogFmt);
+    let res = ep_verify::combine_all_with(&mut a, &w, &ys, &handles, CombineFormat::LogFmt);
     assert!(res.iter().all(|g| g.as_ref() == Err(&want)), "{res:?}");
 }
 
@@ -185,7 +185,7 @@ fn dispatch_handles<R: ep_reference::EpRank>(
     ranks: &mut [R],
     w: &Workload,
 ) -> Vec<ep_reference::Handle> {
-    ep_verify::check::dispatch_all(ranks, w)
+    ep_verify::dispatch_all(ranks, w)
         .into_iter()
         .map(|g| g.unwrap().1)
         .collect()
@@ -224,7 +224,7 @@ fn consecutive_calls_reuse_buffers() {
 /// another config is refused.
 #[test]
 fn dispatch_into_reuses_outputs() {
-    use ep_reference::path::run_ranks;
+    use ep_reference::rank::run_ranks;
     use ep_reference::{oracle, DispatchOutput, EpRank, Error};
 
     fn run<R: EpRank>(mut ranks: Vec<R>, cfg: &Config) {

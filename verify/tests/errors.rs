@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use ep_reference::error::{Op, Phase, Side};
-use ep_reference::path::run_ranks;
+use ep_reference::rank::run_ranks;
 use ep_reference::workload::{Routing, Workload};
 use ep_reference::{
     bf16, oracle, per_expert, Config, CpuOptions, EpRank, Error, Mode, Path, RankMask,
@@ -347,9 +347,9 @@ fn batched_rank_that_never_sends_times_out() {
     missing_rank_times_out(ep_fast::group(&c, short()).unwrap());
 }
 
-/// Issue 10 item 1: a config whose sizes wrap used to be accepted (`bytes_needed` said 80
-/// bytes), and staging four tokens wrote past the wrapped allocation. Now `Config::new`, and
-/// every group built from a config made by hand, refuse it with the value and the limit.
+/// A config whose sizes wrap (`bytes_needed` would say 80 bytes, and staging four tokens write
+/// past the wrapped allocation) is refused by `Config::new`, and by every group built from a
+/// config made by hand, with the value and the limit.
 #[test]
 fn a_config_whose_sizes_wrap_is_refused_before_any_buffer_exists() {
     let t = (1usize << 60) + 1;
@@ -414,7 +414,7 @@ fn shared_rows_sizes_and_ranges_never_wrap() {
     assert_eq!(unsafe { rows.with_rows(1, 3, |b| b.len()) }, 24);
 }
 
-/// Issue 10 item 7: any timeout, `Duration::MAX` included, is a valid bound (waits compare the
+/// Any timeout, `Duration::MAX` included, is a valid bound (waits compare the
 /// time elapsed with it; no `Instant + Duration` can overflow), on both paths.
 #[test]
 fn the_largest_timeouts_work_on_both_paths() {

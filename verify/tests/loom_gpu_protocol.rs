@@ -44,7 +44,7 @@
 //!   "`hv.x == (u32)epoch && hv.w == (u32)(epoch >> 32)`").
 //! - `fault_timeout_stops_every_waiter`, `slow_sender_timeout_refused_or_correct`: the bounded
 //!   waits, the error word (common.cuh `report_error`, `failed`) and the host's refusal after a
-//!   timeout (runtime/errors.rs `GpuGroup::sync` and `GpuGroup::check`, runtime/mod.rs
+//!   timeout (runtime/error_word.rs `GpuGroup::sync` and `GpuGroup::check`, runtime/mod.rs
 //!   `check_usable`); `fault_timeout_stops_every_waiter` also a report that loses the claim to
 //!   another block of its rank (`report_error`'s wait for the winner's code).
 //! - `fault_two_ranks_one_device_both_time_out`: the same with two ranks on one device (one
@@ -57,7 +57,7 @@
 //!   (__syncthreads_or(wbad) || in_bad) goto finish;`"): the bad rank skips its waits and sends,
 //!   stores the poison, and still counts out, publishes its epoch and acks; what its peers see
 //!   on the same device (the flag or the poison) and on another (the poison or a timeout, ranked
-//!   after the input error by errors.rs `cause_first`).
+//!   after the input error by error_word.rs `cause_first`).
 //! - `batched_hook_split_one_call`: the receive hook's split of batched dispatch over NVLink
 //!   (a send-half launch, stage 1, then a receive-half launch, stage 2, per rank and call):
 //!   stage 2's pre-load of its sources' signals at kernel start ("`if (presig) sig0 =
@@ -73,7 +73,7 @@
 //! - `batched_two_senders_one_receiver_two_calls` (the slow one): all of the batched orderings
 //!   at once, two sender blocks and one receiver block over two calls.
 //! - `capacity_bad_input_sender_header_poisoned`: NCCL capacity mode (batched): the host's
-//!   poisoning of the send headers (nccl_call.rs `poison_send_headers`) and the unpack's bound on
+//!   poisoning of the send headers (nccl/call.rs `poison_send_headers`) and the unpack's bound on
 //!   the received token count, across a call whose sender stops on bad input (mutant
 //!   `gpu_no_hdr_poison`).
 //! - `failed_rank_poisons_enqueued_calls`, `per_expert_failed_rank_poisons_enqueued_calls`: a
@@ -393,7 +393,7 @@ fn fault_two_ranks_one_device_both_time_out() {
 }
 
 /// Two sender blocks and one receiver block, and the host's sync after each call (`dispatch` =
-/// launch + sync, runtime/launch.rs and errors.rs). Call 1 has a bound of one poll: depending on the interleaving
+/// launch + sync, runtime/launch.rs and error_word.rs). Call 1 has a bound of one poll: depending on the interleaving
 /// the receiver gets the signal or times out. After a timeout the host reports it and refuses
 /// call 2; otherwise call 2 runs and is correct. Both outcomes must occur.
 #[test]
@@ -565,7 +565,7 @@ fn every_block(
     reps
 }
 
-/// One batched dispatch over NCCL in capacity mode (nccl_call.rs `nccl_call`): the host poisons
+/// One batched dispatch over NCCL in capacity mode (nccl/call.rs `Link::call`): the host poisons
 /// every rank's send headers, the pack launches run, the grouped exchange, the unpack launches.
 /// Returns the pack and the unpack reports per rank, each launch's end checked
 /// ([`check_exit`]: the pack stage writes no outputs).
@@ -596,7 +596,7 @@ fn capacity_call(
 /// with no host look, sends what is in them. The header must be the host's poison, so that
 /// rank 1's unpack reports `ERR_PEER_FAILED` and reads nothing, never call 1's
 /// header and rows taken as call 2's (mutant `gpu_no_hdr_poison`); the host names the input
-/// error first (errors.rs `cause_first`), and both ranks' epochs stay in step. The unpack takes
+/// error first (error_word.rs `cause_first`), and both ranks' epochs stay in step. The unpack takes
 /// the poison for what it is: the sender's failure (`ERR_PEER_FAILED` naming rank 0, call 2).
 #[test]
 fn capacity_bad_input_sender_header_poisoned() {

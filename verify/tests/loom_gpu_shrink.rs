@@ -7,7 +7,7 @@
 //!
 //! `shrink_*`: shrink mode, the rank mask (common.cuh, "shrink mode (the rank mask)":
 //!   `agree_at`, `wait_peer_signals`, `wait_peer_ack`, `masked_peers`; batched dispatch's
-//!   `s_gone` / `gone` and `finish:`'s "no ack to a masked peer"; runtime/mask.rs `update_mask`
+//!   `s_gone` / `gone` and `finish:`'s "no ack to a masked peer"; runtime/shrink.rs `update_mask`
 //!   and `clean_mask`). `shrink_two_blocks_agree_at_the_timeout_edge` and its per-expert twin:
 //!   the blocks of a rank agree on a peer whose signal lands at the timeout's edge (mutant
 //!   `gpu_no_agreement`); `shrink_masked_peer_signals_ignored`: a masked peer's signal, with this
@@ -186,7 +186,7 @@ fn run_ranks(g: &'static Group, kp: Launch, per_rank: Vec<Vec<Input>>) -> Vec<Do
 }
 
 /// Shrink mode, three ranks, two calls with no sync between them: ranks 0 and 2 each send both
-/// their tokens to rank 1. Rank 1's process has masked rank 0 (runtime/mask.rs `update_mask`,
+/// their tokens to rank 1. Rank 1's process has masked rank 0 (runtime/shrink.rs `update_mask`,
 /// before rank 1's call 1); rank 0's has not, so rank 0's call 1 writes rank 1's region and
 /// signals with call 1's tag, which is rank 1's call's. Rank 1 must not wait for that signal
 /// nor read rank 0's region (loom's cells: rank 0 writes it while rank 1 runs), whether it
@@ -261,7 +261,7 @@ fn shrink_masked_peer_signals_ignored() {
 }
 
 /// Shrink mode: call 1 loses rank 0 on rank 1 at the timeout's edge (or not: both occur);
-/// then, every launch ended, every rank's clean (runtime/mask.rs `clean_mask`: the mask, the
+/// then, every launch ended, every rank's clean (runtime/shrink.rs `clean_mask`: the mask, the
 /// decisions, the signal and ack words, the epochs and counters); then call 2 on both ranks
 /// from epoch 0 again (epoch 1: call 1's tag), with a bound that never expires. Rank 1 must
 /// take rank 0 back and consume exactly call 2's entries, bit for bit. Rank 0's call-1 signal,

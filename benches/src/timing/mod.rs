@@ -1,8 +1,8 @@
-//! The GPU timing harness (was `ep_kernels::bench`): what `ep-bench --backend gpu` and the
+//! The GPU timing harness: what `ep-bench --backend gpu` and the
 //! criterion GPU bench time, on a group of the GPU library (ep-kernels).
 //!
 //! - [`run()`]: the entry point: both paths checked bitwise against the oracle on the same
-//!   inputs, then timed every way below, with the wire figures of [`crate::wire`];
+//!   inputs, then timed every way below, with the wire figures of [`crate::traffic`];
 //! - [`events`]: the CUDA-event timing loop (graph replay on one GPU) and the empty kernel;
 //! - [`kernel`]: kernel time from CUPTI's activity records ([`crate::cupti`]);
 //! - [`hook`]: the receive-hook split, each half timed and profiled.

@@ -4,7 +4,7 @@
 use crate::timing::events::time_path;
 use crate::timing::hook::{hook_split, HookError, HookSplit};
 use crate::timing::kernel::{kernel_times, KernelTimes};
-use crate::wire::{accounting, logfmt_combine_bytes, nccl_accounting};
+use crate::traffic::{accounting, logfmt_combine_bytes, nccl_accounting};
 use ep_kernels::runtime::{Buffers, GpuGroup, GpuOptions, NcclSizes, Path, Transport};
 use ep_reference::oracle::{self, CombineInput, RankInput};
 use ep_reference::workload::received_counts;

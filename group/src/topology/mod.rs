@@ -38,4 +38,4 @@ pub mod emulate;
 pub mod plan;
 
 pub use emulate::{emulated_node, emulation_env, emulation_envs};
-pub use plan::{plan, Plan};
+pub use plan::plan;

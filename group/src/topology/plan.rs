@@ -6,10 +6,7 @@ use crate::node::NodeId;
 use ep_kernels::runtime::{all_peers, check_ranks, PeerMask, PeerPlan, Transport};
 use ep_kernels::GpuError;
 
-/// How one rank reaches its peers: the GPU library's [`PeerPlan`], which [`plan`] computes.
-pub use ep_kernels::runtime::PeerPlan as Plan;
-
-/// The plan of rank `rank` in a group whose rank i runs on node `nodes[i]` (see the module
+/// The plan of rank `rank` (the GPU library's [`PeerPlan`]) in a group whose rank i runs on node `nodes[i]` (see the module
 /// docs). Fails for more than the kernels' [`MAX_RANKS`](ep_kernels::runtime::MAX_RANKS) ranks
 /// ([`GpuError::TooManyRanks`]), a rank outside the group, or, under `Transport::Auto`, a peer on
 /// another node.

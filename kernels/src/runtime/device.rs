@@ -5,14 +5,13 @@
 use crate::compile;
 use crate::error::{cuda, GpuError};
 use crate::runtime::layout::{Variant, ERR_WORDS, NTHREADS};
-use crate::runtime::modules;
+use crate::runtime::{driver, modules};
 use cudarc::driver::{result, sys, CudaContext};
 use std::sync::Arc;
 
 /// A usable CUDA driver and at least `need` devices, or why not. Never panics.
 pub fn probe_devices(need: usize) -> Result<usize, String> {
-    // SAFETY: only tries to dlopen libcuda and reports whether that worked.
-    if !unsafe { sys::is_culib_present() } {
+    if !driver::present() {
         return Err("no CUDA driver (libcuda not found)".into());
     }
     if !compile::nvrtc_present() {
@@ -178,17 +177,10 @@ impl Dev {
             .chain(self.funcs.bat_dispatch)
             .chain(self.funcs.bat_combine)
         {
-            let mut per_sm = 0i32;
-            // SAFETY: `f` is a loaded kernel; `per_sm` receives the answer.
-            let rc = unsafe {
-                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                    &mut per_sm,
-                    f,
-                    NTHREADS as i32,
-                    smem,
-                )
-            };
-            cuda("occupancy", rc.result())?;
+            // SAFETY: `f` is a kernel of a module loaded for the process's life (`modules`).
+            let per_sm = cuda("occupancy", unsafe {
+                result::occupancy::max_active_block_per_multiprocessor(f, NTHREADS as i32, smem)
+            })?;
             if per_sm < 1 || ranks * blocks_per_rank > self.sms * per_sm as usize {
                 return Err(GpuError::Unsupported(format!(
                     "{ranks} ranks x {blocks_per_rank} blocks cannot be resident together on a GPU \
@@ -298,16 +290,18 @@ impl HostMirror {
         .cast::<u32>();
         // SAFETY: `host` holds ERR_WORDS u32, just allocated and not yet shared.
         unsafe { std::ptr::write_bytes(host, 0, ERR_WORDS) };
-        let mut dev: sys::CUdeviceptr = 0;
-        // SAFETY: `host` was allocated with DEVICEMAP on the bound context; `dev` receives
-        // the device address of the same memory.
-        let rc = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host.cast(), 0) };
-        if let Err(e) = cuda("cuMemHostGetDevicePointer", rc.result()) {
-            // SAFETY: allocated above, never shared.
-            let _ = unsafe { result::free_host(host.cast()) };
-            return Err(e);
+        // `host` was allocated with DEVICEMAP on the bound context: its device address.
+        match cuda(
+            "cuMemHostGetDevicePointer",
+            driver::host_device_ptr(host.cast()),
+        ) {
+            Ok(dev) => Ok(HostMirror { host, dev }),
+            Err(e) => {
+                // SAFETY: allocated above, never shared.
+                let _ = unsafe { result::free_host(host.cast()) };
+                Err(e)
+            }
         }
-        Ok(HostMirror { host, dev })
     }
 
     /// The mirror's words, or None while its code word is 0. Reads host memory only: no

@@ -54,8 +54,10 @@ use crate::error::{cuda, GpuError};
 use crate::runtime::device_io::{
     CombineIn, CombineOpts, DeviceDispatchOut, DispatchIn, DispatchOutSizes, Tokens,
 };
+use crate::runtime::driver;
 use crate::runtime::group::{kind, GpuGroup};
 use crate::runtime::layout::IoTable;
+use crate::runtime::nccl::check_sizes;
 use crate::runtime::options::NcclSizes;
 use cudarc::driver::sys;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
@@ -163,7 +165,7 @@ impl GpuGroup {
         }
         // A path the group has no receive buffers for, before any host work for the call.
         crate::runtime::footprint::check_launch(self.buffers, false, op, path, 0, false, &[])?;
-        if self.comms.is_some() && self.nx.sizes != NcclSizes::Capacity {
+        if self.nccl.is_some() && self.nccl_sizes != NcclSizes::Capacity {
             return Err(GpuError::Unsupported(
                 "the device API over NCCL needs NcclSizes::Capacity: exact sizes read the batch \
                  headers on the host in the middle of the call (a host round trip, not \
@@ -372,8 +374,8 @@ impl GpuGroup {
             }
             ns.push(n);
         }
-        if self.comms.is_some() {
-            self.check_nccl_mode(path)?;
+        if self.nccl.is_some() {
+            check_sizes(&self.cfg, path, self.nccl_sizes)?;
         }
         // The addresses, per device table. The SyncOnDrop guards (cudarc's event tracking:
         // the stream waits for earlier writes of each tensor, and records this use) live until
@@ -407,7 +409,7 @@ impl GpuGroup {
                     // SAFETY: `meta` is a live 16-byte buffer of this group on the bound
                     // context; the stream belongs to it (checked).
                     cuda("set n_tokens", unsafe {
-                        sys::cuMemsetD32Async(self.ptrs[r].meta, n as u32, 1, raw[di]).result()
+                        driver::memset_d32_async(self.ptrs[r].meta, n as u32, 1, raw[di])
                     })?;
                 }
             }
@@ -477,7 +479,7 @@ impl GpuGroup {
         io: &[IoTable],
         format: CombineFormat,
     ) -> Result<(), GpuError> {
-        if self.comms.is_some() {
+        if self.nccl.is_some() {
             self.nccl_call(op, path, streams, io, stage)
         } else {
             self.launch_stage_on(op, path, stage, streams, io, format)

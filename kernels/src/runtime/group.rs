@@ -1,14 +1,16 @@
 //! The group: its state ([`GpuGroup`]: devices, buffers, the address table, the NCCL
-//! communicators, call counts), its release, and building it with every rank in this process
+//! transport, call counts), its release, and building it with every rank in this process
 //! (`GpuGroup::new`, ranks spread over the GPUs, peer access). One rank per process (CUDA IPC or
 //! NCCL) is built by [`ProcessRank`](crate::runtime::ProcessRank).
 use crate::error::{cuda, GpuError};
 use crate::runtime::device::{probe_devices, Dev, HostMirror};
+use crate::runtime::driver;
 use crate::runtime::footprint::{footprint, plan_sizes};
 use crate::runtime::layout::{
     all_peers, carve_rank, check_ranks, cmb_row_bytes, entry_bytes_checked, pe_entry_bytes_checked,
     smem_bytes, to_i32, total_bytes, IoTable, KParams, PeerMask, RankPtrs, ERR_WORDS,
 };
+use crate::runtime::nccl::{Comms, Link};
 use crate::runtime::options::{Buffers, GpuOptions, NcclSizes, Transport};
 use crate::runtime::streams::{drain_streams, Drain};
 use cudarc::driver::{result, sys, CudaContext};
@@ -33,11 +35,8 @@ pub struct GpuGroup {
     pub(crate) broken: Option<GpuError>,
     /// Per device: the peers its rank reaches through NCCL.
     pub(crate) masks: Vec<PeerMask>,
-    /// The NCCL communicators (one per device) when any mask is nonzero.
-    pub(crate) comms: Option<crate::runtime::nccl::Comms>,
-    /// Per device, from the last dispatch's headers: selections sent to each peer (rows that
-    /// come back in combine) and received from each peer (rows that go back).
-    pub(crate) sels: Vec<(Vec<usize>, Vec<usize>)>,
+    /// The NCCL transport (communicators, one per device) when any mask is nonzero.
+    pub(crate) nccl: Option<Link>,
     /// Process mode: the one rank this process runs (its table holds the peers' IPC addresses).
     pub(crate) own: Option<usize>,
     /// Peer allocations opened through CUDA IPC (closed on drop).
@@ -45,8 +44,8 @@ pub struct GpuGroup {
     #[allow(dead_code)]
     pub(crate) ipc_opened: IpcMappings,
     pub(crate) last_op: Option<Op>,
-    /// NCCL sizing mode and the last exact dispatch's headers (per device).
-    pub(crate) nx: NcclState,
+    /// How the NCCL transport sizes its messages ([`GpuGroup::set_nccl_sizes`]).
+    pub(crate) nccl_sizes: NcclSizes,
     /// Which buffers the allocation holds ([`Buffers`]); launches that need others are refused.
     pub(crate) buffers: Buffers,
     /// The format of the combines of the group's own-buffer calls (`launch`, the harness, the
@@ -54,34 +53,13 @@ pub struct GpuGroup {
     pub(crate) combine_format: CombineFormat,
 }
 
-/// The NCCL transport's host state: the sizing mode, and per device the headers of the last
-/// exact-size dispatch (sent, received: R * (2 + L) words each), which size the per-expert
-/// combine's messages.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct NcclState {
-    pub(crate) sizes: NcclSizes,
-    /// The sizing of the last dispatch whose exchange was queued (combine follows it).
-    pub(crate) dispatch_sizes: Option<NcclSizes>,
-    pub(crate) hdrs: Vec<(Vec<i32>, Vec<i32>)>,
-}
-
-impl NcclState {
-    pub(crate) fn new(sizes: NcclSizes, devices: usize) -> NcclState {
-        NcclState {
-            sizes,
-            dispatch_sizes: None,
-            hdrs: vec![(Vec::new(), Vec::new()); devices],
-        }
-    }
-}
-
 impl Drop for GpuGroup {
     fn drop(&mut self) {
         // Communicators go before the streams and memory they use: a bounded
         // wait for the streams, then destroy (idle, healthy) or abort (busy, failed).
         let t = std::time::Duration::from_nanos(self.params.timeout_ns);
-        if let Some(c) = self.comms.take() {
-            c.release(&self.streams(), t, self.broken.is_none());
+        if let Some(link) = self.nccl.take() {
+            link.release(&self.streams(), t, self.broken.is_none());
         }
         // Then a bounded wait for every stream: our kernels end within their own wait bound, so
         // twice the group's bound (at least 1 s) suffices for anything that can finish. A stream
@@ -119,9 +97,11 @@ impl Drop for IpcMappings {
         if let Some(ctx) = &self.ctx {
             let _ = ctx.bind_to_thread();
             for &p in &self.ptrs {
-                // SAFETY: `p` was opened with cuIpcOpenMemHandle on this context; the work that
-                // used it is finished (the group's Drop synchronised its streams first).
-                let _ = unsafe { sys::cuIpcCloseMemHandle(p) };
+                // SAFETY: `p` was opened with cuIpcOpenMemHandle on this context and is closed
+                // once, here, with no work left that uses it: in the group's Drop after its
+                // streams drained (a stream still busy leaks these mappings instead), or on a
+                // failed `ProcessRank::join`, before anything was queued.
+                let _ = unsafe { driver::ipc_close(p) };
             }
         }
     }
@@ -173,7 +153,7 @@ impl GpuGroup {
 
     /// The NCCL transport's sizing mode (see [`NcclSizes`]).
     pub fn nccl_sizes(&self) -> NcclSizes {
-        self.nx.sizes
+        self.nccl_sizes
     }
 
     /// Changes the NCCL sizing mode for later calls. In process mode every rank must make the
@@ -181,7 +161,7 @@ impl GpuGroup {
     /// the handshake compares the modes the ranks start with, a later divergence is not
     /// detected.
     pub fn set_nccl_sizes(&mut self, sizes: NcclSizes) {
-        self.nx.sizes = sizes;
+        self.nccl_sizes = sizes;
     }
 
     /// The format of every later combine that the group's own-buffer calls issue:
@@ -206,7 +186,7 @@ impl GpuGroup {
     /// naming both.
     pub fn check_combine_format(&self, format: CombineFormat) -> Result<(), GpuError> {
         format.check(&self.cfg)?;
-        if format == CombineFormat::LogFmt && self.comms.is_some() {
+        if format == CombineFormat::LogFmt && self.nccl.is_some() {
             return Err(GpuError::Unsupported(
                 "a LogFMT combine (CombineFormat::LogFmt, DeepEP's use_logfmt) over NCCL: the \
                  NCCL transport carries bf16 rows only; LogFMT runs where every peer is reached \
@@ -235,7 +215,7 @@ impl GpuGroup {
 
     /// Whether the group reaches any peer through NCCL.
     pub fn uses_nccl(&self) -> bool {
-        self.comms.is_some()
+        self.nccl.is_some()
     }
 
     /// The bound of every wait.
@@ -332,17 +312,11 @@ impl GpuGroup {
                     continue;
                 }
                 devs[a].bind()?;
-                let mut can = 0i32;
-                // SAFETY: valid device handles; `can` receives the answer.
-                let rc = unsafe {
-                    sys::cuDeviceCanAccessPeer(
-                        &mut can,
-                        devs[a].ctx.cu_device(),
-                        devs[b].ctx.cu_device(),
-                    )
-                };
-                cuda("cuDeviceCanAccessPeer", rc.result())?;
-                if can == 0 {
+                let can = cuda(
+                    "cuDeviceCanAccessPeer",
+                    driver::can_access_peer(&devs[a].ctx, &devs[b].ctx),
+                )?;
+                if !can {
                     if per == 1 {
                         // Transport::Auto: this pair goes through NCCL.
                         nccl_pairs.push((a, b));
@@ -352,11 +326,11 @@ impl GpuGroup {
                         "GPU {a} cannot access GPU {b}, and NCCL needs one rank per GPU"
                     )));
                 }
-                // SAFETY: the context of `a` is bound; `b`'s context is live.
-                let rc = unsafe { sys::cuCtxEnablePeerAccess(devs[b].ctx.cu_ctx(), 0) };
-                if rc != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
-                    cuda("cuCtxEnablePeerAccess", rc.result())?;
-                }
+                // The context of `a` is bound.
+                cuda(
+                    "cuCtxEnablePeerAccess",
+                    driver::enable_peer_access(&devs[b].ctx),
+                )?;
             }
         }
         // Memory.
@@ -379,7 +353,7 @@ impl GpuGroup {
             for d in &devs {
                 d.bind()?;
             }
-            Some(crate::runtime::nccl::Comms::init_all(g)?)
+            Some(Comms::init_all(g)?)
         } else {
             None
         };
@@ -421,6 +395,8 @@ impl GpuGroup {
             upload_table(dev, &ptrs)?;
         }
         let params = kparams(cfg, &opts, bpr, 0, per, g > 1)?;
+        // Over NCCL every device runs one rank (checked above).
+        let nccl = comms.map(|c| link(c, cfg, &params, &devs, &masks, &ptrs));
         Ok(GpuGroup {
             id: next_group_id(),
             cfg: *cfg,
@@ -434,16 +410,15 @@ impl GpuGroup {
             last_dispatch: None,
             calls: [0; 4],
             broken: None,
-            sels: vec![(vec![0; r], vec![0; r]); g],
             masks,
-            comms,
+            nccl,
             own: None,
             ipc_opened: IpcMappings {
                 ctx: None,
                 ptrs: Vec::new(),
             },
             last_op: None,
-            nx: NcclState::new(opts.nccl_sizes, g),
+            nccl_sizes: opts.nccl_sizes,
             buffers: opts.buffers,
             combine_format: CombineFormat::Bf16,
         })
@@ -480,6 +455,28 @@ pub(crate) fn check_shrink(opts: &GpuOptions, ranks: usize, nccl: bool) -> Resul
         ));
     }
     check_ranks(ranks)
+}
+
+/// The NCCL transport over `comms` of a group whose device i runs the rank `devs[i].first_rank`
+/// with the NCCL peers `masks[i]`.
+pub(crate) fn link(
+    comms: Comms,
+    cfg: &Config,
+    params: &KParams,
+    devs: &[Dev],
+    masks: &[PeerMask],
+    ptrs: &[RankPtrs],
+) -> Link {
+    let devices = devs
+        .iter()
+        .zip(masks)
+        .map(|(d, m)| {
+            let peers = (0..cfg.num_ranks).filter(|&p| m.contains(p)).collect();
+            (d.ctx.clone(), d.first_rank, peers, ptrs[d.first_rank])
+        })
+        .collect();
+    let entry_bytes = (params.entry_bytes as usize, params.pe_entry_bytes as usize);
+    Link::new(comms, cfg, entry_bytes, devices)
 }
 
 /// Uploads the rank address table to `dev` (the bound context) and allocates its error word.

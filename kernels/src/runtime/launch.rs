@@ -1,13 +1,16 @@
 //! Launching the kernels: one launch per device and call (or per stage: pack, unpack), the
 //! refused call's poison launch, and the host's count of the calls that went out. Over NCCL a
-//! call's pack / exchange / unpack sequence is `nccl::call`.
+//! call's pack / exchange / unpack sequence is the transport's (`nccl::Link::call`), which
+//! launches its stages through the group ([`Stages`]).
 use crate::error::{cuda, GpuError};
 use crate::runtime::footprint::check_launch;
 use crate::runtime::group::{kind, GpuGroup};
 use crate::runtime::layout::{cmb_row_bytes, IoTable, KParams, NTHREADS};
+use crate::runtime::nccl::{Call, Link, Stages};
 use cudarc::driver::{result, sys};
 use ep_reference::{CombineFormat, Mode, Op, Path};
 use std::ffi::c_void;
+use std::time::Duration;
 
 impl GpuGroup {
     /// Launches one call of `op` on `path` on every device (a combine in the group's
@@ -33,7 +36,7 @@ impl GpuGroup {
             self.check_combine_path(path)?;
             self.check_combine_format(self.combine_format)?;
         }
-        let nccl = self.comms.is_some();
+        let nccl = self.nccl.is_some();
         if nccl && what.is_some() {
             // NCCL transport: pack kernel, grouped send/recv, unpack kernel.
             let streams = self.streams_raw();
@@ -69,7 +72,7 @@ impl GpuGroup {
     /// are bounded on their hosts). A launch that fails is dropped: the caller returns the
     /// group's error either way.
     pub(crate) fn poison_refused(&mut self, op: Op, path: Path, streams: &[sys::CUstream]) {
-        if self.comms.is_some() {
+        if self.nccl.is_some() {
             return;
         }
         let io = self.io_tables();
@@ -202,5 +205,77 @@ impl GpuGroup {
 
     pub(crate) fn streams_raw(&self) -> Vec<sys::CUstream> {
         self.devs.iter().map(|d| d.stream).collect()
+    }
+
+    /// One call (or half of one) over NCCL on `streams` with the tensors `io`: `part` 0 the
+    /// whole call, 1 pack + exchange (the send hook), 2 unpack (the receive hook).
+    pub(crate) fn nccl_call(
+        &mut self,
+        op: Op,
+        path: Path,
+        streams: &[sys::CUstream],
+        io: &[IoTable],
+        part: i32,
+    ) -> Result<(), GpuError> {
+        let call = Call {
+            op,
+            path,
+            streams,
+            io,
+            part,
+            sizes: self.nccl_sizes,
+            dispatch_call: self.calls[kind(Op::Dispatch, path)] + 1,
+            timeout: Duration::from_nanos(self.params.timeout_ns),
+        };
+        self.with_link(|link, group| link.call(group, &call))
+    }
+
+    /// Waits for every device's stream, bounded by the group's timeout (over NCCL: a receive
+    /// from a dead peer must not hang the process); past it the communicators are aborted and
+    /// the group fails ([`Link::wait_streams`]).
+    pub(crate) fn wait_nccl_streams(&mut self, op: Op, call: u64) -> Result<(), GpuError> {
+        let streams = self.streams_raw();
+        let timeout = Duration::from_nanos(self.params.timeout_ns);
+        self.with_link(|link, group| link.wait_streams(group, &streams, op, call, timeout))
+    }
+
+    /// Runs `f` on the group's NCCL transport with the group as its [`Stages`]. The link is out
+    /// of the group while `f` runs, and back before this returns: what `Stages` does (launch a
+    /// stage, read the error words, mark the group failed) does not look at it.
+    fn with_link<T>(
+        &mut self,
+        f: impl FnOnce(&mut Link, &mut GpuGroup) -> Result<T, GpuError>,
+    ) -> Result<T, GpuError> {
+        let mut link = self.nccl.take().ok_or_else(|| {
+            GpuError::Nccl(
+                "NCCL peers but no communicators (the group was not built for NCCL)".into(),
+            )
+        })?;
+        let r = f(&mut link, self);
+        self.nccl = Some(link);
+        r
+    }
+}
+
+/// What the NCCL transport needs of the group: its pack and unpack launches (bf16 rows: a
+/// LogFMT combine is refused over NCCL), its error words, its failed state.
+impl Stages for GpuGroup {
+    fn launch_stage(
+        &self,
+        op: Op,
+        path: Path,
+        stage: i32,
+        streams: &[sys::CUstream],
+        io: &[IoTable],
+    ) -> Result<(), GpuError> {
+        self.launch_stage_on(op, path, stage, streams, io, CombineFormat::Bf16)
+    }
+
+    fn check(&mut self) -> Result<(), GpuError> {
+        GpuGroup::check(self)
+    }
+
+    fn fail(&mut self, e: &GpuError) {
+        self.broken = Some(e.clone());
     }
 }

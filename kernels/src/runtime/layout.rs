@@ -69,7 +69,7 @@ impl PeerMask {
         (0..MAX_RANKS).filter(|&d| self.contains(d)).collect()
     }
 
-    /// The first 32 ranks as one word (the old mask's view; tests and logs).
+    /// The first 32 ranks as one word (tests and logs).
     pub fn low_word(&self) -> u32 {
         self.0[0]
     }

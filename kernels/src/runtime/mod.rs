@@ -15,19 +15,19 @@
 mod device;
 pub mod device_api;
 mod device_io;
-mod errors;
+mod driver;
+mod error_word;
 mod footprint;
 mod group;
 mod harness;
 mod launch;
 mod layout;
-mod mask;
 mod modules;
 pub mod nccl;
-mod nccl_call;
 mod options;
 mod process;
 mod profile;
+mod shrink;
 mod streams;
 
 pub use device::{probe, probe_devices};

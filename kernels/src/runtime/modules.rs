@@ -98,25 +98,21 @@ fn functions(
         let func = cuda(k.name, unsafe {
             result::module::get_function(module, name)
         })?;
-        let mut fixed = 0i32;
-        // SAFETY: `func` is a kernel of the loaded module; `fixed` receives the answer.
-        let rc = unsafe {
-            sys::cuFuncGetAttribute(
-                &mut fixed,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+        // SAFETY: `func` is a kernel of the loaded module.
+        let fixed = cuda("static shared memory", unsafe {
+            result::function::get_function_attribute(
                 func,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
             )
-        };
-        cuda("static shared memory", rc.result())?;
+        })?;
         // SAFETY: as above; the value is at most what the device lets a block opt in to.
-        let rc = unsafe {
-            sys::cuFuncSetAttribute(
+        cuda("cuFuncSetAttribute", unsafe {
+            result::function::set_function_attribute(
                 func,
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 (optin - fixed).max(0),
             )
-        };
-        cuda("cuFuncSetAttribute", rc.result())?;
+        })?;
         fs.push(func);
     }
     Ok(fs)

@@ -14,9 +14,10 @@
 
 use crate::error::{cuda, GpuError};
 use crate::runtime::device::{probe_devices, Dev};
+use crate::runtime::driver;
 use crate::runtime::footprint::{footprint, plan_sizes};
-use crate::runtime::group::{check_shrink, kparams, next_group_id, upload_table};
-use crate::runtime::group::{GpuGroup, IpcMappings, NcclState};
+use crate::runtime::group::{check_shrink, kparams, link, next_group_id, upload_table};
+use crate::runtime::group::{GpuGroup, IpcMappings};
 use crate::runtime::layout::{
     carve_rank, check_ranks, smem_bytes, total_bytes, PeerMask, RankPtrs, NUM_BUFFERS,
 };
@@ -117,12 +118,8 @@ impl ProcessRank {
         let base = dev.alloc(total)?; // zeroed before its handle leaves this process
         let mut payload = vec![0u8; 64];
         if !nccl {
-            let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
-            // SAFETY: `base` is a cuMemAlloc allocation of the bound context.
-            cuda(
-                "cuIpcGetMemHandle",
-                unsafe { sys::cuIpcGetMemHandle(&mut h, base) }.result(),
-            )?;
+            // `base` is a cuMemAlloc allocation of the bound context.
+            let h = cuda("cuIpcGetMemHandle", driver::ipc_handle(base))?;
             for (d, &b) in payload.iter_mut().zip(h.reserved.iter()) {
                 *d = b as u8;
             }
@@ -194,19 +191,11 @@ impl ProcessRank {
             for (d, &x) in h.reserved.iter_mut().zip(&b[..64]) {
                 *d = x as _;
             }
-            let mut p: sys::CUdeviceptr = 0;
-            // SAFETY: `h` is the handle rank `peer` exported for its live allocation; the
-            // opened mapping is closed in Drop.
-            let rc = unsafe {
-                sys::cuIpcOpenMemHandle_v2(
-                    &mut p,
-                    h,
-                    sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-                )
-            };
-            cuda(
+            // `h` is the handle rank `peer` exported for its live allocation; the mapping is
+            // closed by `check_mapping` on a mismatch, else by `ipc_opened`'s Drop.
+            let p = cuda(
                 &format!("cuIpcOpenMemHandle (rank {rank}, peer {peer})"),
-                rc.result(),
+                driver::ipc_open(h),
             )?;
             // The mapping must be at least as large as our layout of the peer's buffer (on
             // failure check_mapping closes `p` itself; the guard closes the earlier ones).
@@ -237,6 +226,8 @@ impl ProcessRank {
         };
         upload_table(&mut dev, &ptrs)?;
         let params = kparams(&cfg, &opts, bpr, rank, 1, true)?;
+        let masks = vec![plan.nccl_mask];
+        let nccl = comms.map(|c| link(c, &cfg, &params, std::slice::from_ref(&dev), &masks, &ptrs));
         Ok(GpuGroup {
             id: next_group_id(),
             cfg,
@@ -250,13 +241,12 @@ impl ProcessRank {
             last_dispatch: None,
             calls: [0; 4],
             broken: None,
-            masks: vec![plan.nccl_mask],
-            comms,
-            sels: vec![(vec![0; r], vec![0; r])],
+            masks,
+            nccl,
             own: Some(rank),
             ipc_opened,
             last_op: None,
-            nx: NcclState::new(opts.nccl_sizes, 1),
+            nccl_sizes: opts.nccl_sizes,
             buffers: opts.buffers,
             combine_format: CombineFormat::Bf16,
         })
@@ -272,30 +262,27 @@ fn check_mapping(
     p: sys::CUdeviceptr,
     need: usize,
 ) -> Result<(), GpuError> {
-    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
-    // SAFETY: `p` is a live mapping opened by cuIpcOpenMemHandle on the bound context; the
-    // driver writes the two out-parameters only.
-    let rc = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, p) };
-    let err = if rc != sys::CUresult::CUDA_SUCCESS {
-        Some(GpuError::Cuda(format!(
-            "cuMemGetAddressRange on rank {peer}'s mapped buffer (rank {rank}): {rc:?}"
-        )))
-    } else if base != p || size < need {
-        Some(GpuError::PeerMismatch {
+    // `p` is a live mapping opened by cuIpcOpenMemHandle on the bound context.
+    let err = match driver::address_range(p) {
+        Err(e) => Some(GpuError::Cuda(format!(
+            "cuMemGetAddressRange on rank {peer}'s mapped buffer (rank {rank}): {:?}",
+            e.0
+        ))),
+        Ok((base, size)) if base != p || size < need => Some(GpuError::PeerMismatch {
             field: "mapped allocation bytes",
             ours: format!("{need} bytes at the handle's address"),
             theirs: format!("{size} bytes, {} bytes in", p.wrapping_sub(base)),
             rank,
             peer,
-        })
-    } else {
-        None
+        }),
+        Ok(_) => None,
     };
     match err {
         None => Ok(()),
         Some(e) => {
-            // SAFETY: `p` was opened with cuIpcOpenMemHandle and is not used after this.
-            let _ = unsafe { sys::cuIpcCloseMemHandle(p) };
+            // SAFETY: `p` was opened with cuIpcOpenMemHandle on the bound context, nothing was
+            // queued on it, and the caller drops it on this error (closed once, here).
+            let _ = unsafe { driver::ipc_close(p) };
             Err(e)
         }
     }

@@ -44,7 +44,7 @@ impl GpuGroup {
         path: Path,
     ) -> Result<[Vec<[u64; PROF_SLOTS]>; 2], GpuError> {
         self.check_usable()?;
-        if self.comms.is_some() {
+        if self.nccl.is_some() {
             return Err(GpuError::Unsupported(
                 "the phase profile of the halves runs on NVLink / one-GPU groups only".into(),
             ));

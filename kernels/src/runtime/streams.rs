@@ -1,5 +1,6 @@
 //! Bounded host waits for a set of streams (the group's release, the NCCL transport's).
 
+use crate::runtime::driver;
 use cudarc::driver::{sys, CudaContext};
 use std::sync::Arc;
 
@@ -29,14 +30,14 @@ pub(crate) fn drain_streams(
             continue;
         }
         loop {
-            // SAFETY: `s` is a live stream of the bound context.
-            match unsafe { sys::cuStreamQuery(*s) } {
-                sys::CUresult::CUDA_SUCCESS => break,
-                sys::CUresult::CUDA_ERROR_NOT_READY if t0.elapsed() < bound => {
+            // SAFETY: `s` is a live stream of the bound context (the caller's).
+            match unsafe { driver::stream_done(*s) } {
+                Ok(true) => break,
+                Ok(false) if t0.elapsed() < bound => {
                     std::thread::sleep(std::time::Duration::from_micros(50))
                 }
-                sys::CUresult::CUDA_ERROR_NOT_READY => return Drain::Busy,
-                _ => {
+                Ok(false) => return Drain::Busy,
+                Err(_) => {
                     failed = true;
                     break;
                 }

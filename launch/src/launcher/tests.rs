@@ -219,9 +219,8 @@ fn the_port_stays_bound_from_launch_to_rank_0() {
     }
 }
 
-/// Issue 20 item 7.4: `spawn_local(usize::MAX, ..)` panicked (a vector of that many
-/// output tails). Absurd process counts are a typed error naming nprocs, before anything
-/// starts.
+/// Absurd process counts (`spawn_local(usize::MAX, ..)` would allocate that many output
+/// tails) are a typed error naming nprocs, before anything starts.
 #[test]
 fn absurd_process_counts_are_typed_errors() {
     for n in [1025, 1 << 20, usize::MAX] {

@@ -34,11 +34,11 @@ use crate::auth::{self, Claim, Role, MAC_LEN, NONCE_LEN};
 use crate::rendezvous::collective::Rendezvous;
 use crate::rendezvous::config::RendezvousConfig;
 use crate::rendezvous::error::{abort_payload, AbortKind, RendezvousError, Result};
-use crate::rendezvous::link::{Fault, Link, SendFault};
-use crate::rendezvous::seal::Seal;
-use crate::rendezvous::wire::{
+use crate::rendezvous::frame::{
     encode, Facing, Frame, FrameLimits, Kind, Op, ADMIT_LEN, FLAG_TOKEN, HELLO_LEN, POLL_SLEEP,
 };
+use crate::rendezvous::link::{Fault, Link, SendFault};
+use crate::rendezvous::seal::Seal;
 use crate::time::{after, deadline};
 
 /// Accepts taken per call, so one call stays short under a flood.

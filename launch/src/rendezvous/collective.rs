@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 
 use crate::rendezvous::config::RendezvousConfig;
 use crate::rendezvous::error::{abort_error, abort_payload, RendezvousError, Result};
-use crate::rendezvous::link::{Fault, Link, SendFault};
-use crate::rendezvous::wire::{
+use crate::rendezvous::frame::{
     decode_blobs, encode, encode_blobs, Kind, Op, MAX_PAYLOAD, POLL_SLEEP,
 };
+use crate::rendezvous::link::{Fault, Link, SendFault};
 use crate::time::{after, deadline as deadline_at};
 
 pub(crate) struct Inner {

@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::auth::{self, JobToken};
 use crate::rendezvous::address::Host;
 use crate::rendezvous::error::{RendezvousError, Result};
-use crate::rendezvous::wire::MAX_PAYLOAD;
+use crate::rendezvous::frame::MAX_PAYLOAD;
 
 /// Where rank 0 is, who this process is, and the time bounds.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::rendezvous::wire::{Op, MAX_ABORT};
+use crate::rendezvous::frame::{Op, MAX_ABORT};
 
 /// A rendezvous failure. Every variant names this rank (`rank`); those about a peer name it
 /// (`peer`), the operation (`op`) and the call's sequence number (`seq`, 0 while connecting).

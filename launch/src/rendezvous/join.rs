@@ -9,12 +9,12 @@ use crate::auth::{self, Claim, Role, MAC_LEN, NONCE_LEN};
 use crate::rendezvous::collective::{grace, Rendezvous};
 use crate::rendezvous::config::RendezvousConfig;
 use crate::rendezvous::error::{abort_error, RendezvousError, Result};
-use crate::rendezvous::link::{Fault, Link, SendFault};
-use crate::rendezvous::seal::Seal;
-use crate::rendezvous::wire::{
+use crate::rendezvous::frame::{
     encode, Facing, FrameLimits, Kind, Op, ADMIT_LEN, CHALLENGE_LEN, FLAG_TOKEN, HELLO_LEN,
     POLL_SLEEP,
 };
+use crate::rendezvous::link::{Fault, Link, SendFault};
+use crate::rendezvous::seal::Seal;
 use crate::time::{after, deadline as deadline_at};
 
 /// How a handshake attempt with rank 0 failed.

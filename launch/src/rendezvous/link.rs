@@ -6,8 +6,8 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::time::Instant;
 
+use crate::rendezvous::frame::{parse, Facing, Frame, FrameLimits, Kind, HEADER_LEN, POLL_SLEEP};
 use crate::rendezvous::seal::{Seal, TAG_LEN};
-use crate::rendezvous::wire::{parse, Facing, Frame, FrameLimits, Kind, HEADER_LEN, POLL_SLEEP};
 
 /// Why a link cannot deliver more frames.
 #[derive(Debug, Clone, PartialEq, Eq)]

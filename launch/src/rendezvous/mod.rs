@@ -60,12 +60,12 @@ pub(crate) mod admission;
 pub(crate) mod collective;
 pub(crate) mod config;
 pub(crate) mod error;
+pub(crate) mod frame;
 pub(crate) mod join;
 pub(crate) mod link;
 pub(crate) mod seal;
-pub(crate) mod wire;
 
 pub use collective::Rendezvous;
 pub use config::{Limits, RendezvousConfig};
 pub use error::{RendezvousError, Result};
-pub use wire::{Op, MAX_PAYLOAD, PROTOCOL_VERSION};
+pub use frame::{Op, MAX_PAYLOAD, PROTOCOL_VERSION};

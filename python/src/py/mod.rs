@@ -12,11 +12,11 @@ use ep_kernels::GpuError;
 use ep_reference::{DispatchOutput, Error};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
-mod errors;
+mod exceptions;
 mod rank;
 mod tensors;
 
-use errors::{to_py, IntoPy};
+use exceptions::{to_py, IntoPy};
 use rank::{config, duration, CallSpec, GpuRank};
 
 fn slices<'a>(v: &'a [Bound<'_, PyBytes>]) -> Vec<&'a [u8]> {

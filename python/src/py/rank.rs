@@ -6,7 +6,7 @@
 //! on the raw CUDA stream it is given; the rank owns a call's state: the handles, the pending
 //! halves and the tensors of a send half whose receive half is still due.
 
-use super::errors::{to_py, IntoPy};
+use super::exceptions::{to_py, IntoPy};
 use super::tensors::{meta, meta_opt, Dtypes};
 use crate::error::BindError;
 use crate::gpu::{Ptr, RankGroup, Spec};

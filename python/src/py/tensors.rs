@@ -11,7 +11,7 @@
 //! functions disabled (`torch._C.DisableTorchFunction`), as DeepEP's C++ reads its tensors
 //! where no mode reaches.
 
-use super::errors::to_py;
+use super::exceptions::to_py;
 use crate::error::BindError;
 use crate::tensor::{Dtype, Meta};
 use pyo3::intern;

@@ -122,6 +122,10 @@ pub fn quantize_row(x: &[half::bf16], round_scale: bool, q: &mut [u8], scale_inv
     quantize_row_generic(x, round_scale, q, scale_inv)
 }
 
+/// [`quantize_row_generic`] compiled for SSE4.1.
+///
+/// # Safety
+/// The CPU running it has SSE4.1 (the caller checks `is_x86_feature_detected!`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "sse4.1")]
 unsafe fn quantize_row_sse41(

@@ -30,6 +30,10 @@ fn fma_bf16_row_generic(acc: &mut [f32], w: f32, row: &[u8]) {
     }
 }
 
+/// [`fma_bf16_row_generic`] compiled for FMA.
+///
+/// # Safety
+/// The CPU running it has FMA (the caller checks `is_x86_feature_detected!`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "fma")]
 unsafe fn fma_bf16_row_fma(acc: &mut [f32], w: f32, row: &[u8]) {

@@ -2,7 +2,7 @@
 //! the owning rank's region for (local expert, source rank); one signal per expert per source.
 //! Combine sends every expert row back on its own. Simple, obviously right, slow: the
 //! executable form of docs/contract.md's "Per-expert (the reference)". Masked ranks (DeepEP's
-//! shrink mode) are skipped as [`crate::transport::mask`] describes.
+//! shrink mode) are skipped as [`crate::transport::mask_table`] describes.
 
 mod combine;
 mod dispatch;
@@ -12,8 +12,9 @@ use crate::config::{CombineFormat, Config};
 use crate::error::{Op, Result};
 use crate::mask::RankMask;
 use crate::numerics::logfmt_wire::slot_bytes;
+use crate::options::CpuOptions;
 use crate::output::{DispatchOutput, Handle};
-use crate::path::{next_group_id, CpuOptions, EpRank};
+use crate::rank::{next_group_id, EpRank};
 use crate::sync::Arc;
 use crate::transport::{memory, CallStats, CreditTable, MaskTable, Waiter};
 use half::bf16;

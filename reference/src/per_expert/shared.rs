@@ -40,7 +40,7 @@ pub(crate) struct Shared {
     pub combine: Vec<Region>,
     /// Combine credits (src: the experts' rank, dst: the tokens' rank).
     pub combine_credit: CreditTable,
-    /// The group's rank mask and every rank's call counts (`transport::mask`).
+    /// The group's rank mask and every rank's call counts (`transport::mask_table`).
     pub mask: MaskTable,
 }
 

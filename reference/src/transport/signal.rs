@@ -26,7 +26,7 @@
 use crate::error::{Result, Side};
 use crate::mask::RankMask;
 use crate::sync::{AtomicU64, Deadline, Ordering};
-use crate::transport::mask::{MaskTable, Waiter};
+use crate::transport::mask_table::{MaskTable, Waiter};
 
 #[cfg(not(ep_mutant = "signal_relaxed"))]
 const POST: Ordering = Ordering::Release;

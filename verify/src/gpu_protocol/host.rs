@@ -7,7 +7,7 @@ use crate::gpu_protocol::orderings::RELAXED;
 use crate::gpu_protocol::state::{read_entry, Group};
 use crate::gpu_protocol::words::{ERR_EXPERT_RANGE, ERR_PEER_FAILED, ERR_TIMEOUT};
 
-/// A device error as the host decodes it (kernels/src/runtime/errors.rs `decode`).
+/// A device error as the host decodes it (kernels/src/runtime/error_word.rs `decode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceError {
     Timeout {
@@ -38,7 +38,7 @@ pub struct Host {
 
 impl Host {
     /// runtime/mod.rs `GpuGroup::check_usable`: a group that failed refuses every later
-    /// call (the first thing in launch.rs `launch_inner` and errors.rs `sync`).
+    /// call (the first thing in launch.rs `launch_inner` and error_word.rs `sync`).
     pub fn check_usable(&self) -> Result<(), DeviceError> {
         match self.broken {
             Some(t) => Err(t),
@@ -46,7 +46,7 @@ impl Host {
         }
     }
 
-    /// errors.rs `GpuGroup::sync` then `GpuGroup::check`, once the streams are
+    /// error_word.rs `GpuGroup::sync` then `GpuGroup::check`, once the streams are
     /// synchronised (the caller joined every block of the launch): reads every device's error
     /// word; the first error, input errors, then peer data, then timeouts (`cause_first`),
     /// fails the group.
@@ -66,7 +66,7 @@ impl Host {
     }
 }
 
-/// errors.rs `cause_first`: bad input is the cause, bad peer data next, then timeouts (waits
+/// error_word.rs `cause_first`: bad input is the cause, bad peer data next, then timeouts (waits
 /// for a stopped rank), a peer's published failure (its poison) last: always a consequence.
 fn cause_first(e: &DeviceError) -> u8 {
     match e {
@@ -77,7 +77,7 @@ fn cause_first(e: &DeviceError) -> u8 {
     }
 }
 
-/// Device `dev`'s error word as errors.rs `decode` reads it (None: nothing reported). Call once
+/// Device `dev`'s error word as error_word.rs `decode` reads it (None: nothing reported). Call once
 /// every block of the launches has ended (joined): the host copies the word after the stream
 /// synchronised.
 pub fn device_error(g: &Group, dev: usize) -> Option<DeviceError> {

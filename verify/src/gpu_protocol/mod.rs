@@ -96,7 +96,7 @@
 //!   ran out under "arrived" waits again, bounded). A model loses a rank at the timeout's edge
 //!   (a wait of one poll that its signal may or may not beat), by never signalling
 //!   (`fault_rank`), or by the host's [`update_mask`] before a launch. [`clean_mask`] is the
-//!   host's zeroing (runtime/mask.rs `GpuGroup::clean_mask`), run with every launch joined:
+//!   host's zeroing (runtime/shrink.rs `GpuGroup::clean_mask`), run with every launch joined:
 //!   every rank restarts from epoch 0. Not modelled: combine's shrink path (the same
 //!   `wait_peer_signals` / `wait_peer_ack` and the same no-ack rule, on the combine words),
 //!   the routing's "a masked owner's selection counts as -1" and the peer-written row counts
@@ -142,23 +142,21 @@
 //! only its own look at the error word; `batched_one_sender_two_receivers` must see a last
 //! block out that read its entries and misses the other block's failed wait (an assertion of
 //! the tests' `check_exit`; `batched_two_senders_one_receiver_two_calls` sees it too).
-//! `fault_timeout_stops_every_waiter` no longer does: since the claim loser's wait every block
-//! there whose wait failed sees the error word raised at its end by itself.
+//! `fault_timeout_stops_every_waiter` does not: with the claim loser's wait every block there
+//! whose wait failed sees the error word raised at its end by itself.
 //! `gpu_loser_no_wait` is not an ordering either: `report_error` without the claim loser's
-//! wait for the code (as before commit 5b0efe0); `fault_two_ranks_one_device_both_time_out`
+//! wait for the code; `fault_two_ranks_one_device_both_time_out`
 //! must see a rank whose only block lost the claim to a block of the other rank of its device,
 //! went out with the error word still 0, and, as the last block out, did not know its call
 //! failed (`check_exit`).
 //!
 //! # What the model found in the kernels
-//! Checked against the kernels after the device-API change (u64 epochs, tagged signals, input
-//! and peer-data checks on the device, the NCCL stage split) and again after the speed
-//! work (the pre-loaded ack, the one-pass routing check, the one-rank path, per-expert over
-//! NCCL, capacity-mode NCCL sizes), and after the receive halves' change (the receive hook's
-//! stage 2 of batched dispatch over NVLink: the pre-loaded signals, no routing or input check;
-//! modelled since), and after the exit count's failure flag (`last_block_out`'s
-//! `EXIT_FAILED`; modelled since), and after the claim loser's wait (`report_error_at`,
-//! commit 5b0efe0; modelled since). No ordering is missing.
+//! Checked against the kernels as they are: u64 epochs, tagged signals, input and peer-data
+//! checks on the device, the NCCL stage split, the pre-loaded ack, the one-pass routing check,
+//! the one-rank path, per-expert over NCCL, capacity-mode NCCL sizes, the receive hook's stage
+//! 2 of batched dispatch over NVLink (the pre-loaded signals, no routing or input check), the
+//! exit count's failure flag (`last_block_out`'s `EXIT_FAILED`) and the claim loser's wait
+//! (`report_error_at`), each modelled. No ordering is missing.
 //! Observations:
 //! - The `.release` of the signal stores (batched dispatch "`st_release(p, sig_bat(tab[d]) +
 //!   rank, signal_word(epoch, ...))`", per-expert "`st_release(p, sig_pe(tab[d], R) + ...`") and
@@ -211,7 +209,7 @@
 //!   (one error word for every rank a launch runs there) and no block of this rank brought the
 //!   flag, this rank's last block out could find `call_failed` false and leave a failed call's
 //!   outputs unwritten (two ranks on one device, both waiting for a rank that never signals,
-//!   one block each). Closed by commit 5b0efe0: the loser of the claim now waits, bounded by
+//!   one block each). The kernels close it: the loser of the claim waits, bounded by
 //!   100 us of `%globaltimer`, until the code is nonzero ("`while (ld_volatile_u32(w) == 0u &&
 //!   globaltimer() - t0 < 100000ull) {}`" in `report_error_at`), so whoever reported sees
 //!   `failed(p)` from then on. The model does the same (`waits::report_error`, bounded by
@@ -245,7 +243,7 @@
 //!   `bad_input_receiver_then_enqueued_call`). Its peers never see a valid signal: on the same
 //!   device their waits stop on the error flag or the poison within 64 polls; on another device
 //!   on the poison (`ERR_PEER_FAILED`) or their own bound, which the host ranks after the input
-//!   error (errors.rs `cause_first`: input, peer data, timeouts, then a peer's failure;
+//!   error (error_word.rs `cause_first`: input, peer data, timeouts, then a peer's failure;
 //!   `GpuGroup::check`). If the caller's routing changed while the launch ran, blocks could
 //!   disagree on `in_bad` and the next item applies.
 //! - A batched dispatch block whose `wait_ack` fails skips the send side ("`if
@@ -256,8 +254,8 @@
 //!   start (`s_fail`) and stores the poison instead (poison.cuh; model
 //!   `failed_rank_poisons_enqueued_calls`, mutants `gpu_no_failed_check`, `gpu_no_poison`),
 //!   launches enqueued behind the failed one (benchmarks, graph replay, process mode) included;
-//!   and the host refuses every call after an error (errors.rs `GpuGroup::check` sets `broken`;
-//!   `check_usable`, first thing in launch.rs `launch_inner` and errors.rs `sync`), launching the refused
+//!   and the host refuses every call after an error (error_word.rs `GpuGroup::check` sets `broken`;
+//!   `check_usable`, first thing in launch.rs `launch_inner` and error_word.rs `sync`), launching the refused
 //!   call as poison only (`poison_refused`, `KParams.refused`). Before the check, such launches
 //!   sent a failed call's state with valid signals: a peer took a combine of the rows of a
 //!   failed dispatch for good.
@@ -282,13 +280,13 @@
 //!   masks end up symmetric with no message of their own.
 //! - NCCL transport, exact sizes (`NcclSizes::Exact`, not modelled): a rank with bad input also
 //!   skips, in its pack stage (`p.stage` 1), the writes of `snd_hdr` and the staged batches, so
-//!   what sits there is an earlier call's, valid-looking. nccl_call.rs `nccl_dispatch_exchange`
-//!   reads the error word ("`self.check()?;`") after the header exchange and `wait_streams_on`,
+//!   what sits there is an earlier call's, valid-looking. nccl/call.rs `dispatch_exchange`
+//!   reads the error word ("`group.check()?;`") after the header exchange and `wait_streams`,
 //!   before it reads the headers back to size the payload: no batch of the call is sent, and the
-//!   peers' NCCL waits end at their bound instead of taking stale rows (not yet run on a GPU).
+//!   peers' NCCL waits end at their bound instead of taking stale rows.
 //! - NCCL transport, capacity sizes (`NcclSizes::Capacity`, modelled for batched dispatch):
 //!   header and the whole T-entry region go in one grouped exchange with no host look. The
-//!   host first sets every send-header word to `POISON_HDR` = i32::MAX (nccl_call.rs
+//!   host first sets every send-header word to `POISON_HDR` = i32::MAX (nccl/call.rs
 //!   `poison_send_headers`, in stream order before the pack kernel); a good pack stage
 //!   overwrites it, a bad one leaves it; the peer's unpack (stage 2: "`c = ((const
 //!   int*)me.rcv_hdr)[tid * HDR_WORDS(L)]`" instead of `wait_signal`) bounds it with

@@ -33,9 +33,9 @@ fn read_hdr(rows: &SharedRows, row: usize) -> u32 {
     }
 }
 
-/// Host: nccl_call.rs `poison_send_headers`, "`cuMemsetD32Async(self.ptrs[r].snd_hdr, POISON_HDR,
-/// words, streams[di])`" in `nccl_call` before the pack stage of a capacity dispatch, in stream
-/// order (the caller runs it before `rank`'s pack launch).
+/// Host: nccl/call.rs `poison_send_headers`, "`driver::memset_d32_async(dev.ptrs.snd_hdr,
+/// POISON_HDR, words, streams[di])`" in `Link::call` before the pack stage of a capacity
+/// dispatch, in stream order (the caller runs it before `rank`'s pack launch).
 pub fn poison_send_headers(g: &Group, rank: usize) {
     #[cfg(not(ep_mutant = "gpu_no_hdr_poison"))]
     for d in 0..g.ranks.len() {
@@ -104,7 +104,7 @@ pub fn batched_pack_block(
     rep
 }
 
-/// Host and NCCL: nccl_call.rs `nccl_dispatch_exchange` in capacity mode, one grouped exchange
+/// Host and NCCL: nccl/call.rs `dispatch_exchange` in capacity mode, one grouped exchange
 /// per pair with no host look at the headers: `snd_hdr` row d of s into `rcv_hdr` row s of d,
 /// and the whole T-entry region d of s's `snd_buf` into region s of d's `bat_buf`. Run after
 /// every pack launch ended and before any unpack launch starts (NCCL's rendezvous, in stream

@@ -1,7 +1,7 @@
 //! Shrink mode (the rank mask; shrink.cuh): a block's look at
 //! the mask (`masked_peers`, `is_gone`), the call's one verdict on a peer (`agree`), the waits
 //! that propose "arrived" or "lost" (`wait_peer_signals`, `wait_peer_ack`); then the host's side
-//! of the mask (runtime/mask.rs: [`update_mask`], [`clean_mask`], [`mask_status`]).
+//! of the mask (runtime/shrink.rs: [`update_mask`], [`clean_mask`], [`mask_status`]).
 
 use ep_reference::sync::Deadline;
 
@@ -304,15 +304,16 @@ pub(crate) fn wait_peer_ack(
 
 // ---------------------------------------------------------------- the host: the rank mask
 
-/// Host: runtime/mask.rs `GpuGroup::update_mask` in `rank`'s process ("`cuMemsetD32Async(
-/// self.ptrs[rank].shrink + mask_offset(r) + 4 * peer as u64, masked as u32, 1, raw[di])`"):
-/// masks or unmasks `peer` on `rank` only (the model runs one rank per process), in stream
-/// order before `rank`'s next launch (the caller runs it before that launch's blocks).
+/// Host: runtime/shrink.rs `GpuGroup::update_mask` in `rank`'s process
+/// ("`driver::memset_d32_async(self.ptrs[rank].shrink + mask_offset(r) + 4 * peer as u64,
+/// masked as u32, 1, raw[di])`"): masks or unmasks `peer` on `rank` only (the model runs one
+/// rank per process), in stream order before `rank`'s next launch (the caller runs it before
+/// that launch's blocks).
 pub fn update_mask(g: &Group, rank: usize, peer: usize, masked: bool) {
     g.ranks[rank].mask[peer].store(masked as u64, RELAXED);
 }
 
-/// Host: runtime/mask.rs `GpuGroup::clean_mask` on every rank, with no call in flight anywhere
+/// Host: runtime/shrink.rs `GpuGroup::clean_mask` on every rank, with no call in flight anywhere
 /// (the caller joined every block) and before any rank's next call (the caller's barrier: it
 /// spawns the next launches after this returns). Zeroes, as its `cuMemsetD32Async`s do, the
 /// `signals` buffer (every signal and ack word), the `state` buffer (the epoch, the `ST_SENT`
@@ -347,7 +348,7 @@ pub fn clean_mask(g: &Group) {
     }
 }
 
-/// Host: runtime/mask.rs `GpuGroup::mask_status(rank)` once the stream synchronised (the
+/// Host: runtime/shrink.rs `GpuGroup::mask_status(rank)` once the stream synchronised (the
 /// caller joined every block): true for every peer masked on `rank`.
 pub fn mask_status(g: &Group, rank: usize) -> Vec<bool> {
     g.ranks[rank]

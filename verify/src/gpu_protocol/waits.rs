@@ -72,8 +72,8 @@ pub(crate) fn take_claim() -> ClaimRecord {
 }
 
 /// common.cuh `report_error_at` (`report_error`): the first error of the device writes the
-/// details, then raises the code; a later one waits, bounded, until it sees the code raised
-/// (commit 5b0efe0), so that whoever reported sees `failed(p)` from then on: `last_block_out`
+/// details, then raises the code; a later one waits, bounded, until it sees the code raised,
+/// so that whoever reported sees `failed(p)` from then on: `last_block_out`
 /// counts a block as failed by what it sees, and a block of another rank of the same device
 /// may hold the claim.
 pub(crate) fn report_error(e: &ErrorWord, code: u32, words: [u32; 6]) {

@@ -129,7 +129,7 @@ pub(crate) struct Cli {
     #[arg(long, default_value_t = 0.05, value_parser = parse_fraction)]
     pub(crate) masked: f64,
     /// CPU backend: staging workers per rank (batched path); 0 = one per core the ranks leave
-    /// free (at least 1, at most 4). At most 256 (ep_reference::path::MAX_STAGING_WORKERS).
+    /// free (at least 1, at most 4). At most 256 (ep_reference::options::MAX_STAGING_WORKERS).
     #[arg(long, default_value_t = 0, value_parser = parse_workers)]
     pub(crate) workers: usize,
     /// Multi-process mode (GPU backend): start N processes, one rank each, torchrun style (CUDA
@@ -263,7 +263,7 @@ pub(crate) fn parse_at_most(s: &str, max: usize, what: &str) -> Result<usize, St
 pub(crate) fn parse_workers(s: &str) -> Result<usize, String> {
     parse_at_most(
         s,
-        ep_reference::path::MAX_STAGING_WORKERS,
+        ep_reference::options::MAX_STAGING_WORKERS,
         "staging workers per rank (0 picks one per free core)",
     )
 }

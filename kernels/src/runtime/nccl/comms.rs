@@ -1,7 +1,8 @@
 //! The NCCL calls: communicators (created, polled, aborted, destroyed) and grouped
 //! point-to-point operations, as a [`Network`] ([`Nccl`]); [`Comms`] is them under the abort
 //! logic of `abort::Guarded` (the module docs of `runtime::nccl` say how it all fits). Every
-//! `unsafe` block of the transport is here, at the FFI boundary.
+//! NCCL FFI call is here, at the boundary (a call's few CUDA driver calls, `call`'s, go through
+//! the runtime's `driver` layer and cudarc's `result`).
 
 use crate::error::GpuError;
 use crate::runtime::nccl::abort::Guarded;

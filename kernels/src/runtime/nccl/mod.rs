@@ -23,19 +23,23 @@
 //! **Peer counts.** `check_header` (`header`) bounds every count of a batch header a peer sent
 //! before it sizes a transfer.
 //!
-//! **The pieces.** `plan`: the message plan, pure (which point-to-point messages each step of a
-//! call posts and how large, under both sizings; capacity mode's header poison). `rounds`: a
-//! plan's operations in groups under NCCL's limit. `net`: what
-//! a transport is to the library (`P2p`, the `Network` trait: raw
-//! post / progress / abort / destroy calls, no policy). `abort`: the abort logic above (the
-//! bounded poll, `Guarded`: aborted on a failure or past the bound, the cause recorded, later
-//! groups refused, release's destroy-or-abort), written once for any `Network`. `comms`: NCCL as
-//! a `Network` (`Nccl`, every `unsafe` call of the transport) and `Comms` = `Guarded<Nccl>` with
-//! its constructors. `header`: the batch header checks. `mock` (tests only): a CPU `Network` that
+//! **The pieces.** `call`: a group's transport (`Link`: the communicators, each device's rank,
+//! NCCL peers and buffers, what a dispatch leaves for its combine) and one call over it: the
+//! pack stage, the exchanges, the unpack stage (launched through the group: `Stages`), capacity
+//! mode's header poison, the bounded host waits on the streams. `plan`: the message plan, pure
+//! (which point-to-point messages each step of a call posts and how large, under both sizings;
+//! capacity mode's header poison value). `rounds`: a plan's operations in groups under NCCL's
+//! limit. `net`: what a transport is to the library (`P2p`, the `Network` trait: raw post /
+//! progress / abort / destroy calls, no policy). `abort`: the abort logic above (the bounded
+//! poll, `Guarded`: aborted on a failure or past the bound, the cause recorded, later groups
+//! refused, release's destroy-or-abort), written once for any `Network`. `comms`: NCCL as a
+//! `Network` (`Nccl`, every NCCL FFI call) and `Comms` = `Guarded<Nccl>` with its
+//! constructors. `header`: the batch header checks. `mock` (tests only): a CPU `Network` that
 //! pairs every rank's messages as NCCL does and injects failures, so that the plans' sizing
 //! (`plan`), the header checks and the abort logic all run in CI without a GPU.
 
 mod abort;
+mod call;
 mod comms;
 mod header;
 #[cfg(test)]
@@ -44,12 +48,8 @@ mod net;
 mod plan;
 mod rounds;
 
+pub(crate) use call::{check_sizes, Call, Link, Stages};
 pub(crate) use comms::Comms;
 pub use comms::{nccl_present, setup_timeout, unique_id, ABORT_WAIT, SETUP_FLOOR};
 #[cfg(test)]
 pub(crate) use header::check_header;
-pub(crate) use net::P2p;
-pub(crate) use plan::{
-    combine_ops, dispatch_headers, dispatch_payload, Sizing, Tagged, POISON_HDR,
-};
-pub(crate) use rounds::{by_expert_chunks, experts_per_group};

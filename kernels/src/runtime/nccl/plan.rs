@@ -84,7 +84,7 @@ pub(crate) fn dispatch_headers(
             peer: d,
         });
         if capacity {
-            // Batched only (check_nccl_mode): the whole region, T entries.
+            // Batched only (`check_sizes`): the whole region, T entries.
             let region = prod("a batch region", &[d, t, eb])? as u64;
             let bytes = prod("a capacity batch", &[t, eb])?;
             v.push(P2p::Send {
@@ -484,7 +484,7 @@ mod tests {
         let (mut m, ptrs) = net(&cfg);
         write_headers(&mut m, &s, &ptrs, &routing(&cfg, 5));
         let good = words(&mut m, ptrs[0].snd_hdr + (hw * 4) as u64, hw);
-        // Rank 1 failed: nccl_call.rs poison_send_headers, then a pack stage that writes nothing.
+        // Rank 1 failed: call.rs poison_send_headers, then a pack stage that writes nothing.
         let poison: Vec<u8> = (0..2 * hw).flat_map(|_| POISON_HDR.to_le_bytes()).collect();
         m.addr(ptrs[1].snd_hdr, 2 * hw * 4).copy_from_slice(&poison);
         let ops: Vec<Vec<P2p>> = ptrs

@@ -14,6 +14,7 @@
 //! synchronising the stream).
 
 use crate::error::{cuda, GpuError};
+use crate::runtime::driver;
 use crate::runtime::group::GpuGroup;
 use crate::runtime::layout::{rank_sizes, SHRINK_DECISIONS};
 use cudarc::driver::{result, sys};
@@ -108,13 +109,12 @@ impl GpuGroup {
         // SAFETY: `dst` holds at least R i32 on this context (checked); the source is the
         // rank's mask (R i32); the copy is ordered on the caller's stream.
         cuda("copy the mask", unsafe {
-            sys::cuMemcpyDtoDAsync_v2(
+            result::memcpy_dtod_async(
                 dst,
                 self.ptrs[rank].shrink + mask_offset(r),
                 4 * r,
                 stream.cu_stream(),
             )
-            .result()
         })
     }
 
@@ -143,13 +143,12 @@ impl GpuGroup {
             // SAFETY: mask[peer] of `rank` is one i32 inside its shrink buffer on the bound
             // context; the stream belongs to it.
             cuda("update the mask", unsafe {
-                sys::cuMemsetD32Async(
+                driver::memset_d32_async(
                     self.ptrs[rank].shrink + mask_offset(r) + 4 * peer as u64,
                     masked as u32,
                     1,
                     raw[di],
                 )
-                .result()
             })?;
         }
         Ok(())
@@ -164,7 +163,7 @@ impl GpuGroup {
     /// `gpu_clean_keeps_signals`).
     pub fn clean_mask(&mut self, streams: Option<&[&CudaStream]>) -> Result<(), GpuError> {
         self.check_shrink_call()?;
-        let sizes = rank_sizes(&self.cfg, self.comms.is_some())?;
+        let sizes = rank_sizes(&self.cfg, self.nccl.is_some())?;
         let (sig, state, shrink) = (sizes[19], sizes[20], sizes[25]);
         let peb = self.params.pe_entry_bytes as usize;
         let (l, r, t) = (
@@ -185,7 +184,7 @@ impl GpuGroup {
                 // SAFETY: each buffer of `rank` is `bytes` long (rank_sizes) on the bound
                 // context; every size is a multiple of 4; the stream belongs to the context.
                 cuda(what, unsafe {
-                    sys::cuMemsetD32Async(at, 0, bytes / 4, raw[di]).result()
+                    driver::memset_d32_async(at, 0, bytes / 4, raw[di])
                 })?;
             }
             // The per-expert headers carry the epoch that wrote them (the receive scan takes
@@ -196,7 +195,7 @@ impl GpuGroup {
                 // bound context (the plan keeps it where the per-expert path runs); 4 u32 per
                 // row, pitch `peb`.
                 cuda("per-expert headers", unsafe {
-                    sys::cuMemsetD2D32Async(p.pe_buf, peb, 0, 4, l * r * t, raw[di]).result()
+                    driver::memset_d2d32_async(p.pe_buf, peb, 0, 4, l * r * t, raw[di])
                 })?;
             }
         }

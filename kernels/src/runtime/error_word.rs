@@ -176,11 +176,11 @@ impl GpuGroup {
     /// Waits for every device and turns a timed-out wait into [`Error::Timeout`].
     pub fn sync(&mut self) -> Result<(), GpuError> {
         self.check_usable()?;
-        if self.comms.is_some() {
+        if self.nccl.is_some() {
             // NCCL receives are not bounded on the device: poll with the timeout.
             let op = self.last_op.unwrap_or(Op::Dispatch);
             let call = self.calls[kind(op, Path::Batched)];
-            self.wait_streams(op, call)?;
+            self.wait_nccl_streams(op, call)?;
         }
         for dev in &self.devs {
             dev.bind()?;
