@@ -374,8 +374,14 @@ PyMethodDef kMethods[] = {
 #define EP_STR2(a) #a
 #define EP_STR(a) EP_STR2(a)
 
-static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, EP_STR(TORCH_EXTENSION_NAME),
-                              "ep_dispatch's dispatch and combine calls in C++ (see torch_ext.cpp)",
-                              -1, kMethods};
+static PyModuleDef kModule = {PyModuleDef_HEAD_INIT,
+                              EP_STR(TORCH_EXTENSION_NAME),
+                              "ep_dispatch's dispatch and combine calls in C++ (torch_ext.cpp)",
+                              -1,
+                              kMethods,
+                              nullptr,
+                              nullptr,
+                              nullptr,
+                              nullptr};
 
 PyMODINIT_FUNC EP_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&kModule); }
