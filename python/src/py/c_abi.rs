@@ -16,7 +16,8 @@
 //! naming its tensor.
 
 use super::errors::to_py;
-use super::rank::{format_of, Enqueue, GpuRank, Held, COMBINE_TENSORS, DISPATCH_TENSORS};
+use super::rank::{format_of, Enqueue, GpuRank, Held};
+use super::reader::{COMBINE_TENSORS, DISPATCH_TENSORS};
 #[cfg(feature = "testing")]
 use super::stand_in::StandInRank;
 use super::tensors::{dtype_text, not_a_tensor};

@@ -15,6 +15,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 mod c_abi;
 mod errors;
 mod rank;
+mod reader;
 #[cfg(feature = "testing")]
 mod stand_in;
 mod tensors;

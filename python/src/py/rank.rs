@@ -4,9 +4,13 @@
 //! (`dispatch`, `dispatch_send`, `dispatch_recv`, and the same for combine). A call takes the
 //! tensors themselves, checks each against the spec (dtype, shape, strides, device), and enqueues
 //! on the raw CUDA stream it is given; the rank owns a call's state: the handles, the pending
-//! halves and the tensors of a send half whose receive half is still due.
+//! halves and the tensors of a send half whose receive half is still due. The C ABI (`c_abi`,
+//! what the C++ torch extension calls) reaches the same rank: the same checks
+//! ([`CallSpec::dispatch_ptrs_with`], [`CallSpec::combine_ptrs_with`]) on tensors it reads from
+//! descriptors, and the same enqueue ([`Enqueue`]).
 
 use super::errors::{to_py, IntoPy};
+use super::reader::{read_all, req, Reader, COMBINE_TENSORS, DISPATCH_TENSORS};
 use super::tensors::{meta, meta_opt, Dtypes};
 use crate::error::BindError;
 use crate::gpu::{Ptr, RankGroup, Spec};
@@ -75,62 +79,6 @@ pub(super) type DispatchAddrs = (
     Option<Ptr>,
     Option<Ptr>,
 );
-
-/// The tensors of a dispatch, in the order every caller hands them over (the native methods'
-/// arguments, the C ABI's descriptors): their argument names, and whether each may be absent.
-pub(super) const DISPATCH_TENSORS: [(&str, bool); 9] = [
-    ("x", false),
-    ("topk_idx", false),
-    ("recv_x", false),
-    ("recv_x_scales", true),
-    ("recv_count", false),
-    ("src_info", false),
-    ("layout_range", false),
-    ("cumulative_local_expert_recv_stats", true),
-    ("dispatch_wait_recv_cost_stats", true),
-];
-
-/// The same for a combine (`x`: the expert outputs, `y` of [`CombineMetas`]).
-pub(super) const COMBINE_TENSORS: [(&str, bool); 5] = [
-    ("x", false),
-    ("topk_idx", false),
-    ("topk_weights", false),
-    ("out", false),
-    ("combine_wait_recv_cost_stats", true),
-];
-
-/// Reads what tensor `i` of a call (named `name`, absent allowed where `optional`) says about
-/// itself: from a Python object (`tensors::meta`) or from a C ABI descriptor (`c_abi`).
-pub(super) type Reader<'r> = dyn FnMut(usize, &'static str, bool) -> PyResult<Option<Meta>> + 'r;
-
-/// Every tensor of a call read in order (a read error names its tensor before anything is
-/// checked), the required ones present.
-fn read_all<const N: usize>(
-    names: &[(&'static str, bool); N],
-    read: &mut Reader<'_>,
-) -> PyResult<[Option<Meta>; N]> {
-    let mut out: [Option<Meta>; N] = std::array::from_fn(|_| None);
-    for (i, &(name, optional)) in names.iter().enumerate() {
-        out[i] = read(i, name, optional)?;
-        if out[i].is_none() && !optional {
-            return Err(to_py(BindError::argument(
-                name,
-                "expected a torch.Tensor, got NoneType",
-            )));
-        }
-    }
-    Ok(out)
-}
-
-/// A required tensor [`read_all`] read (present: `read_all` refused it otherwise).
-fn req<'m>(m: &'m Option<Meta>, name: &str) -> PyResult<&'m Meta> {
-    m.as_ref().ok_or_else(|| {
-        to_py(BindError::argument(
-            name,
-            "expected a torch.Tensor, got NoneType",
-        ))
-    })
-}
 
 impl CallSpec {
     /// The one check of a dispatch's tensors, whoever reads them: reads each (`read`, in
