@@ -197,6 +197,19 @@ def test_the_python_path_when_forced(monkeypatch):
     assert e.value.argument == _torch_ext.ENV
 
 
+def test_the_build_without_ninja_makes_the_same_extension(ext, tmp_path):
+    """The builder taken where no ninja is on PATH (one compiler call): a module with the same
+    entries, bound to the native module, whose descriptors read as the ninja build's do."""
+    name = "ep_dispatch_torch_ext_direct_test"
+    m = _torch_ext._build_direct(torch, name, tmp_path / name)
+    assert (tmp_path / name / f"{name}.so").exists()
+    m.bind(native._c_api)
+    assert m._descriptor_size() == ext._descriptor_size()
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)[:, 1:]
+    assert m._echo(x, None) == ext._echo(x, None)
+    assert m._echo(x)[0] == (x.data_ptr(), "torch.float32", [3, 3], [4, 1], -1, 4)
+
+
 def test_a_build_failure_warns_once_and_takes_the_python_path_or_raises(monkeypatch, tmp_path):
     broken = tmp_path / "torch_ext.cpp"
     broken.write_text("#error this extension does not build\n")
