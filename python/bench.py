@@ -199,6 +199,8 @@ def run(torch, dist, module, a, x, topk_idx, topk_weights, rank, R):
     kw = dict(path=a.path) if module.__name__ == "ep_dispatch" else {}
     buf = module.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True,
                         num_qps_per_rank=E // R, **kw)
+    if rank == 0 and hasattr(buf, "call_path"):  # ours: the C++ extension or the Python path
+        print(f"== {module.__name__} call path: {buf.call_path}", flush=True)
     y = torch.randn(E // R, R * T, H, device="cuda").to(torch.bfloat16)
 
     def step(return_recv_hook):

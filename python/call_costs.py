@@ -1,23 +1,38 @@
 """What the Buffer's Python layer costs per eager dispatch + combine pair, measured on the CPU:
 the native GPU rank is replaced by a stand-in that enqueues nothing (its calls return at once,
-after the native tensor checks where the native API has them), so only our plumbing is timed.
+after the native tensor checks), so only our plumbing is timed. Both call paths:
 
-    python python/call_costs.py [--pairs 2000] [--live 167000] [--json]
+- ``python`` (``Buffer.call_path == 'python'``): outputs by ``torch.empty``, the native checks
+  reading each tensor's metadata through its Python attributes; the stand-in is a Python class
+  over ``CallSpec``'s checks (``NullRank``);
+- ``extension``: the C++ torch extension allocates the outputs (``at::empty``) and describes the
+  tensors; the stand-in is the native ``_StandInRank``, whose C ABI entry runs the same checks on
+  the descriptors and counts ids instead of enqueueing (a no-op Rust entry behind the real
+  descriptor parsing and checks). Its receive halves (the hooks) go to a Python stand-in.
 
-Prints, for pairs without and with receive hooks (DeepEP's test passes the cumulative stats):
+    python python/call_costs.py [--pairs 2000] [--live 167000] [--path both] [--json]
+
+Prints, per path, for pairs without and with receive hooks (DeepEP's test passes the cumulative
+stats):
 
 - torch calls: Python-level torch calls per pair that a ``TorchFunctionMode`` sees (what
   ``torch.set_default_device('cuda')`` routes through ``torch.utils._device.__torch_function__``),
-  by name;
+  by name, and all the calls made (with the Buffer's disabling of torch functions turned off);
 - objects: GC-tracked objects the pair leaves alive while its results are held (the handle,
   hooks, tensors: what the collector's generation 0 counts; "left after" is that count once
   they are dropped, which CPython's free lists keep from falling all the way back);
-- host time per pair: plain, under the default-device mode, and under that mode in a process
-  holding ``--live`` other objects with the collector on (DeepEP's test holds about 167,000).
+- host time per pair (median; the release of its outputs included): plain, under the
+  default-device mode, and under that mode in a process holding ``--live`` other objects with
+  the collector on (DeepEP's test holds about 167,000). torch's CPU allocator takes large
+  outputs from ``malloc``, whose mmap threshold moves at run time; for steady figures run with
+  ``MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736`` (on a GPU, torch's
+  caching allocator serves them).
 
-Needs torch (a CPU build is enough) and the built wheel (run it from outside python/, or with
-``python -P``, so that ``import ep_dispatch`` is the installed one). One Buffer of a 2-rank group
-in one process, the native rank replaced as above; T=128, H=7168, K=8, E=16, FP8 dispatch.
+Needs torch (a CPU build is enough), the built wheel (run it from outside python/, or with
+``python -P``, so that ``import ep_dispatch`` is the installed one) and, for the extension path,
+a C++ compiler and ninja (it is built at the first Buffer, as on a GPU machine). One Buffer of a
+2-rank group in one process, the native rank replaced as above; T=128, H=7168, K=8, E=16, FP8
+dispatch.
 """
 
 import argparse
@@ -82,6 +97,23 @@ class NullRank:
         return done
 
 
+class NullTarget:
+    """What the Buffer calls on a native `_StandInRank` besides its C ABI entries (the
+    receive halves), enqueueing nothing."""
+
+    def poll(self):
+        pass
+
+    def check(self):
+        pass
+
+    def dispatch_recv(self, stream, hid):
+        return True
+
+    def combine_recv(self, stream, cid):
+        return True
+
+
 class Group:
     def __init__(self, rank, size):
         self._rank, self._size = rank, size
@@ -93,15 +125,25 @@ class Group:
         return self._size
 
 
-def make_buffer():
+def make_buffer(path, ins):
+    """A Buffer on the host whose ranks are the stand-ins of `path` (its group formed by a first
+    pair, while `GpuRank` is that path's stand-in); None where the extension is not available."""
     native.probe_devices = lambda n: 1
     native.probe_transport = lambda t: None
-    native.GpuRank = NullRank
+    if path == "extension":
+        native.GpuRank = lambda spec, *a, **k: native._StandInRank(spec, NullTarget())
+    else:
+        native.GpuRank = NullRank
     torch.cuda.current_device = lambda: 0
     b = ep.Buffer(Group(0, R), 0, 1 << 20, True, E // R)
+    if path == "python":
+        b._ext = None
+    elif b._ext is None:
+        return None
     b._dev = torch.device("cpu")
     b._dev_index = -1
     b._stream = lambda: 0
+    pair(b, ins, False)
     return b
 
 
@@ -182,67 +224,103 @@ def objects(b, ins, hooks, n=50):
     return alive, left
 
 
-def host_us(b, ins, hooks, pairs):
-    for _ in range(50):
-        pair(b, ins, hooks)
-    t = []
+def host_us(bs, ins, hooks, pairs):
+    """The median host time per pair of each Buffer of `bs`, the Buffers taking turns pair by
+    pair (so a slow spell of a shared machine hits each alike)."""
+    for b in bs:
+        for _ in range(50):
+            pair(b, ins, hooks)
+    t = [[] for _ in bs]
     for _ in range(pairs):
-        t0 = time.perf_counter()
-        r = pair(b, ins, hooks)
-        t.append(time.perf_counter() - t0)
-        del r
-    t.sort()
-    return t[len(t) // 2] * 1e6
+        for i, b in enumerate(bs):
+            # The release of the pair's outputs counts too: on the extension path the stand-in
+            # holds a send half's tensors as the GPU rank does, and frees them inside the next
+            # call.
+            t0 = time.perf_counter()
+            r = pair(b, ins, hooks)
+            del r
+            t[i].append(time.perf_counter() - t0)
+    return [sorted(x)[len(x) // 2] * 1e6 for x in t]
+
+
+def measure(bs, ins, pairs, live):
+    """Per path (`bs`: path -> Buffer) and hooks or not: the torch calls, objects and host
+    times of a pair."""
+    res = {path: {} for path in bs}
+    paths, bufs = list(bs), list(bs.values())
+    for hooks in (False, True):
+        k = "hooks" if hooks else "plain"
+        for path, b in bs.items():
+            r = res[path][k] = {}
+            r["torch_calls"] = torch_calls(b, ins, hooks)
+            r["torch_calls_total"] = sum(r["torch_calls"].values())
+            r["all_torch_calls"] = all_torch_calls(b, ins, hooks)
+            r["all_torch_calls_total"] = sum(r["all_torch_calls"].values())
+            r["objects_alive"], r["objects_left"] = objects(b, ins, hooks)
+
+        def put(name, values):
+            for path, v in zip(paths, values):
+                res[path][k][name] = v
+
+        put("host_us", host_us(bufs, ins, hooks, pairs))
+        torch.set_default_device("cpu")
+        try:
+            put("host_us_default_device", host_us(bufs, ins, hooks, pairs))
+            held = [{} for _ in range(live)]
+            collections = []
+            gc.callbacks.append(lambda phase, info: collections.append(1)
+                                if phase == "start" else None)
+            put("host_us_default_device_live", host_us(bufs, ins, hooks, pairs))
+            n = len(collections) * 1000 / ((pairs + 50) * len(bufs))
+            put("collections_per_1000_pairs", [n] * len(bufs))
+            gc.callbacks.pop()
+            del held
+        finally:
+            torch.set_default_device(None)
+    return res
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pairs", type=int, default=2000)
     p.add_argument("--live", type=int, default=167_000)
+    p.add_argument("--path", choices=["python", "extension", "both"], default="both")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    b, ins = make_buffer(), inputs()
-    res = {}
-    for hooks in (False, True):
-        k = "hooks" if hooks else "plain"
-        r = res[k] = {}
-        r["torch_calls"] = torch_calls(b, ins, hooks)
-        r["torch_calls_total"] = sum(r["torch_calls"].values())
-        if hasattr(b, "_notf"):
-            r["all_torch_calls"] = all_torch_calls(b, ins, hooks)
-            r["all_torch_calls_total"] = sum(r["all_torch_calls"].values())
-        r["objects_alive"], r["objects_left"] = objects(b, ins, hooks)
-        r["host_us"] = host_us(b, ins, hooks, a.pairs)
-        torch.set_default_device("cpu")
-        try:
-            r["host_us_default_device"] = host_us(b, ins, hooks, a.pairs)
-            live = [{} for _ in range(a.live)]
-            collections = []
-            gc.callbacks.append(lambda phase, info: collections.append(1)
-                                if phase == "start" else None)
-            r["host_us_default_device_live"] = host_us(b, ins, hooks, a.pairs)
-            r["collections_per_1000_pairs"] = len(collections) * 1000 / (a.pairs + 50)
-            gc.callbacks.pop()
-            del live
-        finally:
-            torch.set_default_device(None)
+    ins = inputs()
+    bs, missing = {}, {}
+    for path in (["python", "extension"] if a.path == "both" else [a.path]):
+        b = make_buffer(path, ins)
+        if b is None:
+            from ep_dispatch import _torch_ext
+
+            why = _torch_ext._loaded.get(str(_torch_ext.SOURCE), (None, "EP_DISPATCH_TORCH_EXT=0"))
+            missing[path] = {"unavailable": why[1]}
+        else:
+            bs[path] = b
+    res = measure(bs, ins, a.pairs, a.live)
+    res.update(missing)
     if a.json:
         json.dump(res, sys.stdout, indent=1)
         print()
         return
-    for k, r in res.items():
-        print(f"[{k}] torch calls per pair: {r['torch_calls_total']:g} "
-              f"({', '.join(f'{n} {v:g}' for n, v in r['torch_calls'].items())})")
-        if "all_torch_calls" in r:
-            print(f"[{k}] torch calls made per pair (the Buffer's and the native side's, "
+    for path, pr in res.items():
+        if "unavailable" in pr:
+            print(f"[{path}] not measured: the extension is not available ({pr['unavailable']})")
+            continue
+        for k, r in pr.items():
+            t = f"[{path} {k}]"
+            print(f"{t} torch calls per pair: {r['torch_calls_total']:g} "
+                  f"({', '.join(f'{n} {v:g}' for n, v in r['torch_calls'].items())})")
+            print(f"{t} torch calls made per pair (the Buffer's and the native side's, "
                   f"modes off or not): {r['all_torch_calls_total']:g} "
                   f"({', '.join(f'{n} {v:g}' for n, v in r['all_torch_calls'].items())})")
-        print(f"[{k}] GC-tracked objects per pair: {r['objects_alive']:g} alive while held, "
-              f"{r['objects_left']:g} left after")
-        print(f"[{k}] host per pair: {r['host_us']:.1f} us | default device: "
-              f"{r['host_us_default_device']:.1f} us | + {a.live} live objects: "
-              f"{r['host_us_default_device_live']:.1f} us "
-              f"({r['collections_per_1000_pairs']:.1f} collections per 1000 pairs)")
+            print(f"{t} GC-tracked objects per pair: {r['objects_alive']:g} alive while held, "
+                  f"{r['objects_left']:g} left after")
+            print(f"{t} host per pair: {r['host_us']:.1f} us | default device: "
+                  f"{r['host_us_default_device']:.1f} us | + {a.live} live objects: "
+                  f"{r['host_us_default_device_live']:.1f} us "
+                  f"({r['collections_per_1000_pairs']:.1f} collections per 1000 pairs)")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@
 # to LD_LIBRARY_PATH for the kernels' run-time compilation), BENCH_ARGS (extra bench.py flags),
 # PYTEST_K (a pytest -k expression, e.g. 'nccl or two-tier': only those tests), NO_BENCH=1 (the
 # tests only), NPROCS (the group sizes, default "1 2"), SHARE_GPU=1 (run N ranks on fewer GPUs:
-# processes share a GPU over CUDA IPC; the NCCL tests then skip, NCCL needs one GPU per rank).
+# processes share a GPU over CUDA IPC; the NCCL tests then skip, NCCL needs one GPU per rank),
+# EP_DISPATCH_TORCH_EXT (the Buffer's call path: unset or 1 the C++ torch extension, built at the
+# first Buffer, 1 failing where it cannot be; 0 the Python path; run the script once with each).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 wheels="${1:?usage: gpu.sh WHEEL_DIR [OUT_DIR]}"
@@ -25,6 +27,7 @@ trap 'rm -rf "$site"' EXIT
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 gpus="$("$py" -c 'import torch; print(torch.cuda.device_count())')"
 echo "gpu.sh: $gpus GPU(s); $("$py" -c 'import ep_dispatch as e; print(e.__file__, e.DEVICE_API)')"
+echo "gpu.sh: EP_DISPATCH_TORCH_EXT=${EP_DISPATCH_TORCH_EXT:-(unset)}"
 
 status=0
 for n in ${NPROCS:-1 2}; do

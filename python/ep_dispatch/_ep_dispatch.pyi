@@ -85,3 +85,18 @@ class GpuRank:
                      out: Any, wait_stats: Optional[Any] = None, keep: Any = None,
                      use_logfmt: bool = False) -> int: ...
     def combine_recv(self, stream: int, id: int) -> bool: ...
+
+_c_api: Any
+"""The C ABI the C++ torch extension calls the native ranks through: a capsule named
+``ep_dispatch._ep_dispatch._c_api`` holding a table of function pointers (src/py/c_abi.rs)."""
+
+class _StandInRank:
+    """Test hook (feature ``testing``): a native rank that enqueues nothing. Its calls through
+    the C ABI are checked as a ``GpuRank``'s; a ``target`` with ``dispatch_checked``,
+    ``dispatched_tokens`` and ``combine_checked`` gets the checked addresses, any other target
+    is never called by them. Other attributes are the target's."""
+
+    def __init__(self, spec: CallSpec, target: Any) -> None: ...
+    @property
+    def target(self) -> Any: ...
+    def held_counts(self) -> Tuple[int, int]: ...

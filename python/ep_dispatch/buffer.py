@@ -7,7 +7,8 @@ docstring.
 
 from . import _checks
 from . import _ep_dispatch as _native
-from .errors import InputError, argument_error
+from . import _torch_ext
+from .errors import ArgumentError, InputError, argument_error
 
 
 class EventOverlap:
@@ -111,6 +112,27 @@ class Handle(tuple):
 
         lr = self.layout_range
         return (lr >> 32).to(torch.int32), (lr & 0xFFFFFFFF).to(torch.int32)
+
+
+class _RecvHook:
+    """The receive hook of the extension path: enqueues the receive half ``id`` of the native
+    rank ``g`` (dispatch's or combine's) on the then-current stream, once; later calls do
+    nothing (as the Python path's closure)."""
+
+    __slots__ = ("_buffer", "_g", "_id", "_combine")
+
+    def __init__(self, buffer, g, id, combine):
+        self._buffer, self._g, self._id, self._combine = buffer, g, id, combine
+
+    def __call__(self):
+        g = self._g
+        if g is None:
+            return
+        self._g = None
+        if self._combine:
+            g.combine_recv(self._buffer._stream(), self._id)
+        else:
+            g.dispatch_recv(self._buffer._stream(), self._id)
 
 
 class _Dtypes:
@@ -299,9 +321,21 @@ class Buffer:
         # `__torch_function__` per call), as DeepEP's C++ does. Our calls pass devices
         # explicitly, so no mode has anything to add.
         self._notf = getattr(torch._C, "DisableTorchFunction", _NoContext)
+        # The C++ call path (ep_dispatch/_torch_ext.py: built at the first Buffer of a process,
+        # EP_DISPATCH_TORCH_EXT chooses), or None for the Python one (`call_path`).
+        self._ext = _torch_ext.load(torch)
         if self._shape.experts is not None and self._shape.experts % self.group_size:
             raise argument_error("num_experts", f"{self._shape.experts} is not a multiple of "
                                                 f"the group's {self.group_size} ranks")
+
+    @property
+    def call_path(self):
+        """How calls reach the native rank: ``'extension'``, through the C++ torch extension
+        (outputs allocated and tensors read in C++, one native call per half), or ``'python'``,
+        through the native module's methods (outputs allocated with ``torch.empty``, tensors
+        read through their Python attributes). The same checks, errors and outputs either way;
+        ``EP_DISPATCH_TORCH_EXT`` chooses (see the README)."""
+        return "python" if self._ext is None else "extension"
 
     # ---- DeepEP's static helpers -------------------------------------------------------------
 
@@ -438,6 +472,18 @@ class Buffer:
         self._torch.distributed.all_gather_object(objs, blob, group=self.group)
         return [bytes(b) for b in objs]
 
+    def _pick_set(self, shape):
+        """The key of the group (buffer set) the next dispatch of `shape` uses (see
+        `_rank_group`)."""
+        due = self._due.setdefault(shape, [None, None])  # per set: the dispatch to combine
+        if due[0] is None or (shape, 0) not in self._ranks:
+            i = 0
+        elif due[1] is None:
+            i = 1
+        else:
+            i = 0 if due[0] < due[1] else 1
+        return (shape, i)
+
     def _rank_group(self, T, H, E, K, use_fp8, round_scale, use_ue8m0):
         """The group (buffer set) the next dispatch of this shape uses, and its key.
 
@@ -448,14 +494,7 @@ class Buffer:
         with both still due, the older one's handle becomes stale (combining it raises). A
         Buffer that never overlaps two dispatches keeps one set."""
         shape = (T, H, E, K, use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0)
-        due = self._due.setdefault(shape, [None, None])  # per set: the dispatch to combine
-        if due[0] is None or (shape, 0) not in self._ranks:
-            i = 0
-        elif due[1] is None:
-            i = 1
-        else:
-            i = 0 if due[0] < due[1] else 1
-        key = (shape, i)
+        key = self._pick_set(shape)
         if _DEFERRED:
             _release_deferred(self._torch)
         g = self._ranks.get(key)
@@ -513,11 +552,94 @@ class Buffer:
         path (as DeepEP's kernel); a source reached through NCCL adds nothing (its tokens arrive
         before the kernel starts).
         """
+        if self._ext is not None:
+            return self._dispatch_ext(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                      cumulative_local_expert_recv_stats,
+                                      dispatch_wait_recv_cost_stats, use_fp8, round_scale,
+                                      use_ue8m0, async_finish, return_recv_hook)
         with self._notf():
             return self._dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                   cumulative_local_expert_recv_stats,
                                   dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0,
                                   async_finish, return_recv_hook)
+
+    def _dispatch_ext(self, x, topk_idx, T, E, stats, wait_stats, use_fp8, round_scale,
+                      use_ue8m0, async_finish, return_recv_hook):
+        """`_dispatch` through the C++ extension: one call allocates the outputs, describes every
+        tensor and enqueues (the native entry checks each tensor as the native methods do)."""
+        if not (use_fp8.__class__ is bool and round_scale.__class__ is bool
+                and use_ue8m0.__class__ is bool and async_finish.__class__ is bool
+                and return_recv_hook.__class__ is bool):  # one test on the hot path
+            for name, v in (("use_fp8", use_fp8), ("round_scale", round_scale),
+                            ("use_ue8m0", use_ue8m0), ("async_finish", async_finish),
+                            ("return_recv_hook", return_recv_hook)):
+                _checks.flag(name, v)
+        R, s = self.group_size, self._shape
+        # A shape this Buffer dispatched before, whose group exists: no tensor is read here (the
+        # Buffer's shape is fixed by then: H and K are its). Otherwise, the Python path's checks
+        # first, which name what disagrees with this Buffer's shape before a group forms.
+        shape = (T, s.hidden, E, s.top_k, use_fp8, use_fp8 and round_scale,
+                 use_fp8 and use_ue8m0)
+        g = None
+        if (T.__class__ is int and E.__class__ is int and not self.check_routing
+                and shape in self._due):
+            key = self._pick_set(shape)
+            g = self._ranks.get(key)
+        fast = g is not None
+        if fast:
+            if _DEFERRED:
+                _release_deferred(self._torch)
+            if len(self._ranks) > 1:
+                self._poll_others(g)
+            H, K = s.hidden, s.top_k
+        else:
+            with self._notf():
+                _, H, K = _checks.dispatch_args(x, topk_idx, T, E, self._shape, R, self._dev,
+                                                self._dt)
+                if self.check_routing:
+                    host = topk_idx.detach().to("cpu").contiguous().numpy().tobytes()
+                    _native.check_routing(self.rank, R, E, T, H, K, host)
+                key, g = self._rank_group(T, H, E, K, use_fp8, round_scale, use_ue8m0)
+        mode = (2 if use_ue8m0 else 1) if use_fp8 else 0
+        try:
+            out, recv_count, src_info, pairs, hid, n = self._ext.dispatch(
+                g, self._stream(), self._dev_index, x, topk_idx, stats, wait_stats, E // R, R, T,
+                H, mode, return_recv_hook)
+        except ArgumentError:
+            if fast:
+                self._name_dispatch_fault(x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0)
+            raise
+        # A send half's tensors are held natively until its receive half is enqueued (by the
+        # hook, or first thing in the next dispatch of this set), as in `_dispatch`.
+        hook = _RecvHook(self, g, hid, False) if return_recv_hook else None
+        self._seq += 1
+        self._due[key[0]][key[1]] = self._seq
+        handle = Handle._of_dispatch(src_info, pairs, T, H, E, recv_count, n, K, use_fp8,
+                                     self.path, key, id(self), hid, self._seq)
+        if async_finish:
+            recv_x, scales = out if use_fp8 else (out, None)
+            with self._notf():
+                event = self._event((x, topk_idx, recv_x, scales, recv_count, src_info, pairs,
+                                     stats, wait_stats))
+        else:
+            event = _NO_EVENT
+        return out, recv_count, handle, event, hook
+
+    def _name_dispatch_fault(self, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0):
+        """After the native entry refused a dispatch that `_dispatch_ext` made without reading
+        shapes: where `_dispatch` would have run the Python checks first (shapes that are not a
+        dispatched shape of this Buffer), runs them, so the error is the one they raise."""
+        with self._notf():
+            try:
+                _, H = x.shape
+                K = topk_idx.shape[1]
+                known = (T, H, E, K, use_fp8, use_fp8 and round_scale,
+                         use_fp8 and use_ue8m0) in self._due
+            except (AttributeError, IndexError, TypeError, ValueError):
+                known = False
+            if not known:
+                _checks.dispatch_args(x, topk_idx, T, E, self._shape, self.group_size, self._dev,
+                                      self._dt)
 
     def _dispatch(self, x, topk_idx, T, E, stats, wait_stats, use_fp8, round_scale, use_ue8m0,
                   async_finish, return_recv_hook):
@@ -611,12 +733,18 @@ class Buffer:
         waited for each owner's rows, as dispatch's stats do (nothing where every rank is on this
         GPU: the batched kernels then read the rows in place and wait for nobody).
         """
+        if self._ext is not None:
+            return self._combine_ext(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                                     return_recv_hook, out, combine_wait_recv_cost_stats,
+                                     use_logfmt)
         with self._notf():
             return self._combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
                                  return_recv_hook, out, combine_wait_recv_cost_stats, use_logfmt)
 
-    def _combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
-                 return_recv_hook, out, wait_stats, use_logfmt):
+    def _combine_of(self, x, handle, zero_copy, async_finish, return_recv_hook, use_logfmt):
+        """A combine's checks before its tensors: the flags, the handle (this Buffer's, its group
+        alive), the other groups' errors; returns the handle's key, its group and the expert
+        outputs to combine (``x``, or the zero-copy buffer)."""
         if not (use_logfmt.__class__ is bool and zero_copy.__class__ is bool
                 and async_finish.__class__ is bool and return_recv_hook.__class__ is bool):
             for name, v in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy),
@@ -635,6 +763,32 @@ class Buffer:
         if y is None:
             raise argument_error("zero_copy", "no get_next_low_latency_combine_buffer(handle) "
                                               "was filled for this shape")
+        return key, g, y
+
+    def _combine_ext(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                     return_recv_hook, out, wait_stats, use_logfmt):
+        """`_combine` through the C++ extension (`out` allocated there where None)."""
+        key, g, y = self._combine_of(x, handle, zero_copy, async_finish, return_recv_hook,
+                                     use_logfmt)
+        flags = (1 if return_recv_hook else 0) | (2 if use_logfmt else 0)
+        out, cid = self._ext.combine(g, self._stream(), self._dev_index, handle._id, y, topk_idx,
+                                     topk_weights, out, wait_stats, handle.num_tokens,
+                                     handle.hidden, flags, handle if return_recv_hook else None)
+        hook = _RecvHook(self, g, cid, True) if return_recv_hook else None
+        due = self._due.get(key[0])
+        if due is not None and due[key[1]] == handle._seq:
+            due[key[1]] = None  # this set is free for the next dispatch
+        if async_finish:
+            with self._notf():
+                event = self._event((y, topk_idx, topk_weights, handle.src_info, out))
+        else:
+            event = _NO_EVENT
+        return out, event, hook
+
+    def _combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                 return_recv_hook, out, wait_stats, use_logfmt):
+        key, g, y = self._combine_of(x, handle, zero_copy, async_finish, return_recv_hook,
+                                     use_logfmt)
         if out is None:
             out = self._torch.empty((handle.num_tokens, handle.hidden), dtype=self._dt.bf16,
                                     device=self._dev)

@@ -3,6 +3,11 @@ computes the oracle's outputs on the host and writes them through the very point
 the Buffer passes (so tensor allocation, shapes, dtypes, byte counts, the handle, DeepEP's packed
 layout_range, hooks, out=, zero_copy and the stats are exercised end to end, two ranks in one
 process). It says nothing about the GPU kernels: test_gpu.py does. Needs torch (CPU is enough).
+
+Every test runs on both call paths: 'python' (EP_DISPATCH_TORCH_EXT=0: the stand-in is called
+through the native methods' API with the tensors) and 'extension' (the C++ torch extension
+allocates the outputs and calls the native `_StandInRank`, whose C ABI entry makes the native
+checks and hands the stand-in the checked addresses).
 """
 
 import ctypes
@@ -31,14 +36,37 @@ def write(ptr_len, data, elem):
     ctypes.memmove(ptr, b, len(b))
 
 
+# The call path of the running test (the `call_path` fixture).
+CALL_PATH = {"value": "python"}
+
+
+@pytest.fixture(autouse=True, params=["python", "extension"])
+def call_path(request, monkeypatch):
+    if request.param == "python":
+        monkeypatch.setenv("EP_DISPATCH_TORCH_EXT", "0")
+    else:
+        from ep_dispatch import _torch_ext
+
+        monkeypatch.delenv("EP_DISPATCH_TORCH_EXT", raising=False)
+        ext = _torch_ext.load(torch)
+        if ext is None:
+            pytest.skip(f"the C++ torch extension is not available here: "
+                        f"{_torch_ext._loaded.get(str(_torch_ext.SOURCE), (None, '?'))[1]}")
+    CALL_PATH["value"] = request.param
+    yield request.param
+    CALL_PATH["value"] = "python"
+
+
 class World:
     """What the peers would do: collects every rank's call, and when the last rank arrives
-    writes each rank's outputs (the oracle's, in the kernels' formats) through its pointers."""
+    writes each rank's outputs (the oracle's, in the kernels' formats) through its pointers.
+    On the extension path each rank is a native `_StandInRank` over its `FakeRank`."""
 
     def __init__(self, R):
         self.R = R
         self.dispatch_calls, self.combine_calls = {}, {}
         self.created = []
+        self.wrap = CALL_PATH["value"] == "extension"
 
     def rank(self, spec, rank, path, transport, timeout_s, all_gather, trap_on_error=False,
              enable_shrink=False):
@@ -46,8 +74,9 @@ class World:
         assert num_ranks == self.R and callable(all_gather) and device == -1
         assert trap_on_error in (True, False)
         self.created.append((rank, path, transport, timeout_s))
-        return FakeRank(self, rank, spec, E, T, H, K,
+        fake = FakeRank(self, rank, spec, E, T, H, K,
                         dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
+        return native._StandInRank(spec, fake) if self.wrap else fake
 
 
 class FakeRank:
@@ -74,10 +103,8 @@ class FakeRank:
     def pending_combine(self):
         return self.pending_c
 
-    def dispatch_send(self, *args):
-        hid = self.dispatch(*args)
-        self.pending = hid
-        return hid
+    def dispatch_send(self, stream, *tensors):
+        return self.dispatch_checked(stream, True, self.spec.check_dispatch(*tensors))
 
     def dispatch_recv(self, stream, hid):
         if self.pending != hid:
@@ -86,9 +113,13 @@ class FakeRank:
         return True
 
     def dispatch(self, stream, *tensors):
+        return self.dispatch_checked(stream, False, self.spec.check_dispatch(*tensors))
+
+    def dispatch_checked(self, stream, send_only, addrs):
+        """A dispatch whose tensors passed the native checks (`addrs`: what
+        `CallSpec.check_dispatch` returns)."""
         self.poll()  # the native call's entry check
-        n, x, topk, recv_x, scales, count, src, layout, stats, _ = \
-            self.spec.check_dispatch(*tensors)
+        n, x, topk, recv_x, scales, count, src, layout, stats, _ = addrs
         L, R, T, H, K = self.E // self.w.R, self.w.R, self.T, self.H, self.K
         # A due receive half is enqueued ahead of a new call (as the native rank does).
         self.pending = None
@@ -121,13 +152,18 @@ class FakeRank:
                 write(lr, np.stack([begin, cnt], axis=-1).astype(np.int32), 8)  # (begin, count)
         hid, self.next_id = self.next_id, self.next_id + 1
         self.tokens[hid] = n
+        if send_only:
+            self.pending = hid
         return hid
+
+    def dispatched_tokens(self, handle):
+        return self.tokens[handle]
 
     def combine_send(self, stream, handle, y, topk, w, out, wait_stats=None, keep=None,
                      use_logfmt=False):
-        cid = self.combine(stream, handle, y, topk, w, out, wait_stats, use_logfmt)
-        self.pending_c = cid
-        return cid
+        addrs = self.spec.check_combine(self.tokens[handle], y, topk, w, out, wait_stats,
+                                        use_logfmt)
+        return self.combine_checked(stream, handle, True, addrs, use_logfmt)
 
     def combine_recv(self, stream, cid):
         if self.pending_c != cid:
@@ -136,10 +172,17 @@ class FakeRank:
         return True
 
     def combine(self, stream, handle, y, topk, w, out, wait_stats=None, use_logfmt=False):
+        addrs = self.spec.check_combine(self.tokens[handle], y, topk, w, out, wait_stats,
+                                        use_logfmt)
+        return self.combine_checked(stream, handle, False, addrs, use_logfmt)
+
+    def combine_checked(self, stream, handle, send_only, addrs, use_logfmt):
+        """A combine whose tensors passed the native checks (`addrs`: what
+        `CallSpec.check_combine` returns)."""
         self.poll()  # the native call's entry check
         self.pending_c = None  # a due receive half goes first (as in dispatch)
         n = self.tokens[handle]
-        y, topk, w, out, _ = self.spec.check_combine(n, y, topk, w, out, wait_stats, use_logfmt)
+        y, topk, w, out, _ = addrs
         L, R, T, H, K = self.E // self.w.R, self.w.R, self.T, self.H, self.K
         assert y[1] == L * R * T * H and topk[1] == n * K and w[1] == topk[1]
         assert out[1] == n * H
@@ -157,6 +200,8 @@ class FakeRank:
             for c, o in zip(calls, outs):
                 write(c[3], o, 2)
         cid, self.next_c = self.next_c, self.next_c + 1
+        if send_only:
+            self.pending_c = cid
         return cid
 
 
@@ -188,6 +233,7 @@ def make_buffers(monkeypatch, **kw):
         b._dev = torch.device("cpu")  # the stand-in "device" is the host
         b._dev_index = -1  # (what the native checks want of `get_device()` there)
         b._stream = lambda: 0
+        assert b.call_path == CALL_PATH["value"]
         bufs.append(b)
     world.probed = probed
     return world, bufs
@@ -400,7 +446,7 @@ def test_an_error_of_one_buffer_set_raises_at_a_call_on_the_other(buffers):
     assert len(world.created) == 2 * R
     set0 = next(g for k, g in bufs[0]._ranks.items() if k[1] == 0)
     lost = ep.TimeoutError("rank 0 timed out waiting for rank 1 in dispatch/recv (call 1)")
-    set0.error = lost
+    getattr(set0, "target", set0).error = lost  # the FakeRank (under a _StandInRank)
     b, i = bufs[0], ins[0]
     with pytest.raises(ep.TimeoutError):
         b.low_latency_combine(i[3], i[1], i[2], rb[0][2])  # set 1's handle
@@ -452,6 +498,7 @@ def test_a_64_rank_group_through_the_buffer(monkeypatch):
         b._dev = torch.device("cpu")
         b._dev_index = -1
         b._stream = lambda: 0
+        assert b.call_path == CALL_PATH["value"]
         bufs.append(b)
     g = torch.Generator().manual_seed(64)
     ins = []

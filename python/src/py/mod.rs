@@ -12,8 +12,12 @@ use ep_kernels::GpuError;
 use ep_reference::{DispatchOutput, Error};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
+mod c_abi;
 mod exceptions;
 mod rank;
+mod reader;
+#[cfg(feature = "testing")]
+mod stand_in;
 mod tensors;
 
 use exceptions::{to_py, IntoPy};
@@ -390,5 +394,9 @@ fn _ep_dispatch(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_raise_sample_error, m)?)?;
     m.add_class::<CallSpec>()?;
     m.add_class::<GpuRank>()?;
+    // The C ABI the C++ torch extension calls the native ranks through.
+    m.add("_c_api", c_abi::capsule(m.py())?)?;
+    #[cfg(feature = "testing")]
+    m.add_class::<stand_in::StandInRank>()?;
     Ok(())
 }

@@ -4,15 +4,20 @@
 //! (`dispatch`, `dispatch_send`, `dispatch_recv`, and the same for combine). A call takes the
 //! tensors themselves, checks each against the spec (dtype, shape, strides, device), and enqueues
 //! on the raw CUDA stream it is given; the rank owns a call's state: the handles, the pending
-//! halves and the tensors of a send half whose receive half is still due.
+//! halves and the tensors of a send half whose receive half is still due. The C ABI (`c_abi`,
+//! what the C++ torch extension calls) reaches the same rank: the same checks
+//! ([`CallSpec::dispatch_ptrs_with`], [`CallSpec::combine_ptrs_with`]) on tensors it reads from
+//! descriptors, and the same enqueue ([`Enqueue`]).
 
 use super::exceptions::{to_py, IntoPy};
+use super::reader::{read_all, req, Reader, COMBINE_TENSORS, DISPATCH_TENSORS};
 use super::tensors::{meta, meta_opt, Dtypes};
 use crate::error::BindError;
 use crate::gpu::{Ptr, RankGroup, Spec};
 use crate::host;
 use crate::keywords;
 use crate::spec::{CombineMetas, CombinePtrs, DispatchMetas, DispatchPtrs};
+use crate::tensor::Meta;
 use crate::tensor::{check, Dtype, Layout, Want};
 use ep_reference::{CombineFormat, Config};
 use pyo3::prelude::*;
@@ -62,7 +67,7 @@ pub(super) struct CallSpec {
 }
 
 /// What `CallSpec.check_dispatch` returns (see there).
-type DispatchAddrs = (
+pub(super) type DispatchAddrs = (
     usize,
     Ptr,
     Ptr,
@@ -76,6 +81,69 @@ type DispatchAddrs = (
 );
 
 impl CallSpec {
+    /// The one check of a dispatch's tensors, whoever reads them: reads each (`read`, in
+    /// [`DISPATCH_TENSORS`] order), then checks them against the spec (`Spec::dispatch`).
+    pub(super) fn dispatch_ptrs_with(&self, read: &mut Reader<'_>) -> PyResult<DispatchPtrs> {
+        let m = read_all(&DISPATCH_TENSORS, read)?;
+        self.spec
+            .dispatch(&DispatchMetas {
+                x: req(&m[0], "x")?,
+                topk_idx: req(&m[1], "topk_idx")?,
+                recv_x: req(&m[2], "recv_x")?,
+                recv_x_scales: m[3].as_ref(),
+                recv_count: req(&m[4], "recv_count")?,
+                src_info: req(&m[5], "src_info")?,
+                layout_range: req(&m[6], "layout_range")?,
+                recv_stats: m[7].as_ref(),
+                wait_stats: m[8].as_ref(),
+            })
+            .py_err()
+    }
+
+    /// The one check of a combine's tensors after a dispatch of `num_tokens` tokens: the format
+    /// first (LogFMT needs H a multiple of 128: `HiddenNotMultiple`, mode "logfmt", as the CPU
+    /// paths refuse it), then each tensor read (`read`, in [`COMBINE_TENSORS`] order) and
+    /// checked against the spec (`Spec::combine`).
+    pub(super) fn combine_ptrs_with(
+        &self,
+        num_tokens: usize,
+        format: CombineFormat,
+        read: &mut Reader<'_>,
+    ) -> PyResult<CombinePtrs> {
+        format.check(self.spec.config()).py_err()?;
+        let m = read_all(&COMBINE_TENSORS, read)?;
+        self.spec
+            .combine(
+                num_tokens,
+                &CombineMetas {
+                    y: req(&m[0], "x")?,
+                    topk_idx: req(&m[1], "topk_idx")?,
+                    topk_weights: req(&m[2], "topk_weights")?,
+                    out: req(&m[3], "out")?,
+                    wait_stats: m[4].as_ref(),
+                },
+            )
+            .py_err()
+    }
+
+    /// A reader of Python tensor objects (`tensors::meta`), `ts` in the call's order.
+    fn py_reader<'a, 'py>(
+        &'a self,
+        ts: &'a [Option<&'a Bound<'py, PyAny>>],
+    ) -> impl FnMut(usize, &'static str, bool) -> PyResult<Option<Meta>> + 'a {
+        move |i, name, optional| {
+            let t = ts[i];
+            if optional {
+                meta_opt(name, t, &self.dtypes)
+            } else {
+                match t {
+                    Some(t) => meta(name, t, &self.dtypes).map(Some),
+                    None => Ok(None),
+                }
+            }
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn dispatch_ptrs(
         &self,
@@ -89,35 +157,22 @@ impl CallSpec {
         recv_stats: Option<&Bound<'_, PyAny>>,
         wait_stats: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<DispatchPtrs> {
-        let d = &self.dtypes;
-        let m = (
-            meta("x", x, d)?,
-            meta("topk_idx", topk_idx, d)?,
-            meta("recv_x", recv_x, d)?,
-            meta_opt("recv_x_scales", recv_x_scales, d)?,
-            meta("recv_count", recv_count, d)?,
-            meta("src_info", src_info, d)?,
-            meta("layout_range", layout_range, d)?,
-            meta_opt("cumulative_local_expert_recv_stats", recv_stats, d)?,
-            meta_opt("dispatch_wait_recv_cost_stats", wait_stats, d)?,
-        );
-        self.spec
-            .dispatch(&DispatchMetas {
-                x: &m.0,
-                topk_idx: &m.1,
-                recv_x: &m.2,
-                recv_x_scales: m.3.as_ref(),
-                recv_count: &m.4,
-                src_info: &m.5,
-                layout_range: &m.6,
-                recv_stats: m.7.as_ref(),
-                wait_stats: m.8.as_ref(),
-            })
-            .py_err()
+        let ts = [
+            Some(x),
+            Some(topk_idx),
+            Some(recv_x),
+            recv_x_scales,
+            Some(recv_count),
+            Some(src_info),
+            Some(layout_range),
+            recv_stats,
+            wait_stats,
+        ];
+        let mut read = self.py_reader(&ts);
+        self.dispatch_ptrs_with(&mut read)
     }
 
-    /// The combine's tensors checked (as `check_combine`), after the format: LogFMT needs H a
-    /// multiple of 128 (`HiddenNotMultiple`, mode "logfmt", as the CPU paths refuse it).
+    /// The combine's tensors checked (as `check_combine`).
     #[allow(clippy::too_many_arguments)]
     fn combine_ptrs(
         &self,
@@ -129,27 +184,15 @@ impl CallSpec {
         wait_stats: Option<&Bound<'_, PyAny>>,
         format: CombineFormat,
     ) -> PyResult<CombinePtrs> {
-        format.check(self.spec.config()).py_err()?;
-        let d = &self.dtypes;
-        let m = (
-            meta("x", x, d)?,
-            meta("topk_idx", topk_idx, d)?,
-            meta("topk_weights", topk_weights, d)?,
-            meta("out", out, d)?,
-            meta_opt("combine_wait_recv_cost_stats", wait_stats, d)?,
-        );
-        self.spec
-            .combine(
-                num_tokens,
-                &CombineMetas {
-                    y: &m.0,
-                    topk_idx: &m.1,
-                    topk_weights: &m.2,
-                    out: &m.3,
-                    wait_stats: m.4.as_ref(),
-                },
-            )
-            .py_err()
+        let ts = [
+            Some(x),
+            Some(topk_idx),
+            Some(topk_weights),
+            Some(out),
+            wait_stats,
+        ];
+        let mut read = self.py_reader(&ts);
+        self.combine_ptrs_with(num_tokens, format, &mut read)
     }
 
     /// `int32 [R]` on the spec's device (the shrink mode's mask).
@@ -254,18 +297,7 @@ impl CallSpec {
             recv_stats,
             wait_stats,
         )?;
-        Ok((
-            p.num_tokens,
-            p.x,
-            p.topk_idx,
-            p.recv_x,
-            p.recv_x_scales,
-            p.recv_count,
-            p.src_info,
-            p.layout_range,
-            p.recv_stats,
-            p.wait_stats,
-        ))
+        Ok(dispatch_addrs(&p))
     }
 
     /// Checks a combine's tensors after a dispatch of `num_tokens` tokens (and, with
@@ -282,15 +314,39 @@ impl CallSpec {
         out: &Bound<'_, PyAny>,
         wait_stats: Option<&Bound<'_, PyAny>>,
         use_logfmt: bool,
-    ) -> PyResult<(Ptr, Ptr, Ptr, Ptr, Option<Ptr>)> {
+    ) -> PyResult<CombineAddrs> {
         let f = format_of(use_logfmt);
         let p = self.combine_ptrs(num_tokens, x, topk_idx, topk_weights, out, wait_stats, f)?;
-        Ok((p.y, p.topk_idx, p.topk_weights, p.out, p.wait_stats))
+        Ok(combine_addrs(&p))
     }
 }
 
+/// A dispatch's checked addresses as `CallSpec.check_dispatch` returns them.
+pub(super) fn dispatch_addrs(p: &DispatchPtrs) -> DispatchAddrs {
+    (
+        p.num_tokens,
+        p.x,
+        p.topk_idx,
+        p.recv_x,
+        p.recv_x_scales,
+        p.recv_count,
+        p.src_info,
+        p.layout_range,
+        p.recv_stats,
+        p.wait_stats,
+    )
+}
+
+/// What `CallSpec.check_combine` returns (see there).
+pub(super) type CombineAddrs = (Ptr, Ptr, Ptr, Ptr, Option<Ptr>);
+
+/// A combine's checked addresses as `CallSpec.check_combine` returns them.
+pub(super) fn combine_addrs(p: &CombinePtrs) -> CombineAddrs {
+    (p.y, p.topk_idx, p.topk_weights, p.out, p.wait_stats)
+}
+
 /// DeepEP's `use_logfmt` as the combine's format.
-fn format_of(use_logfmt: bool) -> CombineFormat {
+pub(super) fn format_of(use_logfmt: bool) -> CombineFormat {
     if use_logfmt {
         CombineFormat::LogFmt
     } else {
@@ -299,13 +355,43 @@ fn format_of(use_logfmt: bool) -> CombineFormat {
 }
 
 /// References to the tensors of a send half, kept until its receive half is enqueued.
-type Held = Vec<Py<PyAny>>;
+pub(super) type Held = Vec<Py<PyAny>>;
 
 fn hold(ts: &[&Bound<'_, PyAny>], opt: &[Option<&Bound<'_, PyAny>>]) -> Held {
     ts.iter()
         .map(|t| Bound::clone(t).unbind())
         .chain(opt.iter().flatten().map(|t| Bound::clone(t).unbind()))
         .collect()
+}
+
+/// What a rank does with a call's checked addresses: the native methods below and the C ABI's
+/// entries (`c_abi`) both check the tensors with the rank's [`CallSpec`] and then call these, so
+/// the two ways in share one path. `send`: `Some(tensors to hold)` for a send half (held until
+/// its receive half is enqueued), None for a whole call.
+pub(super) trait Enqueue {
+    fn call_spec(&self) -> &CallSpec;
+
+    fn enqueue_dispatch(
+        &mut self,
+        py: Python<'_>,
+        stream: u64,
+        p: &DispatchPtrs,
+        send: Option<Held>,
+    ) -> PyResult<u64>;
+
+    /// The token count of dispatch `handle` (what its combine's tensors are checked against).
+    fn dispatched_tokens(&self, py: Python<'_>, handle: u64) -> PyResult<usize>;
+
+    #[allow(clippy::too_many_arguments)]
+    fn enqueue_combine(
+        &mut self,
+        py: Python<'_>,
+        stream: u64,
+        handle: u64,
+        p: &CombinePtrs,
+        format: CombineFormat,
+        send: Option<Held>,
+    ) -> PyResult<u64>;
 }
 
 /// One rank of a process-mode GPU group (see `gpu::RankGroup`). Not shared between threads.
@@ -327,6 +413,56 @@ impl GpuRank {
         if self.inner.pending_combine().is_none() {
             self.held_combine = None;
         }
+    }
+}
+
+impl Enqueue for GpuRank {
+    fn call_spec(&self) -> &CallSpec {
+        self.spec.get()
+    }
+
+    fn enqueue_dispatch(
+        &mut self,
+        _py: Python<'_>,
+        stream: u64,
+        p: &DispatchPtrs,
+        send: Option<Held>,
+    ) -> PyResult<u64> {
+        let r = match send {
+            None => self.inner.dispatch(stream, p),
+            Some(_) => self.inner.dispatch_send(stream, p),
+        }
+        .py_err();
+        self.release();
+        if r.is_ok() && send.is_some() {
+            self.held_dispatch = send;
+        }
+        r
+    }
+
+    fn dispatched_tokens(&self, _py: Python<'_>, handle: u64) -> PyResult<usize> {
+        self.inner.dispatched_tokens(handle).py_err()
+    }
+
+    fn enqueue_combine(
+        &mut self,
+        _py: Python<'_>,
+        stream: u64,
+        handle: u64,
+        p: &CombinePtrs,
+        format: CombineFormat,
+        send: Option<Held>,
+    ) -> PyResult<u64> {
+        let r = match send {
+            None => self.inner.combine(stream, handle, p, format),
+            Some(_) => self.inner.combine_send(stream, handle, p, format),
+        }
+        .py_err();
+        self.release();
+        if r.is_ok() && send.is_some() {
+            self.held_combine = send;
+        }
+        r
     }
 }
 
@@ -448,6 +584,7 @@ impl GpuRank {
     #[allow(clippy::too_many_arguments)]
     fn dispatch(
         &mut self,
+        py: Python<'_>,
         stream: u64,
         x: &Bound<'_, PyAny>,
         topk_idx: &Bound<'_, PyAny>,
@@ -470,9 +607,7 @@ impl GpuRank {
             recv_stats,
             wait_stats,
         )?;
-        let r = self.inner.dispatch(stream, &p).py_err();
-        self.release();
-        r
+        self.enqueue_dispatch(py, stream, &p, None)
     }
 
     /// Enqueues a dispatch's send half (as `dispatch`); its tensors are held here until the
@@ -481,6 +616,7 @@ impl GpuRank {
     #[allow(clippy::too_many_arguments)]
     fn dispatch_send(
         &mut self,
+        py: Python<'_>,
         stream: u64,
         x: &Bound<'_, PyAny>,
         topk_idx: &Bound<'_, PyAny>,
@@ -503,13 +639,9 @@ impl GpuRank {
             recv_stats,
             wait_stats,
         )?;
-        let r = self.inner.dispatch_send(stream, &p).py_err();
-        self.release();
-        if r.is_ok() {
-            let ts = [x, topk_idx, recv_x, recv_count, src_info, layout_range];
-            self.held_dispatch = Some(hold(&ts, &[recv_x_scales, recv_stats, wait_stats]));
-        }
-        r
+        let ts = [x, topk_idx, recv_x, recv_count, src_info, layout_range];
+        let held = hold(&ts, &[recv_x_scales, recv_stats, wait_stats]);
+        self.enqueue_dispatch(py, stream, &p, Some(held))
     }
 
     /// Enqueues the receive half of dispatch `id` on `stream`: True; False where a later call
@@ -527,6 +659,7 @@ impl GpuRank {
     #[allow(clippy::too_many_arguments)]
     fn combine(
         &mut self,
+        py: Python<'_>,
         stream: u64,
         handle: u64,
         x: &Bound<'_, PyAny>,
@@ -536,13 +669,13 @@ impl GpuRank {
         wait_stats: Option<&Bound<'_, PyAny>>,
         use_logfmt: bool,
     ) -> PyResult<u64> {
-        let n = self.inner.dispatched_tokens(handle).py_err()?;
-        let spec = self.spec.get();
+        let n = self.dispatched_tokens(py, handle)?;
         let f = format_of(use_logfmt);
-        let p = spec.combine_ptrs(n, x, topk_idx, topk_weights, out, wait_stats, f)?;
-        let r = self.inner.combine(stream, handle, &p, f).py_err();
-        self.release();
-        r
+        let p = self
+            .spec
+            .get()
+            .combine_ptrs(n, x, topk_idx, topk_weights, out, wait_stats, f)?;
+        self.enqueue_combine(py, stream, handle, &p, f, None)
     }
 
     /// Enqueues a combine's send half (as `combine`); its tensors, and `keep` (the Buffer passes
@@ -552,6 +685,7 @@ impl GpuRank {
     #[allow(clippy::too_many_arguments)]
     fn combine_send(
         &mut self,
+        py: Python<'_>,
         stream: u64,
         handle: u64,
         x: &Bound<'_, PyAny>,
@@ -562,16 +696,14 @@ impl GpuRank {
         keep: Option<&Bound<'_, PyAny>>,
         use_logfmt: bool,
     ) -> PyResult<u64> {
-        let n = self.inner.dispatched_tokens(handle).py_err()?;
-        let spec = self.spec.get();
+        let n = self.dispatched_tokens(py, handle)?;
         let f = format_of(use_logfmt);
-        let p = spec.combine_ptrs(n, x, topk_idx, topk_weights, out, wait_stats, f)?;
-        let r = self.inner.combine_send(stream, handle, &p, f).py_err();
-        self.release();
-        if r.is_ok() {
-            self.held_combine = Some(hold(&[x, topk_idx, topk_weights, out], &[keep, wait_stats]));
-        }
-        r
+        let p = self
+            .spec
+            .get()
+            .combine_ptrs(n, x, topk_idx, topk_weights, out, wait_stats, f)?;
+        let held = hold(&[x, topk_idx, topk_weights, out], &[keep, wait_stats]);
+        self.enqueue_combine(py, stream, handle, &p, f, Some(held))
     }
 
     /// Enqueues the receive half of combine `id` (as `dispatch_recv`).

@@ -43,7 +43,8 @@ impl Dtypes {
     }
 }
 
-fn not_a_tensor(name: &str, t: &Bound<'_, PyAny>) -> PyErr {
+/// The `ArgumentError` of an argument `name` that is no tensor (`t`: what was passed).
+pub(super) fn not_a_tensor(name: &str, t: &Bound<'_, PyAny>) -> PyErr {
     let ty = t
         .get_type()
         .name()
@@ -75,6 +76,14 @@ pub(super) fn meta(name: &str, t: &Bound<'_, PyAny>, dtypes: &Dtypes) -> PyResul
             device: t.call_method0(intern!(py, "get_device"))?.extract()?,
         })
     };
+    read().map_err(|_| not_a_tensor(name, t))
+}
+
+/// The name of tensor `t`'s dtype (`str(t.dtype)`, e.g. "torch.float16"), for the message of a
+/// dtype none of ours; `not_a_tensor` where it has none.
+pub(super) fn dtype_text(name: &str, t: &Bound<'_, PyAny>) -> PyResult<String> {
+    let py = t.py();
+    let read = || -> PyResult<String> { Ok(t.getattr(intern!(py, "dtype"))?.str()?.to_string()) };
     read().map_err(|_| not_a_tensor(name, t))
 }
 

@@ -1,0 +1,141 @@
+//! `_StandInRank` (feature `testing`): a native rank that enqueues nothing, so that the C ABI's
+//! entries (`c_abi`) and the Buffer's extension path run without a GPU. Its calls are checked
+//! exactly as a `GpuRank`'s (the same `CallSpec`, the same [`Enqueue`] path); what passes then
+//! goes to a Python `target`:
+//! - a target with `dispatch_checked(stream, send_only, addrs)`, `dispatched_tokens(handle)` and
+//!   `combine_checked(stream, handle, send_only, addrs, use_logfmt)` gets the checked addresses
+//!   (as `CallSpec.check_dispatch` / `check_combine` return them) and returns the ids, so the
+//!   plumbing tests' stand-in world writes its outputs through them;
+//! - any other target is never called by an entry: the rank counts ids itself (the host-cost
+//!   measurement, `call_costs.py`, times the extension path with no Python in the entry).
+//!
+//! Every other attribute (`poll`, `dispatch_recv`, ...) is the target's.
+
+use super::rank::{combine_addrs, dispatch_addrs, CallSpec, Enqueue, Held};
+use crate::error::BindError;
+use crate::spec::{CombinePtrs, DispatchPtrs};
+use ep_kernels::GpuError;
+use ep_reference::CombineFormat;
+use pyo3::intern;
+use pyo3::prelude::*;
+use std::collections::VecDeque;
+
+use super::exceptions::IntoPy;
+
+/// How many dispatches' token counts a stand-in keeps (as `gpu::RankGroup` keeps 4 handles).
+const KEPT: usize = 4;
+
+#[pyclass(unsendable, module = "ep_dispatch._ep_dispatch", name = "_StandInRank")]
+pub(super) struct StandInRank {
+    spec: Py<CallSpec>,
+    target: Py<PyAny>,
+    /// The target takes the checked calls (it has `dispatch_checked`).
+    forward: bool,
+    next_dispatch: u64,
+    next_combine: u64,
+    tokens: VecDeque<(u64, usize)>,
+    /// The tensors of the latest dispatch (combine) send half, held as a `GpuRank` holds them.
+    held_dispatch: Option<Held>,
+    held_combine: Option<Held>,
+}
+
+#[pymethods]
+impl StandInRank {
+    #[new]
+    fn new(py: Python<'_>, spec: Py<CallSpec>, target: Py<PyAny>) -> PyResult<StandInRank> {
+        let forward = target.bind(py).hasattr(intern!(py, "dispatch_checked"))?;
+        Ok(StandInRank {
+            spec,
+            target,
+            forward,
+            next_dispatch: 1,
+            next_combine: 1,
+            tokens: VecDeque::new(),
+            held_dispatch: None,
+            held_combine: None,
+        })
+    }
+
+    /// The Python object the checked calls and every other attribute go to.
+    #[getter]
+    fn target(&self, py: Python<'_>) -> Py<PyAny> {
+        self.target.clone_ref(py)
+    }
+
+    /// How many objects the latest dispatch and combine send halves hold.
+    fn held_counts(&self) -> (usize, usize) {
+        let n = |h: &Option<Held>| h.as_ref().map_or(0, Vec::len);
+        (n(&self.held_dispatch), n(&self.held_combine))
+    }
+
+    fn __getattr__(&self, py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
+        Ok(self.target.bind(py).getattr(name)?.unbind())
+    }
+}
+
+impl Enqueue for StandInRank {
+    fn call_spec(&self) -> &CallSpec {
+        self.spec.get()
+    }
+
+    fn enqueue_dispatch(
+        &mut self,
+        py: Python<'_>,
+        stream: u64,
+        p: &DispatchPtrs,
+        send: Option<Held>,
+    ) -> PyResult<u64> {
+        let id = if self.forward {
+            let args = (stream, send.is_some(), dispatch_addrs(p));
+            let t = self.target.bind(py);
+            t.call_method1(intern!(py, "dispatch_checked"), args)?
+                .extract()?
+        } else {
+            self.next_dispatch += 1;
+            self.next_dispatch - 1
+        };
+        if self.tokens.len() == KEPT {
+            self.tokens.pop_front();
+        }
+        self.tokens.push_back((id, p.num_tokens));
+        self.held_dispatch = send;
+        Ok(id)
+    }
+
+    fn dispatched_tokens(&self, py: Python<'_>, handle: u64) -> PyResult<usize> {
+        if self.forward {
+            let t = self.target.bind(py);
+            return t
+                .call_method1(intern!(py, "dispatched_tokens"), (handle,))?
+                .extract();
+        }
+        let held = self.tokens.iter().find(|(id, _)| *id == handle);
+        held.map(|&(_, n)| n)
+            .ok_or_else(|| GpuError::Handle(format!("dispatch handle {handle} is no longer held")))
+            .map_err(BindError::from)
+            .py_err()
+    }
+
+    fn enqueue_combine(
+        &mut self,
+        py: Python<'_>,
+        stream: u64,
+        handle: u64,
+        p: &CombinePtrs,
+        format: CombineFormat,
+        send: Option<Held>,
+    ) -> PyResult<u64> {
+        let id = if self.forward {
+            let logfmt = format == CombineFormat::LogFmt;
+            let args = (stream, handle, send.is_some(), combine_addrs(p), logfmt);
+            let t = self.target.bind(py);
+            t.call_method1(intern!(py, "combine_checked"), args)?
+                .extract()?
+        } else {
+            self.next_combine += 1;
+            self.next_combine - 1
+        };
+        self.held_combine = send;
+        Ok(id)
+    }
+}
