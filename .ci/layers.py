@@ -11,10 +11,12 @@ inline), outside comments and `#[cfg(test)]` modules, and reports
   `handshake/` naming `crate::topology::node::X` and a file of `topology/` naming
   `crate::handshake::record::Y` (no two files form a circle there, the folders do);
 - a source file (any .rs, and any CUDA .cu / .cuh, in the workspace, tests and benches included)
-  over LIMIT lines.
+  over LIMIT lines;
+- a CUDA function (the body of a `__global__` or `__device__` function in a .cu / .cuh, from its
+  opening brace to its closing one, lambdas inside it included) over FN_LIMIT lines.
 
-Usage: python3 .ci/layers.py [--limit N]   (exit 1 on any finding, with one line per finding)
-       python3 .ci/layers.py --self-test   (the circle checks on small made-up crates)
+Usage: python3 .ci/layers.py [--limit N] [--fn-limit N]   (exit 1 on any finding, one line each)
+       python3 .ci/layers.py --self-test   (the circle and function checks on small made-up inputs)
 """
 
 import os
@@ -23,6 +25,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT = 800
+FN_LIMIT = 200
 # Files left over the size limit on purpose, with the reason (printed, not counted).
 EXEMPT = {}
 IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -55,6 +58,88 @@ def strip_comments(text):
             out.append(c)
             i += 1
     return "".join(out)
+
+
+def blank_comments(text):
+    """strip_comments for line counting: comments and string / char literals become blanks, and
+    every newline stays where it was."""
+    out = []
+    i, n = 0, len(text)
+    while i < n:
+        if text.startswith("//", i):
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append("".join(c if c == "\n" else " " for c in text[i:j]))
+            i = j
+        elif text[i] == '"':
+            j = i + 1
+            while j < n and text[j] != '"' and text[j] != "\n":
+                j += 2 if text[j] == "\\" else 1
+            out.append('""')
+            i = j + 1
+        elif text[i] == "'" and re.match(r"'(\\.|[^\\'])'", text[i : i + 4]):
+            m = re.match(r"'(\\.|[^\\'])'", text[i : i + 4])
+            out.append("' '")
+            i += len(m.group(0))
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def cuda_functions(text):
+    """[(name, first line, body lines)] of every `__global__` / `__device__` function defined in
+    CUDA source `text`: the body runs from the `{` that follows the parameter list to its matching
+    `}` (both lines counted). A declaration (`;` first) or a `__device__` variable (`=` first) is
+    no definition. A function inside another's body (a lambda) counts as the outer one's lines.
+    Raises ValueError where the braces do not match."""
+    text = blank_comments(text)
+    line_at = lambda k: text.count("\n", 0, k) + 1
+    out, end = [], -1
+    for m in re.finditer(r"\b__(?:global|device)__\b", text):
+        if m.start() < end:
+            continue  # inside the body found last
+        j, depth, paren = m.end(), 0, None
+        while j < len(text):
+            c = text[j]
+            if c == "(":
+                if depth == 0:
+                    paren = j
+                depth += 1
+            elif c == ")":
+                depth -= 1
+            elif depth == 0 and c in ";=":
+                paren = None
+                break
+            elif depth == 0 and c == "{":
+                break
+            j += 1
+        if paren is None or j >= len(text):
+            continue
+        name = re.search(r"(" + IDENT + r"(?:::" + IDENT + r")*)\s*(?:<[^<>()]*>)?\s*$", text[m.end() : paren])
+        depth, k = 0, j
+        while k < len(text):
+            depth += {"{": 1, "}": -1}.get(text[k], 0)
+            if depth == 0:
+                break
+            k += 1
+        if depth:
+            raise ValueError(f"unmatched '{{' at line {line_at(j)}")
+        out.append((name.group(1) if name else "?", line_at(m.start()), line_at(k) - line_at(j) + 1))
+        end = k
+    return out
+
+
+def long_cuda_functions(path, rel, fn_limit):
+    """One finding per function of CUDA file `path` whose body is over fn_limit lines."""
+    try:
+        fns = cuda_functions(open(path, encoding="utf-8").read())
+    except ValueError as e:
+        return [f"{rel}: cannot find its functions ({e})"]
+    return [f"{rel}:{line}: function {name} is {n} lines (over {fn_limit})" for name, line, n in fns if n > fn_limit]
 
 
 def strip_test_modules(text):
@@ -303,6 +388,25 @@ def self_test():
         "topology/plan.rs": "use crate::error::E;\n",
     })
     assert clean == [], clean
+    # CUDA functions: a definition's body is counted from its brace to its brace; declarations,
+    # `__device__` variables, lambdas inside a body and braces in comments or strings are not
+    # functions of their own.
+    src = (
+        "__global__ void __launch_bounds__(512, 1) ns::k(KParams p);\n"
+        "__device__ const int TABLE[2] = {1, 2};\n"
+        "template <int S>\n__device__ __forceinline__ void two(int a) {\n"
+        "    auto f = [&](int i) __device__ { return i; };  // }\n"
+        "    /* { */ const char* s = \"{\";\n}\n"
+        "__global__ void __launch_bounds__(512, 1) ns::k(KParams p) {\n" + "    x();\n" * 5 + "}\n"
+    )
+    assert cuda_functions(src) == [("two", 4, 4), ("ns::k", 8, 7)], cuda_functions(src)
+    import tempfile
+    f = tempfile.NamedTemporaryFile("w", suffix=".cu", delete=False)
+    f.write(src)
+    f.close()
+    assert long_cuda_functions(f.name, "a.cu", 6) == ["a.cu:8: function ns::k is 7 lines (over 6)"]
+    assert long_cuda_functions(f.name, "a.cu", 7) == []
+    os.unlink(f.name)
     print("layers: self-test passed")
     return 0
 
@@ -310,9 +414,11 @@ def self_test():
 def main():
     if "--self-test" in sys.argv:
         return self_test()
-    limit = LIMIT
+    limit, fn_limit = LIMIT, FN_LIMIT
     if "--limit" in sys.argv:
         limit = int(sys.argv[sys.argv.index("--limit") + 1])
+    if "--fn-limit" in sys.argv:
+        fn_limit = int(sys.argv[sys.argv.index("--fn-limit") + 1])
     members = re.search(r"members\s*=\s*\[([^\]]*)\]", open(os.path.join(ROOT, "Cargo.toml")).read())
     crates = re.findall(r'"([^"]+)"', members.group(1))
     findings = []
@@ -329,6 +435,8 @@ def main():
                         print(f"exempt: {rel}: {n} lines ({EXEMPT[rel]})")
                     elif n > limit:
                         findings.append(f"{rel}: {n} lines (over {limit})")
+                    if f.endswith((".cu", ".cuh")):
+                        findings.extend(long_cuda_functions(p, rel, fn_limit))
     for f in dict.fromkeys(findings):
         print(f)
     print(f"layers: {len(dict.fromkeys(findings))} findings in {len(crates)} crates")

@@ -33,9 +33,12 @@ pub const STATS_CUH: &str = include_str!("cu/stats.cuh");
 /// LogFMT-10 (bit-identical to `ep_reference::numerics::logfmt`): a row's encoding and the
 /// combine reduction over encoded rows.
 pub const LOGFMT_CUH: &str = include_str!("cu/logfmt.cuh");
+/// The start and the end the dispatch and combine kernels share: the block's view of the call,
+/// the acknowledgement wait, the last block out's epoch and acknowledgements.
+pub const FRAME_CUH: &str = include_str!("cu/frame.cuh");
 /// The shared headers, in the order every family is compiled with them.
-pub const HEADERS: [&str; 6] = [
-    COMMON_CUH, SHRINK_CUH, POISON_CUH, FP8_CUH, STATS_CUH, LOGFMT_CUH,
+pub const HEADERS: [&str; 7] = [
+    COMMON_CUH, SHRINK_CUH, POISON_CUH, FP8_CUH, STATS_CUH, LOGFMT_CUH, FRAME_CUH,
 ];
 
 /// One module: a `.cu` file and the kernels it defines.

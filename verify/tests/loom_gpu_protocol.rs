@@ -14,7 +14,7 @@
 //! every interleaving, failed or not, each launch's end (`check_exit`): one block is the last
 //! out, and when some block saw the call fail (its `s_fail`, bad input, poison or a failed
 //! wait), the last block out knows it from the exit count (`call_failed`) and writes the failed
-//! call's outputs (common.cuh `last_block_out`, "`if (last_out && p.stage != 1 &&
+//! call's outputs (frame.cuh `last_block_out`, "`if (last_out && p.stage != 1 &&
 //! call_failed)`"); excused only where a report that lost the claim ran out of its wait for
 //! the winner's code (`claim_unseen`: loom starved the winner for the whole bound).
 //! (Unbounded spins are not an option: with two blocks waiting for a third, loom would explore
@@ -26,16 +26,17 @@
 //!   dispatch's `fence_rel(p)`, "`atomicAdd(state + ST_SENT + KIND, 1u)`", `fence_rel(p)`,
 //!   "`st_release(p, sig_bat(tab[d]) + rank, ...)`") and the receiver's `wait_signal`, one call.
 //! - `batched_consecutive_calls` (and `per_expert_consecutive_calls`): the tag in the signal
-//!   (no signal of call 1 taken for call 2), the ack (`finish:`'s "`st_release(p,
-//!   sig_bat_ack(tab[s], R) + rank, (u64)epoch)`" / `sig_pe_ack`) and the sender's ack wait
-//!   before it overwrites the buffers (batched: the pre-load `ack0` then "`if (!in_bad && acker
-//!   && ack0 < epoch - 1ull) wbad = !wait_ack(...)`"; per-expert: `wait_ack` in `tid < R`).
+//!   (no signal of call 1 taken for call 2), the ack (`frame_end`'s "`st_release(p,
+//!   ack_words(c.tab[s], p.R, KIND) + c.rank, c.epoch)`": `sig_bat_ack` / `sig_pe_ack`) and the
+//!   sender's ack wait before it overwrites the buffers (`wait_acks`; batched: the pre-load
+//!   `a.v0` then "`if (a.waits && a.v0 < c.epoch - 1ull) bad = !wait_ack(...)`"; per-expert:
+//!   `wait_ack` in `tid < R`).
 //! - `batched_tag_wrap`, `per_expert_tag_wrap`: the same two calls across the tag's wrap
 //!   (epochs 2^40 - 2 -> 2^40 - 1, tags 2^40 - 1 -> 1; common.cuh `sig_tag`, and `wait_signal`'s
 //!   match "`(v >> SIG_COUNT_BITS) == tag`"): the previous call's signal, whose tag is now the
 //!   larger, is never taken.
 //! - `batched_one_sender_two_receivers`: `last_block_out`'s exit counter, which must carry every
-//!   receiving block's reads into the last block's ack (common.cuh `last_block_out`), and a
+//!   receiving block's reads into the last block's ack (frame.cuh `last_block_out`), and a
 //!   block's failure (a wait that ran out: "`f ? 1u + EXIT_FAILED : 1u`") into the last
 //!   block's `call_failed` (mutant `gpu_exit_no_fail_flag`).
 //! - `per_expert_two_senders_one_receiver`: the per-expert signal of each (expert, source) and
@@ -53,20 +54,20 @@
 //!   == 0u && globaltimer() - t0 < 100000ull)`"), or its rank's last block out would not know
 //!   that its call failed (mutant `gpu_loser_no_wait`).
 //! - `bad_input_sender_peer_*`, `bad_input_receiver_then_enqueued_call`: the device-side input
-//!   check (`in_bad`: batched "`__syncthreads_or(bad) | s_bad`", then "`if
-//!   (__syncthreads_or(wbad) || in_bad) goto finish;`"): the bad rank skips its waits and sends,
+//!   check (`in_bad`: "`__syncthreads_or(bad) | s_bad<KIND>`", then "`if (s_fail<KIND> ||
+//!   in_bad) { poison_peers(...); return false; }`"): the bad rank skips its waits and sends,
 //!   stores the poison, and still counts out, publishes its epoch and acks; what its peers see
 //!   on the same device (the flag or the poison) and on another (the poison or a timeout, ranked
 //!   after the input error by error_word.rs `cause_first`).
 //! - `batched_hook_split_one_call`: the receive hook's split of batched dispatch over NVLink
 //!   (a send-half launch, stage 1, then a receive-half launch, stage 2, per rank and call):
-//!   stage 2's pre-load of its sources' signals at kernel start ("`if (presig) sig0 =
-//!   ld_acquire(p, sig_bat(me) + tid)`", `preload_signals`) and `wait_signal_pre`, which takes
+//!   stage 2's pre-load of its sources' signals at kernel start ("`pre.sig0 =
+//!   ld_acquire(p, sig_bat(me) + s)`", `preload_signals`) and `wait_signal_pre`, which takes
 //!   a count from it with no further load (mutant `gpu_preload_relaxed`), else waits as
 //!   `wait_signal` does (mutant `gpu_wait_relaxed`).
 //! - `batched_hook_split_consecutive_calls`, `batched_hook_split_tag_wrap`: two split calls:
-//!   the receive half's `finish:` acks (stage 1 publishes nothing: "`if (last_out && p.stage
-//!   != 1)`"), the send half's ack wait (mutant `gpu_no_ack_wait`), and a pre-loaded word of
+//!   the receive half's `frame_end` acks (stage 1 publishes nothing: "`if (last_out && stage
+//!   != 1 ...)`"), the send half's ack wait (mutant `gpu_no_ack_wait`), and a pre-loaded word of
 //!   call 1 never taken for call 2's (across the tag's wrap too: mutant `gpu_tag_ge`).
 //!   Batched combine's stage-2 pre-load of `sig_cb` is the same pattern and has no model of its
 //!   own.
@@ -208,7 +209,7 @@ fn batched_hook_split_one_call() {
 }
 
 /// Two split calls on the same buffers, one block each side: the receive half's ack (its
-/// `finish:` acks every NVLink source; the send half's publishes nothing) lets rank 0's call-2
+/// `frame_end` acks every NVLink source; the send half's publishes nothing) lets rank 0's call-2
 /// send half overwrite the entries, and rank 1's call-2 receive half may pre-load call 1's
 /// signal (call 2's send half has not signalled yet): a stale tag, which it must not take for
 /// call 2's, and some interleaving must pre-load it.
@@ -491,7 +492,7 @@ fn bad_input_sender_peer_on_another_device() {
 }
 
 /// Rank 1 (the receiver) has bad routing in call 1 and good routing in call 2, launched back to
-/// back with no sync. Its call 1 reads nothing but acks call 1 (`finish:`, "`if (last_out &&
+/// back with no sync. Its call 1 reads nothing but acks call 1 (`frame_end`, "`if (last_out &&
 /// p.stage != 1)`"); rank 0's call 2 then overwrites the buffers. Rank 1's call 2 finds its
 /// group failed (`s_fail`): it reads nothing and stores the poison, but still publishes epoch 2
 /// and acks: the bad call leaves the epochs in step, its early ack is safe, and rank 0, which

@@ -7,7 +7,7 @@
 //!
 //! `shrink_*`: shrink mode, the rank mask (common.cuh, "shrink mode (the rank mask)":
 //!   `agree_at`, `wait_peer_signals`, `wait_peer_ack`, `masked_peers`; batched dispatch's
-//!   `s_gone` / `gone` and `finish:`'s "no ack to a masked peer"; runtime/shrink.rs `update_mask`
+//!   `s_gone` / `gone` and `frame_end`'s "no ack to a masked peer"; runtime/shrink.rs `update_mask`
 //!   and `clean_mask`). `shrink_two_blocks_agree_at_the_timeout_edge` and its per-expert twin:
 //!   the blocks of a rank agree on a peer whose signal lands at the timeout's edge (mutant
 //!   `gpu_no_agreement`); `shrink_masked_peer_signals_ignored`: a masked peer's signal, with this

@@ -14,7 +14,7 @@ typedef long long i64;
 // Build variants (`Variant` in kernels/src/variant.rs): the host prepends these defines to
 // the source for groups past 32 ranks; a group of at most 32 ranks compiles this file as it is.
 //   EP_MASK_WORDS: u32 words of a set of peers (the call's masked peers, the NCCL peers): 1 for
-//     R <= 32 (one word in a register, as ever), MAX_RANKS / 32 past that (shared-memory words).
+//     R <= 32 (one word in a register), MAX_RANKS / 32 past that (shared-memory words).
 //   EP_MAX_LOCAL: entries of the IoTable (ranks of one launch): 32, or MAX_RANKS past 32 ranks on
 //     one GPU (a kernel parameter of 22.5 KB: CUDA 12.1+ takes up to 32764 bytes).
 //   EP_MIN_BLOCKS: __launch_bounds__' minimum blocks per SM: 2 when a GPU runs more ranks than it
@@ -39,7 +39,7 @@ typedef long long i64;
 #define MAX_K 16
 #define NO_LOCAL 0xFFFFu
 
-// Phases reported in the error word (match `decode` in kernels/src/runtime/errors.rs).
+// Phases reported in the error word (match `decode` in kernels/src/runtime/error_word.rs).
 #define PH_DISPATCH_SEND 0
 #define PH_DISPATCH_RECV 1
 #define PH_COMBINE_SEND 2
@@ -187,7 +187,7 @@ __device__ __forceinline__ int div_rcp(int n, int d, float rcp) {
     return q;
 }
 
-// The plain build (EP_PLAIN, runtime/variant.rs): no peer is reached through NCCL and shrink mode
+// The plain build (EP_PLAIN, kernels/src/variant.rs): no peer is reached through NCCL and shrink mode
 // is off, so their code is compiled out; the host launches it only for such a group.
 #ifndef EP_PLAIN
 #define EP_PLAIN 0
@@ -276,7 +276,7 @@ __device__ __forceinline__ u64 globaltimer() {
 
 // ---------------------------------------------------------------- errors and bounded waits
 // err[0]: the error code (0 = ok, ERR_*); the words after it by code (decoded in
-// kernels/src/runtime/errors.rs):
+// kernels/src/runtime/error_word.rs):
 //   ERR_TIMEOUT:      [1] waiting rank, [2] peer, [3] phase, [4] call (low), [5] waited us, [6] call (high)
 //   ERR_EXPERT_RANGE: [1] rank, [2] token, [3] slot, [4] value (low), [5] value (high), [6] E
 //   ERR_DUP_EXPERT:   [1] rank, [2] token, [3] second slot, [4] expert, [6] first slot
@@ -310,7 +310,7 @@ __device__ __forceinline__ bool failed(const KParams& p) {
 // The claim winner also writes the host mirror (p.err_host, mapped pinned memory): the words
 // first, a system fence, then the code, so a host that reads a nonzero code with acquire
 // ordering reads the words of that error. The host polls the mirror at the entry of every call
-// without synchronising any stream (kernels/src/runtime/errors.rs). Plain stores only: device
+// without synchronising any stream (kernels/src/runtime/error_word.rs). Plain stores only: device
 // atomics on host memory are not atomic on every platform, and one writer needs none.
 // (Scalar arguments: a __noinline__ function taking the KParams by reference would copy them to
 // the stack in every kernel.)
@@ -393,7 +393,7 @@ __device__ __forceinline__ u64 ld_epoch(const u32* state, int kind) {
 // loom model: gpu_protocol::poison (poison_signals, is_poison), model failed_rank_poisons_enqueued_calls.
 #define SIG_POISON SIG_COUNT_MASK
 __device__ __forceinline__ bool is_poison(u64 v) { return (v & SIG_COUNT_MASK) == SIG_POISON && (v >> SIG_COUNT_BITS) != 0ull; }
-// NCCL capacity mode's header poison (launch.rs POISON_HDR): a token count no good pack writes.
+// NCCL capacity mode's header poison (runtime/nccl/plan.rs POISON_HDR): a token count no good pack writes.
 #define HDR_POISON 0x7FFFFFFF
 __device__ void report_peer_failed(const KParams& p, int rank, int peer, int phase, u64 call) {
     report_error(p, ERR_PEER_FAILED, (u32)rank, (u32)peer, (u32)phase, (u32)call, 0u, (u32)(call >> 32));
@@ -460,6 +460,14 @@ __device__ __forceinline__ u64* signal_slot(const KParams& p, const RankPtrs* ta
     return sig_pc(tab[d], p.R, p.L) + (u64)rank * p.L + l;
 }
 
+// The acknowledgement words of a call of `kind` in rank r's signals: [R], word d is peer d's.
+__device__ __forceinline__ u64* ack_words(const RankPtrs& r, int R, int kind) {
+    if (kind == KIND_BAT_DISPATCH) return sig_bat_ack(r, R);
+    if (kind == KIND_BAT_COMBINE) return sig_cb_ack(r, R);
+    if (kind == KIND_PE_DISPATCH) return sig_pe_ack(r, R);
+    return sig_pc_ack(r, R);
+}
+
 // ---------------------------------------------------------------- bf16
 __device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
 // Round to nearest even; NaN -> 0x7FFF (docs/contract.md, numerics/bf16.rs).
@@ -523,42 +531,63 @@ __device__ __forceinline__ void warp_copy(u8* dst, const u8* src, int n) {
     }
 }
 
-// Routing of one rank, loaded into shared memory: sk[t*K+k] = expert or -1, and
-// sdl[t*K+k] = (owner rank << 16) | local expert, or -1 (one division per selection, here only).
-// With `check` (dispatch: topk_idx may come from the caller's device memory), every index is
-// checked first: outside [-1, E) or repeated within its token is reported (ERR_EXPERT_RANGE /
-// ERR_DUP_EXPERT with rank, token, slot, value) and stored as -1, so nothing indexes with it.
-// Returns nonzero in every thread when an index was bad (a block barrier: all threads call it).
-__device__ __forceinline__ int load_topk(const KParams& p, const i64* topk, int n, int* sk, int* sdl, int rank, bool check) {
+// Routing of one rank, loaded into shared memory: sk[t*K+k] = expert or -1, and place(i, e) for
+// every selection i = t*K+k (the caller's own per-selection tallies; e as sk holds it), two
+// selections per thread loaded before either is used. With CHECK (dispatch: topk_idx may come
+// from the caller's device memory), every index is checked: outside [-1, E) is reported
+// (ERR_EXPERT_RANGE with rank, token, slot, value) and read as -1, so nothing indexes with it;
+// then, after a block barrier, a repeat within its token (ERR_DUP_EXPERT with rank, token, slot,
+// expert, first slot). With `stamps`, profile stamps p6 (routing loaded) and p8 (this thread's
+// share of the repeat check done). Returns this thread's verdict (nonzero: it found a bad index):
+// the caller reduces it over the block (__syncthreads_or) before any write. Without CHECK no
+// barrier is made: the caller makes one before sk is read.
+template <bool CHECK, typename Place>
+__device__ __forceinline__ int load_topk(const KParams& p, const i64* topk, int n, int* sk, int rank, bool stamps, const Place& place) {
+    const int K = p.K;
     int bad = 0;
-    for (int i = threadIdx.x; i < n * p.K; i += NTHREADS) {
-        const i64 v = topk[i];
+    auto one = [&](int i, i64 v) {
         int e = (int)v;
-        if (check && (v < -1 || v >= (i64)p.E)) {
-            report_error(p, ERR_EXPERT_RANGE, (u32)rank, (u32)(i / p.K), (u32)(i % p.K), (u32)(unsigned long long)v,
+        if (CHECK && (v < -1 || v >= (i64)p.E)) {
+            report_error(p, ERR_EXPERT_RANGE, (u32)rank, (u32)(i / K), (u32)(i % K), (u32)(unsigned long long)v,
                          (u32)((unsigned long long)v >> 32), (u32)p.E);
             bad = 1;
             e = -1;
         }
         sk[i] = e;
-        sdl[i] = e >= 0 ? ((e / p.L) << 16) | (e % p.L) : -1;
+        place(i, e);
+    };
+    for (int i0 = threadIdx.x; i0 < n * K; i0 += 2 * NTHREADS) {
+        const int i1 = i0 + NTHREADS;
+        const i64 v0 = topk[i0];
+        const i64 v1 = i1 < n * K ? topk[i1] : -1;
+        one(i0, v0);
+        if (i1 < n * K) one(i1, v1);
     }
-    if (!check) return __syncthreads_or(bad);
+    if (!CHECK) return 0;
     __syncthreads();
-    // Repeats within a token, from shared memory (the caller stops before any write).
-    for (int i = threadIdx.x; i < n * p.K; i += NTHREADS) {
+    if (stamps) PROF(6);  // routing loaded and counted
+    // Repeats within a token, from shared memory.
+    for (int i = threadIdx.x; i < n * K; i += NTHREADS) {
         const int e = sk[i];
         if (e < 0) continue;
-        const int t = i / p.K, k = i % p.K;
+        const int t = i / K, k = i % K;
         for (int j = 0; j < k; j++)
-            if (sk[t * p.K + j] == e) {
+            if (sk[t * K + j] == e) {
                 report_error(p, ERR_DUP_EXPERT, (u32)rank, (u32)t, (u32)k, (u32)e, 0u, (u32)j);
                 bad = 1;
                 break;
             }
     }
-    return __syncthreads_or(bad);
+    if (stamps) PROF(8);  // thread 0's share of the repeat check done
+    return bad;
 }
+// sdl[i] = (owner rank << 16) | local expert of selection i's expert e, or -1 (one division per
+// selection, here only): load_topk's `place` where nothing else is tallied.
+struct PlaceOwner {
+    int* sdl;
+    int L;
+    __device__ __forceinline__ void operator()(int i, int e) const { sdl[i] = e >= 0 ? ((e / L) << 16) | (e % L) : -1; }
+};
 // The rank's token count for this call, from `ntok`; outside [0, T] is reported (ERR_TOKENS) and
 // read as 0 with *bad set. Thread 0 only.
 __device__ __forceinline__ int read_ntok(const KParams& p, const IoPtrs& io, int rank, int* bad) {
@@ -569,63 +598,6 @@ __device__ __forceinline__ int read_ntok(const KParams& p, const IoPtrs& io, int
         return 0;
     }
     return n;
-}
-
-// The end of a kernel for one rank: the last block to leave publishes the epoch, resets the
-// counters and acknowledges to every peer that this rank has consumed the call's data.
-// Every block also brings into the exit counter whether it saw the group failed (`fail_start`:
-// s_fail, the error word at its start; or the error word at its end, loaded by thread 0 before
-// its fence, so that the load overlaps the drain of the block's stores): bit 16 and up count
-// those blocks, so the last block out knows whether any block of this rank saw the call fail
-// (*call_failed) without loading the error word once more after the count. An error recorded
-// after every block of the rank had checked did not stop this rank's call: its outputs are whole.
-// loom model: gpu_protocol::last_block_out; covered by loom_gpu_protocol.rs
-// batched_one_sender_two_receivers (mutants gpu_exit_release, gpu_exit_acquire).
-#define EXIT_FAILED (1u << 16)
-__device__ __forceinline__ bool last_block_out(const KParams& p, u32* state, int kind, bool fail_start, bool* call_failed) {
-    __shared__ int s_last, s_failed;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const bool f = fail_start || failed(p);
-        fence_rel(p);
-        const u32 old = atomicAdd(state + ST_EXIT + kind, f ? 1u + EXIT_FAILED : 1u);
-        s_last = ((old & (EXIT_FAILED - 1u)) == (u32)p.blocks_per_rank - 1u);
-        s_failed = f || old >= EXIT_FAILED;
-        if (s_last) {
-            state[ST_EXIT + kind] = 0u;
-            fence_rel(p);
-        }
-    }
-    __syncthreads();
-    *call_failed = s_failed != 0;
-    return s_last != 0;
-}
-
-// The outputs of a call that failed (docs/contract.md, "A failed call"), written by the last
-// block of a rank to leave when a block of the rank saw the device's error word set (an error of
-// this rank, or of another whose failure stopped this rank's waits: last_block_out): nothing of an earlier call passes for this
-// call's. Dispatch: every count and (begin, count) pair 0, so no row is presented as received.
-// Combine: every element of the n output rows NaN (bf16 0x7FFF), which no weighted sum of the
-// contract produces from finite inputs without being flagged by any check the caller makes.
-// Out of line with scalar arguments (cold; see report_error_at).
-__device__ __noinline__ void fail_dispatch_at(int L, int R, u64 io_count, u64 io_layout, u64 my_count, u64 my_layout) {
-    for (int i = threadIdx.x; i < L; i += NTHREADS) {
-        ((int*)io_count)[i] = 0;
-        ((int*)my_count)[i] = 0;
-    }
-    for (int i = threadIdx.x; i < L * R * 2; i += NTHREADS) {
-        ((int*)io_layout)[i] = 0;
-        ((int*)my_layout)[i] = 0;
-    }
-}
-__device__ __noinline__ void fail_combine_at(u64 out, u64 elems) {
-    for (u64 i = threadIdx.x; i < elems; i += NTHREADS) ((u16*)out)[i] = (u16)0x7FFFu;
-}
-__device__ __forceinline__ void fail_dispatch_outputs(const KParams& p, const IoPtrs& io, const RankPtrs& me) {
-    fail_dispatch_at(p.L, p.R, io.recv_count, io.layout, me.recv_count, me.layout);
-}
-__device__ __forceinline__ void fail_combine_outputs(const KParams& p, const IoPtrs& io, int n) {
-    fail_combine_at(io.out, (u64)n * (u64)p.H);
 }
 
 // The combine reduction of docs/contract.md for the tokens of one rank: for each token t and channel h,

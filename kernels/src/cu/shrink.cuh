@@ -29,8 +29,8 @@ __device__ __forceinline__ bool peer_masked(const KParams& p, const RankPtrs& me
 }
 // A call's set of gone peers (masked, or lost in this call). R <= 32: one u32 in a register
 // (bit d: peer d). Wide (R > 32): EP_MASK_WORDS u32 in shared memory (bit d % 32 of word d / 32).
-// Each kernel keeps the live set `s_gone` (blocks add the peers they lose to it) and reads
-// snapshots of it taken at block barriers: `gone0` (at entry) and `gone` (after each wait phase).
+// Each kernel keeps the live set (blocks add the peers they lose to it) and reads snapshots of it
+// taken at block barriers: `gone0` (at entry) and `gone` (after each wait phase).
 // loom model: gpu_protocol::shrink (PeerSet, the snapshots; models shrink_* and shrink_wide_*).
 #if WIDE
 typedef const u32* PeerSet;
@@ -55,24 +55,31 @@ __device__ __forceinline__ void masked_peers_into(const KParams& p, const RankPt
     for (int d = 0; d < p.R; d++)
         if (ld_volatile_u32((const u32*)shr_mask(me, p.R) + d) != 0u) out[d >> 5] |= 1u << (d & 31);
 }
-// The sets' shared words and their snapshots, as every kernel declares and uses them
-// (`tid` is threadIdx.x; GONE_SNAPSHOT is a block barrier in the wide build: call it where every
-// thread of the block does, after the barrier that ends the phase whose losses it takes).
+// The sets' shared words, one set per block and kernel kind (as frame.cuh's s_*): the live set,
+// and in the wide build the entry snapshot and the latest one. The macros below are how every
+// kernel uses them (`p`, `me` and KIND are the kernel's KParams, RankPtrs and kind; GONE_SNAPSHOT
+// is a block barrier in the wide build: call it where every thread of the block does, after the
+// barrier that ends the phase whose losses it takes).
 #if WIDE
-#define GONE_SHARED __shared__ u32 s_gone[EP_MASK_WORDS], s_gone0[EP_MASK_WORDS], s_gone1[EP_MASK_WORDS]
-#define GONE_INIT()                                                 \
-    do {                                                            \
-        masked_peers_into(p, me, s_gone);                           \
-        for (int i_ = 0; i_ < EP_MASK_WORDS; i_++) s_gone0[i_] = s_gone[i_]; \
+template <int KIND>
+static __shared__ u32 s_gone[EP_MASK_WORDS];  // the live set
+template <int KIND>
+static __shared__ u32 s_gone0[EP_MASK_WORDS];  // the snapshot at entry
+template <int KIND>
+static __shared__ u32 s_gone1[EP_MASK_WORDS];  // the latest snapshot
+#define GONE_INIT()                                                           \
+    do {                                                                      \
+        masked_peers_into(p, me, s_gone<KIND>);                                   \
+        for (int i_ = 0; i_ < EP_MASK_WORDS; i_++) s_gone0<KIND>[i_] = s_gone<KIND>[i_]; \
     } while (0)
-#define GONE0() ((PeerSet)s_gone0)
-#define GONE_LIVE() ((PeerSet)s_gone)
-#define GONE_ADD(d) atomicOr(&s_gone[(d) >> 5], 1u << ((d) & 31))
-#define GONE_SNAPSHOT(g)                                                        \
-    do {                                                                        \
-        if (threadIdx.x < EP_MASK_WORDS) s_gone1[threadIdx.x] = s_gone[threadIdx.x]; \
-        __syncthreads();                                                        \
-        g = s_gone1;                                                            \
+#define GONE0() ((PeerSet)s_gone0<KIND>)
+#define GONE_LIVE() ((PeerSet)s_gone<KIND>)
+#define GONE_ADD(d) atomicOr(&s_gone<KIND>[(d) >> 5], 1u << ((d) & 31))
+#define GONE_SNAPSHOT(g)                                                                \
+    do {                                                                                \
+        if (threadIdx.x < EP_MASK_WORDS) s_gone1<KIND>[threadIdx.x] = s_gone<KIND>[threadIdx.x]; \
+        __syncthreads();                                                                \
+        g = s_gone1<KIND>;                                                                  \
     } while (0)
 __device__ __forceinline__ bool gone_differs(const u32* a, const u32* b) {
     u32 x = 0u;
@@ -88,12 +95,13 @@ __device__ __forceinline__ bool gone_any(const u32* a) {
 #define MASKED_AT_END() (void)0
 #define END_MASKED(s) peer_masked(p, me, (s))
 #else
-#define GONE_SHARED __shared__ u32 s_gone
-#define GONE_INIT() (s_gone = masked_peers(p, me))
-#define GONE0() s_gone
-#define GONE_LIVE() s_gone
-#define GONE_ADD(d) atomicOr(&s_gone, 1u << (d))
-#define GONE_SNAPSHOT(g) (g = s_gone)
+template <int KIND>
+static __shared__ u32 s_gone;  // the live set
+#define GONE_INIT() (s_gone<KIND> = masked_peers(p, me))
+#define GONE0() s_gone<KIND>
+#define GONE_LIVE() s_gone<KIND>
+#define GONE_ADD(d) atomicOr(&s_gone<KIND>, 1u << (d))
+#define GONE_SNAPSHOT(g) (g = s_gone<KIND>)
 __device__ __forceinline__ bool gone_differs(u32 a, u32 b) { return a != b; }
 __device__ __forceinline__ bool gone_any(u32 a) { return a != 0u; }
 #define MASKED_AT_END() const u32 masked = masked_peers(p, me)

@@ -81,10 +81,10 @@ pub(crate) fn batched_send(
 /// (batched dispatch, the block under "`if (p.stage != 1 && !direct)`": stage 0, and the
 /// receive half of the receive hook's split). Shrink mode: a source in `gone` is not waited
 /// for, the others with [`wait_peer_signals`]; one agreed lost joins the block's live set
-/// (`GONE_ADD(tid); c = 0;`): nothing of either is read. Then the
+/// (`GONE_ADD(tid); cnt = 0;`): nothing of either is read. Then the
 /// `__syncthreads_or(bad)` and, if no wait failed, the snapshot that the expansion reads
 /// (`GONE_SNAPSHOT(gone)`), which becomes `rep.gone`. `sig0`: the receive half's (stage 2)
-/// pre-loaded signal words (`presig`, hook.rs `preload_signals`), in `Group::sources` order,
+/// pre-loaded signal words (`presig_of`, hook.rs `preload_signals`), in `Group::sources` order,
 /// each waited for with [`wait_signal_pre`]; `None` in stage 0 and in shrink mode.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn batched_receive(
@@ -110,7 +110,7 @@ pub(crate) fn batched_receive(
             break;
         }
         let got = if kp.shrink {
-            // else if (p.shrink) c = is_gone(gone, tid) ? PEER_LOST : wait_peer_signals(..., sig_bat(me) + tid, 0, 1, 0, epoch);
+            // else if (SHRINK(p)) cnt = is_gone(c.gone, tid) ? PEER_LOST : wait_peer_signals(..., sig_bat(me) + tid, 0, 1, 0, epoch);
             if receive_skips(gone, s) {
                 Ok(Peer::Lost)
             } else {
@@ -131,7 +131,7 @@ pub(crate) fn batched_receive(
             wait_signal(g, kp, &me.sig[s], epoch, rank, s, PH_DISPATCH_RECV).map(Peer::Arrived)
         };
         match got {
-            // if (c == PEER_LOST) { GONE_ADD(tid); c = 0; }
+            // if (cnt == PEER_LOST) { GONE_ADD(tid); cnt = 0; }
             Ok(Peer::Lost) => set.add(s),
             Ok(Peer::Arrived(c)) => {
                 // bad = c < 0 || peer_bad(p, rank, tid, PF_BATCH_TOKENS, c, T);
@@ -146,7 +146,7 @@ pub(crate) fn batched_receive(
             }
         }
     }
-    // if (__syncthreads_or(bad)) goto finish;
+    // return !__syncthreads_or(bad);  (receive_signals)
     if set.sync_or(OR_RECEIVE, rep.failed_wait.is_some()) {
         rep.gone = set.live();
         return;

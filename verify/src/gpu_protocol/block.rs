@@ -1,8 +1,8 @@
 //! The roles every dispatch block runs around its sends and receives, in both kernels and
 //! every stage: its epoch at the start, the device-side input check, the sender's ack waits
 //! (with batched dispatch's pre-load of the acks), and at the end `last_block_out` (the exit
-//! count, which carries whether any block saw the call fail) and `finish`, which writes a
-//! failed call's outputs and publishes the epoch and the acks.
+//! count, which carries whether any block saw the call fail) and `finish` (frame.cuh
+//! `frame_end`), which writes a failed call's outputs and publishes the epoch and the acks.
 
 use crate::gpu_protocol::gone::Gone;
 use crate::gpu_protocol::orderings::{
@@ -15,9 +15,10 @@ use crate::gpu_protocol::state::{BlockReport, Group, Launch, Rank, WaitEnd};
 use crate::gpu_protocol::waits::{failed, report_error, take_claim, wait_ack};
 use crate::gpu_protocol::words::{ERR_EXPERT_RANGE, EXIT_FAILED, PH_DISPATCH_SEND};
 
-/// Role: thread 0's start of every block, after its pre-loads: whether the group had failed
-/// ("`s_fail = p.refused || failed(p)`"; `failed_before`, and the block's `s_fail` in the
-/// report) and this call's epoch ([`block_epoch`]), in the report the block fills.
+/// Role: thread 0's start of every block (frame.cuh `frame_start`), after its pre-loads: whether
+/// the group had failed ("`fail = p.refused || failed(p)`", stored to `s_fail`;
+/// `failed_before`, and the block's `s_fail` in the report) and this call's epoch
+/// ([`block_epoch`]), in the report the block fills.
 pub(crate) fn block_start(g: &Group, rank: usize) -> (bool, BlockReport) {
     // s_fail = p.refused || failed(p);
     let failed_before = group_failed(g, rank);
@@ -29,10 +30,10 @@ pub(crate) fn block_start(g: &Group, rank: usize) -> (bool, BlockReport) {
     (failed_before, rep)
 }
 
-/// Role: the start of every block (thread 0: "`s_epoch = ld_epoch(state, KIND) + 1ull`"): this call's epoch.
+/// Role: the start of every block (thread 0: "`epoch = ld_epoch(c.state, KIND) + 1ull`", stored to `s_epoch`): this call's epoch.
 pub(crate) fn block_epoch(me: &Rank) -> u64 {
     // s_epoch = ld_epoch(state, KIND) + 1ull;
-    // SAFETY: the only write is the previous launch's last block out (`finish`), which ended
+    // SAFETY: the only write is the previous launch's last block out (`frame_end`), which ended
     // before this launch started.
     let calls = unsafe {
         me.epoch
@@ -41,9 +42,9 @@ pub(crate) fn block_epoch(me: &Rank) -> u64 {
     calls + 1
 }
 
-/// Role: the device-side input check (batched: the routing pass's `route` lambda and the
-/// repeats loop; per-expert: common.cuh `load_topk(..., true)`): a bad index is reported before
-/// anything is written. Returns `in_bad`.
+/// Role: the device-side input check (common.cuh `load_topk<true>`, both kernels: the range
+/// check, then the repeats loop): a bad index is reported before anything is written. Returns
+/// `in_bad`.
 pub(crate) fn input_check(g: &Group, kp: &Launch, rank: usize) -> bool {
     if kp.bad_input != Some(rank) {
         return false;
@@ -59,9 +60,10 @@ pub(crate) fn input_check(g: &Group, kp: &Launch, rank: usize) -> bool {
 }
 
 /// Role: batched dispatch's pre-load of every destination's ack, at kernel start, before the
-/// epoch is read and before the routing checks (thread `32 + d`, `acker`: "`if (acker) ack0 =
-/// ld_acquire(p, sig_bat_ack(me, R) + ackd)`"). Per-expert dispatch has none. Returns `ack0`
-/// per destination, in `Group::dests` order.
+/// epoch is read and before the routing checks (frame.cuh `ack_waiter`, thread `32 + d`,
+/// `a.waits`: "`if (preload && a.waits) a.v0 = ld_acquire(p, ack_words(c.me, p.R, KIND) +
+/// a.peer)`"). Per-expert dispatch has none. Returns `ack0` (the kernel's `a.v0`) per
+/// destination, in `Group::dests` order.
 pub(crate) fn preload_acks(g: &Group, rank: usize) -> Vec<u64> {
     g.dests(rank)
         .map(|d| g.ranks[rank].ack[d].load(ACK_LOAD))
@@ -69,14 +71,15 @@ pub(crate) fn preload_acks(g: &Group, rank: usize) -> Vec<u64> {
 }
 
 /// Role: the sender of the next call waits for every destination's ack of the previous call
-/// before it overwrites their buffers; skipped when the input is bad. Batched (`ack0` given):
-/// thread `32 + d`, after the routing checks, "`if (!in_bad && acker && ack0 < epoch - 1ull)
-/// wbad = !wait_ack(...)`", then "`if (__syncthreads_or(wbad) || in_bad) goto finish;`".
-/// Per-expert (`ack0` none): threads `tid < R` after `load_topk`, "`if (!in_bad && tid < R &&
-/// p.stage != 2 && !via_nccl(p, tid)) bad = !wait_ack(...)`".
+/// before it overwrites their buffers (frame.cuh `wait_acks`); skipped when the input is bad
+/// (the rank has gone to the end before it). Batched (`ack0` given): thread `32 + d`, after the
+/// routing checks, "`else if (a.waits && a.v0 < c.epoch - 1ull) bad = !wait_ack(...)`", then
+/// "`return !__syncthreads_or(wait_acks<KIND>(...))`". Per-expert (`ack0` none: `a.v0` is 0):
+/// threads `tid < R` after `load_topk`, `a.waits` = "`tid < R && stage != 2 &&
+/// !via_nccl(p, tid)`".
 /// Shrink mode (both kernels; `ack0` unused): a destination masked at the block's start
 /// (`gone0`) is not waited for, the others with [`wait_peer_ack`]; one agreed lost joins `gone`
-/// (batched "`if (r == PEER_LOST) GONE_ADD(ackd); else wbad = !r;`").
+/// ("`if (r == PEER_LOST) GONE_ADD(d); else bad = !r;`").
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn sender_wait_acks(
     g: &Group,
@@ -91,14 +94,14 @@ pub(crate) fn sender_wait_acks(
     let mut bad = None;
     #[cfg(not(ep_mutant = "gpu_no_ack_wait"))]
     for (i, d) in g.dests(rank).enumerate() {
-        // if (!in_bad && acker && p.shrink) { if (!is_gone(gone0, ackd)) { r = wait_peer_ack(...); ... } }
+        // if (a.waits && SHRINK(p)) { if (!is_gone(c.gone0, d)) { r = wait_peer_ack(...); ... } }
         if kp.shrink {
             if is_gone(gone0, d) {
                 continue;
             }
-            // wait_peer_ack(peer_wait(p, me, KIND, DEC_ACK, rank, ackd, PH_DISPATCH_SEND), sig_bat_ack(me, R) + ackd, epoch - 1ull, epoch)
+            // wait_peer_ack(peer_wait(p, me, KIND, DEC_ACK, c.rank, d, phase), word, c.epoch - 1ull, c.epoch)
             match wait_peer_ack(g, kp, rank, d, epoch - 1, epoch, rep) {
-                // if (r == PEER_LOST) GONE_ADD(ackd);
+                // if (r == PEER_LOST) GONE_ADD(d);
                 Ok(Peer::Lost) => gone.add(d),
                 Ok(Peer::Arrived(_)) => {}
                 Err(e) => {
@@ -107,11 +110,11 @@ pub(crate) fn sender_wait_acks(
             }
             continue;
         }
-        // ack0 < epoch - 1ull: the pre-load (an acquire) did not see the ack yet.
+        // a.v0 < c.epoch - 1ull: the pre-load (an acquire) did not see the ack yet.
         if ack0.is_some_and(|a| a[i] >= epoch - 1) {
             continue;
         }
-        // wait_ack(p, sig_bat_ack(me, R) + ackd, epoch - 1ull, epoch, rank, ackd, PH_DISPATCH_SEND)
+        // wait_ack(p, word, c.epoch - 1ull, c.epoch, c.rank, d, phase)  (word: ack_words(me, p.R, KIND) + d)
         if let Err(e) = wait_ack(
             g,
             kp,
@@ -130,7 +133,7 @@ pub(crate) fn sender_wait_acks(
     bad
 }
 
-/// common.cuh `last_block_out`'s add, "`f ? 1u + EXIT_FAILED : 1u`": one block out, and bit
+/// frame.cuh `last_block_out`'s add, "`f ? 1u + EXIT_FAILED : 1u`": one block out, and bit
 /// 16 up one more if the block saw the group failed (mutant `gpu_exit_no_fail_flag`: always
 /// `1u`, so that no block brings its flag and the last block out knows only its own).
 fn exit_add(f: bool) -> u64 {
@@ -143,7 +146,7 @@ fn exit_add(f: bool) -> u64 {
     };
 }
 
-/// Role: the end of every block (common.cuh `last_block_out`, thread 0 after the block's
+/// Role: the end of every block (frame.cuh `last_block_out`, thread 0 after the block's
 /// `__syncthreads()`): `fail_start` is the block's `s_fail` (the error word at its start).
 /// Returns whether this block is the last one out and `*call_failed`: whether this block or
 /// one out before it saw the group failed (at its start, or in the error word loaded here at
@@ -170,7 +173,7 @@ fn last_block_out(g: &Group, rank: usize, fail_start: bool) -> (bool, bool) {
     (last, call_failed)
 }
 
-/// Which launch of a call a block is in, as `finish:` reads it: `p.stage` and the transport of
+/// Which launch of a call a block is in, as `frame_end` reads it: its stage and the transport of
 /// the launch's sources (`via_nccl(p, s)`; a model's launch has every peer over one transport).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Stage {
@@ -211,13 +214,14 @@ impl Stage {
 }
 
 /// Role: the last block out writes a failed call's outputs, publishes the epoch and
-/// acknowledges to every source that this rank consumed the call (`finish:` of both dispatch
-/// kernels). Every block's `s_fail` ([`BlockReport::failed_start`], set before) goes into the
-/// exit count ([`last_block_out`]), so the last block out writes the failed call's outputs
-/// ("`if (last_out && p.stage != 1 && call_failed) fail_dispatch_outputs(p, io, me)`":
+/// acknowledges to every source that this rank consumed the call (frame.cuh `frame_end`, the
+/// end of both dispatch kernels). Every block's `s_fail` ([`BlockReport::failed_start`], set
+/// before) goes into the exit count ([`last_block_out`]), so the last block out writes the
+/// failed call's outputs ("`if (last_out && stage != 1 && call_failed) { if (dispatch)
+/// fail_dispatch_outputs(p, c.io, me); ... }`":
 /// [`BlockReport::failed_outputs`]) when any block of the launch saw the group failed, with
 /// no look at the error word after the count. Stage 1 (the send half, NCCL's pack) writes no
-/// outputs and publishes neither epoch nor acks ("`if (last_out && p.stage != 1)`": its
+/// outputs and publishes neither epoch nor acks ("`if (last_out && stage != 1 ...)`": its
 /// receive half does); stages 0 and 2 the epoch, and an ack to every source not over NCCL
 /// ("`if (!via_nccl(p, s) && ...)`"): so stage 0 and the receive hook's stage 2 ack every
 /// source, NCCL's unpack none.
@@ -237,16 +241,16 @@ pub(crate) fn finish(
     let claim = take_claim();
     (rep.claim_lost, rep.claim_unseen) = (claim.lost, claim.unseen);
     // bool call_failed;  (stage 1 too: it resets the exit counter)
-    // const bool last_out = last_block_out(p, state, KIND, s_fail, &call_failed);
+    // const bool last_out = last_block_out(p, c.state, KIND, s_fail<KIND>, &call_failed);
     // (s_fail: the block's `rep.failed_start`)
     (rep.last_out, rep.call_failed) = last_block_out(g, rank, rep.failed_start);
-    // if (last_out && p.stage != 1 && call_failed) fail_dispatch_outputs(p, io, me);
+    // if (last_out && stage != 1 && call_failed) { if (dispatch) fail_dispatch_outputs(p, c.io, me); ... }
     if rep.last_out && stage.stage != 1 && rep.call_failed {
         rep.failed_outputs = true;
     }
-    // if (last_out && p.stage != 1)
+    // if (last_out && stage != 1 && threadIdx.x == 0)
     if rep.last_out && stage.stage != 1 {
-        // ((u64*)state)[ST_EPOCH64 + KIND] = epoch;
+        // ((u64*)c.state)[ST_EPOCH64 + KIND] = c.epoch;
         // SAFETY: every block of this launch read the word before its exit count, which the
         // last block out acquired (`last_block_out`); the next launch starts after this one.
         unsafe {
@@ -256,9 +260,9 @@ pub(crate) fn finish(
         // MASKED_AT_END();  // shrink: no ack to a masked peer
         // (narrow: const u32 masked = masked_peers(p, me); wide: nothing)
         let masked = (g.setup.build == Build::Narrow).then(|| masked_peers(g, kp, me));
-        // for (int s = 0; s < R; s++) if (!via_nccl(p, s) && !END_MASKED(s))
+        // for (int s = 0; s < p.R; s++) if (!via_nccl(p, s) && !END_MASKED(s))
         for s in g.sources(rank).filter(|_| !stage.nccl) {
-            // st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch);
+            // st_release(p, ack_words(c.tab[s], p.R, KIND) + c.rank, c.epoch);
             // (END_MASKED(s): narrow is_gone(masked, s), wide peer_masked(p, me, s))
             let end_masked = match masked {
                 Some(m) => is_gone(m, s),

@@ -46,9 +46,9 @@ pub fn dispatch_block_in(
     let mut set = Gone::new(g, shared);
     let gone0 = set.init(g, kp, me);
     rep.gone = gone0;
-    // batched: in_bad = __syncthreads_or(bad) | s_bad; per-expert: load_topk(...) | s_bad
+    // in_bad = __syncthreads_or(bad) | s_bad<KIND>  (bad: load_topk<true>(...), both kernels)
     rep.bad_input = input_check(g, kp, rank);
-    // if (s_fail || in_bad) { poison_peers(p, tab, KIND, rank, gone0, epoch); goto finish; }
+    // if (s_fail<KIND> || in_bad) { poison_peers(p, c.tab, KIND, c.rank, c.gone0, c.epoch); return false; }
     if rep.failed_start || rep.bad_input {
         poison_signals(g, kp, rank, epoch, gone0);
         rep.poisoned = true;
@@ -56,7 +56,7 @@ pub fn dispatch_block_in(
         finish(g, kp, rank, epoch, &mut rep, Stage::WHOLE);
         return rep;
     }
-    // if (!in_bad && acker && ack0 < epoch - 1ull) wbad = !wait_ack(...) (per-expert: tid < R)
+    // wait_acks: if (a.waits && a.v0 < c.epoch - 1ull) bad = !wait_ack(...) (per-expert: tid < R)
     if !rep.bad_input {
         rep.failed_wait = sender_wait_acks(
             g,
@@ -69,7 +69,7 @@ pub fn dispatch_block_in(
             &mut rep,
         );
     }
-    // if (__syncthreads_or(wbad) || in_bad) goto finish; (per-expert: __syncthreads_or(bad))
+    // return !__syncthreads_or(wait_acks<KIND>(...));
     if !set.sync_or(OR_ACKS, rep.bad_input || rep.failed_wait.is_some()) {
         // GONE_SNAPSHOT(gone);  // masked, or lost at the acknowledgement: nothing is sent there
         let gone = set.snapshot();

@@ -1,4 +1,4 @@
-//! A block's set of gone peers in shrink mode (shrink.cuh `GONE_SHARED`, `GONE_INIT`, `GONE0`,
+//! A block's set of gone peers in shrink mode (shrink.cuh `s_gone`, `GONE_INIT`, `GONE0`,
 //! `GONE_ADD`, `GONE_SNAPSHOT`, `GONE_LIVE`), in both builds (`peers::Build`).
 //!
 //! - **Narrow** (R <= 32): `s_gone` is one shared u32; thread 0 writes it at the start, waiting
@@ -34,13 +34,13 @@ use crate::gpu_protocol::peers::{Build, PeerSet, WideMutant};
 use crate::gpu_protocol::shrink::masked_peers;
 use crate::gpu_protocol::state::{Group, Kind, Launch, Rank};
 
-/// Which `__syncthreads_or` a vote is for: after the ack waits ("`if (__syncthreads_or(wbad) ||
-/// in_bad) goto finish;`"), after batched dispatch's receive waits ("`if
-/// (__syncthreads_or(bad)) goto finish;`").
+/// Which `__syncthreads_or` a vote is for: after the ack waits ("`return
+/// !__syncthreads_or(wait_acks<KIND>(...));`"), after batched dispatch's receive waits ("`return
+/// !__syncthreads_or(bad);`", receive_signals).
 pub(crate) const OR_ACKS: usize = 0;
 pub(crate) const OR_RECEIVE: usize = 1;
 
-/// One block's shared memory for its gone set in the wide build (`GONE_SHARED`: `s_gone`,
+/// One block's shared memory for its gone set in the wide build (shrink.cuh `s_gone`,
 /// `s_gone0`, `s_gone1`), and its barrier. A new one per block and launch (shared memory does
 /// not outlive its block).
 pub struct BlockShared {
@@ -163,7 +163,7 @@ pub fn gone_word_thread(shared: &BlockShared, tid: usize) {
     let mut passed = 0;
     // GONE_INIT (thread 0); __syncthreads();
     shared.barrier(&mut passed);
-    // if (__syncthreads_or(wbad) || in_bad) goto finish;
+    // return !__syncthreads_or(wait_acks<KIND>(...));
     if shared.vote(OR_ACKS, &mut passed) {
         return;
     }
@@ -171,7 +171,7 @@ pub fn gone_word_thread(shared: &BlockShared, tid: usize) {
     shared.copy_word(tid);
     shared.snapshot_barrier(&mut passed);
     if shared.kind == Kind::Batched {
-        // if (__syncthreads_or(bad)) goto finish;
+        // return !__syncthreads_or(bad);  (receive_signals)
         if shared.vote(OR_RECEIVE, &mut passed) {
             return;
         }

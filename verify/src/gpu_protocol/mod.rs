@@ -34,7 +34,7 @@
 //!   has the same orderings. The model has one warp per block: send unit (token) t belongs to
 //!   block `t % blocks`, receive unit j (over every source's entries) to block `j % blocks`.
 //!   Which thread of the block does a step matters only through the barriers around it: batched
-//!   dispatch's ack wait is thread `32 + d` (`acker`), its signal thread 0, its receive waits
+//!   dispatch's ack wait is thread `32 + d` (`a.waits`), its signal thread 0, its receive waits
 //!   threads `tid < R`; each is followed or preceded by a `__syncthreads[_or]`.
 //! - **Instructions.** `fence.acq_rel.{gpu,sys}` (common.cuh `fence_rel`) is `fence(AcqRel)`;
 //!   `st.release` a `Release` store; `ld.acquire` an `Acquire` load; `atomicAdd`, `atomicCAS`,
@@ -105,7 +105,7 @@
 //!   only), and the host's barrier after a clean (the joins).
 //! - **Input checks.** Batched dispatch checks its routing in its one routing pass (the `route`
 //!   lambda, "`v < -1 || v >= (i64)E`": `ERR_EXPERT_RANGE`; then the repeats, `ERR_DUP_EXPERT`),
-//!   per-expert dispatch in common.cuh `load_topk(..., true)`, both the token count in
+//!   per-expert dispatch in common.cuh `load_topk<true>`, both the token count in
 //!   `read_ntok` (`ERR_TOKENS`); all report with `report_error` before anything is written and
 //!   set `in_bad`. [`Launch::bad_input`] makes one rank's routing bad. Peer-supplied counts are
 //!   bounded with `peer_bad` (common.cuh); the model's peers are honest on NVLink, so there that
@@ -117,7 +117,7 @@
 //!   left of the protocol there is the model's: the ack wait (on its own ack, published by the
 //!   previous launch's last block out, which the stream ordered before this launch: `ack0`
 //!   already holds `epoch - 1` and nothing is waited for) and `last_block_out` with the epoch
-//!   and self-ack (`finish`, checked by `batched_one_sender_two_receivers`).
+//!   and self-ack (`frame_end`, checked by `batched_one_sender_two_receivers`).
 //!
 //! # Mutants
 //! `--cfg ep_mutant="..."` weakens one ordering; `.ci/loom.sh` builds each and requires a model
@@ -160,22 +160,23 @@
 //! Observations:
 //! - The `.release` of the signal stores (batched dispatch "`st_release(p, sig_bat(tab[d]) +
 //!   rank, signal_word(epoch, ...))`", per-expert "`st_release(p, sig_pe(tab[d], R) + ...`") and
-//!   of the ack stores (`finish:` of both, "`st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)
-//!   epoch)`" / `sig_pe_ack`) is redundant: the same thread has just run `fence.acq_rel` (the
+//!   of the ack stores (`frame_end` of both, "`st_release(p, ack_words(c.tab[s], p.R, KIND) +
+//!   c.rank, c.epoch)`": `sig_bat_ack` / `sig_pe_ack`) is redundant: the same thread has just run `fence.acq_rel` (the
 //!   `fence_rel(p)` after the `ST_SENT` count, the one before per-expert's signal, the one in
-//!   common.cuh `last_block_out`), which makes a relaxed store a release pattern. Harmless; kept
+//!   frame.cuh `last_block_out`), which makes a relaxed store a release pattern. Harmless; kept
 //!   as belt and braces.
 //! - Batched dispatch's ack wait moved: thread `32 + d` issues its first `ld_acquire`
-//!   of `sig_bat_ack(me, R) + d` (`ack0`) at kernel start, before `s_epoch` is read and before
-//!   the routing checks, and calls `wait_ack` only after `in_bad` is known and only if
-//!   "`ack0 < epoch - 1ull`". That is the same protocol: `ack0` is an acquire load, and a value
+//!   of `sig_bat_ack(me, R) + d` (frame.cuh `ack_waiter`: `a.v0`, the model's `ack0`) at kernel
+//!   start, before `s_epoch` is read and before the routing checks, and calls `wait_ack` only
+//!   after `in_bad` is known and only if "`a.v0 < c.epoch - 1ull`" (`wait_acks`). That is the
+//!   same protocol: `a.v0` is an acquire load, and a value
 //!   `>= epoch - 1` is a release store of the destination's last block out that happened after
 //!   its reads of call `epoch - 1` (acks only grow); nothing is written to a destination before
-//!   the `__syncthreads_or(wbad)` that follows, whatever thread acquired. The model now does the
+//!   the `__syncthreads_or(wait_acks<KIND>(...))` that follows, whatever thread acquired. The model now does the
 //!   same (`preload_acks`, then `sender_wait_acks` skips an ack already seen); per-expert
 //!   dispatch still waits in threads `tid < R` after `load_topk`, without a pre-load.
 //! - The receive hook's receive half (batched dispatch, stage 2 over NVLink) pre-loads its
-//!   sources' signals the same way: thread `s < R` issues "`sig0 = ld_acquire(p, sig_bat(me) +
+//!   sources' signals the same way: thread `s < R` issues "`pre.sig0 = ld_acquire(p, sig_bat(me) +
 //!   tid)`" at kernel start, before `s_epoch` is read, and `wait_signal_pre` takes the count
 //!   from it with no further load when it carries this call's tag and is not the poison. The
 //!   same protocol as `wait_signal`: a word with this call's tag is the source's release store
@@ -185,8 +186,8 @@
 //!   again. The model does the same (`preload_signals`, mutant `gpu_preload_relaxed`; models
 //!   `batched_hook_split_*`). The receive half skips the input check and the routing: its
 //!   send half, launched before it on the same stream, checked them and raised the error word
-//!   on bad input, so the receive half's `s_fail` is set and it reads nothing ("`if (s_fail)
-//!   goto finish;`"), then publishes the epoch and acks, as stage 0 does on bad input. No ack
+//!   on bad input, so the receive half's `s_fail` is set and it reads nothing ("`if
+//!   (s_fail<KIND>) return;`"), then publishes the epoch and acks, as stage 0 does on bad input. No ack
 //!   wait is lost by the split: the send half waits for the acks before it sends, and the
 //!   receive half sends nothing.
 //! - Every block's `last_block_out` brings into the exit count whether it saw the group failed
@@ -231,13 +232,13 @@
 //!   one, so a receiver that compared with `>=` (as `wait_ack` rightly does for acks) would
 //!   take the previous call's signal there and nowhere else. The `*_tag_wrap` models run two
 //!   calls across it (mutant `gpu_tag_ge`). 2^40 - 1 -> 2^40 is tag 1 -> 2, no wrap.
-//! - A rank whose routing or token count is bad (`in_bad`: batched "`__syncthreads_or(bad) |
-//!   s_bad`", per-expert "`load_topk(...) | s_bad`") skips its ack waits ("`if (!in_bad &&
-//!   acker && ...`"; its `ack0` load is left unused) and goes to `finish` in every block (each
+//! - A rank whose routing or token count is bad (`in_bad`: "`__syncthreads_or(bad) |
+//!   s_bad<KIND>`", `bad` from `load_topk<true>` in both kernels) skips its ack waits (it goes
+//!   to the end before `wait_acks`; its `a.v0` load is left unused) in every block (each
 //!   block checks the same routing), so it neither sends nor receives nor counts itself in
 //!   `ST_SENT`; it stores the poison instead (poison.cuh `poison_peers`, "`if (s_fail ||
 //!   in_bad)`"); and its last block out still publishes the epoch and acks every source
-//!   ("`if (last_out && p.stage != 1)`") for a call whose data it never read. That is sound: an
+//!   ("`if (last_out && stage != 1 ...)`") for a call whose data it never read. That is sound: an
 //!   ack only lets a source overwrite this rank's receive buffers, and the epochs stay in step;
 //!   a next call launched without a sync finds the group failed and is poisoned in turn (model
 //!   `bad_input_receiver_then_enqueued_call`). Its peers never see a valid signal: on the same
@@ -246,8 +247,8 @@
 //!   error (error_word.rs `cause_first`: input, peer data, timeouts, then a peer's failure;
 //!   `GpuGroup::check`). If the caller's routing changed while the launch ran, blocks could
 //!   disagree on `in_bad` and the next item applies.
-//! - A batched dispatch block whose `wait_ack` fails skips the send side ("`if
-//!   (__syncthreads_or(wbad) || in_bad) goto finish;`" jumps over the `ST_SENT` `atomicAdd`). If
+//! - A batched dispatch block whose `wait_ack` fails skips the send side ("`return
+//!   !__syncthreads_or(wait_acks<KIND>(...));`" goes to the end past the `ST_SENT` `atomicAdd`). If
 //!   only some blocks of a rank fail, the count is left non-zero and a later launch on the same
 //!   state would signal before every block has written. What keeps this from happening is that
 //!   no later launch of a failed group sends at all: every block reads the error word at its

@@ -48,11 +48,11 @@ pub fn poison_send_headers(g: &Group, rank: usize) {
 }
 
 /// One block of batched dispatch's pack stage (`p.stage` 1) with every destination over NCCL:
-/// the same prologue as [`dispatch_block`] (no ack wait: `acker` is false for NCCL peers); on
+/// the same prologue as [`dispatch_block`] (no ack wait: `a.waits` is false for NCCL peers); on
 /// good input its share of every batch into `snd_buf` ("`(u8*)me.snd_buf + ((u64)d * T +
 /// sm.tokpos[t * R + d]) * p.entry_bytes`"), block 0 the header ("`meta = (int*)me.snd_hdr +
 /// tid * HDR_WORDS(L)`", "`meta[0] = sm.tot[tid]`"), then the `ST_SENT` count with no signal
-/// (`if (!via_nccl(p, d))`); on bad input straight to `finish`, which in stage 1 publishes
+/// (`if (!via_nccl(p, d))`); on bad input straight to the end (`frame_end`), which in stage 1 publishes
 /// nothing.
 ///
 /// [`dispatch_block`]: crate::gpu_protocol::dispatch_block
@@ -70,7 +70,7 @@ pub fn batched_pack_block(
     let epoch = rep.epoch;
     rep.bad_input = input_check(g, kp, rank);
     // if (s_fail || in_bad) { poison_peers(...) (no NCCL peer: its header keeps the host's
-    // poison); goto finish; }
+    // poison); return false; }
     rep.poisoned = rep.failed_start || rep.bad_input;
     // A failed group's data (reached only by mutant gpu_no_failed_check): marked STALE.
     let mark = if failed_before { STALE } else { 0 };
@@ -122,12 +122,12 @@ pub fn nccl_capacity_exchange(g: &Group) {
 }
 
 /// One block of batched dispatch's unpack stage (`p.stage` 2) with every source over NCCL: the
-/// prologue with `s_fail` and no routing ("`if (p.stage == 2) { if (s_fail) goto finish; }`":
+/// prologue with `s_fail` and no routing ("`if (STAGE == 2) { if (s_fail<KIND>) return; }`":
 /// its pack stage checked the routing, and raised the error word on bad input), then per
 /// source the count from its header instead of a signal ("`if (via_nccl(p, tid)) c = ((const
 /// int*)me.rcv_hdr)[tid * HDR_WORDS(L)]`"), bounded ("`bad = c < 0 || peer_bad(p, rank, tid,
 /// PF_BATCH_TOKENS, c, T)`"; the header is an `int`: the poison is i32::MAX, past T), then its
-/// share of the entries; `finish` writes a failed call's outputs, publishes the epoch and
+/// share of the entries; `frame_end` writes a failed call's outputs, publishes the epoch and
 /// acks no NCCL source.
 pub fn batched_unpack_block(g: &Group, kp: &Launch, rank: usize, bid: usize) -> BlockReport {
     let me = &g.ranks[rank];
@@ -135,7 +135,7 @@ pub fn batched_unpack_block(g: &Group, kp: &Launch, rank: usize, bid: usize) -> 
     // s_fail = p.refused || failed(p); s_epoch = ld_epoch(state, KIND) + 1ull;
     let (_, mut rep) = block_start(g, rank);
     let epoch = rep.epoch;
-    // if (p.stage == 2) { if (s_fail) goto finish; }
+    // if (STAGE == 2) { if (s_fail<KIND>) return; }
     if !rep.failed_start {
         let mut counts = Vec::new();
         for s in g.sources(rank) {
@@ -150,7 +150,7 @@ pub fn batched_unpack_block(g: &Group, kp: &Launch, rank: usize, bid: usize) -> 
                 counts.push((s, c as usize));
             }
         }
-        // if (__syncthreads_or(bad)) goto finish;
+        // return !__syncthreads_or(bad);  (receive_signals)
         if rep.failed_wait.is_none() {
             let mut j = 0;
             for (s, c) in counts {

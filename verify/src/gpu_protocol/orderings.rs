@@ -52,7 +52,7 @@ pub(crate) const SIGNAL_LOAD: Ordering = Ordering::Acquire;
 pub(crate) const SIGNAL_LOAD: Ordering = Ordering::Relaxed;
 
 /// Batched dispatch's receive half (stage 2): the pre-load of every NVLink source's signal at
-/// kernel start, "`if (presig) sig0 = ld_acquire(p, sig_bat(me) + tid)`", whose value
+/// kernel start, "`pre.sig0 = ld_acquire(p, sig_bat(me) + s)`", whose value
 /// `wait_signal_pre` may take without another load (hook.rs `preload_signals`).
 #[cfg(not(ep_mutant = "gpu_preload_relaxed"))]
 pub(crate) const PRESIGNAL_LOAD: Ordering = Ordering::Acquire;
@@ -60,7 +60,7 @@ pub(crate) const PRESIGNAL_LOAD: Ordering = Ordering::Acquire;
 #[cfg(ep_mutant = "gpu_preload_relaxed")]
 pub(crate) const PRESIGNAL_LOAD: Ordering = Ordering::Relaxed;
 
-/// common.cuh `last_block_out`: the first `fence_rel(p)`, before the exit counter's `atomicAdd`.
+/// frame.cuh `last_block_out`: the first `fence_rel(p)`, before the exit counter's `atomicAdd`.
 #[inline]
 pub(crate) fn fence_before_exit_add() {
     #[cfg(not(any(ep_mutant = "gpu_exit_release", ep_mutant = "gpu_ack_store_relaxed")))]
@@ -70,7 +70,7 @@ pub(crate) fn fence_before_exit_add() {
     fence(Ordering::Acquire);
 }
 
-/// common.cuh `last_block_out`: the second `fence_rel(p)`, of the last block out, after its `atomicAdd`.
+/// frame.cuh `last_block_out`: the second `fence_rel(p)`, of the last block out, after its `atomicAdd`.
 #[inline]
 pub(crate) fn fence_after_last_exit() {
     #[cfg(not(any(ep_mutant = "gpu_exit_acquire", ep_mutant = "gpu_ack_store_relaxed")))]
@@ -82,7 +82,7 @@ pub(crate) fn fence_after_last_exit() {
     fence(Ordering::Acquire);
 }
 
-/// `finish:`'s `st_release(p, sig_bat_ack(tab[s], R) + rank, (u64)epoch)` (per-expert:
+/// `frame_end`'s `st_release(p, ack_words(c.tab[s], p.R, KIND) + c.rank, c.epoch)` (per-expert:
 /// `sig_pe_ack`) of an ack word.
 #[cfg(not(ep_mutant = "gpu_ack_store_relaxed"))]
 pub(crate) const ACK_STORE: Ordering = Ordering::Release;
@@ -90,7 +90,7 @@ pub(crate) const ACK_STORE: Ordering = Ordering::Release;
 pub(crate) const ACK_STORE: Ordering = Ordering::Relaxed;
 
 /// common.cuh `wait_ack`: `ld_acquire(p, addr)`; also batched dispatch's pre-load
-/// "`ack0 = ld_acquire(p, sig_bat_ack(me, R) + ackd)`".
+/// "`a.v0 = ld_acquire(p, ack_words(c.me, p.R, KIND) + a.peer)`".
 #[cfg(not(ep_mutant = "gpu_ack_load_relaxed"))]
 pub(crate) const ACK_LOAD: Ordering = Ordering::Acquire;
 #[cfg(ep_mutant = "gpu_ack_load_relaxed")]

@@ -95,7 +95,7 @@ pub(crate) fn per_expert_receive(
                 return;
             }
             let got = if kp.shrink {
-                // else if (p.shrink) c = is_gone(gone, s) ? PEER_LOST : wait_peer_signals(..., sig_pe(me, R) + s, (u64)R, L, l, epoch);
+                // else if (SHRINK(p)) got = is_gone(c.gone, s) ? PEER_LOST : wait_peer_signals(..., sig_pe(me, R) + s, (u64)R, L, l, epoch);
                 if receive_skips(gone, s) {
                     Ok(Peer::Lost)
                 } else {
@@ -115,7 +115,7 @@ pub(crate) fn per_expert_receive(
                 )
                 .map(Peer::Arrived)
             };
-            // if (c == PEER_LOST) { GONE_ADD(s); c = 0; }
+            // if (got == PEER_LOST) { GONE_ADD(s); got = 0; }
             // else if ((nc || c >= 0) && peer_bad(p, rank, s, PF_PE_COUNT, c, T)) c = -1;
             let got = got.and_then(|c| match c {
                 Peer::Lost => {
@@ -132,7 +132,7 @@ pub(crate) fn per_expert_receive(
             });
             let cnt = match got {
                 Ok(c) => c,
-                // if (cnt < 0) goto finish;
+                // if (cnt < 0) return;
                 Err(e) => {
                     rep.failed_wait = Some(e);
                     return;
@@ -140,7 +140,7 @@ pub(crate) fn per_expert_receive(
             };
             let region = (l * r_n + s) * t_n;
             let mut found = 0;
-            // for (int c = 0; c < T && base - begin < cnt; ...)
+            // for (int c0 = 0; c0 < T && base - begin < cnt; ...)
             for j in 0..t_n {
                 if found >= cnt {
                     break;

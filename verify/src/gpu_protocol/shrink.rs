@@ -42,8 +42,8 @@ pub(crate) fn peer_masked(kp: &Launch, me: &Rank, d: usize) -> bool {
     kp.shrink && me.mask[d].load(RELAXED) != 0
 }
 
-/// The receive's skip of a peer already gone (batched "`c = is_gone(gone, tid) ? PEER_LOST :
-/// wait_peer_signals(...)`", per-expert "`c = is_gone(gone, s) ? PEER_LOST : ...`").
+/// The receive's skip of a peer already gone (batched "`cnt = is_gone(c.gone, tid) ? PEER_LOST :
+/// wait_peer_signals(...)`", per-expert "`got = is_gone(c.gone, s) ? PEER_LOST : ...`").
 #[inline]
 pub(crate) fn receive_skips(gone: PeerSet, s: usize) -> bool {
     #[cfg(not(ep_mutant = "gpu_masked_peer_waited"))]

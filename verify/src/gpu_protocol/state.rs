@@ -47,7 +47,7 @@ pub struct Rank {
     /// `state[ST_SENT + KIND]`: blocks that finished sending in this call.
     pub(crate) sent: AtomicU64,
     /// `state[ST_EXIT + KIND]`: blocks that left this call, plus [`EXIT_FAILED`] for each of
-    /// them that saw the group failed (common.cuh `last_block_out`).
+    /// them that saw the group failed (frame.cuh `last_block_out`).
     ///
     /// [`EXIT_FAILED`]: crate::gpu_protocol::words::EXIT_FAILED
     pub(crate) exit: AtomicU64,
@@ -103,9 +103,9 @@ pub struct Launch {
     pub timeout: Duration,
     /// `fault_rank`: this rank never signals (the test hook).
     pub fault_rank: Option<usize>,
-    /// This rank's `topk_idx` holds an expert out of range: the routing check (batched: the
-    /// `route` lambda; per-expert: `load_topk`) reports it (`ERR_EXPERT_RANGE`) and the rank
-    /// takes the `in_bad` path.
+    /// This rank's `topk_idx` holds an expert out of range: the routing check (common.cuh
+    /// `load_topk<true>`, both kernels) reports it (`ERR_EXPERT_RANGE`) and the rank takes the
+    /// `in_bad` path.
     pub bad_input: Option<usize>,
     /// `shrink`: shrink mode (the rank mask; shrink.cuh). A wait for a peer that
     /// runs out masks the peer instead of reporting an error.
@@ -186,8 +186,9 @@ pub struct BlockReport {
     /// `EXIT_FAILED` part). For the last block out: some block of the rank's launch did.
     pub call_failed: bool,
     /// The last block out of a launch that writes outputs (`p.stage != 1`) found the call
-    /// failed (`call_failed`) and wrote a failed call's outputs ("`if (last_out && p.stage != 1
-    /// && call_failed) fail_dispatch_outputs(p, io, me)`": every count 0, common.cuh).
+    /// failed (`call_failed`) and wrote a failed call's outputs ("`if (last_out && stage != 1
+    /// && call_failed) { if (dispatch) fail_dispatch_outputs(p, c.io, me); ... }`": every count
+    /// 0, frame.cuh).
     pub failed_outputs: bool,
     /// Shrink mode: every peer this block left out: masked at its start (`gone0`, shrink.cuh
     /// `masked_peers`) and lost in this call (`s_gone`, agreed by every block that waited for

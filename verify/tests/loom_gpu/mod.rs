@@ -146,7 +146,7 @@ pub fn saw_failure(r: &BlockReport) -> bool {
 /// The end of one launch of `rank` (`reps`: every block's report; `outputs`: the launch writes
 /// the call's outputs, `p.stage != 1`), in every interleaving, failed or not: exactly one block
 /// is the last out; when some block saw the call fail ([`saw_failure`]), the last block out
-/// knows it from the exit count (`call_failed`: common.cuh `last_block_out`, which does not
+/// knows it from the exit count (`call_failed`: frame.cuh `last_block_out`, which does not
 /// load the error word after the count; mutant `gpu_exit_no_fail_flag`) and, if the launch
 /// writes outputs, writes the failed call's ("`if (last_out && p.stage != 1 && call_failed)
 /// fail_dispatch_outputs(...)`"); no other block writes them. The one excuse: a block whose
