@@ -159,6 +159,10 @@ __device__ __noinline__ u32 lf_search(u32 meta, u32 a, u32 c) {
 #define LF_ROWS 32
 // Sets of 4 units (one a warp) whose loads the meta pass has in flight per warp.
 #define LF_DEPTH 4
+// The reduction's slot flags, above the body address.
+#define LF_SLOT_PACKED (1ull << 61)
+#define LF_SLOT_ZERO (1ull << 62)
+#define LF_SLOT_VALID (1ull << 63)
 // The encoder's shared memory, per round: each packed unit's estimate constants {1/s, bc, 1/2 -
 // margin, threshold(1)'s bound} (lf_consts), its meta word, the packed flags (bit u of the unit
 // u = j G + g of row j), the table T' (log2 table less m/128), each warp's staged bodies (4
@@ -394,8 +398,8 @@ __device__ __noinline__ void lf_encode_rows(int nr, int H, u64 prof) {
 // rank's blocks. Lane k < K keeps slot k's row, weight, meta word and the offset of its body
 // (at the start of a run, the packed groups before it counted by the whole warp, 32 meta words
 // a load and a ballot; then advanced group by group), and hands the grid and the body address
-// to every lane by shuffles, the body's low bits flagging a packed group and one whose amin is
-// below threshold(1) (the only groups with a code 0: lf_zero_bound); lane j decodes channels
+// to every lane by shuffles, the address's top bits flagging a packed group and one whose amin
+// is below threshold(1) (the only groups with a code 0: lf_zero_bound); lane j decodes channels
 // 4j..4j+3, the loads of up to 8 slots issued before any is used. Stamps p14 when warp 0's run
 // is set up. Out of line (scalar arguments): one copy per module.
 __device__ __noinline__ void lf_reduce_at(u64 cbuf, u64 crow, const int* sk, int n, int H, int K, int bid, int blocks_per_rank,
@@ -450,30 +454,29 @@ __device__ __noinline__ void lf_reduce_at(u64 cbuf, u64 crow, const int* sk, int
         LfGrid gr;
         gr.la = 0.0f;
         gr.step = 0.0f;
-        // Slot lane's body address; bit 0: packed, bit 1: a code 0 is possible (bodies are 4-aligned).
-        u64 body = mine ? (u64)row + my_at : 0ull;
+        // Slot lane's body address, flags in bits 61..63 (above every device address): 63 a
+        // valid slot, 61 packed, 62 a code 0 possible. A lane without a slot has cbuf, which
+        // the others read and ignore (no predicated load).
+        u64 body = mine ? ((u64)row + my_at) | LF_SLOT_VALID : cbuf;
         if (pk) {
             gr = lf_grid(meta);
-            body |= (meta >> 16) < lf_zero_bound(gr) ? 3ull : 1ull;
+            body |= (meta >> 16) < lf_zero_bound(gr) ? LF_SLOT_PACKED | LF_SLOT_ZERO : LF_SLOT_PACKED;
         }
         // The next pair's meta word, in flight during this one (same token only).
         const bool same = g + 1 < G && pp + 1 < p1;
         const u32 meta_next = same && mine ? __ldcg((const u32*)(row + (u64)(g + 1) * LF_META_BYTES)) : 0u;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int k0 = 0; k0 < K; k0 += 8) {
-            // fl: 4 a valid slot, its body's flags in bits 0 and 1.
+            // fl: the slot's flags (bit 0 packed, 1 a code 0 possible, 2 valid; 0: no slot).
             u32 d0[8], d1[8], fl[8];
 #pragma unroll
             for (int q = 0; q < 8; q++) {
                 const int k = k0 + q;
-                u64 b = __shfl_sync(0xffffffffu, body, k & 31);
-                if (k >= K) b = 0ull;
-                fl[q] = b ? 4u | ((u32)b & 3u) : 0u;
-                const u32* w = (const u32*)((b & ~3ull) + ((b & 1ull) ? poff : (u32)(8 * lane)));
-                if (b) {
-                    d0[q] = __ldcg(w);
-                    d1[q] = __ldcg(w + 1);
-                }
+                const u64 b = __shfl_sync(0xffffffffu, body, k & 31);
+                fl[q] = k < K ? (u32)(b >> 61) : 0u;
+                const u32* w = (const u32*)((b & (LF_SLOT_PACKED - 1ull)) + ((fl[q] & 1u) ? poff : (u32)(8 * lane)));
+                d0[q] = __ldcg(w);
+                d1[q] = __ldcg(w + 1);
             }
 #pragma unroll
             for (int q = 0; q < 8; q++) {
@@ -497,7 +500,7 @@ __device__ __noinline__ void lf_reduce_at(u64 cbuf, u64 crow, const int* sk, int
                     if (fl[q] & 2u) {
 #pragma unroll
                         for (int i = 0; i < 4; i++)
-                            if ((x[i] & LF_TOP_CODE) == 0u) v[i] = 0.0f;  // code 0: zero (its sign adds nothing)
+                            if ((x[i] << 23) == 0u) v[i] = 0.0f;  // code 0: zero (its sign adds nothing)
                     }
                 } else {
                     v[0] = __uint_as_float(d0[q] << 16);
