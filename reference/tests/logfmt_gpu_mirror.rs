@@ -1,7 +1,9 @@
 //! The GPU's LogFMT arithmetic (kernels/src/cu/logfmt.cuh), written out here in the same f32
 //! steps, against the reference's definitions (`numerics::logfmt`): the GPU encoder finds most
 //! codes from a log-domain estimate and a proven error margin, without an exp2, and decodes with
-//! a floor and an exponent add in place of `pow2i`; both must give the reference's bits. These
+//! a round-down add for the floor and an exponent add in place of `pow2i`; both must give the
+//! reference's bits, and the encoder's byte layout (8 lanes a group, 5 words a lane) the
+//! reference's bytes. These
 //! tests check the mirror, value by value, over many grids (every magnitude up to each grid's
 //! amax); the GPU tests (kernels/tests/gpu/logfmt.rs) check the CUDA code against the oracle.
 //!
@@ -25,9 +27,9 @@ fn cuh_bits(name: &str) -> u32 {
 }
 
 /// The margin, in code units: (A + B |E|) / step + K, E amax's exponent (|E| >= |log2 amax|);
-/// logfmt.cuh's error analysis needs (5.24e-7 + 6e-8 |E|) / step + 1.228e-4. A margin of MAX or
-/// more (step below about 6e-5) leaves no fast case. LN2_8: ln(2) / 8, for h(s) = 1 - log2(1 +
-/// 2^-s) ~ s/2 - s^2 ln(2)/8.
+/// logfmt.cuh's error analysis needs (5.93e-7 + 5.96e-8 |E|) / step + 7.64e-5 (the threshold
+/// model's bound plus the estimate's). A margin of MAX or more (step below about 6e-5) leaves no
+/// fast case. LN2_8: ln(2) / 8, for h(s) = 1 - log2(1 + 2^-s) ~ s/2 - s^2 ln(2)/8.
 struct Consts {
     a: f32,
     b: f32,
@@ -47,7 +49,7 @@ fn consts() -> Consts {
     };
     // The analysis' bounds, with a factor 2 to spare, and ln(2)/8 itself.
     assert!(
-        c.a >= 2.0 * 5.24e-7 && c.b >= 2.0 * 6e-8 && c.k >= 2.0 * 1.228e-4,
+        c.a >= 2.0 * 5.93e-7 && c.b >= 2.0 * 5.96e-8 && c.k >= 2.0 * 7.64e-5,
         "margin constants below the bound"
     );
     assert!(c.max <= 0.45);
@@ -55,41 +57,80 @@ fn consts() -> Consts {
     c
 }
 
-/// What the GPU computes once per packed group (phase B of lf_encode_rows).
+/// 1.5 * 2^23: added to a float of magnitude below 2^22, it leaves the integer part in the
+/// sum's low mantissa bits.
+const MAGIC: f32 = 12_582_912.0;
+
+/// `a + b` rounded toward minus infinity (the GPU's `__fadd_rd`), from the round-to-nearest sum
+/// and its exact error (TwoSum): the sum, or the float below it where the sum rounded up.
+fn fadd_rd(a: f32, b: f32) -> f32 {
+    let s = a + b;
+    let bb = s - a;
+    let err = (a - (s - bb)) + (b - bb);
+    if err < 0.0 {
+        // The float below s (s is finite and, for every use here, positive).
+        if s > 0.0 {
+            f32::from_bits(s.to_bits() - 1)
+        } else if s < 0.0 {
+            f32::from_bits(s.to_bits() + 1)
+        } else {
+            -f32::from_bits(1)
+        }
+    } else {
+        s
+    }
+}
+
+/// T'[m] = LOG2_MANTISSA[m] - m/128 (exact), the encoder's table (lf_s_log2).
+fn t_prime(m: usize) -> f32 {
+    f32::from_bits(LOG2_MANTISSA[m]) - m as f32 * 0.0078125
+}
+
+/// What the GPU computes once per packed group (lf_consts, phase B of lf_encode_rows), and per
+/// unit in phase C (kf, r128).
 struct Fast {
-    /// (log2 amax - E) - h(step): log2 amax's mantissa part less the midpoint offset.
-    q: f32,
-    /// 1 / step.
+    /// 1 / step, and its 1/128 (exact).
     rs: f32,
-    /// threshold(1) = m(1) / 2 and threshold(2) = (m(1) + m(2)) / 2, exactly as the reference.
-    thr1: f32,
-    thr2: f32,
-    /// Fast iff the estimate's fraction lies in (mg, mhi).
-    mg: f32,
-    mhi: f32,
-    /// 2^23 + amax's biased exponent, as f32 (the exponent difference by one subtraction).
-    ebias: f32,
+    r128: f32,
+    /// fma(-q, 1/step, -0.5), q = (log2 amax - E) - h(step).
+    bc: f32,
+    /// Fast iff |v - rint(v)| < mh = 1/2 - margin (0: never).
+    mh: f32,
+    /// 2^23 + amax's exponent bits, as f32.
+    kf: f32,
+    /// 0x4B000000 + the bound of threshold(1) where amin is below it, else 0 (no code 0).
+    zb: u32,
+}
+
+/// lf_zero_bound: a < k1 iff float(a) < threshold(1).
+fn zero_bound(g: &Grid) -> u32 {
+    let thr1 = g.magnitude(1) * 0.5;
+    (thr1.to_bits() + 0xFFFF) >> 16
 }
 
 fn fast_of(c: &Consts, meta: Meta, g: &Grid) -> Fast {
     let eb = u32::from(meta.amax >> 7);
-    let e = eb as i32 - 127;
+    let e = (eb as i32 - 127) as f32;
     let s = g.step;
-    // Exact: la = fl(E + table), so la - E is a multiple of ulp(la) in [0, 1].
-    let le = g.log_amax - e as f32;
     let hh = s * 0.5 - (s * s) * c.ln2_8;
     let rs = 1.0 / s;
-    let m = c.b.mul_add(-e as f32, c.a).mul_add(rs, c.k);
-    let mg = if m < c.max { m } else { 0.5 };
-    let (m1, m2) = (g.magnitude(1), g.magnitude(2));
+    // Exact: la = fl(E + table), so la - E is a multiple of ulp(la) in [0, 1].
+    let q = (g.log_amax - e) - hh;
+    let bc = (-q).mul_add(rs, -0.5);
+    let m = c.b.mul_add(-e, c.a).mul_add(rs, c.k);
+    let mh = if m < c.max { 0.5 - m } else { 0.0 };
+    let k1 = zero_bound(g);
     Fast {
-        q: le - hh,
         rs,
-        thr1: m1 * 0.5,
-        thr2: (m1 + m2) * 0.5,
-        mg,
-        mhi: 1.0 - mg,
-        ebias: f32::from_bits(0x4B00_0000 | eb),
+        r128: rs * 0.0078125,
+        bc,
+        mh,
+        kf: f32::from_bits(0x4B00_0000 | (u32::from(meta.amax) & 0x7F80)),
+        zb: if u32::from(meta.amin) < k1 {
+            0x4B00_0000 + k1
+        } else {
+            0
+        },
     }
 }
 
@@ -104,46 +145,65 @@ fn search(g: &Grid, av: f32, mut c: u32) -> u32 {
     c
 }
 
-/// The GPU encoder's code of magnitude bits `a`, and whether it took the exact search.
-fn fast_code(f: &Fast, g: &Grid, a: u16) -> (u32, bool) {
-    let av = f32::from_bits(u32::from(a) << 16);
-    if av < f.thr2 {
-        return (u32::from(av >= f.thr1), false);
-    }
-    assert!(a >= 0x80, "a normal magnitude past threshold(2): {a:#x}");
-    let fdi = f32::from_bits(0x4B00_0000 | u32::from(a >> 7)) - f.ebias;
-    let dt = f32::from_bits(LOG2_MANTISSA[usize::from(a & 0x7F)]) - f.q;
-    let w = fdi + dt;
-    let v = w * f.rs;
-    let n = v.floor();
-    let r = v - n;
-    let c = 511 + n as i32;
-    if r > f.mg && r < f.mhi {
-        return (c.min(511) as u32, false);
-    }
-    (search(g, av, c.clamp(0, 511) as u32), true)
+/// lf_estimate: the code 511 + rint(v) and r = v - rint(v) for magnitude bits `a`, v clamped to
+/// at least -510.
+fn estimate(f: &Fast, a: u16) -> (u32, f32) {
+    let mg = 0x4B00_0000 | u32::from(a);
+    let tm = t_prime(usize::from(a & 0x7F));
+    let fa = f32::from_bits(mg) - f.kf;
+    let v = fa.mul_add(f.r128, tm.mul_add(f.rs, f.bc)).max(-510.0);
+    let t = v + MAGIC;
+    let r = v - (t - MAGIC);
+    (t.to_bits().wrapping_sub(0x4B3F_FE01), r)
 }
 
-/// The GPU decoder's magnitude of code c: y as the reference, then floor, the polynomial, and
-/// the exponent added to the polynomial's bits (p * 2^n exactly: the result is normal).
-fn fast_magnitude(g: &Grid, c: u32) -> f32 {
+/// The GPU encoder's code of magnitude bits `a` (phase C of lf_encode_rows), and whether it
+/// took the exact search: the estimate, 0 below threshold(1) in a group that has such values,
+/// the search where the estimate's fraction is within the margin of an integer.
+fn fast_code(f: &Fast, g: &Grid, a: u16) -> (u32, bool) {
+    let (e, r) = estimate(f, a);
+    let mut c = e;
+    if f.zb != 0 && (0x4B00_0000 | u32::from(a)) < f.zb {
+        c = 0;
+    }
+    // NaN-safe as on the GPU: !(|r| < mh).
+    if r.abs() >= f.mh || r.is_nan() {
+        let av = f32::from_bits(u32::from(a) << 16);
+        return (search(g, av, e.min(TOP_CODE)), true);
+    }
+    assert!(c <= TOP_CODE, "a fast code past 511: {c} for {a:#x}");
+    (c, false)
+}
+
+/// The GPU decoder's magnitude of code c (lf_exp2 after the reference's y): floor(y) as the
+/// round-down sum t = y + 1.5 * 2^23 less 1.5 * 2^23, f = y - floor(y), the polynomial, and t's
+/// bits << 23 added to the polynomial's bits (p * 2^n exactly: the result is normal). No code 0
+/// here: the decoder zeroes it only in groups whose amin is below threshold(1) (the only ones
+/// whose encoder writes a code 0).
+fn fast_magnitude_nz(g: &Grid, c: u32) -> f32 {
     let cf = f32::from_bits(0x4B00_0000 | c) - f32::from_bits(0x4B00_01FF); // c - 511, exact
     let y = cf.mul_add(g.step, g.log_amax);
-    let n = y.floor();
-    let f = y - n;
+    let t = fadd_rd(y, MAGIC);
+    let f = y - (t - MAGIC);
     let a = |i: usize| f32::from_bits(EXP2_POLY[i]);
     let mut q = a(5);
     for i in (0..5).rev() {
         q = q.mul_add(f, a(i));
     }
     let p = q.mul_add(f, 1.0);
-    let tb = (n + 12_582_912.0).to_bits(); // 0x4B40_0000 + n: its low 9 bits are n's
-    let m = f32::from_bits(p.to_bits().wrapping_add(tb << 23));
-    if c == 0 {
+    f32::from_bits(p.to_bits().wrapping_add(t.to_bits() << 23))
+}
+
+/// The decoder's value of a 10-bit field of a group with meta `meta` (lf_reduce_at).
+fn fast_decode(meta: Meta, g: &Grid, field: u32) -> f32 {
+    let c = field & TOP_CODE;
+    let zero_possible = u32::from(meta.amin) < zero_bound(g);
+    let m = if c == 0 && zero_possible {
         0.0
     } else {
-        m
-    }
+        fast_magnitude_nz(g, c)
+    };
+    f32::from_bits(m.to_bits() | (field & 0x200) << 22)
 }
 
 struct Rng(u64);
@@ -216,7 +276,8 @@ fn gpu_codes_equal_the_reference_for_every_magnitude_of_every_grid() {
         let f = fast_of(&cs, meta, &g);
         // A span of an octave or more: the fast case must be the rule there.
         let wide = g.step * 510.0 >= 1.0;
-        for a in 0..=meta.amax {
+        // Every magnitude a group of this meta word can hold (amin is its smallest).
+        for a in meta.amin..=meta.amax {
             let (c, s) = fast_code(&f, &g, a);
             assert_eq!(c, g.code(a), "a = {a:#x} in {meta:?} ({g:?})");
             values += 1;
@@ -289,9 +350,58 @@ fn gpu_codes_equal_the_reference_on_groups_like_the_benchmarks() {
 fn gpu_magnitudes_equal_the_reference_for_every_code_of_every_grid() {
     for meta in grids(grid_count() / 3) {
         let g = meta.grid().unwrap();
-        for c in 0..=TOP_CODE {
-            let (got, want) = (fast_magnitude(&g, c), g.magnitude(c));
+        for c in 1..=TOP_CODE {
+            let (got, want) = (fast_magnitude_nz(&g, c), g.magnitude(c));
             assert_eq!(got.to_bits(), want.to_bits(), "c = {c} in {meta:?} ({g:?})");
+        }
+        // Code 0 is zero wherever the encoder can write it: only below threshold(1), so only
+        // in a group whose amin is below it (the decoder's flag).
+        let zero_possible = u32::from(meta.amin) < zero_bound(&g);
+        assert_eq!(
+            zero_possible,
+            g.code(meta.amin) == 0,
+            "{meta:?}: amin's code and the decoder's zero flag"
+        );
+        if zero_possible {
+            for field in [0u32, 0x200] {
+                assert_eq!(
+                    fast_decode(meta, &g, field).to_bits(),
+                    g.decode(field).to_bits()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_round_down_add_and_floor_agree() {
+    // fadd_rd (the mirror of __fadd_rd) against exact sums in f64, and the decoder's floor
+    // against floorf, over every 7th f32 in [-126, 0] and every value near an integer there.
+    let mut b = (-126f32).to_bits();
+    let top = (-0f32).to_bits();
+    let check = |y: f32| {
+        let t = fadd_rd(y, MAGIC);
+        assert_eq!(t - MAGIC, y.floor(), "{y}");
+        // Where f64 holds the sum exactly, t is the float at or below it.
+        let exact = f64::from(y) + f64::from(MAGIC);
+        if exact - f64::from(MAGIC) == f64::from(y) {
+            assert!(
+                f64::from(t) <= exact && exact - f64::from(t) < 1.0,
+                "{y}: {t}"
+            );
+        }
+    };
+    while b > top {
+        check(f32::from_bits(b));
+        b -= 7.min(b - top);
+    }
+    for n in -126..0 {
+        for d in 0..64u32 {
+            let y = n as f32;
+            check(f32::from_bits(y.to_bits() + d));
+            if n > -126 {
+                check(f32::from_bits(y.to_bits() - d));
+            }
         }
     }
 }
@@ -328,13 +438,73 @@ fn exp2_poly_error_is_within_what_the_margin_assumes() {
     assert!(max < 2e-7, "{max}");
 }
 
-/// Word `w` of a packed body whose lane j holds bits 40j..40j+39 in `v[j]` (logfmt.cuh
-/// lf_body_word).
-fn body_word(v: &[u64; 32], w: usize) -> u32 {
-    let a = 4 * w / 5;
-    let o = 32 * w - 40 * a;
-    let (lo, hi) = (v[a & 31], v[(a + 1) & 31]);
-    ((lo >> o) | (hi.checked_shl(40 - o as u32).unwrap_or(0))) as u32
+/// Field i (10 bits at bit 10i) of a lane's 5 words set to `f`, as logfmt.cuh's slow-path patch;
+/// `add`: the hot path's `+=` into zeroed bits instead.
+fn put_field(wd: &mut [u32; 5], i: usize, f: u32, add: bool) {
+    put_bits(wd, i, f, 0x3FF, add);
+}
+
+/// The bits `mask` of field i set to `f`'s (`add`: added into zeroed bits).
+fn put_bits(wd: &mut [u32; 5], i: usize, f: u32, mask: u32, add: bool) {
+    let b = 10 * i;
+    let (k, o) = (b >> 5, (b & 31) as u32);
+    if add {
+        wd[k] = wd[k].wrapping_add(f << o);
+        if o > 22 {
+            wd[k + 1] = wd[k + 1].wrapping_add(f >> (32 - o));
+        }
+    } else {
+        wd[k] = (wd[k] & !(mask << o)) | (f << o);
+        if o > 22 {
+            wd[k + 1] = (wd[k + 1] & !(mask >> (32 - o))) | (f >> (32 - o));
+        }
+    }
+}
+
+/// A packed group's body as phase C of lf_encode_rows writes it: lane l of the unit's 8 holds
+/// channels 16l..16l+15 and forms body words 5l..5l+4: each field from the estimate (the sign
+/// bit, then the code), then code 0 below threshold(1) where the group has such values, then
+/// (in the staged words) the whole field from the exact search for the values whose fraction is
+/// within the margin of 1/2.
+/// Also returns how many values took the search.
+fn gpu_body(f: &Fast, g: &Grid, vals: &[u16]) -> ([u8; 160], u32) {
+    let mut body = [0u8; 160];
+    let mut searched = 0;
+    for l in 0..8 {
+        let mut wd = [0u32; 5];
+        let mut est = [0u32; 16];
+        let mut slow = 0u32;
+        for (i, e) in est.iter_mut().enumerate() {
+            let b = vals[16 * l + i];
+            let (c, r) = estimate(f, b & 0x7FFF);
+            *e = c;
+            if r.abs() >= f.mh || r.is_nan() {
+                slow |= 1 << i;
+            }
+            put_field(&mut wd, i, c | u32::from(b >> 15) << 9, true);
+        }
+        let sign = |i: usize| u32::from(vals[16 * l + i] >> 15) << 9;
+        // Code 0: the code bits cleared, the sign's kept.
+        if f.zb != 0 {
+            for i in 0..16 {
+                if (0x4B00_0000 | u32::from(vals[16 * l + i] & 0x7FFF)) < f.zb {
+                    put_bits(&mut wd, i, 0, TOP_CODE, false);
+                }
+            }
+        }
+        for (i, &e) in est.iter().enumerate() {
+            if (slow >> i) & 1 != 0 {
+                searched += 1;
+                let a = vals[16 * l + i] & 0x7FFF;
+                let c = search(g, f32::from_bits(u32::from(a) << 16), e.min(TOP_CODE));
+                put_field(&mut wd, i, c | sign(i), false);
+            }
+        }
+        for (k, w) in wd.iter().enumerate() {
+            body[20 * l + 4 * k..20 * l + 4 * k + 4].copy_from_slice(&w.to_le_bytes());
+        }
+    }
+    (body, searched)
 }
 
 #[test]
@@ -343,6 +513,7 @@ fn gpu_rounds_write_the_reference_bytes_and_decode_to_its_values() {
     use half::bf16;
     let cs = consts();
     let mut rng = Rng(11);
+    let (mut searched, mut zeros) = (0u32, 0u32);
     for case in 0..48 {
         let gs = [1usize, 2, 3, 56, 57, 64, 100, 512][case % 8];
         let h = 128 * gs;
@@ -354,9 +525,15 @@ fn gpu_rounds_write_the_reference_bytes_and_decode_to_its_values() {
                 (0..h)
                     .map(|i| {
                         let u = (rng.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-                        // Every third group of a row raw (amax >= 1), the rest packed.
+                        // Every third group of a row raw (amax >= 1), the rest packed; in
+                        // every fifth some zeros and values 2^-40 below the rest (a clipped
+                        // grid: code 0 below threshold(1)).
                         let s = if (i / 128 + case) % 3 == 0 { 4.0 } else { 1.0 };
-                        bf16::from_f32(u * s)
+                        match (i / 128 + case) % 5 {
+                            0 if i % 37 == 3 => bf16::from_f32(0.0),
+                            0 if i % 41 == 5 => bf16::from_f32(-u * 1e-12),
+                            _ => bf16::from_f32(u * s),
+                        }
                     })
                     .collect()
             })
@@ -396,18 +573,9 @@ fn gpu_rounds_write_the_reference_bytes_and_decode_to_its_values() {
                 let vals = bits(u);
                 if let Some(grid) = meta.grid() {
                     let f = fast_of(&cs, *meta, &grid);
-                    let mut lanes = [0u64; 32];
-                    for (l, lane) in lanes.iter_mut().enumerate() {
-                        for i in 0..4 {
-                            let b = vals[4 * l + i];
-                            let c = fast_code(&f, &grid, b & 0x7FFF).0;
-                            *lane |= u64::from(u32::from(b >> 15) << 9 | c) << (10 * i);
-                        }
-                    }
-                    for w in 0..40 {
-                        dst[at + 4 * w..at + 4 * w + 4]
-                            .copy_from_slice(&body_word(&lanes, w).to_le_bytes());
-                    }
+                    let (body, n) = gpu_body(&f, &grid, &vals);
+                    dst[at..at + 160].copy_from_slice(&body);
+                    searched += n;
                 } else {
                     for (i, b) in vals.iter().enumerate() {
                         dst[at + 2 * i..at + 2 * i + 2].copy_from_slice(&b.to_le_bytes());
@@ -418,7 +586,7 @@ fn gpu_rounds_write_the_reference_bytes_and_decode_to_its_values() {
                 let mut want = vec![0u8; max_row_bytes(h)];
                 let n = encode_row(&rows[r0 + j], &mut want);
                 assert_eq!(&got[..n], &want[..n], "case {case}, row {}", r0 + j);
-                // The decoder's values: each packed field's fast_magnitude with its sign.
+                // The decoder's values: each packed field's fast_decode.
                 let mut dec = vec![0f32; h];
                 decode_row(&want[..n], &mut dec);
                 let mut at = gs * 4;
@@ -431,9 +599,8 @@ fn gpu_rounds_write_the_reference_bytes_and_decode_to_its_values() {
                                 want[at + bit / 8..at + bit / 8 + 4].try_into().unwrap(),
                             );
                             let f = (word >> (bit % 8)) & 0x3FF;
-                            let v = f32::from_bits(
-                                fast_magnitude(&grid, f & 511).to_bits() | (f & 0x200) << 22,
-                            );
+                            let v = fast_decode(m, &grid, f);
+                            zeros += u32::from(f & TOP_CODE == 0);
                             assert_eq!(
                                 v.to_bits(),
                                 dec[g * 128 + c].to_bits(),
@@ -446,6 +613,35 @@ fn gpu_rounds_write_the_reference_bytes_and_decode_to_its_values() {
                     }
                 }
             }
+        }
+    }
+    println!("rounds: {searched} values searched, {zeros} code-0 fields");
+    assert!(
+        searched > 0 && zeros > 0,
+        "the rounds ran no search ({searched}) or wrote no code 0 ({zeros})"
+    );
+}
+
+#[test]
+fn a_patched_field_changes_its_ten_bits_and_no_other() {
+    // put_field (logfmt.cuh's set_field) against the 160-bit string read bit by bit.
+    let mut rng = Rng(5);
+    let bit = |wd: &[u32; 5], j: usize| (wd[j / 32] >> (j % 32)) & 1;
+    for _ in 0..20_000 {
+        let mut wd = [0u32; 5];
+        for w in wd.iter_mut() {
+            *w = rng.next() as u32;
+        }
+        let (i, f) = (rng.below(16) as usize, rng.below(1024) as u32);
+        let before = wd;
+        put_field(&mut wd, i, f, false);
+        for j in 0..160 {
+            let want = if (10 * i..10 * i + 10).contains(&j) {
+                (f >> (j - 10 * i)) & 1
+            } else {
+                bit(&before, j)
+            };
+            assert_eq!(bit(&wd, j), want, "field {i} = {f:#x}, bit {j}");
         }
     }
 }

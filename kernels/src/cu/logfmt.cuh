@@ -1,24 +1,24 @@
 // logfmt.cuh: LogFMT-10, the combine's optional row format (docs/contract.md "4.1 LogFMT"),
 // bit-identical to ep_reference::numerics::logfmt (the math) and logfmt_wire (the bytes).
-// IEEE f32 only, every rounding step written out (__fadd_rn, __fmul_rn, __fdiv_rn, __fmaf_rn:
-// the module is compiled with --fmad=false anyway); no log2f/exp2f: the log is the exact table
-// below plus the exponent, the exp the fixed polynomial below.
+// IEEE f32 only, every rounding step written out (__fadd_rn, __fadd_rd, __fmul_rn, __fdiv_rn,
+// __fmaf_rn: the module is compiled with --fmad=false anyway); no log2f/exp2f: the log is the
+// exact table below plus the exponent, the exp the fixed polynomial below.
 //
 // A row of H = 128 G channels on the wire: G meta words of 4 bytes (amax bits | amin bits << 16,
 // the magnitudes' largest and smallest bf16 bits), then the G bodies in channel order: 160 bytes
 // for a packed group (field i, sign << 9 | code, at bits 10i..10i+9 of the body as one
-// little-endian bit string), 256 for a raw one (its bf16 values). A warp handles a group at a
-// time: lane j holds channels 4j..4j+3, i.e. bits 40j..40j+39 (bytes 5j..5j+4) of a packed body
-// and bytes 8j..8j+7 of a raw one. Bodies start 4-aligned (metas and bodies are multiples of 4
-// bytes) in rows whose stride (KParams.cmb_row) is a multiple of 4.
+// little-endian bit string), 256 for a raw one (its bf16 values). The encoder gives a group to
+// 8 lanes: lane l holds channels 16l..16l+15, i.e. words 5l..5l+4 of a packed body (bits
+// 160l..160l+159) and bytes 32l..32l+31 of a raw one. The decoder gives a group to a warp: lane
+// j holds channels 4j..4j+3, bits 40j..40j+39 (bytes 5j..5j+4) of a packed body, bytes
+// 8j..8j+7 of a raw one. Bodies start 4-aligned (metas and bodies are multiples of 4 bytes) in
+// rows whose stride (KParams.cmb_row) is a multiple of 4.
 
 #define LF_GROUP 128
 #define LF_META_BYTES 4
 #define LF_PACKED_BYTES 160
 #define LF_RAW_BYTES 256
 #define LF_TOP_CODE 511
-// Groups per unit of the reduction (1024 channels).
-#define LF_SPAN 8
 
 // log2(1 + m/128) rounded to the nearest f32, as bits (ep_reference::numerics::logfmt::
 // LOG2_MANTISSA; kernels/tests/logfmt_header.rs checks that the two tables agree).
@@ -55,13 +55,15 @@ __device__ __forceinline__ float lf_log2_bf16(u32 bits) {
     return __fadd_rn((float)e, __uint_as_float(__ldg(&LF_LOG2_MANTISSA[bits & 0x7Fu])));
 }
 // 2^y for y in [-126, 0]: n = floor(y), f = y - n, the polynomial at f by Horner with fma,
-// times 2^n. The product p * 2^n is exact (the result is normal), so it is formed by adding n to
-// p's exponent bits: n + 1.5 * 2^23 is exact and its low 9 bits are n's, which is all n << 23
-// keeps. Bit-identical to the reference's multiplication by pow2i(n)
-// (reference/tests/logfmt_gpu_mirror.rs checks every code of many grids).
+// times 2^n. floor(y) is the round-down sum t = y + 1.5 * 2^23 less 1.5 * 2^23 (exact: |y| < 2^22,
+// so t is an integer in [2^23, 2^24) and its low 9 bits are n's), one full-rate add where floorf
+// is a conversion-unit instruction. The product p * 2^n is exact (the result is normal), so it is
+// formed by adding n to p's exponent bits: t << 23 keeps n's low 9 bits. Bit-identical to the
+// reference's floor and multiplication by pow2i(n) (reference/tests/logfmt_gpu_mirror.rs checks
+// every code of many grids).
 __device__ __forceinline__ float lf_exp2(float y) {
-    const float n = floorf(y);
-    const float f = __fsub_rn(y, n);
+    const float t = __fadd_rd(y, 12582912.0f);
+    const float f = __fsub_rn(y, __fsub_rn(t, 12582912.0f));
     float q = __uint_as_float(LF_EXP2_A6);
     q = __fmaf_rn(q, f, __uint_as_float(LF_EXP2_A5));
     q = __fmaf_rn(q, f, __uint_as_float(LF_EXP2_A4));
@@ -69,8 +71,7 @@ __device__ __forceinline__ float lf_exp2(float y) {
     q = __fmaf_rn(q, f, __uint_as_float(LF_EXP2_A2));
     q = __fmaf_rn(q, f, __uint_as_float(LF_EXP2_A1));
     const float p = __fmaf_rn(q, f, 1.0f);
-    const u32 nb = __float_as_uint(__fadd_rn(n, 12582912.0f));
-    return __uint_as_float(__float_as_uint(p) + (nb << 23));
+    return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
 }
 
 // Whether the group of meta word `meta` travels packed: 2^-93 <= amax < 1 (bits 0x1100..0x3F80)
@@ -129,34 +130,48 @@ __device__ __noinline__ u32 lf_search(u32 meta, u32 a, u32 c) {
 // the CPU against the reference's codes, every magnitude of thousands of grids)
 //
 // For a packed group (la = log2 amax as lf_grid, E = amax's exponent, s = step) and a magnitude
-// a >= threshold(2), with exact real l = log2(a) and u = 511 + (l - la + h(s)) / s,
-// h(s) = 1 - log2(1 + 2^-s): threshold(c) for c >= 2 is (m(c-1) + m(c)) / 2 with m(c) =
-// 2^(la - (511 - c) s) within y's rounding (|y| 2^-24) and E's error (2e-7), so log2
-// threshold(c) = la - (511 - c) s - h(s) + d, |d| <= (|la| + 511 s) 2^-24 + 3.75e-7. Hence
-// threshold(c) <= a for c < u - |d|/s and > a for c > u + |d|/s: if no integer lies within
-// |d|/s of u, the code is min(floor(u), 511). The estimate is v = ((a_exp - E) + (T[a_mant] -
-// q)) * (1/s), q = (la - E) - h~(s) (la - E is exact; h~ = s/2 - s^2 ln2/8, within 2.9e-8 of
-// h for s <= 32/510), which is within 1.49e-7/s + 9.2e-5 of u - 511 (table, q and sum
-// roundings, then the product's). The margin needed on the fraction of v is therefore
-// (5.24e-7 + 6e-8 |E|) / s + 1.228e-4 (|la| <= |E|); LF_MARGIN_* give twice that or more, and
-// a value whose fraction is not that far from an integer takes lf_search. Below threshold(2)
-// the code is 0 or 1, decided by threshold(1) directly.
+// a, with exact real l = log2(a) and u = 511 + (l - la + h(s)) / s, h(s) = 1 - log2(1 + 2^-s):
+// threshold(c) for c >= 2 is (m(c-1) + m(c)) / 2 with m(c) = 2^(la - (511 - c) s) within y's
+// rounding (|y| 2^-24) and E's error (2e-7), so log2 threshold(c) = la - (511 - c) s - h(s) + d,
+// |d| <= D = (|la| + 511 s) 2^-24 + 3.75e-7. Hence threshold(c) <= a for c <= u - D/s and > a for
+// c > u + D/s: if no integer lies within D/s of u, the code is floor(u) where that is 2 or more,
+// and 0 or 1 (threshold(1) decides) where it is 1 or less. The estimate of u - 511.5 is
+//     v = fma(fa, 1/(128 s), fma(T'[a mod 128], 1/s, bc)),   clamped to at least -510,
+// fa = a - 128 (E + 127) (exact: a and amax's exponent bits as the floats 2^23 + bits), T'[m] =
+// log2(1 + m/128) - m/128 (the table less m/128, exact, within 2^-25 of the real value), bc =
+// fma(-q, 1/s, -0.5), q = (la - E) - h~(s) (la - E is exact; h~ = s/2 - s^2 ln2/8, within 2.9e-8
+// of h for s <= 32/510). It is within 2.18e-7/s + 4.6e-5 of u - 511.5 wherever it is not clamped
+// (the error of 1/s is relative, 511 2^-24 on u - 511; table, q, bc and the inner fma's
+// rounding 2.18e-7/s; the outer fma's 2^-16). The code is then 511 + rint(v) (rint by adding 1.5
+// 2^23, so the code is the sum's bits less a constant) wherever |v - rint(v)| < 1/2 - margin,
+// margin (A + B |E|) / s + K (LF_MARGIN_*: twice or more the (5.93e-7 + 5.96e-8 |E|) / s +
+// 7.64e-5 the two bounds need, |la| <= |E|), and below threshold(2) it is 1 (a clamped v gives 1 too: its u
+// is below 2). The few values whose fraction is nearer than that take lf_search; a value below
+// threshold(1) gets 0 (only where amin is below it, a clipped grid).
 #define LF_LN2_8 0x3DB17218u        // ln(2) / 8
 #define LF_MARGIN_A 0x35A7C5ACu     // 1.25e-6
 #define LF_MARGIN_B 0x340637BDu     // 1.25e-7
-#define LF_MARGIN_K 0x3983126Fu     // 2.5e-4
+#define LF_MARGIN_K 0x3927C5ACu     // 1.6e-4
 #define LF_MARGIN_MAX 0x3EE66666u   // 0.45: a larger margin (s below ~6e-5) leaves no fast case
 // (row, group) units of one encoding round: a whole row at the largest H (MAX_HIDDEN / 128),
 // one unit per thread in the round's per-group pass; and the rows of a round at most.
 #define LF_UNITS 512
 #define LF_ROWS 32
-// The encoder's shared memory, per round: each unit's estimate constants (q, 1/s, threshold(2),
-// threshold(1)), its meta word and margin, the packed flags (bit u of the unit u = j G + g of
-// row j), the log2 table, and the round's row addresses (dst 0: a row not sent).
+// Sets of 4 units (one a warp) whose loads the meta pass has in flight per warp.
+#define LF_DEPTH 4
+// The reduction's slot flags, above the body address.
+#define LF_SLOT_PACKED (1ull << 61)
+#define LF_SLOT_ZERO (1ull << 62)
+#define LF_SLOT_VALID (1ull << 63)
+// The encoder's shared memory, per round: each packed unit's estimate constants {1/s, bc, 1/2 -
+// margin, threshold(1)'s bound} (lf_consts), its meta word, the packed flags (bit u of the unit
+// u = j G + g of row j), the table T' (log2 table less m/128), each warp's staged bodies (4
+// packed bodies of 40 words), and the round's row addresses (dst 0: a row not sent).
 __shared__ float4 lf_s_rec[LF_UNITS];
-__shared__ uint2 lf_s_meta[LF_UNITS];
+__shared__ u32 lf_s_meta[LF_UNITS];
 __shared__ u32 lf_s_mask[LF_UNITS / 32];
-__shared__ u32 lf_s_log2[128];
+__shared__ float lf_s_log2[128];
+__shared__ u32 lf_s_stage[NWARPS * 4 * 40];
 __shared__ u64 lf_s_dst[LF_ROWS];
 __shared__ u64 lf_s_src[LF_ROWS];
 
@@ -166,144 +181,210 @@ __device__ __forceinline__ void lf_stamp(u64 prof, int i) {
     if (prof && threadIdx.x == 0) ((u64*)prof)[blockIdx.x * PROF_SLOTS + i] = globaltimer();
 }
 
-// The code of magnitude bits `a` from the estimate (above), with the unit's constants `rc`,
-// margin (mg, mhi) and `eb` = 2^23 + amax's biased exponent; sets `slow` where the value needs
-// lf_search (the return value is then its start).
-__device__ __forceinline__ u32 lf_code_fast(const float4& rc, float mg, float mhi, float eb, u32 a, u32& slow) {
-    const float av = __uint_as_float(a << 16);
-    const float fdi = __fsub_rn(__uint_as_float(0x4B000000u | (a >> 7)), eb);  // exponent difference, exact
-    const float dt = __fsub_rn(__uint_as_float(lf_s_log2[a & 0x7Fu]), rc.x);
-    const float v = __fmul_rn(__fadd_rn(fdi, dt), rc.y);
-    const float n = floorf(v);
-    const float r = __fsub_rn(v, n);
-    const int c = 511 + __float2int_rz(n);
-    const bool low = !(av >= rc.z);  // below threshold(2): code 0 or 1
-    const bool fast = r > mg && r < mhi;
-    slow = (!low && !fast) ? 1u : 0u;
-    if (low) return av >= rc.w ? 1u : 0u;
-    return fast ? (u32)min(c, 511) : (u32)min(max(c, 0), 511);
+// The bound of threshold(1) in magnitude bits: a < lf_zero_bound(g) iff float(a) < m(1) / 2
+// (m(1)'s half, rounded up to the next bf16: a bf16 is below a positive f32 iff its bits << 16
+// are). A group whose amin is not below it has no code 0.
+__device__ __forceinline__ u32 lf_zero_bound(const LfGrid& g) {
+    const float thr1 = __fmul_rn(lf_magnitude(g, 1u), 0.5f);
+    return (__float_as_uint(thr1) + 0xFFFFu) >> 16;
 }
-
-// Word w (bytes 4w..4w+3) of a packed body whose lane j holds bits 40j..40j+39 in v (the low
-// 40 bits). All 32 lanes call it (shuffles); a w past 39 gives a value nobody stores.
-__device__ __forceinline__ u32 lf_body_word(u64 v, int w) {
-    const int a = (4 * w) / 5;       // the lane holding bit 32w
-    const int o = 32 * w - 40 * a;   // its offset there, 0..32
-    const u64 lo = __shfl_sync(0xffffffffu, v, a & 31);
-    const u64 hi = __shfl_sync(0xffffffffu, v, (a + 1) & 31);
-    return (u32)((lo >> o) | (hi << (40 - o)));
+// A packed group's estimate constants (see above): {1/s, bc, 1/2 - margin (0: no fast case),
+// 2^23 + lf_zero_bound as float bits where amin is below it (else 0: no code 0)}.
+__device__ __forceinline__ float4 lf_consts(u32 meta) {
+    const LfGrid gr = lf_grid(meta);
+    const float e = (float)((int)((meta & 0xFFFFu) >> 7) - 127);
+    const float s = gr.step;
+    const float hh = __fsub_rn(__fmul_rn(s, 0.5f), __fmul_rn(__fmul_rn(s, s), __uint_as_float(LF_LN2_8)));
+    const float rs = __fdiv_rn(1.0f, s);
+    const float q = __fsub_rn(__fsub_rn(gr.la, e), hh);
+    const float bc = __fmaf_rn(-q, rs, -0.5f);
+    const float m = __fmaf_rn(__fmaf_rn(__uint_as_float(LF_MARGIN_B), -e, __uint_as_float(LF_MARGIN_A)), rs,
+                              __uint_as_float(LF_MARGIN_K));
+    const float mh = m < __uint_as_float(LF_MARGIN_MAX) ? __fsub_rn(0.5f, m) : 0.0f;
+    const u32 k1 = lf_zero_bound(gr);
+    const u32 zb = (meta >> 16) < k1 ? 0x4B000000u + k1 : 0u;
+    return make_float4(rs, bc, mh, __uint_as_float(zb));
+}
+// The estimate for the magnitude a in half HI of a bf16 word (lo: bits 0..15, else 16..31): its
+// code 511 + rint(v) (v clamped, above) and r = v - rint(v); `mg` is a as the float 2^23 + a.
+// kf = 2^23 + amax's exponent bits, rs = 1/s, r128 = rs / 128, bc as above.
+template <bool HI>
+__device__ __forceinline__ u32 lf_estimate(u32 wm, float kf, float rs, float r128, float bc, u32& mg, float& r) {
+    // wm: the bf16 word with its signs cleared; mg = 2^23 + a as float bits, by a byte permute.
+    mg = __byte_perm(wm, 0x4B000000u, HI ? 0x7632u : 0x7610u);
+    const u32 ti = HI ? ((wm >> 14) & 0x1FCu) : ((wm << 2) & 0x1FCu);  // 4 (a mod 128): T' byte offset
+    const float tm = *(const float*)((const u8*)lf_s_log2 + ti);
+    const float fa = __fsub_rn(__uint_as_float(mg), kf);
+    const float v = fmaxf(__fmaf_rn(fa, r128, __fmaf_rn(tm, rs, bc)), -510.0f);
+    const float t = __fadd_rn(v, 12582912.0f);
+    r = __fsub_rn(v, __fsub_rn(t, 12582912.0f));
+    return __float_as_uint(t) - 0x4B3FFE01u;
 }
 
 // Encodes the round's nr rows (nr <= LF_ROWS, nr * H / 128 <= LF_UNITS): row j is the bf16 row
 // at lf_s_src[j] (16-aligned), written to lf_s_dst[j] (4-aligned, room for G (4 + 256) bytes),
 // skipped where lf_s_dst[j] is 0. The whole block calls it (barriers): the caller writes the
 // row table, the first barrier here publishes it, the last one ends every use of it. Three
-// passes over the round's (row, group) units: (A) each half-warp a group's meta word (stored to
-// the row too), (B) each thread a packed group's constants, (C) each warp a group's codes and
-// body, at the offset its row's packed flags give. Stamps p9 after A and p10 after B (the last
-// round's). Out of line (scalar arguments): one copy per module.
+// passes over the round's (row, group) units u = j G + g, each unit to 8 lanes (lane l of the 8:
+// channels 16l..16l+15, bytes 32l..32l+31 of its bf16 group), 4 units a warp: (A) the meta words
+// (stored to the row too), LF_DEPTH sets of 4 units in flight per warp; (B) each thread a packed
+// unit's constants; (C) the codes: each lane its 16 fields, packed into its 5 words of the body,
+// staged in shared memory and stored as 5 runs of 8 words (32 bytes), the body at the offset its
+// row's packed flags give. Stamps p9 after A and p10 after B (the last round's). Out of line
+// (scalar arguments): one copy per module.
 __device__ __noinline__ void lf_encode_rows(int nr, int H, u64 prof) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int sg = lane >> 3, sl = lane & 7;
     const int G = H / LF_GROUP;
     const int units = nr * G;
     const float rg = 1.0f / (float)G;
     __syncthreads();
-    if (tid < 128) lf_s_log2[tid] = LF_LOG2_MANTISSA[tid];
-    {
-        // (A) Lanes 16h..16h+15 take unit 2i+h, 8 channels a lane (16 bytes).
-        const int h = lane >> 4, sl = lane & 15;
-        for (int ub = 2 * warp; ub < units; ub += 2 * NWARPS) {
-            const int u = ub + h;
+    if (tid < 128) lf_s_log2[tid] = __fsub_rn(__uint_as_float(LF_LOG2_MANTISSA[tid]), (float)tid * 0.0078125f);
+    // (A) Magnitudes two to a word; per lane the largest and smallest of its 16, then of the
+    // unit's 8 lanes as one word (largest, 0x7FFF - smallest) reduced by halfword maxima.
+    for (int u0 = 4 * warp; u0 < units; u0 += 4 * NWARPS * LF_DEPTH) {
+        uint4 x[LF_DEPTH][2];
+#pragma unroll
+        for (int d = 0; d < LF_DEPTH; d++) {
+            const int u = u0 + 4 * NWARPS * d + sg;
             const bool on = u < units;
             const int j = on ? div_rcp(u, G, rg) : 0, g = u - j * G;
             const u64 dst = on ? lf_s_dst[j] : 0ull;
-            uint4 x = make_uint4(0u, 0u, 0u, 0u);
-            if (dst) x = *(const uint4*)(lf_s_src[j] + (u64)g * LF_RAW_BYTES + sl * 16);
-            // Magnitudes two to a word; the largest and smallest of each half-word, then of both.
-            const u32 m0 = x.x & 0x7FFF7FFFu, m1 = x.y & 0x7FFF7FFFu, m2 = x.z & 0x7FFF7FFFu, m3 = x.w & 0x7FFF7FFFu;
-            const u32 hi = __vmaxu2(__vmaxu2(m0, m1), __vmaxu2(m2, m3));
-            const u32 lo = __vminu2(__vminu2(m0, m1), __vminu2(m2, m3));
-            u32 mx = max(hi & 0xFFFFu, hi >> 16), mn = min(lo & 0xFFFFu, lo >> 16);
-#pragma unroll
-            for (int o = 8; o > 0; o >>= 1) {
-                mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-                mn = min(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+            x[d][0] = make_uint4(0u, 0u, 0u, 0u);
+            x[d][1] = x[d][0];
+            if (dst) {
+                const uint4* s = (const uint4*)(lf_s_src[j] + (u64)g * LF_RAW_BYTES + sl * 32);
+                x[d][0] = __ldg(s);
+                x[d][1] = __ldg(s + 1);
             }
-            if (sl == 0 && on) {
-                const u32 meta = mx | (mn << 16);  // 0 for a row not sent: not packed
-                lf_s_meta[u].x = meta;
-                if (dst) *(u32*)(dst + (u64)g * LF_META_BYTES) = meta;
+        }
+#pragma unroll
+        for (int d = 0; d < LF_DEPTH; d++) {
+            const u32 m0 = x[d][0].x & 0x7FFF7FFFu, m1 = x[d][0].y & 0x7FFF7FFFu, m2 = x[d][0].z & 0x7FFF7FFFu;
+            const u32 m3 = x[d][0].w & 0x7FFF7FFFu, m4 = x[d][1].x & 0x7FFF7FFFu, m5 = x[d][1].y & 0x7FFF7FFFu;
+            const u32 m6 = x[d][1].z & 0x7FFF7FFFu, m7 = x[d][1].w & 0x7FFF7FFFu;
+            const u32 hi = __vmaxu2(__vmaxu2(__vmaxu2(m0, m1), __vmaxu2(m2, m3)), __vmaxu2(__vmaxu2(m4, m5), __vmaxu2(m6, m7)));
+            const u32 lo = __vminu2(__vminu2(__vminu2(m0, m1), __vminu2(m2, m3)), __vminu2(__vminu2(m4, m5), __vminu2(m6, m7)));
+            u32 pk = max(hi & 0xFFFFu, hi >> 16) | ((0x7FFFu - min(lo & 0xFFFFu, lo >> 16)) << 16);
+            pk = __vmaxu2(pk, __shfl_xor_sync(0xffffffffu, pk, 4));
+            pk = __vmaxu2(pk, __shfl_xor_sync(0xffffffffu, pk, 2));
+            pk = __vmaxu2(pk, __shfl_xor_sync(0xffffffffu, pk, 1));
+            const int u = u0 + 4 * NWARPS * d + sg;
+            if (sl == 0 && u < units) {
+                const u32 meta = (pk & 0xFFFFu) | ((0x7FFFu - (pk >> 16)) << 16);  // 0 for a row not sent: not packed
+                lf_s_meta[u] = meta;
+                const int j = div_rcp(u, G, rg), g = u - j * G;
+                if (lf_s_dst[j]) *(u32*)(lf_s_dst[j] + (u64)g * LF_META_BYTES) = meta;
             }
         }
     }
     __syncthreads();
     lf_stamp(prof, 9);
-    // (B) One unit a thread: the packed flags, and a packed group's constants.
+    // (B) One unit a thread: the packed flags, and a packed unit's constants.
     for (int u = tid; u < LF_UNITS; u += NTHREADS) {
-        const u32 meta = u < units ? lf_s_meta[u].x : 0u;
+        const u32 meta = u < units ? lf_s_meta[u] : 0u;
         const bool pk = lf_packed(meta);
         const u32 bm = __ballot_sync(0xffffffffu, pk);
         if (lane == 0) lf_s_mask[u >> 5] = bm;
-        if (pk) {
-            const LfGrid gr = lf_grid(meta);
-            const float e = (float)((int)((meta & 0xFFFFu) >> 7) - 127);
-            const float s = gr.step;
-            const float hh = __fsub_rn(__fmul_rn(s, 0.5f), __fmul_rn(__fmul_rn(s, s), __uint_as_float(LF_LN2_8)));
-            const float rs = __fdiv_rn(1.0f, s);
-            const float m = __fmaf_rn(__fmaf_rn(__uint_as_float(LF_MARGIN_B), -e, __uint_as_float(LF_MARGIN_A)), rs,
-                                      __uint_as_float(LF_MARGIN_K));
-            const float m1 = lf_magnitude(gr, 1u), m2 = lf_magnitude(gr, 2u);
-            lf_s_rec[u] = make_float4(__fsub_rn(__fsub_rn(gr.la, e), hh), rs, __fmul_rn(__fadd_rn(m1, m2), 0.5f), __fmul_rn(m1, 0.5f));
-            lf_s_meta[u].y = __float_as_uint(m < __uint_as_float(LF_MARGIN_MAX) ? m : 0.5f);
-        }
+        if (pk) lf_s_rec[u] = lf_consts(meta);
     }
     __syncthreads();
     lf_stamp(prof, 10);
-    // (C) A warp a unit: lane j holds channels 4j..4j+3, bits 40j..40j+39 of a packed body.
-    for (int u = warp; u < units; u += NWARPS) {
-        const int j = div_rcp(u, G, rg), g = u - j * G;
-        const u64 dst = lf_s_dst[j];
-        if (!dst) continue;
-        const uint2 v = *(const uint2*)(lf_s_src[j] + (u64)g * LF_RAW_BYTES + lane * 8);
-        // Packed groups before g in row j: bits jG .. jG+g-1 of the flags.
-        const int b0 = j * G, b1 = b0 + g;
+    // (C) Lane l of a unit's 8: fields 16l..16l+15, i.e. words 5l..5l+4 of a packed body.
+    u32* const stage = lf_s_stage + warp * 160 + sg * 40;
+    // Unit u = u0 + sg as (row uj, group ug), advanced by 4 NWARPS units a pass.
+    const int dj = (4 * NWARPS) / G, dg = 4 * NWARPS - dj * G;
+    int uj = div_rcp(4 * warp + sg, G, rg), ug = 4 * warp + sg - uj * G;
+    for (int u0 = 4 * warp; u0 < units; u0 += 4 * NWARPS) {
+        const int u = u0 + sg;
+        const bool on = u < units;
+        const int j = on ? uj : 0, g = on ? ug : 0;
+        ug += dg;
+        uj += dj;
+        if (ug >= G) {
+            ug -= G;
+            uj++;
+        }
+        const u64 dst = on ? lf_s_dst[j] : 0ull;
+        const u8* src = (const u8*)lf_s_src[j] + (u64)g * LF_RAW_BYTES;
+        uint4 x0 = make_uint4(0u, 0u, 0u, 0u), x1 = x0;
+        if (dst) {
+            x0 = __ldg((const uint4*)(src + sl * 32));
+            x1 = __ldg((const uint4*)(src + sl * 32 + 16));
+        }
+        const u32 meta = on ? lf_s_meta[u] : 0u;
+        const bool pk = dst && lf_packed(meta);
+        // Packed groups before g in row j: bits jG .. jG+g-1 of the flags, a word at a time.
         int np = 0;
-        for (int w = b0 >> 5; w < ((b1 + 31) >> 5); w++) {
-            const int lo = max(b0 - 32 * w, 0), hi = min(b1 - 32 * w, 32);
-            const u32 m = (hi >= 32 ? 0xFFFFFFFFu : ((1u << hi) - 1u)) & ~((1u << lo) - 1u);
-            np += __popc(lf_s_mask[w] & m);
+#pragma unroll 1
+        for (int b = j * G, b1 = b + g; b < b1;) {
+            const int o = b & 31, n = min(32 - o, b1 - b);
+            np += __popc((lf_s_mask[b >> 5] >> o) & (n == 32 ? 0xFFFFFFFFu : (1u << n) - 1u));
+            b += n;
         }
         u8* body = (u8*)dst + (u32)G * LF_META_BYTES + (u32)np * LF_PACKED_BYTES + (u32)(g - np) * LF_RAW_BYTES;
-        const uint2 mm = lf_s_meta[u];
-        // Channel i of this lane: bits 16(i % 2).. of word i / 2.
-        auto bf = [&](int i) -> u32 { return ((i < 2 ? v.x : v.y) >> (16 * (i & 1))) & 0xFFFFu; };
-        if (lf_packed(mm.x)) {
-            const float4 rc = lf_s_rec[u];
-            const float mg = __uint_as_float(mm.y), mhi = __fsub_rn(1.0f, mg);
-            const float eb = __uint_as_float(0x4B000000u | ((mm.x & 0xFFFFu) >> 7));
-            u32 c[4], slow = 0u;
+        const u32 xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+        // A raw or absent unit computes on stale constants; nothing of it is stored.
+        const float4 rc = lf_s_rec[u & (LF_UNITS - 1)];
+        const float kf = __uint_as_float(0x4B000000u | (meta & 0x7F80u));
+        const float r128 = __fmul_rn(rc.x, 0.0078125f);
+        // Fields (sign << 9 | code) at bits 10i of the lane's 160, in its 5 words.
+        u32 wd[5] = {0u, 0u, 0u, 0u, 0u};
+        u32 slow = 0u;  // bit i: value i's |v - rint(v)| is within the margin of 1/2
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                u32 s;
-                c[i] = lf_code_fast(rc, mg, mhi, eb, bf(i) & 0x7FFFu, s);
-                slow |= s << i;
-            }
-            if (__any_sync(0xffffffffu, slow != 0u)) {
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-                    if ((slow >> i) & 1u) c[i] = lf_search(mm.x, bf(i) & 0x7FFFu, c[i]);
-            }
-            u64 bits = 0ull;
-#pragma unroll
-            for (int i = 0; i < 4; i++) bits |= (u64)(((bf(i) >> 15) << 9) | c[i]) << (10 * i);
-            const u32 w0 = lf_body_word(bits, lane);
-            const u32 w1 = lf_body_word(bits, lane + 32);
-            *(u32*)(body + 4 * lane) = w0;
-            if (lane < 8) *(u32*)(body + 128 + 4 * lane) = w1;
-        } else {
-            *(u32*)(body + 8 * lane) = v.x;
-            *(u32*)(body + 8 * lane + 4) = v.y;
+        for (int i = 0; i < 16; i++) {
+            float r;
+            u32 m;
+            const u32 c = (i & 1) ? lf_estimate<true>(xw[i >> 1] & 0x7FFF7FFFu, kf, rc.x, r128, rc.y, m, r)
+                                  : lf_estimate<false>(xw[i >> 1] & 0x7FFF7FFFu, kf, rc.x, r128, rc.y, m, r);
+            if (!(fabsf(r) < rc.z)) slow |= 1u << i;
+            const u32 f = c | (((i & 1) ? (xw[i >> 1] >> 22) : (xw[i >> 1] >> 6)) & 0x200u);
+            const int b = 10 * i, k = b >> 5, o = b & 31;
+            wd[k] += f << o;  // disjoint bits: + is |
+            if (o > 22) wd[k + 1] += f >> (32 - o);
         }
+        // Below threshold(1): code 0 (only a clipped grid has such values); the sign stays.
+        const u32 zb = __float_as_uint(rc.w);
+        if (__any_sync(0xffffffffu, pk && zb != 0u)) {
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                const u32 a = ((i & 1) ? (xw[i >> 1] >> 16) : xw[i >> 1]) & 0x7FFFu;
+                const int b = 10 * i, k = b >> 5, o = b & 31;
+                if ((0x4B000000u | a) < zb) {
+                    wd[k] &= ~((u32)LF_TOP_CODE << o);
+                    if (o > 23) wd[k + 1] &= ~((u32)LF_TOP_CODE >> (32 - o));
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 5; k++) stage[5 * sl + k] = wd[k];
+        // The values the estimate does not settle: the exact search from its code, patched into
+        // the staged words (the whole field: an estimate of 512 would have set the sign's bit).
+        if (!pk) slow = 0u;
+        if (__any_sync(0xffffffffu, slow != 0u)) {
+            while (slow) {
+                const int i = __ffs(slow) - 1;
+                slow &= slow - 1u;
+                const u32 x = __ldg((const u16*)src + 16 * sl + i), a = x & 0x7FFFu;
+                float r;
+                u32 m;
+                const u32 e = lf_estimate<false>(a, kf, rc.x, r128, rc.y, m, r);
+                const u32 f = lf_search(meta, a, min(e, (u32)LF_TOP_CODE)) | ((x >> 6) & 0x200u);
+                const int b = 10 * i, o = b & 31;
+                u32* wp = stage + 5 * sl + (b >> 5);
+                wp[0] = (wp[0] & ~(0x3FFu << o)) | (f << o);
+                if (o > 22) wp[1] = (wp[1] & ~(0x3FFu >> (32 - o))) | (f >> (32 - o));
+            }
+        }
+        __syncwarp();
+        if (pk) {
+#pragma unroll
+            for (int k = 0; k < 5; k++) *(u32*)(body + 4 * (sl + 8 * k)) = stage[sl + 8 * k];
+        } else if (dst) {
+#pragma unroll
+            for (int k = 0; k < 8; k++) *(u32*)(body + 4 * (sl + 8 * k)) = __ldg((const u32*)src + sl + 8 * k);
+        }
+        __syncwarp();
     }
     __syncthreads();
 }
@@ -314,11 +395,13 @@ __device__ __noinline__ void lf_encode_rows(int nr, int H, u64 prof) {
 // magnitude with its sign (lf_magnitude) or a raw group's bf16. Row (t, k) is the encoded row
 // at cbuf + (t*K + k) * crow, where its owner put it (both paths; LogFMT never reads in place
 // nor through NCCL). The (token, group) pairs are split into equal runs, one per warp of the
-// rank's blocks. Lane k < K keeps slot k's row, weight, meta word, grid and the offset of its
-// body (at the start of a run, the sizes before it, counted by the whole warp from the meta
-// words; then advanced group by group), and hands them to every lane by shuffles; lane j
-// decodes channels 4j..4j+3, the loads of up to 8 slots issued before any is used. Stamps p14
-// when warp 0's run is set up. Out of line (scalar arguments): one copy per module.
+// rank's blocks. Lane k < K keeps slot k's row, weight, meta word and the offset of its body
+// (at the start of a run, the packed groups before it counted by the whole warp, 32 meta words
+// a load and a ballot; then advanced group by group), and hands the grid and the body address
+// to every lane by shuffles, the address's top bits flagging a packed group and one whose amin
+// is below threshold(1) (the only groups with a code 0: lf_zero_bound); lane j decodes channels
+// 4j..4j+3, the loads of up to 8 slots issued before any is used. Stamps p14 when warp 0's run
+// is set up. Out of line (scalar arguments): one copy per module.
 __device__ __noinline__ void lf_reduce_at(u64 cbuf, u64 crow, const int* sk, int n, int H, int K, int bid, int blocks_per_rank,
                                           u64 weights, u64 outp, u64 prof) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -339,70 +422,85 @@ __device__ __noinline__ void lf_reduce_at(u64 cbuf, u64 crow, const int* sk, int
         mine = lane < K && sk[t * K + lane] >= 0;
         row = mine ? (const u8*)cbuf + ((u64)t * K + lane) * crow : (const u8*)0;
         my_w = mine ? wts[t * K + lane] : 0.0f;
-        meta = mine ? *(const u32*)(row + (u64)g * LF_META_BYTES) : 0u;
+        meta = mine ? __ldcg((const u32*)(row + (u64)g * LF_META_BYTES)) : 0u;
         u32 np = 0u;
-        if (g > 0) {
-            // Packed groups before g of each slot: lanes kS..kS+S-1 count slot k's, S = 32 / K.
-            const int S = 32 / K, k = lane / S, s = lane - k * S;
-            u32 cnt = 0u;
-            if (k < K && sk[t * K + k] >= 0) {
-                const u8* r = (const u8*)cbuf + ((u64)t * K + k) * crow;
-#pragma unroll 4
-                for (int j = s; j < g; j += S) cnt += lf_packed(*(const u32*)(r + (u64)j * LF_META_BYTES)) ? 1u : 0u;
-            }
-            for (int kk = 0; kk < K; kk++) {
-                const u32 tot = __reduce_add_sync(0xffffffffu, k == kk ? cnt : 0u);
-                if (lane == kk) np = tot;
+        // Packed groups before g of each slot: 32 meta words a load (lane j: word j0 + j) of 8
+        // slots at once, counted by a ballot.
+        for (int k0 = 0; k0 < K; k0 += 8) {
+            for (int j0 = 0; j0 < g; j0 += 32) {
+                const int j = j0 + lane;
+                u32 m[8];
+#pragma unroll
+                for (int q = 0; q < 8; q++) {
+                    const int k = k0 + q;
+                    const bool on = k < K && j < g && sk[t * K + k] >= 0;
+                    m[q] = on ? __ldcg((const u32*)((const u8*)cbuf + ((u64)t * K + k) * crow + (u64)j * LF_META_BYTES)) : 0u;
+                }
+#pragma unroll
+                for (int q = 0; q < 8; q++) {
+                    const u32 cnt = __popc(__ballot_sync(0xffffffffu, lf_packed(m[q])));
+                    if (lane == k0 + q) np += cnt;
+                }
             }
         }
         my_at = (u32)G * LF_META_BYTES + np * LF_PACKED_BYTES + ((u32)g - np) * LF_RAW_BYTES;
     };
     token();
     if (warp == 0) lf_stamp(prof, 14);
+    // Lane j's bytes of a packed body: 5j .. 5j + 4, read as the two words from 5j rounded down.
+    const u32 poff = (u32)((5 * lane) & ~3), psh = (u32)(8 * ((5 * lane) & 3));
     for (u64 pp = p0; pp < p1; pp++) {
         const bool pk = lf_packed(meta);
         LfGrid gr;
         gr.la = 0.0f;
         gr.step = 0.0f;
-        if (pk) gr = lf_grid(meta);
-        const u64 body = (u64)row + my_at;
-        const u32 flags = (mine ? 1u : 0u) | (pk ? 2u : 0u);
+        // Slot lane's body address, flags in bits 61..63 (above every device address): 63 a
+        // valid slot, 61 packed, 62 a code 0 possible. A lane without a slot has cbuf, which
+        // the others read and ignore (no predicated load).
+        u64 body = mine ? ((u64)row + my_at) | LF_SLOT_VALID : cbuf;
+        if (pk) {
+            gr = lf_grid(meta);
+            body |= (meta >> 16) < lf_zero_bound(gr) ? LF_SLOT_PACKED | LF_SLOT_ZERO : LF_SLOT_PACKED;
+        }
         // The next pair's meta word, in flight during this one (same token only).
         const bool same = g + 1 < G && pp + 1 < p1;
-        const u32 meta_next = same && mine ? *(const u32*)(row + (u64)(g + 1) * LF_META_BYTES) : 0u;
+        const u32 meta_next = same && mine ? __ldcg((const u32*)(row + (u64)(g + 1) * LF_META_BYTES)) : 0u;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int k0 = 0; k0 < K; k0 += 8) {
+            // fl: the slot's flags (bit 0 packed, 1 a code 0 possible, 2 valid; 0: no slot).
             u32 d0[8], d1[8], fl[8];
 #pragma unroll
             for (int q = 0; q < 8; q++) {
                 const int k = k0 + q;
-                fl[q] = __shfl_sync(0xffffffffu, flags, k & 31);
                 const u64 b = __shfl_sync(0xffffffffu, body, k & 31);
-                if (k >= K) fl[q] = 0u;
-                d0[q] = 0u;
-                d1[q] = 0u;
-                if (fl[q] & 1u) {
-                    // Packed: bytes 5 lane .. 5 lane + 4 (from the 4-aligned word below); raw: 8 lane ..
-                    const u32* w = (const u32*)(b + ((fl[q] & 2u) ? (u32)((5 * lane) & ~3) : (u32)(8 * lane)));
-                    d0[q] = w[0];
-                    d1[q] = w[1];
-                }
+                fl[q] = k < K ? (u32)(b >> 61) : 0u;
+                const u32* w = (const u32*)((b & (LF_SLOT_PACKED - 1ull)) + ((fl[q] & 1u) ? poff : (u32)(8 * lane)));
+                d0[q] = __ldcg(w);
+                d1[q] = __ldcg(w + 1);
             }
 #pragma unroll
             for (int q = 0; q < 8; q++) {
                 const int k = k0 + q;
-                LfGrid gk;
-                gk.la = __shfl_sync(0xffffffffu, gr.la, k & 31);
-                gk.step = __shfl_sync(0xffffffffu, gr.step, k & 31);
+                const float la = __shfl_sync(0xffffffffu, gr.la, k & 31);
+                const float st = __shfl_sync(0xffffffffu, gr.step, k & 31);
                 const float w = __shfl_sync(0xffffffffu, my_w, k & 31);
-                if (!(fl[q] & 1u)) continue;
+                if (!fl[q]) continue;
                 float v[4];
-                if (fl[q] & 2u) {
-                    const u64 bits = (((u64)d1[q] << 32) | (u64)d0[q]) >> (8 * ((5 * lane) & 3));
+                if (fl[q] & 1u) {
+                    // Fields at bits 0, 10, 20, 30 of the lane's 40 (lo: 0..31, hi: 32..39).
+                    const u32 lo = __funnelshift_r(d0[q], d1[q], psh), hi = d1[q] >> psh;
+                    const u32 x[4] = {lo, lo >> 10, lo >> 20, __funnelshift_r(lo, hi, 30)};
+                    const u32 sg[4] = {lo << 22, lo << 12, lo << 2, hi << 24};  // sign bits at 31
 #pragma unroll
                     for (int i = 0; i < 4; i++) {
-                        const u32 f = (u32)(bits >> (10 * i)) & 0x3FFu;
-                        v[i] = __uint_as_float(__float_as_uint(lf_magnitude(gk, f & LF_TOP_CODE)) | ((f & 0x200u) << 22));
+                        const float cm = __fsub_rn(__uint_as_float(0x4B000000u | (x[i] & LF_TOP_CODE)), 8389119.0f);
+                        const float m = lf_exp2(__fmaf_rn(cm, st, la));
+                        v[i] = __uint_as_float(__float_as_uint(m) | (sg[i] & 0x80000000u));
+                    }
+                    if (fl[q] & 2u) {
+#pragma unroll
+                        for (int i = 0; i < 4; i++)
+                            if ((x[i] << 23) == 0u) v[i] = 0.0f;  // code 0: zero (its sign adds nothing)
                     }
                 } else {
                     v[0] = __uint_as_float(d0[q] << 16);
