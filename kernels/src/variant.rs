@@ -7,7 +7,7 @@
 /// (`ep_reference::config::MAX_RANKS`).
 pub const MAX_RANKS: usize = 256;
 /// Groups of at most this many ranks load the narrow build of the kernels (one-word peer sets, a
-/// T x R position table), as before the limit was raised; larger ones the wide build ([`Variant`]).
+/// T x R position table); larger ones the wide build ([`Variant`]).
 pub const NARROW_RANKS: usize = 32;
 /// u32 words of a set of ranks: the NCCL peer mask in the kernel parameters (`NCCL_WORDS` in
 /// common.cuh).

@@ -26,7 +26,7 @@ __device__ __forceinline__ void poison_peers(const KParams& p, const RankPtrs* t
 // send a peer (T * min(K, L) from its staging region, capacity or exact sizes), which the peer's
 // reduction turns into the failed combine's NaN outputs, never finite wrong values. (Its error
 // reaches that peer's host only by its own bound: this rank makes no later exchange.) The
-// rank's blocks share the stores. Not yet run on a GPU (NCCL needs two).
+// rank's blocks share the stores.
 __device__ __forceinline__ void poison_nccl_rows(const KParams& p, const RankPtrs& me, PeerSet gone, int bid) {
     if (p.stage == 2 || !any_nccl(p)) return;
     const u64 elems = (u64)p.T * (u64)(p.K < p.L ? p.K : p.L) * (u64)p.H;
