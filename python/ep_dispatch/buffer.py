@@ -552,6 +552,13 @@ class Buffer:
         path (as DeepEP's kernel); a source reached through NCCL adds nothing (its tokens arrive
         before the kernel starts).
         """
+        if not (use_fp8.__class__ is bool and round_scale.__class__ is bool
+                and use_ue8m0.__class__ is bool and async_finish.__class__ is bool
+                and return_recv_hook.__class__ is bool):  # one test on the hot path
+            for name, v in (("use_fp8", use_fp8), ("round_scale", round_scale),
+                            ("use_ue8m0", use_ue8m0), ("async_finish", async_finish),
+                            ("return_recv_hook", return_recv_hook)):
+                _checks.flag(name, v)
         if self._ext is not None:
             return self._dispatch_ext(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                       cumulative_local_expert_recv_stats,
@@ -567,13 +574,6 @@ class Buffer:
                       use_ue8m0, async_finish, return_recv_hook):
         """`_dispatch` through the C++ extension: one call allocates the outputs, describes every
         tensor and enqueues (the native entry checks each tensor as the native methods do)."""
-        if not (use_fp8.__class__ is bool and round_scale.__class__ is bool
-                and use_ue8m0.__class__ is bool and async_finish.__class__ is bool
-                and return_recv_hook.__class__ is bool):  # one test on the hot path
-            for name, v in (("use_fp8", use_fp8), ("round_scale", round_scale),
-                            ("use_ue8m0", use_ue8m0), ("async_finish", async_finish),
-                            ("return_recv_hook", return_recv_hook)):
-                _checks.flag(name, v)
         R, s = self.group_size, self._shape
         # A shape this Buffer dispatched before, whose group exists: no tensor is read here (the
         # Buffer's shape is fixed by then: H and K are its). Otherwise, the Python path's checks
@@ -644,13 +644,6 @@ class Buffer:
     def _dispatch(self, x, topk_idx, T, E, stats, wait_stats, use_fp8, round_scale, use_ue8m0,
                   async_finish, return_recv_hook):
         torch, dt = self._torch, self._dt
-        if not (use_fp8.__class__ is bool and round_scale.__class__ is bool
-                and use_ue8m0.__class__ is bool and async_finish.__class__ is bool
-                and return_recv_hook.__class__ is bool):  # one test on the hot path
-            for name, v in (("use_fp8", use_fp8), ("round_scale", round_scale),
-                            ("use_ue8m0", use_ue8m0), ("async_finish", async_finish),
-                            ("return_recv_hook", return_recv_hook)):
-                _checks.flag(name, v)
         R = self.group_size
         # The group is chosen by (T, H, E, K) and the mode: read from the tensors' shapes. The
         # native call checks every tensor against the group's spec (dtype, shape, strides,
