@@ -371,6 +371,23 @@ def test_handles_are_checked(buffers):
         bufs[0].low_latency_combine(y, topk, w, res[0][2])
 
 
+@pytest.mark.parametrize("name", ["use_fp8", "round_scale", "use_ue8m0", "async_finish",
+                                  "return_recv_hook"])
+def test_a_flag_that_is_no_bool_is_named_before_any_call(buffers, name):
+    """Each dispatch flag is checked before the call path is chosen: a non-bool is an
+    ArgumentError naming it, on both paths, and the Buffer stays usable."""
+    _, bufs = buffers
+    ins = make_inputs(4)
+    x, topk, _, _ = ins[0]
+    with pytest.raises(ep.ArgumentError) as e:
+        bufs[0].low_latency_dispatch(x, topk, T, E, **{name: 1})
+    assert e.value.argument == name and "is not a bool" in str(e.value), str(e.value)
+    # Held until every rank has called: the stand-in peers write each rank's outputs then.
+    res = [b.low_latency_dispatch(i[0], i[1], T, E) for b, i in zip(bufs, ins)]
+    # Every selection of every rank arrives once: the ranks' recv_counts add up to them.
+    assert sum(int(r[1].sum()) for r in res) == sum(int((i[1] != -1).sum()) for i in ins)
+
+
 @pytest.mark.parametrize("transport", ["nccl", "two-tier"])
 def test_the_transport_reaches_the_native_rank(monkeypatch, transport):
     world, bufs = make_buffers(monkeypatch, transport=transport)
