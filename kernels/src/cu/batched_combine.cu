@@ -186,16 +186,13 @@ __device__ __forceinline__ void combine_send(const KParams& p, const Call& c, bo
     __syncthreads();
     PROF(2);
     if (tid == 0 && !all_local && STAGE != 2) {
-        fence_rel(p);
         // loom: not modelled itself; the same counter + signal as batched dispatch (model
         // batched_two_senders_one_receiver).
-        u32 old = atomicAdd(c.state + ST_SENT + KIND, 1u);
-        if (old == (u32)p.blocks_per_rank - 1u) {
-            c.state[ST_SENT + KIND] = 0u;
-            fence_rel(p);
+        if (count_in(p, c.state + ST_SENT + KIND, 1u) == (u32)p.blocks_per_rank - 1u) {
             if (rank != p.fault_rank)
                 for (int s = 0; s < R; s++)
                     if (!via_nccl(p, s) && !is_gone(gone, s)) st_release(p, sig_cb(tab[s], R) + rank, signal_word(c.epoch, (u32)sm.tot[s]));
+            c.state[ST_SENT + KIND] = 0u;  // for the next launch (batched dispatch's send says why here)
         }
     }
 }

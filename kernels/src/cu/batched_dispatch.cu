@@ -371,15 +371,14 @@ __device__ __forceinline__ void send_batches(const KParams& p, const Call& c, Se
     __syncthreads();
     PROF(2);
     if (tid == 0) {
-        fence_rel(p);
-        // loom: gpu_protocol::batched_send (counter, fence, signal), model batched_two_senders_one_receiver.
-        const u32 old = atomicAdd(c.state + ST_SENT + KIND, 1u);
-        if (old == (u32)p.blocks_per_rank - 1u) {
-            c.state[ST_SENT + KIND] = 0u;
-            fence_rel(p);
+        // loom: gpu_protocol::batched_send (counter, signal), model batched_two_senders_one_receiver.
+        if (count_in(p, c.state + ST_SENT + KIND, 1u) == (u32)p.blocks_per_rank - 1u) {
             if (rank != p.fault_rank)
                 for (int d = 0; d < R; d++)
                     if (!via_nccl(p, d) && !is_gone(gone, d)) st_release(p, sig_bat(tab[d]) + rank, signal_word(c.epoch, (u32)sm.tot[d]));
+            // Reset for the next launch of the kind, which starts after this one ends (stream
+            // order): after the signals, so that their release does not wait for it.
+            c.state[ST_SENT + KIND] = 0u;
         }
     }
 }

@@ -263,6 +263,20 @@ __device__ __forceinline__ void fence_rel(const KParams& p) {
     if (p.sys_scope) asm volatile("fence.acq_rel.sys;" ::: "memory");
     else asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
+// A block's count-in on one of its rank's counters (ST_SENT, ST_EXIT): thread 0's atomic add,
+// after a __syncthreads, with release and acquire semantics at the fence's scope. The release
+// half publishes every store and read the block made before the barrier (cumulativity, as
+// fence_rel) to the block whose add completes the count; the acquire half gives that block the
+// earlier blocks' (their adds are read-modify-writes of one release sequence). One round trip
+// where a fence_rel, the add and a second fence_rel took three.
+// loom model: verify/src/gpu_protocol/orderings.rs SENT_ADD and EXIT_ADD (fetch_add(AcqRel));
+// the mutants gpu_counter_release/_acquire and gpu_exit_release/_acquire drop one half.
+__device__ __forceinline__ u32 count_in(const KParams& p, u32* word, u32 add) {
+    u32 old;
+    if (p.sys_scope) asm volatile("atom.acq_rel.sys.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(word), "r"(add) : "memory");
+    else asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(word), "r"(add) : "memory");
+    return old;
+}
 __device__ __forceinline__ u32 ld_volatile_u32(const u32* p) {
     u32 v;
     asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");

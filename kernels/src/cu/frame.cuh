@@ -120,11 +120,12 @@ __device__ __forceinline__ int wait_acks(const KParams& p, const Call& c, int ph
     return bad;
 }
 
-// The exit count of a kernel's end (frame_end): every block counts itself out, and the last of
-// its rank's blocks to leave resets the counter (then publishes the epoch and the acknowledgements).
-// Every block also brings into the exit counter whether it saw the group failed (`fail_start`:
-// s_fail, the error word at its start; or the error word at its end, loaded by thread 0 before
-// its fence, so that the load overlaps the drain of the block's stores): bit 16 and up count
+// The exit count of a kernel's end (frame_end): every block counts itself out (count_in), and
+// the last of its rank's blocks to leave publishes the acknowledgements and the epoch, then
+// resets the counter. Every block also brings into the exit counter whether it saw the group
+// failed (`fail_start`: s_fail, the error word at its start; or the error word at its end,
+// loaded by thread 0 before its count-in, so that the load overlaps the drain of the block's
+// stores that the count-in's release waits for): bit 16 and up count
 // those blocks, so the last block out knows whether any block of this rank saw the call fail
 // (*call_failed) without loading the error word once more after the count. An error recorded
 // after every block of the rank had checked did not stop this rank's call: its outputs are whole.
@@ -136,14 +137,9 @@ __device__ __forceinline__ bool last_block_out(const KParams& p, u32* state, int
     __syncthreads();
     if (threadIdx.x == 0) {
         const bool f = fail_start || failed(p);
-        fence_rel(p);
-        const u32 old = atomicAdd(state + ST_EXIT + kind, f ? 1u + EXIT_FAILED : 1u);
+        const u32 old = count_in(p, state + ST_EXIT + kind, f ? 1u + EXIT_FAILED : 1u);
         s_last = ((old & (EXIT_FAILED - 1u)) == (u32)p.blocks_per_rank - 1u);
         s_failed = f || old >= EXIT_FAILED;
-        if (s_last) {
-            state[ST_EXIT + kind] = 0u;
-            fence_rel(p);
-        }
     }
     __syncthreads();
     *call_failed = s_failed != 0;
@@ -200,12 +196,16 @@ __device__ __forceinline__ void frame_end(const KParams& p, const Call& c, int s
         add_recv_stats(p.L, c.io.recv_stats, me.recv_count);
     if (batched && last_out) PROF(13);
     if (last_out && stage != 1 && threadIdx.x == 0) {
-        ((u64*)c.state)[ST_EPOCH64 + KIND] = c.epoch;
         MASKED_AT_END();  // shrink: no ack to a masked peer
         for (int s = 0; s < p.R; s++)
             // loom: gpu_protocol::finish (the ack), models batched_consecutive_calls, batched_one_sender_two_receivers,
             // per_expert_consecutive_calls; shrink_* (no ack to a masked peer). The combines' acks are the same code.
             if (!via_nccl(p, s) && !END_MASKED(s)) st_release(p, ack_words(c.tab[s], p.R, KIND) + c.rank, c.epoch);
+        // Read by this rank's next launch of the kind only, which starts after this one ends
+        // (stream order): stored after the acks, so that their release does not wait for it.
+        ((u64*)c.state)[ST_EPOCH64 + KIND] = c.epoch;
     }
+    // The exit counter's reset, for the next launch of the kind (stream order, as the epoch).
+    if (last_out && threadIdx.x == 0) c.state[ST_EXIT + KIND] = 0u;
     if (batched && last_out) PROF(12);
 }

@@ -4,7 +4,7 @@
 
 use crate::gpu_protocol::gone::{Gone, OR_RECEIVE};
 use crate::gpu_protocol::orderings::{
-    fence_after_last_sent, fence_before_sent_add, RELAXED, SIGNAL_STORE,
+    RELAXED, SENT_ADD, SIGNAL_STORE,
 };
 use crate::gpu_protocol::peers::{is_gone, PeerSet};
 use crate::gpu_protocol::shrink::{receive_skips, wait_peer_signals, Peer};
@@ -56,16 +56,10 @@ pub(crate) fn batched_send(
         }
         counts.push((d, batch.len() as u32));
     }
-    // __syncthreads(); if (tid == 0) { fence_rel(p);
-    fence_before_sent_add();
-    // const u32 old = atomicAdd(state + ST_SENT + KIND, 1u);
-    let old = me.sent.fetch_add(1, RELAXED);
-    // if (old == (u32)p.blocks_per_rank - 1u)
+    // __syncthreads(); if (tid == 0) {
+    // if (count_in(p, c.state + ST_SENT + KIND, 1u) == (u32)p.blocks_per_rank - 1u)
+    let old = me.sent.fetch_add(1, SENT_ADD);
     if old as usize == me.blocks - 1 {
-        // state[ST_SENT + KIND] = 0u;
-        me.sent.store(0, RELAXED);
-        // fence_rel(p);
-        fence_after_last_sent();
         // if (rank != p.fault_rank) for (int d = 0; d < R; d++) if (!via_nccl(p, d))
         if kp.fault_rank != Some(rank) {
             for (d, count) in counts {
@@ -73,6 +67,8 @@ pub(crate) fn batched_send(
                 g.ranks[d].sig[rank].store(signal_word(epoch, count), SIGNAL_STORE);
             }
         }
+        // c.state[ST_SENT + KIND] = 0u;
+        me.sent.store(0, RELAXED);
     }
 }
 

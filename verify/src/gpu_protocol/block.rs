@@ -6,7 +6,7 @@
 
 use crate::gpu_protocol::gone::Gone;
 use crate::gpu_protocol::orderings::{
-    fence_after_last_exit, fence_before_exit_add, ACK_LOAD, ACK_STORE, RELAXED,
+    ACK_LOAD, ACK_STORE, EXIT_ADD, RELAXED,
 };
 use crate::gpu_protocol::peers::{is_gone, Build, PeerSet};
 use crate::gpu_protocol::poison::{group_failed, s_fail};
@@ -156,20 +156,14 @@ fn last_block_out(g: &Group, rank: usize, fail_start: bool) -> (bool, bool) {
     // __syncthreads(); if (threadIdx.x == 0) {
     // const bool f = fail_start || failed(p);
     let f = fail_start || failed(g.err(rank));
-    // fence_rel(p);
-    fence_before_exit_add();
-    // const u32 old = atomicAdd(state + ST_EXIT + kind, f ? 1u + EXIT_FAILED : 1u);
-    let old = me.exit.fetch_add(exit_add(f), RELAXED);
+    // const u32 old = count_in(p, state + ST_EXIT + kind, f ? 1u + EXIT_FAILED : 1u);
+    let old = me.exit.fetch_add(exit_add(f), EXIT_ADD);
     // s_last = ((old & (EXIT_FAILED - 1u)) == (u32)p.blocks_per_rank - 1u);
     let last = (old & (EXIT_FAILED - 1)) as usize == me.blocks - 1;
     // s_failed = f || old >= EXIT_FAILED;
     let call_failed = f || old >= EXIT_FAILED;
-    if last {
-        // state[ST_EXIT + kind] = 0u; fence_rel(p);
-        me.exit.store(0, RELAXED);
-        fence_after_last_exit();
-    }
     // } __syncthreads(); *call_failed = s_failed != 0; return s_last != 0;
+    // (the counter's reset: at the end of frame_end, `finish`)
     (last, call_failed)
 }
 
@@ -250,13 +244,6 @@ pub(crate) fn finish(
     }
     // if (last_out && stage != 1 && threadIdx.x == 0)
     if rep.last_out && stage.stage != 1 {
-        // ((u64*)c.state)[ST_EPOCH64 + KIND] = c.epoch;
-        // SAFETY: every block of this launch read the word before its exit count, which the
-        // last block out acquired (`last_block_out`); the next launch starts after this one.
-        unsafe {
-            me.epoch
-                .with_row_mut(0, |b| b.copy_from_slice(&epoch.to_le_bytes()))
-        };
         // MASKED_AT_END();  // shrink: no ack to a masked peer
         // (narrow: const u32 masked = masked_peers(p, me); wide: nothing)
         let masked = (g.setup.build == Build::Narrow).then(|| masked_peers(g, kp, me));
@@ -272,5 +259,16 @@ pub(crate) fn finish(
                 g.ranks[s].ack[rank].store(epoch, ACK_STORE);
             }
         }
+        // ((u64*)c.state)[ST_EPOCH64 + KIND] = c.epoch;
+        // SAFETY: every block of this launch read the word before its exit count, which the
+        // last block out acquired (`last_block_out`); the next launch starts after this one.
+        unsafe {
+            me.epoch
+                .with_row_mut(0, |b| b.copy_from_slice(&epoch.to_le_bytes()))
+        };
+    }
+    // if (last_out && threadIdx.x == 0) c.state[ST_EXIT + KIND] = 0u;
+    if rep.last_out {
+        me.exit.store(0, RELAXED);
     }
 }

@@ -37,7 +37,8 @@
 //!   dispatch's ack wait is thread `32 + d` (`a.waits`), its signal thread 0, its receive waits
 //!   threads `tid < R`; each is followed or preceded by a `__syncthreads[_or]`.
 //! - **Instructions.** `fence.acq_rel.{gpu,sys}` (common.cuh `fence_rel`) is `fence(AcqRel)`;
-//!   `st.release` a `Release` store; `ld.acquire` an `Acquire` load; `atomicAdd`, `atomicCAS`,
+//!   `atom.acq_rel.{gpu,sys}.add` (common.cuh `count_in`, the `ST_SENT` and `ST_EXIT` counts)
+//!   an `AcqRel` read-modify-write; `st.release` a `Release` store; `ld.acquire` an `Acquire` load; `atomicAdd`, `atomicCAS`,
 //!   `atomicExch` relaxed read-modify-writes (CUDA's atomics are relaxed); `ld.volatile` and the
 //!   plain stores of the `state` counters relaxed atomics; `__threadfence_system`
 //!   `fence(SeqCst)`. The u64 epoch word (`ST_EPOCH64`, common.cuh `ld_epoch`) and the
@@ -122,10 +123,12 @@
 //! # Mutants
 //! `--cfg ep_mutant="..."` weakens one ordering; `.ci/loom.sh` builds each and requires a model
 //! to fail. A weakened fence keeps only its other half (`fence(Acquire)` or `fence(Release)`).
-//! The signal and ack stores come right after a `fence.acq_rel` of the same thread, which is
+//! Per-expert's signal store comes right after a `fence.acq_rel` of the same thread, which is
 //! itself a release fence: making only the store relaxed is an equivalent mutant (the protocol
-//! stays correct, and loom agrees). So `gpu_signal_relaxed` and `gpu_ack_store_relaxed` drop
-//! the store's release *and* the release half of the fences before it in that thread.
+//! stays correct, and loom agrees). So `gpu_signal_relaxed` drops that store's release *and* the
+//! release half of the fence before it. The batched signal stores and the ack stores follow
+//! the thread's count-in instead (`count_in`, an `atom.acq_rel`), whose release is the count's
+//! only: `gpu_signal_relaxed` and `gpu_ack_store_relaxed` relax those stores alone.
 //! `gpu_preload_relaxed` relaxes the receive half's pre-load of the signals, so that a count
 //! taken from it orders none of the entries' reads (`batched_hook_split_one_call`).
 //! `gpu_no_hdr_poison` is not an ordering: it drops the host's poisoning of the NCCL send
@@ -158,13 +161,13 @@
 //! exit count's failure flag (`last_block_out`'s `EXIT_FAILED`) and the claim loser's wait
 //! (`report_error_at`), each modelled. No ordering is missing.
 //! Observations:
-//! - The `.release` of the signal stores (batched dispatch "`st_release(p, sig_bat(tab[d]) +
-//!   rank, signal_word(epoch, ...))`", per-expert "`st_release(p, sig_pe(tab[d], R) + ...`") and
-//!   of the ack stores (`frame_end` of both, "`st_release(p, ack_words(c.tab[s], p.R, KIND) +
-//!   c.rank, c.epoch)`": `sig_bat_ack` / `sig_pe_ack`) is redundant: the same thread has just run `fence.acq_rel` (the
-//!   `fence_rel(p)` after the `ST_SENT` count, the one before per-expert's signal, the one in
-//!   frame.cuh `last_block_out`), which makes a relaxed store a release pattern. Harmless; kept
-//!   as belt and braces.
+//! - The `.release` of per-expert's signal store ("`st_release(p, sig_pe(tab[d], R) + ...`") is
+//!   redundant: the same thread has just run `fence.acq_rel`, which makes a relaxed store a
+//!   release pattern. Harmless; kept as belt and braces. The batched signal stores
+//!   ("`st_release(p, sig_bat(tab[d]) + rank, signal_word(epoch, ...))`") and the ack stores
+//!   (`frame_end`, "`st_release(p, ack_words(c.tab[s], p.R, KIND) + c.rank, c.epoch)`") need
+//!   theirs: the count-in before them is a read-modify-write, not a fence (mutants
+//!   `gpu_signal_relaxed`, `gpu_ack_store_relaxed`).
 //! - Batched dispatch's ack wait moved: thread `32 + d` issues its first `ld_acquire`
 //!   of `sig_bat_ack(me, R) + d` (frame.cuh `ack_waiter`: `a.v0`, the model's `ack0`) at kernel
 //!   start, before `s_epoch` is read and before the routing checks, and calls `wait_ack` only
@@ -192,7 +195,7 @@
 //!   receive half sends nothing.
 //! - Every block's `last_block_out` brings into the exit count whether it saw the group failed
 //!   (thread 0, after the block's `__syncthreads()`: "`const bool f = fail_start ||
-//!   failed(p)`", `fail_start` the block's `s_fail`, then `fence_rel(p)` and "`atomicAdd(state +
+//!   failed(p)`", `fail_start` the block's `s_fail`, then "`count_in(p, state +
 //!   ST_EXIT + kind, f ? 1u + EXIT_FAILED : 1u)`"; the blocks out count below bit 16, "`(old &
 //!   (EXIT_FAILED - 1u)) == (u32)p.blocks_per_rank - 1u`"), and the last block out writes a
 //!   failed call's outputs when "`s_failed = f || old >= EXIT_FAILED`" (`call_failed`), with no
@@ -248,7 +251,7 @@
 //!   `GpuGroup::check`). If the caller's routing changed while the launch ran, blocks could
 //!   disagree on `in_bad` and the next item applies.
 //! - A batched dispatch block whose `wait_ack` fails skips the send side ("`return
-//!   !__syncthreads_or(wait_acks<KIND>(...));`" goes to the end past the `ST_SENT` `atomicAdd`). If
+//!   !__syncthreads_or(wait_acks<KIND>(...));`" goes to the end past the `ST_SENT` count-in). If
 //!   only some blocks of a rank fail, the count is left non-zero and a later launch on the same
 //!   state would signal before every block has written. What keeps this from happening is that
 //!   no later launch of a failed group sends at all: every block reads the error word at its
@@ -274,7 +277,7 @@
 //! - Shrink mode's "no ack to a masked peer" is read from the mask by the last block out
 //!   ("`const u32 masked = masked_peers(p, me)`"), not from its own `gone`: a peer lost by
 //!   another block is in it, because every block's `atomicExch` of the mask comes before that
-//!   block's `last_block_out` fence and exit count, which the last block acquires. A peer that
+//!   block's `last_block_out` count-in (its release), which the last block acquires. A peer that
 //!   is masked here without knowing it (lost at the timeout's edge, or masked by the host)
 //!   learns it at its next call's ack wait for this rank (every pair runs, count 0 too), which
 //!   runs out and masks this rank in turn (model `shrink_masked_peer_signals_ignored`): the

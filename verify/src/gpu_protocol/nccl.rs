@@ -6,7 +6,7 @@
 use ep_reference::sync::SharedRows;
 
 use crate::gpu_protocol::block::{block_start, finish, input_check, Stage};
-use crate::gpu_protocol::orderings::{fence_after_last_sent, fence_before_sent_add, RELAXED};
+use crate::gpu_protocol::orderings::{RELAXED, SENT_ADD};
 use crate::gpu_protocol::state::{
     payload, read_entry, write_entry, BlockReport, Entry, Group, Input, Launch, WaitEnd, STALE,
 };
@@ -92,12 +92,11 @@ pub fn batched_pack_block(
                 write_hdr(&me.snd_hdr, d, batch.len() as u32);
             }
         }
-        fence_before_sent_add();
-        let old = me.sent.fetch_add(1, RELAXED);
+        // if (count_in(p, c.state + ST_SENT + KIND, 1u) == (u32)p.blocks_per_rank - 1u)
+        let old = me.sent.fetch_add(1, SENT_ADD);
         if old as usize == me.blocks - 1 {
-            me.sent.store(0, RELAXED);
-            fence_after_last_sent();
             // for (d ...) if (!via_nccl(p, d)) st_release(...): every destination is NCCL here.
+            me.sent.store(0, RELAXED);
         }
     }
     finish(g, kp, rank, epoch, &mut rep, Stage::NCCL_PACK);

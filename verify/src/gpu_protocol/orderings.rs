@@ -4,30 +4,17 @@
 
 use ep_reference::sync::{fence, Ordering};
 
-/// Batched dispatch's `fence_rel(p)` before "`atomicAdd(state + ST_SENT + KIND, 1u)`": publishes this block's
-/// stores to the block that completes the count.
-#[inline]
-pub(crate) fn fence_before_sent_add() {
-    #[cfg(not(ep_mutant = "gpu_counter_release"))]
-    fence(Ordering::AcqRel);
-    // Mutant: the release half is gone; the last block no longer gets this block's stores.
-    #[cfg(ep_mutant = "gpu_counter_release")]
-    fence(Ordering::Acquire);
-}
-
-/// Batched dispatch's second `fence_rel(p)`, of the block that completed the count, before the signal
-/// stores: acquires the other blocks' stores (their fence + add) and releases them with its own.
-#[inline]
-pub(crate) fn fence_after_last_sent() {
-    #[cfg(not(any(ep_mutant = "gpu_counter_acquire", ep_mutant = "gpu_signal_relaxed")))]
-    fence(Ordering::AcqRel);
-    // Mutant: the last block does not acquire the other blocks' stores.
-    #[cfg(ep_mutant = "gpu_counter_acquire")]
-    fence(Ordering::Release);
-    // Mutant (with the relaxed signal store): nothing releases what this fence acquired.
-    #[cfg(ep_mutant = "gpu_signal_relaxed")]
-    fence(Ordering::Acquire);
-}
+/// Batched dispatch's "`count_in(p, c.state + ST_SENT + KIND, 1u)`" (common.cuh
+/// `count_in`: `atom.acq_rel`): publishes this block's stores to the block that completes the
+/// count (release), and gives that block every earlier block's (acquire).
+#[cfg(not(any(ep_mutant = "gpu_counter_release", ep_mutant = "gpu_counter_acquire")))]
+pub(crate) const SENT_ADD: Ordering = Ordering::AcqRel;
+// Mutant: the release half is gone; the last block no longer gets this block's stores.
+#[cfg(ep_mutant = "gpu_counter_release")]
+pub(crate) const SENT_ADD: Ordering = Ordering::Acquire;
+// Mutant: the last block does not acquire the other blocks' stores.
+#[cfg(ep_mutant = "gpu_counter_acquire")]
+pub(crate) const SENT_ADD: Ordering = Ordering::Release;
 
 /// Per-expert dispatch's `fence_rel(p)` of the block that owns the expert, before its signal.
 #[inline]
@@ -60,27 +47,17 @@ pub(crate) const PRESIGNAL_LOAD: Ordering = Ordering::Acquire;
 #[cfg(ep_mutant = "gpu_preload_relaxed")]
 pub(crate) const PRESIGNAL_LOAD: Ordering = Ordering::Relaxed;
 
-/// frame.cuh `last_block_out`: the first `fence_rel(p)`, before the exit counter's `atomicAdd`.
-#[inline]
-pub(crate) fn fence_before_exit_add() {
-    #[cfg(not(any(ep_mutant = "gpu_exit_release", ep_mutant = "gpu_ack_store_relaxed")))]
-    fence(Ordering::AcqRel);
-    // Mutant: a block's reads are no longer published to the last block out (hence to the ack).
-    #[cfg(any(ep_mutant = "gpu_exit_release", ep_mutant = "gpu_ack_store_relaxed"))]
-    fence(Ordering::Acquire);
-}
-
-/// frame.cuh `last_block_out`: the second `fence_rel(p)`, of the last block out, after its `atomicAdd`.
-#[inline]
-pub(crate) fn fence_after_last_exit() {
-    #[cfg(not(any(ep_mutant = "gpu_exit_acquire", ep_mutant = "gpu_ack_store_relaxed")))]
-    fence(Ordering::AcqRel);
-    // Mutant: the last block out does not acquire the other blocks' reads before it acks.
-    #[cfg(ep_mutant = "gpu_exit_acquire")]
-    fence(Ordering::Release);
-    #[cfg(ep_mutant = "gpu_ack_store_relaxed")]
-    fence(Ordering::Acquire);
-}
+/// frame.cuh `last_block_out`'s "`count_in(p, state + ST_EXIT + kind, ...)`" (`atom.acq_rel`):
+/// publishes this block's reads to the last block out (release), and gives the last block out
+/// every earlier block's before it acks (acquire).
+#[cfg(not(any(ep_mutant = "gpu_exit_release", ep_mutant = "gpu_exit_acquire")))]
+pub(crate) const EXIT_ADD: Ordering = Ordering::AcqRel;
+// Mutant: a block's reads are no longer published to the last block out (hence to the ack).
+#[cfg(ep_mutant = "gpu_exit_release")]
+pub(crate) const EXIT_ADD: Ordering = Ordering::Acquire;
+// Mutant: the last block out does not acquire the other blocks' reads before it acks.
+#[cfg(ep_mutant = "gpu_exit_acquire")]
+pub(crate) const EXIT_ADD: Ordering = Ordering::Release;
 
 /// `frame_end`'s `st_release(p, ack_words(c.tab[s], p.R, KIND) + c.rank, c.epoch)` (per-expert:
 /// `sig_pe_ack`) of an ack word.
