@@ -7,6 +7,39 @@ __device__ __forceinline__ bool in_place(const KParams& p, int s) {
     return p.zero_copy && !via_nccl(p, s) && s >= p.rank_base && s < p.rank_base + p.ranks_here;
 }
 
+// The BF16 reduction of up to 8 slots over channels a multiple of 8 takes each selection's row
+// from the handle, one warp per unit (reduce_slots), without a table of every selection's row in
+// shared memory; LogFMT's reduction and the others read the table (combine_route).
+__device__ __forceinline__ bool route_table(const KParams& p) { return p.logfmt || (p.H & 7) != 0 || p.K > 8; }
+// reduce_slots' units: (token, 512-channel span).
+__device__ __forceinline__ int slot_chunks(const KParams& p) { return (p.H + 511) / 512; }
+// Selection i's handle data, as lane k < K of a reduction unit's warp loads it for slot k: its
+// expert (the dispatch's checked routing, kept in topk) and, where NCCL or zero-copy needs it,
+// its batch position (comb_pos). T*K entries each: loaded before n is known (an entry past n*K
+// is never used). The caller's weight is loaded beside the rows (reduce_slots).
+struct SlotLoad {
+    int e;
+    int pos;
+};
+__device__ __forceinline__ SlotLoad slot_load(const KParams& p, const Call& c, int i) {
+    SlotLoad s;
+    s.e = (int)((const i64*)c.me.topk)[i];
+    s.pos = any_nccl(p) || p.zero_copy ? ((const int*)c.me.comb_pos)[i] : 0;
+    return s;
+}
+// Selection i's row (0: no row: -1, or an owner masked or lost, `g`): in place on this GPU
+// (zero_copy: the owner's y at its comb_map row), through NCCL at the owner's batch position
+// past the first T*K rows, else at t*K + k, where the owner put it (row_tk).
+__device__ __forceinline__ u64 slot_row(const KParams& p, const Call& c, const SlotLoad& s, int i, PeerSet g, const u64* ys) {
+    if (s.e < 0 || is_gone(g, s.e / p.L)) return 0;
+    const int d = s.e / p.L;
+    const u64 rowb = 2ull * p.H, TK = (u64)p.T * p.K;
+    const u8* cbuf = (const u8*)c.me.cmb_buf;
+    if (in_place(p, d)) return (u64)((const u8*)ys[d - p.rank_base] + (u64)((const int*)c.tab[d].comb_map)[(u64)c.rank * TK + s.pos] * rowb);
+    if (via_nccl(p, d)) return (u64)(cbuf + (TK + (u64)d * TK + (u64)s.pos) * rowb);
+    return (u64)(cbuf + (u64)i * rowb);
+}
+
 // What the start of a combine loads ahead for later phases, so that the loads' latency overlaps
 // the start.
 struct CombinePre {
@@ -19,6 +52,8 @@ struct CombinePre {
     // n*K are never used). The send half (stage 1) reduces nothing and needs neither.
     i64 pv0, pv1;
     int pp0, pp1;
+    // Without the table: lane k < K's slot of this warp's first reduction unit.
+    SlotLoad slot;
 };
 template <int STAGE>
 __device__ __forceinline__ CombinePre combine_preload(const KParams& p, const Call& c) {
@@ -30,11 +65,15 @@ __device__ __forceinline__ CombinePre combine_preload(const KParams& p, const Ca
     if (presig_of<STAGE>(p, R, tid)) pre.sig0 = ld_acquire(p, sig_cb(c.me, R) + tid);
     const i64* topk = (const i64*)c.me.topk;
     const int* cpos = (const int*)c.me.comb_pos;
-    const int TKi = STAGE == 1 ? 0 : p.T * p.K;
+    const bool table = route_table(p);
+    const int TKi = STAGE == 1 || !table ? 0 : p.T * p.K;
     pre.pv0 = tid < TKi ? topk[tid] : -1;
     pre.pp0 = tid < TKi ? cpos[tid] : -1;
     pre.pv1 = tid + NTHREADS < TKi ? topk[tid + NTHREADS] : -1;
     pre.pp1 = tid + NTHREADS < TKi ? cpos[tid + NTHREADS] : -1;
+    pre.slot = SlotLoad{-1, 0};
+    const int t0 = (c.bid * NWARPS + (tid >> 5)) / slot_chunks(p), lane = tid & 31;
+    if (STAGE != 1 && !table && lane < p.K && t0 < p.T) pre.slot = slot_load(p, c, t0 * p.K + lane);
     return pre;
 }
 
@@ -77,7 +116,7 @@ __device__ __forceinline__ void combine_route(const KParams& p, const Call& c, c
         sm.sdl[i] = dl;
         sm.rowp[i] = a;
     };
-    for (int i0 = tid; i0 < (STAGE == 1 ? 0 : n * K); i0 += 2 * NTHREADS) {
+    for (int i0 = tid; i0 < (STAGE == 1 || !route_table(p) ? 0 : n * K); i0 += 2 * NTHREADS) {
         const int i1 = i0 + NTHREADS;
         const bool two = i1 < n * K;
         const bool first = i0 == tid;
@@ -198,8 +237,47 @@ __device__ __forceinline__ void combine_send(const KParams& p, const Call& c, bo
 }
 
 // ---- The receive: every owner's batch, then the reduction in k order.
+
+// The BF16 reduction (reduce_spans' sums, sum_span) with each unit's slots taken from the handle:
+// lane k < K of the unit's warp finds slot k's row (slot_row: `sl` holds its handle loads, made
+// for the warp's first unit at kernel start) and loads its weight, and the warp takes both by
+// shuffles. The next unit's handle loads go out before this unit's rows are loaded. `g`: the
+// owners masked or lost in this call.
+template <int NC, int KM>
+__device__ __forceinline__ void reduce_slots(const KParams& p, const Call& c, SlotLoad sl, PeerSet g, const u64* ys) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int H = p.H, K = p.K;
+    const float* wts = (const float*)c.io.weights;
+    u16* out = (u16*)c.io.out;
+    const int span = NC * 256;
+    const int chunks = (H + span - 1) / span;  // slot_chunks(p)
+    const int units = c.n * chunks, nw = p.blocks_per_rank * NWARPS;
+    for (int u = c.bid * NWARPS + warp; u < units; u += nw) {
+        const int t = u / chunks;
+        const int i = t * K + lane;
+        if (lane < K && u != c.bid * NWARPS + warp) sl = slot_load(p, c, i);
+        const u64 row = lane < K ? slot_row(p, c, sl, i, g, ys) : 0;
+        const float wl = lane < K ? wts[i] : 0.0f;
+        const u32 valid = __ballot_sync(0xffffffffu, row != 0);
+        const int c0 = (u % chunks) * span + lane * 8;
+        uint4 yv[NC][KM];
+        float w[KM];
+#pragma unroll
+        for (int k = 0; k < KM; k++) {
+            const u8* r = (const u8*)__shfl_sync(0xffffffffu, row, k);
+            w[k] = __shfl_sync(0xffffffffu, wl, k);
+            if (k < K && ((valid >> k) & 1u)) {
+#pragma unroll
+                for (int j = 0; j < NC; j++)
+                    if (c0 + j * 256 < H) yv[j][k] = *(const uint4*)(r + 2 * (c0 + j * 256));
+            }
+        }
+        sum_span<NC, KM>(yv, w, valid, K, H, c0, out + (u64)t * H);
+    }
+}
+
 template <int STAGE>
-__device__ __forceinline__ void combine_receive(const KParams& p, const Call& c, const CombinePre& pre, bool all_local) {
+__device__ __forceinline__ void combine_receive(const KParams& p, const Call& c, const CombinePre& pre, bool all_local, const u64* ys) {
     const Smem& sm = c.sm;
     const RankPtrs& me = c.me;
     const IoPtrs& io = c.io;
@@ -224,7 +302,7 @@ __device__ __forceinline__ void combine_receive(const KParams& p, const Call& c,
         if (bid == 0) add_wait_cost(io.wait_stats, d, t0);
     }
     if (__syncthreads_or(bad)) return;
-    if (gone_differs(GONE_LIVE(), c.gone0)) {
+    if (route_table(p) && gone_differs(GONE_LIVE(), c.gone0)) {
         // Owners lost in this call: their selections count as -1 in the reduction.
         const PeerSet g = GONE_LIVE();
         for (int i = tid; i < n * K; i += NTHREADS)
@@ -234,7 +312,12 @@ __device__ __forceinline__ void combine_receive(const KParams& p, const Call& c,
     PROF(3);
     // LogFMT: every row at cmb_buf + (t*K + k) * cmb_row (rowp, at the bf16 stride, unused).
     if (p.logfmt) lf_reduce_tokens(p, io, me, n, sm.sk, bid);
-    else reduce_tokens(p, io, n, sm.sk, bid, [&](int t, int k) -> const u8* { return (const u8*)sm.rowp[t * K + k]; });
+    else if (!route_table(p)) reduce_slots<2, 8>(p, c, pre.slot, GONE_LIVE(), ys);
+    else {
+        const auto row_of = [&](int t, int k) -> const u8* { return (const u8*)sm.rowp[t * K + k]; };
+        if ((p.H & 7) == 0) reduce_spans<1, MAX_K>(p, io, n, sm.sk, bid, row_of);  // K > 8
+        else reduce_channels(p, io, n, sm.sk, bid, row_of);
+    }
 }
 
 // Everything of a combine between the start and the end; it returns where the rank goes to the
@@ -259,7 +342,7 @@ __device__ __forceinline__ void combine_call(const KParams& p, Call& c, const Co
     const bool all_local = p.zero_copy && p.ranks_here == p.R && !any_nccl(p);
     combine_send<STAGE>(p, c, all_local);
     if (STAGE == 1) return;  // pack stage: the reduction runs after the NCCL exchange
-    combine_receive<STAGE>(p, c, pre, all_local);
+    combine_receive<STAGE>(p, c, pre, all_local, ys);
 }
 
 template <int STAGE>
