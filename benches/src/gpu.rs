@@ -192,7 +192,9 @@ fn hook_split(h: &Result<crate::timing::HookSplit, String>) -> HookSplit {
 /// (stamp_i - earliest block start), in us, from the third of three profiled calls (the first
 /// two warm up). First line: the per-launch time of an empty kernel with the same grid, stream
 /// launches (the fixed overhead). A debugging figure: the stamps perturb the kernels slightly.
-pub fn phase_profile(spec: &BenchSpec) -> Result<String, BenchError> {
+/// With `blocks`, every block's stamps of each batched kernel follow its line (`block b:` and
+/// the reached phases, us since the earliest block start).
+pub fn phase_profile(spec: &BenchSpec, blocks: bool) -> Result<String, BenchError> {
     use ep_kernels::{GpuGroup, GpuOptions, Path};
     use ep_reference::Op;
     use std::fmt::Write as _;
@@ -280,11 +282,35 @@ pub fn phase_profile(spec: &BenchSpec) -> Result<String, BenchError> {
                     "{}  (phase start, us since the first block started: median/max over blocks)",
                     phase_line(&format!("profile {:<10} {:?}{what}:", path.name(), op), st)
                 );
+                if blocks && path == Path::Batched {
+                    s.push_str(&block_lines(st));
+                }
             }
         }
     }
     g.sync().map_err(be)?;
     Ok(s)
+}
+
+/// `--profile-blocks`: a line per block, its reached phases' stamps less the earliest block
+/// start, in us.
+fn block_lines(stamps: &[[u64; ep_kernels::runtime::PROF_SLOTS]]) -> String {
+    use std::fmt::Write as _;
+    let t0 = stamps
+        .iter()
+        .map(|s| s[0])
+        .filter(|&v| v > 0)
+        .min()
+        .unwrap_or(0);
+    let mut out = String::new();
+    for (b, st) in stamps.iter().enumerate() {
+        let _ = write!(out, "  block {b}:");
+        for (ph, &v) in st.iter().enumerate().filter(|(_, &v)| v > 0) {
+            let _ = write!(out, " p{ph} {:.2}", v.saturating_sub(t0) as f64 / 1e3);
+        }
+        out.push('\n');
+    }
+    out
 }
 
 /// One line of the phase profile: per phase reached, the median/max over blocks of its stamp

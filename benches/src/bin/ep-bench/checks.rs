@@ -122,10 +122,13 @@ pub(crate) fn refuse_in_single(given: &Given<'_>, json: bool) -> Result<(), Stri
             "{f} applies to the text output; --json always has every rank's figures"
         ));
     }
-    if let Some(f) = given.first(&["profile"]).filter(|_| json) {
+    if let Some(f) = given.first(&["profile", "profile_blocks"]).filter(|_| json) {
         return Err(format!(
             "{f} prints text lines, which --json cannot carry: drop one of them"
         ));
+    }
+    if given.has("profile_blocks") && !given.has("profile") {
+        return Err("--profile-blocks adds to --profile's lines: add --profile".into());
     }
     Ok(())
 }
@@ -134,7 +137,14 @@ pub(crate) fn refuse_in_single(given: &Given<'_>, json: bool) -> Result<(), Stri
 pub(crate) fn refuse_on_backend(given: &Given<'_>, backend: &Backend) -> Result<(), String> {
     match backend {
         Backend::Cpu => {
-            if let Some(f) = given.first(&["gpus", "profile", "timing", "transport", "nccl_sizes"])
+            if let Some(f) = given.first(&[
+                "gpus",
+                "profile",
+                "profile_blocks",
+                "timing",
+                "transport",
+                "nccl_sizes",
+            ])
             {
                 return Err(format!(
                     "{f} applies to the GPU backend, and this run uses the CPU backend: drop {f}"

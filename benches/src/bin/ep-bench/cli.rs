@@ -181,6 +181,10 @@ pub(crate) struct Cli {
     /// inside a call the time goes. A debugging figure, not a latency.
     #[arg(long)]
     pub(crate) profile: bool,
+    /// With --profile: also every block's stamps of each batched kernel (a line per block), to
+    /// see which blocks finish last.
+    #[arg(long)]
+    pub(crate) profile_blocks: bool,
     /// GPU backend: how the timed calls are issued (graph: replayed from one CUDA graph, one
     /// GPU only; stream: launched one by one, what an eager caller sees).
     #[arg(long, value_enum, default_value_t = TimingArg::Auto)]

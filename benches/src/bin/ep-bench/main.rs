@@ -268,7 +268,7 @@ fn main() -> ExitCode {
                 }
                 if cli.profile {
                     progress.show(&format!("{label} phase profile"));
-                    let prof = ep_benches::gpu::phase_profile(spec);
+                    let prof = ep_benches::gpu::phase_profile(spec, cli.profile_blocks);
                     progress.done();
                     match prof {
                         Ok(lines) => println!("{lines}"),
