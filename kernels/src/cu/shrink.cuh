@@ -41,12 +41,17 @@ typedef u32 PeerSet;
 __device__ __forceinline__ bool is_gone(u32 g, int d) { return g != 0u && ((g >> d) & 1u) != 0u; }
 #endif
 // Bit d set for every masked peer (the narrow build: R <= 32, the host picks the wide one past).
+// The loads out of line (scalar arguments, as report_error_at): shrink mode's, cold in every
+// other call, and the loop's unrolled loads would sit in the kernel's start otherwise.
+__device__ __noinline__ u32 masked_peers_at(int R, u64 mask) {
+    u32 m = 0u;
+    for (int d = 0; d < R; d++)
+        if (ld_volatile_u32((const u32*)mask + d) != 0u) m |= 1u << d;
+    return m;
+}
 __device__ __forceinline__ u32 masked_peers(const KParams& p, const RankPtrs& me) {
     if (!SHRINK(p)) return 0u;
-    u32 m = 0u;
-    for (int d = 0; d < p.R; d++)
-        if (ld_volatile_u32((const u32*)shr_mask(me, p.R) + d) != 0u) m |= 1u << d;
-    return m;
+    return masked_peers_at(p.R, (u64)shr_mask(me, p.R));
 }
 // The wide build's masked peers, EP_MASK_WORDS words into `out` (one thread).
 __device__ __forceinline__ void masked_peers_into(const KParams& p, const RankPtrs& me, u32* out) {
