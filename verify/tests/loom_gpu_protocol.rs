@@ -14,8 +14,8 @@
 //! every interleaving, failed or not, each launch's end (`check_exit`): one block is the last
 //! out, and when some block saw the call fail (its `s_fail`, bad input, poison or a failed
 //! wait), the last block out knows it from the exit count (`call_failed`) and writes the failed
-//! call's outputs (frame.cuh `last_block_out`, "`if (last_out && p.stage != 1 &&
-//! call_failed)`"); excused only where a report that lost the claim ran out of its wait for
+//! call's outputs (frame.cuh `last_block_out`, "`if (last_out && call_failed)`", past the send
+//! half's "`if (stage == 1) return;`"); excused only where a report that lost the claim ran out of its wait for
 //! the winner's code (`claim_unseen`: loom starved the winner for the whole bound).
 //! (Unbounded spins are not an option: with two blocks waiting for a third, loom would explore
 //! the two yielding to each other for ever.)
@@ -66,8 +66,8 @@
 //!   a count from it with no further load (mutant `gpu_preload_relaxed`), else waits as
 //!   `wait_signal` does (mutant `gpu_wait_relaxed`).
 //! - `batched_hook_split_consecutive_calls`, `batched_hook_split_tag_wrap`: two split calls:
-//!   the receive half's `frame_end` acks (stage 1 publishes nothing: "`if (last_out && stage
-//!   != 1 ...)`"), the send half's ack wait (mutant `gpu_no_ack_wait`), and a pre-loaded word of
+//!   the receive half's `frame_end` acks (stage 1 counts no exit and publishes nothing: "`if
+//!   (stage == 1) return;`"), the send half's ack wait (mutant `gpu_no_ack_wait`), and a pre-loaded word of
 //!   call 1 never taken for call 2's (across the tag's wrap too: mutant `gpu_tag_ge`).
 //!   Batched combine's stage-2 pre-load of `sig_cb` is the same pattern and has no model of its
 //!   own.
@@ -493,7 +493,7 @@ fn bad_input_sender_peer_on_another_device() {
 
 /// Rank 1 (the receiver) has bad routing in call 1 and good routing in call 2, launched back to
 /// back with no sync. Its call 1 reads nothing but acks call 1 (`frame_end`, "`if (last_out &&
-/// p.stage != 1)`"); rank 0's call 2 then overwrites the buffers. Rank 1's call 2 finds its
+/// threadIdx.x == 0)`"); rank 0's call 2 then overwrites the buffers. Rank 1's call 2 finds its
 /// group failed (`s_fail`): it reads nothing and stores the poison, but still publishes epoch 2
 /// and acks: the bad call leaves the epochs in step, its early ack is safe, and rank 0, which
 /// only waits for acks, completes both calls.

@@ -637,13 +637,10 @@ __device__ __forceinline__ void receive_batches(const KParams& p, Call& c, const
         for (int q = 0; q < 4; q++)
             if (u0 + q * nw < units) load_unit(p, c, u0 + q * nw, Cx, rcx, xq[q]);
     }
-    // The tails: unit units + j is entry j's, on the warp whose index in block-minor order
-    // (warp * blocks_per_rank + block) it falls to, so that consecutive entries go to different
-    // blocks. A tail's scattered stores (a column-major scale word per row, the row's places)
-    // are bound by its multiprocessor's store throughput: entries spread over every block,
-    // not stacked on the few blocks past the payload units'.
-    const int tw = (threadIdx.x >> 5) * p.blocks_per_rank + c.bid;
-    for (int j = ((tw - units) % nw + nw) % nw; j < entries; j += nw) store_tail(p, c, j);
+    // The tails: unit units + j is entry j's, on the warp that unit index falls to.
+    int ut = c.bid * NWARPS + (threadIdx.x >> 5);
+    if (ut < units) ut += (units - ut + nw - 1) / nw * nw;
+    for (; ut < units + entries; ut += nw) store_tail(p, c, ut - units);
 }
 
 // Everything of a dispatch between the start and the end; it returns where the rank goes to

@@ -173,9 +173,9 @@ __device__ __forceinline__ void fail_combine_outputs(const KParams& p, const IoP
     fail_combine_at(io.out, (u64)n * (u64)p.H);
 }
 
-// The end of every kernel, in every block: the exit count (last_block_out); then in the last
-// block of the rank to leave a whole call or a receive half (the send half, stage 1, leaves the
-// rest to its receive half): a failed call's defined outputs (above), or a good dispatch's
+// The end of every kernel but a send half's (stage 1, which leaves all of it to its receive
+// half: no exit count), in every block: the exit count (last_block_out); then in the last
+// block of the rank to leave: a failed call's defined outputs (above), or a good dispatch's
 // recv_stats; this call's epoch; and the acknowledgement to every peer on this rank's NVLink side
 // (none to a masked peer; NCCL peers need none: the stream orders this call's unpack before the
 // next call's transfers into the same buffers). Profile stamps p4 and p5, and in the batched
@@ -186,16 +186,18 @@ __device__ __forceinline__ void frame_end(const KParams& p, const Call& c, int s
     const bool dispatch = KIND == KIND_BAT_DISPATCH || KIND == KIND_PE_DISPATCH;
     const bool batched = KIND == KIND_BAT_DISPATCH || KIND == KIND_BAT_COMBINE;
     PROF(4);
+    // The send half publishes nothing at its end (its receive half does): no exit count.
+    if (stage == 1) return;
     bool call_failed;
     const bool last_out = last_block_out(p, c.state, KIND, s_fail<KIND>, &call_failed);
     PROF(5);
-    if (last_out && stage != 1 && call_failed) {
+    if (last_out && call_failed) {
         if (dispatch) fail_dispatch_outputs(p, c.io, me);
         else fail_combine_outputs(p, c.io, c.n);
-    } else if (dispatch && last_out && stage != 1 && c.io.recv_stats)
+    } else if (dispatch && last_out && c.io.recv_stats)
         add_recv_stats(p.L, c.io.recv_stats, me.recv_count);
     if (batched && last_out) PROF(13);
-    if (last_out && stage != 1 && threadIdx.x == 0) {
+    if (last_out && threadIdx.x == 0) {
         MASKED_AT_END();  // shrink: no ack to a masked peer
         for (int s = 0; s < p.R; s++)
             // loom: gpu_protocol::finish (the ack), models batched_consecutive_calls, batched_one_sender_two_receivers,

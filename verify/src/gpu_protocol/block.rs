@@ -211,12 +211,12 @@ impl Stage {
 /// acknowledges to every source that this rank consumed the call (frame.cuh `frame_end`, the
 /// end of both dispatch kernels). Every block's `s_fail` ([`BlockReport::failed_start`], set
 /// before) goes into the exit count ([`last_block_out`]), so the last block out writes the
-/// failed call's outputs ("`if (last_out && stage != 1 && call_failed) { if (dispatch)
+/// failed call's outputs ("`if (last_out && call_failed) { if (dispatch)
 /// fail_dispatch_outputs(p, c.io, me); ... }`":
 /// [`BlockReport::failed_outputs`]) when any block of the launch saw the group failed, with
-/// no look at the error word after the count. Stage 1 (the send half, NCCL's pack) writes no
-/// outputs and publishes neither epoch nor acks ("`if (last_out && stage != 1 ...)`": its
-/// receive half does); stages 0 and 2 the epoch, and an ack to every source not over NCCL
+/// no look at the error word after the count. Stage 1 (the send half, NCCL's pack) counts no
+/// exit, writes no outputs and publishes neither epoch nor acks ("`if (stage == 1) return;`":
+/// its receive half does); stages 0 and 2 the epoch, and an ack to every source not over NCCL
 /// ("`if (!via_nccl(p, s) && ...)`"): so stage 0 and the receive hook's stage 2 ack every
 /// source, NCCL's unpack none.
 /// Shrink mode: no ack to a source masked now (the mask read again by the last block out,
@@ -234,16 +234,20 @@ pub(crate) fn finish(
     // (the model's record of this block's reports that lost the claim)
     let claim = take_claim();
     (rep.claim_lost, rep.claim_unseen) = (claim.lost, claim.unseen);
-    // bool call_failed;  (stage 1 too: it resets the exit counter)
+    // if (stage == 1) return;  (the send half: no exit count)
+    if stage.stage == 1 {
+        return;
+    }
+    // bool call_failed;
     // const bool last_out = last_block_out(p, c.state, KIND, s_fail<KIND>, &call_failed);
     // (s_fail: the block's `rep.failed_start`)
     (rep.last_out, rep.call_failed) = last_block_out(g, rank, rep.failed_start);
-    // if (last_out && stage != 1 && call_failed) { if (dispatch) fail_dispatch_outputs(p, c.io, me); ... }
-    if rep.last_out && stage.stage != 1 && rep.call_failed {
+    // if (last_out && call_failed) { if (dispatch) fail_dispatch_outputs(p, c.io, me); ... }
+    if rep.last_out && rep.call_failed {
         rep.failed_outputs = true;
     }
-    // if (last_out && stage != 1 && threadIdx.x == 0)
-    if rep.last_out && stage.stage != 1 {
+    // if (last_out && threadIdx.x == 0)
+    if rep.last_out {
         // MASKED_AT_END();  // shrink: no ack to a masked peer
         // (narrow: const u32 masked = masked_peers(p, me); wide: nothing)
         let masked = (g.setup.build == Build::Narrow).then(|| masked_peers(g, kp, me));

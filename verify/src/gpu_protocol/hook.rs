@@ -83,7 +83,7 @@ pub fn hook_send_block(
     } else {
         rep.gone = set.live();
     }
-    // frame_end: if (last_out && stage != 1 ...): nothing in stage 1
+    // frame_end: if (stage == 1) return;  (no exit count, nothing published)
     finish(g, kp, rank, epoch, &mut rep, Stage::HOOK_SEND);
     rep
 }
@@ -130,7 +130,7 @@ pub fn hook_recv_block(g: &Group, kp: &Launch, rank: usize, bid: usize) -> Block
     } else {
         rep.gone = set.live();
     }
-    // frame_end: if (last_out && stage != 1 ...) { epoch; for (s ...) if (!via_nccl(p, s) && ...) st_release(ack) }
+    // frame_end: if (last_out) { for (s ...) if (!via_nccl(p, s) && ...) st_release(ack); epoch }
     finish(g, kp, rank, epoch, &mut rep, Stage::HOOK_RECV);
     rep
 }

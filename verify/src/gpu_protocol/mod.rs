@@ -47,8 +47,8 @@
 //! - **Launches.** [`dispatch_block`] is one block of a stage-0 launch (the whole call over
 //!   NVLink / peer memory). The receive hook splits a batched dispatch over NVLink into two
 //!   launches of the same kernel on the rank's stream: stage 1, the send half
-//!   ([`hook_send_block`]: the ack waits, the send and the signal; its last block out resets
-//!   the exit counter and publishes nothing, "`if (last_out && p.stage != 1)`"), then stage 2,
+//!   ([`hook_send_block`]: the ack waits, the send and the signal; it counts no exit and
+//!   publishes nothing, "`if (stage == 1) return;`"), then stage 2,
 //!   the receive half ([`hook_recv_block`]: a pre-load of every source's signal at kernel start,
 //!   `preload_signals`, whose value `wait_signal_pre` takes if it already carries the call's
 //!   tag; no routing, input check or ack wait; its last block out publishes the epoch and acks
@@ -241,7 +241,7 @@
 //!   block checks the same routing), so it neither sends nor receives nor counts itself in
 //!   `ST_SENT`; it stores the poison instead (poison.cuh `poison_peers`, "`if (s_fail ||
 //!   in_bad)`"); and its last block out still publishes the epoch and acks every source
-//!   ("`if (last_out && stage != 1 ...)`") for a call whose data it never read. That is sound: an
+//!   ("`if (last_out ...)`", in `frame_end` past the send half's return) for a call whose data it never read. That is sound: an
 //!   ack only lets a source overwrite this rank's receive buffers, and the epochs stay in step;
 //!   a next call launched without a sync finds the group failed and is poisoned in turn (model
 //!   `bad_input_receiver_then_enqueued_call`). Its peers never see a valid signal: on the same

@@ -179,15 +179,16 @@ pub struct BlockReport {
     /// This block's `s_fail` (`p.refused || failed(p)` at its start): its rank's group had
     /// failed before it started (mutant `gpu_no_failed_check`: never set).
     pub failed_start: bool,
-    /// This block was the last out: it published the epoch and the acks.
+    /// This block was the last out: it published the epoch and the acks (a send half's
+    /// blocks never are: it counts no exit).
     pub last_out: bool,
     /// `last_block_out`'s `*call_failed`: this block saw the group failed (its `s_fail`, or the
     /// error word loaded at its end) or a block out before it did (the exit count's
     /// `EXIT_FAILED` part). For the last block out: some block of the rank's launch did.
     pub call_failed: bool,
-    /// The last block out of a launch that writes outputs (`p.stage != 1`) found the call
-    /// failed (`call_failed`) and wrote a failed call's outputs ("`if (last_out && stage != 1
-    /// && call_failed) { if (dispatch) fail_dispatch_outputs(p, c.io, me); ... }`": every count
+    /// The last block out of a launch (never a send half: `p.stage != 1`) found the call
+    /// failed (`call_failed`) and wrote a failed call's outputs ("`if (last_out && call_failed)
+    /// { if (dispatch) fail_dispatch_outputs(p, c.io, me); ... }`": every count
     /// 0, frame.cuh).
     pub failed_outputs: bool,
     /// Shrink mode: every peer this block left out: masked at its start (`gone0`, shrink.cuh

@@ -144,16 +144,25 @@ pub fn saw_failure(r: &BlockReport) -> bool {
 }
 
 /// The end of one launch of `rank` (`reps`: every block's report; `outputs`: the launch writes
-/// the call's outputs, `p.stage != 1`), in every interleaving, failed or not: exactly one block
-/// is the last out; when some block saw the call fail ([`saw_failure`]), the last block out
-/// knows it from the exit count (`call_failed`: frame.cuh `last_block_out`, which does not
-/// load the error word after the count; mutant `gpu_exit_no_fail_flag`) and, if the launch
-/// writes outputs, writes the failed call's ("`if (last_out && p.stage != 1 && call_failed)
-/// fail_dispatch_outputs(...)`"); no other block writes them. The one excuse: a block whose
-/// report lost the claim and whose wait for the winner's code ran out (`claim_unseen`: loom
-/// starved the winner for the whole bound, which on the device is a winner stalled for 100 us
-/// between two adjacent instructions) may have gone out seeing the group not failed.
+/// the call's outputs, `p.stage != 1`), in every interleaving, failed or not. A send half
+/// (`!outputs`: the receive hook's stage 1, the NCCL pack) counts no exit ("`if (stage == 1)
+/// return;`"): no block is the last out and none writes outputs. Any other launch: exactly one
+/// block is the last out; when some block saw the call fail ([`saw_failure`]), the last block
+/// out knows it from the exit count (`call_failed`: frame.cuh `last_block_out`, which does not
+/// load the error word after the count; mutant `gpu_exit_no_fail_flag`) and writes the failed
+/// call's outputs ("`if (last_out && call_failed) fail_dispatch_outputs(...)`"); no other block
+/// writes them. The one excuse: a block whose report lost the claim and whose wait for the
+/// winner's code ran out (`claim_unseen`: loom starved the winner for the whole bound, which on
+/// the device is a winner stalled for 100 us between two adjacent instructions) may have gone
+/// out seeing the group not failed.
 pub fn check_exit(rank: usize, reps: &[BlockReport], outputs: bool) {
+    if !outputs {
+        assert!(
+            reps.iter().all(|r| !r.last_out && !r.failed_outputs),
+            "rank {rank}'s send half counts no exit and writes no outputs: {reps:?}"
+        );
+        return;
+    }
     let last: Vec<&BlockReport> = reps.iter().filter(|r| r.last_out).collect();
     assert_eq!(
         last.len(),
@@ -169,7 +178,7 @@ pub fn check_exit(rank: usize, reps: &[BlockReport], outputs: bool) {
     }
     assert_eq!(
         last.failed_outputs,
-        outputs && last.call_failed,
+        last.call_failed,
         "rank {rank}'s last block out writes a failed call's outputs iff it found the call failed"
     );
     assert!(
