@@ -352,6 +352,15 @@ fn flags_that_do_not_apply_are_refused() {
     let mut a = TINY.to_vec();
     a.extend(["--json", "--profile"]);
     refused(&a, 2, &["--profile prints text lines"]);
+    // Every block's stamps add to the profile's lines.
+    let mut a = TINY.to_vec();
+    a.push("--profile-blocks");
+    refused(&a, 2, &["--profile-blocks adds to --profile's lines"]);
+    refused(
+        &["--nprocs", "2", "--profile-blocks"],
+        2,
+        &["--profile-blocks does not apply in multi-process mode"],
+    );
     let mut a = TINY.to_vec();
     a.extend(["--timing", "stream"]);
     refused(&a, 2, &["--timing applies to the GPU backend"]);

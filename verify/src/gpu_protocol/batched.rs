@@ -3,9 +3,7 @@
 //! that completes it; then the receive's waits for every source and its share of the entries.
 
 use crate::gpu_protocol::gone::{Gone, OR_RECEIVE};
-use crate::gpu_protocol::orderings::{
-    RELAXED, SENT_ADD, SIGNAL_STORE,
-};
+use crate::gpu_protocol::orderings::{RELAXED, SENT_ADD, SIGNAL_STORE};
 use crate::gpu_protocol::peers::{is_gone, PeerSet};
 use crate::gpu_protocol::shrink::{receive_skips, wait_peer_signals, Peer};
 use crate::gpu_protocol::state::{

@@ -5,9 +5,7 @@
 //! `frame_end`), which writes a failed call's outputs and publishes the epoch and the acks.
 
 use crate::gpu_protocol::gone::Gone;
-use crate::gpu_protocol::orderings::{
-    ACK_LOAD, ACK_STORE, EXIT_ADD, RELAXED,
-};
+use crate::gpu_protocol::orderings::{ACK_LOAD, ACK_STORE, EXIT_ADD, RELAXED};
 use crate::gpu_protocol::peers::{is_gone, Build, PeerSet};
 use crate::gpu_protocol::poison::{group_failed, s_fail};
 use crate::gpu_protocol::shrink::{masked_peers, peer_masked, wait_peer_ack, Peer};

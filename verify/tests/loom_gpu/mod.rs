@@ -177,8 +177,7 @@ pub fn check_exit(rank: usize, reps: &[BlockReport], outputs: bool) {
         );
     }
     assert_eq!(
-        last.failed_outputs,
-        last.call_failed,
+        last.failed_outputs, last.call_failed,
         "rank {rank}'s last block out writes a failed call's outputs iff it found the call failed"
     );
     assert!(

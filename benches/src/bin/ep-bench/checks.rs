@@ -49,6 +49,7 @@ pub(crate) fn refuse_in_multiproc(
         "json",
         "per_rank",
         "profile",
+        "profile_blocks",
         "timing",
         "logfmt",
     ]) {
@@ -144,8 +145,7 @@ pub(crate) fn refuse_on_backend(given: &Given<'_>, backend: &Backend) -> Result<
                 "timing",
                 "transport",
                 "nccl_sizes",
-            ])
-            {
+            ]) {
                 return Err(format!(
                     "{f} applies to the GPU backend, and this run uses the CPU backend: drop {f}"
                 ));
