@@ -19,8 +19,9 @@ impl GpuGroup {
     /// thread 0's view. Debugging aid. Batched dispatch: p0 start, p6 routing loaded, p8 repeat
     /// check, p9 per-expert prefix, p10 per-destination scan, p7 routing checked, p1 set-up
     /// done, p2 sent (one rank: rows written), p3 signals in, p11 row counts loaded, p4
-    /// expanded, p5 out (exit counter); the last block out only: p13 failure check, p12 epoch
-    /// and acks stored. Batched combine: p0 start, p8 row-address table, p1 set-up done, p2
+    /// expanded, p5 out (exit counter; a send half counts no exit and stamps no p5); the last
+    /// block out only: p13 failure check, p12 epoch and acks stored. Batched combine: p0
+    /// start, p8 row-address table (LogFMT, K > 8, or H not a multiple of 8), p1 set-up done, p2
     /// sent, p3 signals in, p4 reduced, p5, p13, p12 as dispatch. A LogFMT combine (both
     /// paths) adds, in its last encoding round, p9 meta words done and p10 group constants
     /// done (both before p2), and p14 warp 0's reduction run set up (after p3).
