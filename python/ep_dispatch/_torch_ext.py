@@ -76,12 +76,19 @@ def _build(torch):
         if ninja:
             return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O2"],
                                       with_cuda=False, verbose=False)
-    return _build_direct(torch, name, _cache_dir(cpp_extension) / name)
+    return _build_direct(torch, name, _cache_dir() / name)
 
 
-def _cache_dir(cpp_extension):
-    """Where torch's own builds go (TORCH_EXTENSIONS_DIR, else its default)."""
-    return pathlib.Path(cpp_extension._get_build_directory("", verbose=False))
+def _cache_dir():
+    """Where the build without ninja goes: ``TORCH_EXTENSIONS_DIR`` (torch's builder's folder)
+    where set, else ``$XDG_CACHE_HOME/torch_extensions`` (``~/.cache`` without it), the root of
+    torch's default. The build's name carries the hash of the source, torch's version and
+    Python's, so no subfolder per version is needed."""
+    d = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if d:
+        return pathlib.Path(d)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(cache) / "torch_extensions"
 
 
 def _build_direct(torch, name, folder):

@@ -210,6 +210,18 @@ def test_the_build_without_ninja_makes_the_same_extension(ext, tmp_path):
     assert m._echo(x)[0] == (x.data_ptr(), "torch.float32", [3, 3], [4, 1], -1, 4)
 
 
+def test_the_build_without_ninja_goes_to_torch_extensions_dir_else_the_cache(monkeypatch,
+                                                                             tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    assert _torch_ext._cache_dir() == tmp_path / "ext"
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert _torch_ext._cache_dir() == tmp_path / "xdg" / "torch_extensions"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert _torch_ext._cache_dir() == tmp_path / "home" / ".cache" / "torch_extensions"
+
+
 def test_a_build_failure_warns_once_and_takes_the_python_path_or_raises(monkeypatch, tmp_path):
     broken = tmp_path / "torch_ext.cpp"
     broken.write_text("#error this extension does not build\n")
