@@ -60,7 +60,7 @@
 //!   handle is complete when the launch starts. Peers on other GPUs always get the put and the
 //!   signal. `zero_copy_local: false` runs the put path on one GPU too, and the tests run both.
 //! - **LogFMT-10 combine (both paths; docs/contract.md 4.1).** A combine may carry its rows in
-//!   LogFMT (`GpuGroup::set_combine_format`, `combine_device_with`, ...): the owner's warp encodes
+//!   LogFMT (`GpuGroup::set_combine_format`, `combine_device_opts`, ...): the owner's warp encodes
 //!   each row into the source's receive slot (stride 2H + H/32), the source's reduction decodes
 //!   it in its `fmaf` loop (`cu/logfmt.cuh`, bit-identical to `ep_reference::numerics::logfmt`).
 //!   Every row is put then, none read in place; refused over NCCL (`GpuError::Unsupported`).

@@ -5,7 +5,7 @@
 use crate::timing::events::{cuda_err, Events};
 use crate::timing::kernel::{canonical, kernel_names, per_half_us};
 use ep_kernels::runtime::{GpuGroup, Path};
-use ep_kernels::GpuError;
+use ep_kernels::{CombineOpts, GpuError};
 use half::bf16;
 
 /// One path's receive-hook split (DeepEP's `return_recv_hook`): each of dispatch and combine
@@ -181,7 +181,13 @@ pub fn hook_split(
         mark(1)?;
         let handle = g.dispatch_recv(hk, &sref)?;
         mark(2)?;
-        let ch = g.combine_send_with(&sref, &handle, &cins, ov, g.combine_format())?;
+        let ch = g.combine_send_opts(
+            &sref,
+            &handle,
+            &cins,
+            ov,
+            CombineOpts::format(g.combine_format()),
+        )?;
         mark(3)?;
         g.combine_recv(ch, &sref)?;
         mark(4)

@@ -25,8 +25,8 @@
 //!   [`DeviceHandle`] it gets; that must be the latest dispatch on that path (the group keeps one
 //!   handle's state). Combine reduces with the routing its dispatch kept, so its topk_idx is
 //!   checked for shape only: the dispatched tensor or a copy of its values at any address.
-//! - Combine's rows travel as bf16, or in LogFMT-10 with `combine_device_with` /
-//!   `combine_send_with` (`CombineFormat::LogFmt`, DeepEP's `use_logfmt`): H a multiple of 128
+//! - Combine's rows travel as bf16, or in LogFMT-10 with `combine_device_opts` /
+//!   `combine_send_opts` (`CombineOpts::format(CombineFormat::LogFmt)`, DeepEP's `use_logfmt`): H a multiple of 128
 //!   and no NCCL peer, else refused before anything is enqueued
 //!   ([`GpuGroup::check_combine_format`]).
 //! - Receive hook: `dispatch_send` / `dispatch_recv` (and `combine_send` / `combine_recv`) are the
@@ -508,27 +508,20 @@ impl GpuGroup {
         ranks: &[CombineIn<'_>],
         outs: &mut [CudaViewMut<'_, bf16>],
     ) -> Result<(), GpuError> {
-        self.combine_device_with(streams, handle, ranks, outs, CombineFormat::Bf16)
+        self.combine_device_opts(
+            streams,
+            handle,
+            ranks,
+            outs,
+            CombineOpts::format(CombineFormat::Bf16),
+        )
     }
 
-    /// [`GpuGroup::combine_device`] with the rows in `format` (DeepEP's `use_logfmt`), as
-    /// `EpRank::combine_with` on the CPU: LogFMT-10 rows are encoded by their owner and
-    /// decoded in the reduction, the bits of `ep_reference::oracle::combine_with`. A format the
-    /// group cannot run is refused before anything is enqueued
-    /// ([`GpuGroup::check_combine_format`]).
-    pub fn combine_device_with(
-        &mut self,
-        streams: &[&CudaStream],
-        handle: &DeviceHandle,
-        ranks: &[CombineIn<'_>],
-        outs: &mut [CudaViewMut<'_, bf16>],
-        format: CombineFormat,
-    ) -> Result<(), GpuError> {
-        self.combine_device_opts(streams, handle, ranks, outs, CombineOpts::format(format))
-    }
-
-    /// [`GpuGroup::combine_device_with`] with every option ([`CombineOpts`]: the format and the
-    /// wait statistics).
+    /// [`GpuGroup::combine_device`] with every option ([`CombineOpts`]): the rows in
+    /// `opts.format` (DeepEP's `use_logfmt`), as `EpRank::combine_with` on the CPU: LogFMT-10
+    /// rows are encoded by their owner and decoded in the reduction, the bits of
+    /// `ep_reference::oracle::combine_with`; and the wait statistics. A format the group cannot
+    /// run is refused before anything is enqueued ([`GpuGroup::check_combine_format`]).
     pub fn combine_device_opts(
         &mut self,
         streams: &[&CudaStream],
@@ -550,24 +543,18 @@ impl GpuGroup {
         ranks: &[CombineIn<'_>],
         outs: &mut [CudaViewMut<'_, bf16>],
     ) -> Result<CombineHook, GpuError> {
-        self.combine_send_with(streams, handle, ranks, outs, CombineFormat::Bf16)
+        self.combine_send_opts(
+            streams,
+            handle,
+            ranks,
+            outs,
+            CombineOpts::format(CombineFormat::Bf16),
+        )
     }
 
-    /// [`GpuGroup::combine_send`] with the rows in `format`; the hook's receive half decodes
-    /// them ([`GpuGroup::combine_device_with`]).
-    pub fn combine_send_with(
-        &mut self,
-        streams: &[&CudaStream],
-        handle: &DeviceHandle,
-        ranks: &[CombineIn<'_>],
-        outs: &mut [CudaViewMut<'_, bf16>],
-        format: CombineFormat,
-    ) -> Result<CombineHook, GpuError> {
-        self.combine_send_opts(streams, handle, ranks, outs, CombineOpts::format(format))
-    }
-
-    /// [`GpuGroup::combine_send_with`] with every option ([`CombineOpts`]); the hook's receive
-    /// half adds its waits to the statistics given here.
+    /// [`GpuGroup::combine_send`] with every option ([`CombineOpts`]): the rows in
+    /// `opts.format`, which the hook's receive half decodes ([`GpuGroup::combine_device_opts`]),
+    /// and the statistics the receive half adds its waits to.
     pub fn combine_send_opts(
         &mut self,
         streams: &[&CudaStream],
@@ -748,7 +735,7 @@ impl RankEp<'_> {
         )
     }
 
-    /// [`RankEp::combine`] with the rows in `format` ([`GpuGroup::combine_device_with`]).
+    /// [`RankEp::combine`] with the rows in `format` ([`GpuGroup::combine_device_opts`]).
     #[allow(clippy::too_many_arguments)]
     pub fn combine_with(
         &mut self,
@@ -767,7 +754,7 @@ impl RankEp<'_> {
         }];
         let mut o = [out.slice_mut(..)];
         self.group
-            .combine_device_with(&[stream], handle, &inp, &mut o, format)
+            .combine_device_opts(&[stream], handle, &inp, &mut o, CombineOpts::format(format))
     }
 
     /// Reads the device error word ([`GpuGroup::check`]).

@@ -166,7 +166,7 @@ impl GpuGroup {
 
     /// The format of every later combine that the group's own-buffer calls issue:
     /// [`GpuGroup::launch`] of `Op::Combine`, the harness's `combine` / `combine_rank`, and the
-    /// profiles (the device API's calls name theirs: `combine_device_with`, ...). Refused,
+    /// profiles (the device API's calls name theirs: `combine_device_opts`, ...). Refused,
     /// changing nothing, where the group cannot run it ([`GpuGroup::check_combine_format`]).
     pub fn set_combine_format(&mut self, format: CombineFormat) -> Result<(), GpuError> {
         self.check_combine_format(format)?;
