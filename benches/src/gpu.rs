@@ -292,16 +292,21 @@ pub fn phase_profile(spec: &BenchSpec, blocks: bool) -> Result<String, BenchErro
     Ok(s)
 }
 
-/// `--profile-blocks`: a line per block, its reached phases' stamps less the earliest block
-/// start, in us.
-fn block_lines(stamps: &[[u64; ep_kernels::runtime::PROF_SLOTS]]) -> String {
-    use std::fmt::Write as _;
-    let t0 = stamps
+/// The earliest block start (p0) of a profiled launch, the zero of its stamps.
+fn first_start(stamps: &[[u64; ep_kernels::runtime::PROF_SLOTS]]) -> u64 {
+    stamps
         .iter()
         .map(|s| s[0])
         .filter(|&v| v > 0)
         .min()
-        .unwrap_or(0);
+        .unwrap_or(0)
+}
+
+/// `--profile-blocks`: a line per block, its reached phases' stamps less the earliest block
+/// start, in us.
+fn block_lines(stamps: &[[u64; ep_kernels::runtime::PROF_SLOTS]]) -> String {
+    use std::fmt::Write as _;
+    let t0 = first_start(stamps);
     let mut out = String::new();
     for (b, st) in stamps.iter().enumerate() {
         let _ = write!(out, "  block {b}:");
@@ -317,12 +322,7 @@ fn block_lines(stamps: &[[u64; ep_kernels::runtime::PROF_SLOTS]]) -> String {
 /// less the earliest block start, in us.
 fn phase_line(head: &str, stamps: &[[u64; ep_kernels::runtime::PROF_SLOTS]]) -> String {
     use std::fmt::Write as _;
-    let t0 = stamps
-        .iter()
-        .map(|s| s[0])
-        .filter(|&v| v > 0)
-        .min()
-        .unwrap_or(0);
+    let t0 = first_start(stamps);
     let mut line = head.to_string();
     for ph in 0..ep_kernels::runtime::PROF_SLOTS {
         let v: Vec<f64> = stamps
