@@ -239,10 +239,9 @@ __device__ __forceinline__ void combine_send(const KParams& p, const Call& c, bo
 // ---- The receive: every owner's batch, then the reduction in k order.
 
 // The BF16 reduction (reduce_spans' sums, sum_span) with each unit's slots taken from the handle:
-// lane k < K of the unit's warp finds slot k's row (slot_row: `sl` holds its handle loads, made
-// for the warp's first unit at kernel start) and loads its weight, and the warp takes both by
-// shuffles. The next unit's handle loads go out before this unit's rows are loaded. `g`: the
-// owners masked or lost in this call.
+// lane k < K of the unit's warp finds slot k's row (slot_row over its handle loads: `sl`, made at
+// kernel start, for the warp's first unit; a later unit's at the start of its turn) and loads
+// its weight, and the warp takes both by shuffles. `g`: the owners masked or lost in this call.
 template <int NC, int KM>
 __device__ __forceinline__ void reduce_slots(const KParams& p, const Call& c, SlotLoad sl, PeerSet g, const u64* ys) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
