@@ -31,11 +31,18 @@ EXEMPT = {}
 IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 
 
-def strip_comments(text):
-    """Drops // comments and /* */ blocks; string literals are blanked so that nothing inside
-    them is read as a path (a `//` inside a string does not start a comment)."""
+def strip_comments(text, keep_lines=False):
+    """Drops // comments and /* */ blocks; string literals become `""` and char literals `' '`,
+    so that nothing inside them is read as a path (a `//` inside a string does not start a
+    comment). With `keep_lines` (for line counting) every newline stays where it was: those
+    inside a block comment or a literal are kept after its stand-in."""
     out = []
     i, n = 0, len(text)
+
+    def skipped(a, b):
+        if keep_lines:
+            out.append("\n" * text.count("\n", a, b))
+
     while i < n:
         c = text[i]
         if text.startswith("//", i):
@@ -43,12 +50,15 @@ def strip_comments(text):
             i = n if j < 0 else j
         elif text.startswith("/*", i):
             j = text.find("*/", i + 2)
-            i = n if j < 0 else j + 2
+            j = n if j < 0 else j + 2
+            skipped(i, j)
+            i = j
         elif c == '"':
             j = i + 1
             while j < n and text[j] != '"':
                 j += 2 if text[j] == "\\" else 1
             out.append('""')
+            skipped(i, j)
             i = j + 1
         elif c == "'" and re.match(r"'(\\.|[^\\'])'", text[i : i + 4]):
             m = re.match(r"'(\\.|[^\\'])'", text[i : i + 4])
@@ -61,33 +71,8 @@ def strip_comments(text):
 
 
 def blank_comments(text):
-    """strip_comments for line counting: comments and string / char literals become blanks, and
-    every newline stays where it was."""
-    out = []
-    i, n = 0, len(text)
-    while i < n:
-        if text.startswith("//", i):
-            j = text.find("\n", i)
-            i = n if j < 0 else j
-        elif text.startswith("/*", i):
-            j = text.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-            out.append("".join(c if c == "\n" else " " for c in text[i:j]))
-            i = j
-        elif text[i] == '"':
-            j = i + 1
-            while j < n and text[j] != '"' and text[j] != "\n":
-                j += 2 if text[j] == "\\" else 1
-            out.append('""')
-            i = j + 1
-        elif text[i] == "'" and re.match(r"'(\\.|[^\\'])'", text[i : i + 4]):
-            m = re.match(r"'(\\.|[^\\'])'", text[i : i + 4])
-            out.append("' '")
-            i += len(m.group(0))
-        else:
-            out.append(text[i])
-            i += 1
-    return "".join(out)
+    """strip_comments for line counting: every newline stays where it was."""
+    return strip_comments(text, keep_lines=True)
 
 
 def cuda_functions(text):
