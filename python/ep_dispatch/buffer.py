@@ -114,27 +114,6 @@ class Handle(tuple):
         return (lr >> 32).to(torch.int32), (lr & 0xFFFFFFFF).to(torch.int32)
 
 
-class _RecvHook:
-    """The receive hook of the extension path: enqueues the receive half ``id`` of the native
-    rank ``g`` (dispatch's or combine's) on the then-current stream, once; later calls do
-    nothing (as the Python path's closure)."""
-
-    __slots__ = ("_buffer", "_g", "_id", "_combine")
-
-    def __init__(self, buffer, g, id, combine):
-        self._buffer, self._g, self._id, self._combine = buffer, g, id, combine
-
-    def __call__(self):
-        g = self._g
-        if g is None:
-            return
-        self._g = None
-        if self._combine:
-            g.combine_recv(self._buffer._stream(), self._id)
-        else:
-            g.dispatch_recv(self._buffer._stream(), self._id)
-
-
 class _Dtypes:
     def __init__(self, torch):
         self.bf16 = torch.bfloat16
@@ -309,7 +288,7 @@ class Buffer:
             self.rank, self.group_size = comm.Get_rank(), comm.Get_size()
         self._comm = comm if group is None else None
         self._device = torch.cuda.current_device()
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        raw = _torch_ext.raw_stream_fn(torch)
         self._raw_stream = raw if raw is not None else (
             lambda d: torch.cuda.current_stream(d).cuda_stream)
         # Where every tensor of a call must be, and where outputs are allocated.
@@ -601,17 +580,18 @@ class Buffer:
                     _native.check_routing(self.rank, R, E, T, H, K, host)
                 key, g = self._rank_group(T, H, E, K, use_fp8, round_scale, use_ue8m0)
         mode = (2 if use_ue8m0 else 1) if use_fp8 else 0
+        # On torch's current stream of the Buffer's device, fetched in C++. A send half's
+        # tensors are held natively until its receive half is enqueued: by the hook (a native
+        # RecvHook, which enqueues it once, on the then-current stream), or first thing in the
+        # next dispatch of this set, as in `_dispatch`.
         try:
-            out, recv_count, src_info, pairs, hid, n = self._ext.dispatch(
-                g, self._stream(), self._dev_index, x, topk_idx, stats, wait_stats, E // R, R, T,
-                H, mode, return_recv_hook)
+            out, recv_count, src_info, pairs, hid, n, hook = self._ext.dispatch(
+                g, self._dev_index, x, topk_idx, stats, wait_stats, E // R, R, T, H, mode,
+                return_recv_hook)
         except ArgumentError:
             if fast:
                 self._name_dispatch_fault(x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0)
             raise
-        # A send half's tensors are held natively until its receive half is enqueued (by the
-        # hook, or first thing in the next dispatch of this set), as in `_dispatch`.
-        hook = _RecvHook(self, g, hid, False) if return_recv_hook else None
         self._seq += 1
         self._due[key[0]][key[1]] = self._seq
         handle = Handle._of_dispatch(src_info, pairs, T, H, E, recv_count, n, K, use_fp8,
@@ -760,14 +740,14 @@ class Buffer:
 
     def _combine_ext(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
                      return_recv_hook, out, wait_stats, use_logfmt):
-        """`_combine` through the C++ extension (`out` allocated there where None)."""
+        """`_combine` through the C++ extension (`out` allocated there where None; the stream
+        and, for a send half, the native receive hook as in `_dispatch_ext`)."""
         key, g, y = self._combine_of(x, handle, zero_copy, async_finish, return_recv_hook,
                                      use_logfmt)
         flags = (1 if return_recv_hook else 0) | (2 if use_logfmt else 0)
-        out, cid = self._ext.combine(g, self._stream(), self._dev_index, handle._id, y, topk_idx,
-                                     topk_weights, out, wait_stats, handle.num_tokens,
-                                     handle.hidden, flags, handle if return_recv_hook else None)
-        hook = _RecvHook(self, g, cid, True) if return_recv_hook else None
+        out, hook = self._ext.combine(g, self._dev_index, handle._id, y, topk_idx, topk_weights,
+                                      out, wait_stats, handle.num_tokens, handle.hidden, flags,
+                                      handle if return_recv_hook else None)
         due = self._due.get(key[0])
         if due is not None and due[key[1]] == handle._seq:
             due[key[1]] = None  # this set is free for the next dispatch
