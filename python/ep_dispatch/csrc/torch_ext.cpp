@@ -250,8 +250,9 @@ void hook_dealloc(PyObject* self) {
   Py_TYPE(self)->tp_free(self);
 }
 
-// hook(): enqueues the receive half on the then-current stream, the first time; None. The rank
-// is let go before the call, so a second call (or one after a failed first) does nothing.
+// hook(): enqueues the receive half on the then-current stream, the first time; None. The hook
+// forgets its rank before the call (the reference goes at return), so a second call, or one
+// after a first that raised, does nothing.
 PyObject* hook_call(PyObject* self, PyObject* args, PyObject* kwargs) {
   if (PyTuple_GET_SIZE(args) != 0 || (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0)) {
     PyErr_SetString(PyExc_TypeError, "a receive hook takes no arguments");
