@@ -8,7 +8,9 @@ after the native tensor checks), so only our plumbing is timed. Both call paths:
 - ``extension``: the C++ torch extension allocates the outputs (``at::empty``) and describes the
   tensors; the stand-in is the native ``_StandInRank``, whose C ABI entry runs the same checks on
   the descriptors and counts ids instead of enqueueing (a no-op Rust entry behind the real
-  descriptor parsing and checks). Its receive halves (the hooks) go to a Python stand-in.
+  descriptor parsing and checks). Its receive halves (the hooks: the extension's native
+  ``RecvHook``) go through the C ABI's ``recv`` entry to the stand-in's native receive half,
+  which frees the send half's tensors as the GPU rank does.
 
     python python/call_costs.py [--pairs 2000] [--live 167000] [--path both] [--json]
 
@@ -98,20 +100,14 @@ class NullRank:
 
 
 class NullTarget:
-    """What the Buffer calls on a native `_StandInRank` besides its C ABI entries (the
-    receive halves), enqueueing nothing."""
+    """What the Buffer calls on a native `_StandInRank` besides its C ABI entries, enqueueing
+    nothing."""
 
     def poll(self):
         pass
 
     def check(self):
         pass
-
-    def dispatch_recv(self, stream, hid):
-        return True
-
-    def combine_recv(self, stream, cid):
-        return True
 
 
 class Group:

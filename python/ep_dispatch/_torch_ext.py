@@ -45,7 +45,7 @@ def load(torch):
     if key not in _loaded:
         try:
             ext = _build(torch)
-            ext.bind(_native._c_api)
+            ext.bind(_native._c_api, raw_stream_fn(torch))
             _loaded[key] = (ext, None)
         except Exception as e:  # a compiler's, ninja's or the loader's failure, whatever its type
             why = f"{type(e).__name__}: {e}".strip()
@@ -62,6 +62,19 @@ def load(torch):
         raise NotBuiltError(f"not built: {ENV}=1 and the C++ torch extension ({SOURCE}) could "
                             f"not be built or loaded: {why}")
     return ext
+
+
+def raw_stream_fn(torch):
+    """``device index -> torch's current stream of that CUDA device as an int`` (the raw
+    ``CUstream``): ``torch._C._cuda_getCurrentRawStream``, a C function (no Python frame, no
+    torch mode), else ``torch.cuda.current_stream(d).cuda_stream``; None for a torch without
+    CUDA. The Python path calls it, and the extension calls it from C at every call and hook."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    if not hasattr(torch._C, "_cuda_getDevice"):
+        return None
+    return lambda d: torch.cuda.current_stream(d).cuda_stream
 
 
 def _build(torch):

@@ -75,13 +75,14 @@ class Handle(tuple):
     @classmethod
     def _of_dispatch(cls, src_info, pairs, tokens, hidden, experts, recv_count, num_tokens,
                      top_k, use_fp8, path, key, buffer, hid, seq):
-        """The handle a dispatch returns (the hot path: no keyword loop)."""
+        """The handle a dispatch returns (the hot path: its attributes set as one dict, which
+        costs less than an attribute at a time)."""
         h = tuple.__new__(cls, (src_info, None, tokens, hidden, experts))
-        h.src_info, h._packed, h._pairs = src_info, None, pairs
-        h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts = tokens, hidden, experts
-        h.recv_count, h.num_tokens, h.top_k, h.use_fp8, h.path = (recv_count, num_tokens, top_k,
-                                                                   use_fp8, path)
-        h._key, h._buffer, h._id, h._seq = key, buffer, hid, seq
+        h.__dict__ = {"src_info": src_info, "_packed": None, "_pairs": pairs,
+                      "num_max_dispatch_tokens_per_rank": tokens, "hidden": hidden,
+                      "num_experts": experts, "recv_count": recv_count, "num_tokens": num_tokens,
+                      "top_k": top_k, "use_fp8": use_fp8, "path": path, "_key": key,
+                      "_buffer": buffer, "_id": hid, "_seq": seq}
         return h
 
     @property
@@ -112,27 +113,6 @@ class Handle(tuple):
 
         lr = self.layout_range
         return (lr >> 32).to(torch.int32), (lr & 0xFFFFFFFF).to(torch.int32)
-
-
-class _RecvHook:
-    """The receive hook of the extension path: enqueues the receive half ``id`` of the native
-    rank ``g`` (dispatch's or combine's) on the then-current stream, once; later calls do
-    nothing (as the Python path's closure)."""
-
-    __slots__ = ("_buffer", "_g", "_id", "_combine")
-
-    def __init__(self, buffer, g, id, combine):
-        self._buffer, self._g, self._id, self._combine = buffer, g, id, combine
-
-    def __call__(self):
-        g = self._g
-        if g is None:
-            return
-        self._g = None
-        if self._combine:
-            g.combine_recv(self._buffer._stream(), self._id)
-        else:
-            g.dispatch_recv(self._buffer._stream(), self._id)
 
 
 class _Dtypes:
@@ -280,6 +260,7 @@ class Buffer:
         self.check_routing = check_routing
         self.trap_on_error = trap_on_error
         self.enable_shrink = enable_shrink
+        self._ident = id(self)  # what this Buffer's handles carry (`Handle._buffer`)
         self._ranks = {}
         self._combine_buffers = {}
         self._due = {}  # per shape, per buffer set: the dispatch (sequence no.) still to combine
@@ -309,7 +290,7 @@ class Buffer:
             self.rank, self.group_size = comm.Get_rank(), comm.Get_size()
         self._comm = comm if group is None else None
         self._device = torch.cuda.current_device()
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        raw = _torch_ext.raw_stream_fn(torch)
         self._raw_stream = raw if raw is not None else (
             lambda d: torch.cuda.current_stream(d).cuda_stream)
         # Where every tensor of a call must be, and where outputs are allocated.
@@ -601,21 +582,22 @@ class Buffer:
                     _native.check_routing(self.rank, R, E, T, H, K, host)
                 key, g = self._rank_group(T, H, E, K, use_fp8, round_scale, use_ue8m0)
         mode = (2 if use_ue8m0 else 1) if use_fp8 else 0
+        # On torch's current stream of the Buffer's device, fetched in C++. A send half's
+        # tensors are held natively until its receive half is enqueued: by the hook (a native
+        # RecvHook, which enqueues it once, on the then-current stream), or first thing in the
+        # next dispatch of this set, as in `_dispatch`.
         try:
-            out, recv_count, src_info, pairs, hid, n = self._ext.dispatch(
-                g, self._stream(), self._dev_index, x, topk_idx, stats, wait_stats, E // R, R, T,
-                H, mode, return_recv_hook)
+            out, recv_count, src_info, pairs, hid, n, hook = self._ext.dispatch(
+                g, self._dev_index, x, topk_idx, stats, wait_stats, E // R, R, T, H, mode,
+                return_recv_hook)
         except ArgumentError:
             if fast:
                 self._name_dispatch_fault(x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0)
             raise
-        # A send half's tensors are held natively until its receive half is enqueued (by the
-        # hook, or first thing in the next dispatch of this set), as in `_dispatch`.
-        hook = _RecvHook(self, g, hid, False) if return_recv_hook else None
         self._seq += 1
         self._due[key[0]][key[1]] = self._seq
         handle = Handle._of_dispatch(src_info, pairs, T, H, E, recv_count, n, K, use_fp8,
-                                     self.path, key, id(self), hid, self._seq)
+                                     self.path, key, self._ident, hid, self._seq)
         if async_finish:
             recv_x, scales = out if use_fp8 else (out, None)
             with self._notf():
@@ -704,7 +686,7 @@ class Buffer:
         self._seq += 1
         self._due[key[0]][key[1]] = self._seq
         handle = Handle._of_dispatch(src_info, pairs, T, H, E, recv_count, n, K,
-                                     use_fp8, self.path, key, id(self), hid, self._seq)
+                                     use_fp8, self.path, key, self._ident, hid, self._seq)
         out = (recv_x, scales) if use_fp8 else recv_x
         event = self._event((x, topk_idx, recv_x, scales, recv_count, src_info, pairs, stats, wait_stats)) \
             if async_finish else _NO_EVENT
@@ -743,7 +725,7 @@ class Buffer:
             for name, v in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy),
                             ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
                 _checks.flag(name, v)
-        if not isinstance(handle, Handle) or getattr(handle, "_buffer", None) != id(self):
+        if not isinstance(handle, Handle) or getattr(handle, "_buffer", None) != self._ident:
             raise InputError("argument `handle`: not a handle returned by this Buffer's "
                              "low_latency_dispatch")
         key = handle._key
@@ -760,14 +742,14 @@ class Buffer:
 
     def _combine_ext(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
                      return_recv_hook, out, wait_stats, use_logfmt):
-        """`_combine` through the C++ extension (`out` allocated there where None)."""
+        """`_combine` through the C++ extension (`out` allocated there where None; the stream
+        and, for a send half, the native receive hook as in `_dispatch_ext`)."""
         key, g, y = self._combine_of(x, handle, zero_copy, async_finish, return_recv_hook,
                                      use_logfmt)
         flags = (1 if return_recv_hook else 0) | (2 if use_logfmt else 0)
-        out, cid = self._ext.combine(g, self._stream(), self._dev_index, handle._id, y, topk_idx,
-                                     topk_weights, out, wait_stats, handle.num_tokens,
-                                     handle.hidden, flags, handle if return_recv_hook else None)
-        hook = _RecvHook(self, g, cid, True) if return_recv_hook else None
+        out, hook = self._ext.combine(g, self._dev_index, handle._id, y, topk_idx, topk_weights,
+                                      out, wait_stats, handle.num_tokens, handle.hidden, flags,
+                                      handle if return_recv_hook else None)
         due = self._due.get(key[0])
         if due is not None and due[key[1]] == handle._seq:
             due[key[1]] = None  # this set is free for the next dispatch
@@ -815,7 +797,7 @@ class Buffer:
         ``low_latency_combine(..., zero_copy=True)`` combines it. DeepEP's zero-copy buffer:
         here the batched path's combine reads the caller's rows in place on the same GPU with
         or without it."""
-        if not isinstance(handle, Handle) or getattr(handle, "_buffer", None) != id(self):
+        if not isinstance(handle, Handle) or getattr(handle, "_buffer", None) != self._ident:
             raise InputError("argument `handle`: not a handle returned by this Buffer's "
                              "low_latency_dispatch")
         buf = self._combine_buffers.get(handle._key)

@@ -29,7 +29,8 @@ class Out(Structure):
 
 class Api(Structure):
     _fields_ = [("abi_version", c_uint32), ("descriptor_size", c_uint32),
-                ("dispatch", c_void_p), ("combine", c_void_p), ("echo", c_void_p)]
+                ("dispatch", c_void_p), ("combine", c_void_p), ("recv", c_void_p),
+                ("echo", c_void_p)]
 
 
 # PYFUNCTYPE: called with the GIL held (as the extension calls them), an exception the entry
@@ -38,6 +39,7 @@ DISPATCH = ctypes.PYFUNCTYPE(c_int, c_void_p, c_uint64, c_uint32, POINTER(Desc),
                              POINTER(Out))
 COMBINE = ctypes.PYFUNCTYPE(c_int, c_void_p, c_uint64, c_uint64, c_uint32, POINTER(Desc),
                             c_size_t, c_void_p, POINTER(c_uint64))
+RECV = ctypes.PYFUNCTYPE(c_int, c_void_p, c_uint64, c_uint32, c_uint64, POINTER(c_uint32))
 ECHO = ctypes.PYFUNCTYPE(c_int, POINTER(Desc), c_size_t, POINTER(c_void_p))
 
 
@@ -130,9 +132,9 @@ class Recorder:
 
 def test_the_capsule_holds_the_abi_table():
     a = api()
-    assert a.abi_version == 1
+    assert a.abi_version == 2
     assert a.descriptor_size == ctypes.sizeof(Desc) == 56
-    assert a.dispatch and a.combine and a.echo  # echo: the `testing` build
+    assert a.dispatch and a.combine and a.recv and a.echo  # echo: the `testing` build
 
 
 def test_a_good_dispatch_and_combine_through_the_c_abi():
@@ -172,6 +174,82 @@ def test_a_send_half_holds_its_tensors_until_the_next_call():
     after = sys.getrefcount(ts[0].obj)
     assert rank.held_counts() == (0, 0)
     assert after == before
+
+
+def recv(rank, op, hid, stream=0):
+    """The C ABI's receive half of send half `hid` (`op` 0 dispatch, 1 combine): 1 where it was
+    enqueued, 0 where a later call had."""
+    done = c_uint32(7)
+    RECV(api().recv)(id(rank), stream, op, hid, ctypes.byref(done))
+    return done.value
+
+
+def combine_tensors(n=5):
+    return [Tensor(BF16, (L, RT, H)), Tensor(I64, (n, K)), Tensor(F32, (n, K)),
+            Tensor(BF16, (n, H)), None]
+
+
+def test_a_receive_half_goes_out_once_and_frees_its_send_halfs_tensors():
+    """`recv` of the pending send half enqueues it (1) and lets its tensors go; again, or after
+    a later call enqueued it, it does nothing (0); an id never given, a bad op, a null result
+    slot or a foreign rank are typed errors, as the GPU rank's `dispatch_recv` raises them."""
+    rank = native._StandInRank(spec(), object())  # counts ids itself
+    ts = dispatch_tensors()
+    before = sys.getrefcount(ts[0].obj)
+    hid = call_dispatch(rank, descs(ts), send_only=1).id
+    assert rank.held_counts() == (7, 0)
+    assert recv(rank, 0, hid) == 1
+    after = sys.getrefcount(ts[0].obj)
+    assert rank.held_counts() == (0, 0) and rank.recv_counts() == (1, 0)
+    assert after == before
+    assert recv(rank, 0, hid) == 0  # done already: nothing more
+    # A send half whose hook was not called: the next call enqueued its receive half first.
+    lost = call_dispatch(rank, descs(ts), send_only=1).id
+    call_dispatch(rank, descs(ts))
+    assert recv(rank, 0, lost) == 0 and rank.recv_counts() == (1, 0)
+    # Combine's receive halves are counted apart from dispatch's.
+    cid = c_uint64()
+    COMBINE(api().combine)(id(rank), 0, lost, 1, descs(combine_tensors()), 5, None,
+                           ctypes.byref(cid))
+    assert rank.held_counts() == (0, 4)
+    assert recv(rank, 0, cid.value) == 0  # a dispatch id that was completed long ago
+    assert recv(rank, 1, cid.value) == 1
+    assert rank.held_counts() == (0, 0) and rank.recv_counts() == (1, 1)
+    with pytest.raises(ep.ArgumentError) as e:
+        recv(rank, 1, 99)
+    assert (e.value.argument, str(e.value)) == (
+        "hook", "argument `hook`: combine 99 was never sent by this rank")
+    with pytest.raises(ep.ArgumentError) as e:
+        recv(rank, 2, 1)
+    assert e.value.argument == "op"
+    with pytest.raises(ep.ArgumentError) as e:
+        RECV(api().recv)(id(rank), 0, 0, 1, None)
+    assert e.value.argument == "enqueued"
+    with pytest.raises(ep.ArgumentError) as e:
+        recv(object(), 0, 1)
+    assert e.value.argument == "rank"
+
+
+def test_a_receive_half_asks_a_forwarding_target_and_raises_what_it_raises():
+    """A target that takes the checked calls is asked for the receive half (its ids), and its
+    error (the typed error a failed group raises) comes back as that exception."""
+    class Failing(Recorder):
+        def dispatch_recv(self, stream, hid):
+            self.calls.append(("dispatch_recv", stream, hid))
+            raise ep.TimeoutError("the group failed")
+
+        def combine_recv(self, stream, cid):
+            self.calls.append(("combine_recv", stream, cid))
+            return False
+
+    target = Failing()
+    rank = native._StandInRank(spec(), target)
+    hid = call_dispatch(rank, descs(dispatch_tensors()), send_only=1).id
+    with pytest.raises(ep.TimeoutError, match="the group failed"):
+        recv(rank, 0, hid, stream=9)
+    assert target.calls[-1] == ("dispatch_recv", 9, hid)
+    assert rank.held_counts() == (0, 0)  # taken before the receive half, as a GPU rank does
+    assert recv(rank, 1, 5) == 0 and target.calls[-1] == ("combine_recv", 0, 5)
 
 
 def bad(mutate, argument, fragment, send_only=0):

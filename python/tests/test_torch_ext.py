@@ -81,9 +81,9 @@ def inputs(n=5):
 def test_the_extension_allocates_the_outputs_the_python_path_makes(ext, mode):
     rank = stand_in(use_fp8=mode > 0, round_scale=mode == 2, use_ue8m0=mode == 2)
     x, topk = inputs()
-    out, count, src, pairs, hid, n = ext.dispatch(rank, 0, -1, x, topk, None, None, L, R, T, H,
-                                                  mode, False)
-    assert (hid, n) == (1, 5)
+    out, count, src, pairs, hid, n, hook = ext.dispatch(rank, -1, x, topk, None, None, L, R, T,
+                                                        H, mode, False)
+    assert (hid, n, hook) == (1, 5, None)
     if mode:
         recv_x, scales = out
         G = H // (512 if mode == 2 else 128)
@@ -97,17 +97,17 @@ def test_the_extension_allocates_the_outputs_the_python_path_makes(ext, mode):
         assert t.dtype == torch.int32 and t.shape == shape and t.is_contiguous()
         assert t.device.type == "cpu"
     # The send half holds its tensors: x, topk_idx, recv_x, (scales,) count, src_info, pairs.
-    ext.dispatch(rank, 0, -1, x, topk, None, None, L, R, T, H, mode, True)
+    ext.dispatch(rank, -1, x, topk, None, None, L, R, T, H, mode, True)
     assert rank.held_counts() == (7 if mode else 6, 0)
     # combine: out allocated (bfloat16 [n, H]) where None, else the caller's.
     y = torch.zeros(L, RT, H, dtype=torch.bfloat16)
     w = torch.rand(5, K)
-    got, cid = ext.combine(rank, 0, -1, 2, y, topk, w, None, None, 5, H, 0, None)
-    assert got.dtype == torch.bfloat16 and got.shape == (5, H) and cid == 1
+    got, hook = ext.combine(rank, -1, 2, y, topk, w, None, None, 5, H, 0, None)
+    assert got.dtype == torch.bfloat16 and got.shape == (5, H) and hook is None
     mine = torch.empty(5, H, dtype=torch.bfloat16)
     handle = object()
-    got, cid = ext.combine(rank, 0, -1, 2, y, topk, w, mine, None, 5, H, 1, handle)
-    assert got is mine and cid == 2
+    got, hook = ext.combine(rank, -1, 2, y, topk, w, mine, None, 5, H, 1, handle)
+    assert got is mine and type(hook) is ext.RecvHook
     assert rank.held_counts()[1] == 5  # x, topk_idx, topk_weights, out and the handle
 
 
@@ -121,27 +121,137 @@ def test_the_extension_raises_the_native_checks_errors(ext):
             torch.empty(L, R, 2, dtype=torch.int32))
     for bad_x in (x.float(), x.t(), x.to(torch.float16), [1], x[:, :256]):
         with pytest.raises(ep.ArgumentError) as c_err:
-            ext.dispatch(rank, 0, -1, bad_x, topk, None, None, L, R, T, H, 1, False)
+            ext.dispatch(rank, -1, bad_x, topk, None, None, L, R, T, H, 1, False)
         with pytest.raises(ep.ArgumentError) as py_err:
             spec.check_dispatch(bad_x, topk, *outs)
         assert str(c_err.value) == str(py_err.value)
     stats = torch.zeros(L, dtype=torch.int64)  # int32 wanted
     with pytest.raises(ep.ArgumentError) as e:
-        ext.dispatch(rank, 0, -1, x, topk, stats, None, L, R, T, H, 1, False)
+        ext.dispatch(rank, -1, x, topk, stats, None, L, R, T, H, 1, False)
     assert e.value.argument == "cumulative_local_expert_recv_stats"
     y = torch.zeros(L, RT, H, dtype=torch.bfloat16)
-    ext.dispatch(rank, 0, -1, x, topk, None, None, L, R, T, H, 1, False)
+    ext.dispatch(rank, -1, x, topk, None, None, L, R, T, H, 1, False)
     with pytest.raises(ep.ArgumentError) as e:  # 4 rows for a dispatch of 5
-        ext.combine(rank, 0, -1, 1, y, topk[:4], torch.rand(4, K), None, None, 4, H, 0, None)
+        ext.combine(rank, -1, 1, y, topk[:4], torch.rand(4, K), None, None, 4, H, 0, None)
     assert str(e.value) == "argument `topk_idx`: shape [4, 3], expected [5, 3]"
     with pytest.raises(ep.InputError):  # a handle this rank never gave
-        ext.combine(rank, 0, -1, 99, y, topk, torch.rand(5, K), None, None, 5, H, 0, None)
+        ext.combine(rank, -1, 99, y, topk, torch.rand(5, K), None, None, 5, H, 0, None)
+
+
+def test_a_send_halfs_hook_enqueues_its_receive_half_once(ext):
+    """The hook a send half returns is the extension's RecvHook: its first call enqueues the
+    receive half (one `recv`, which lets the send half's tensors go), a second does nothing; it
+    takes no arguments; a whole call returns no hook."""
+    rank = stand_in()  # counts ids itself, and the receive halves it enqueued
+    x, topk = inputs()
+    *_, hid, n, hook = ext.dispatch(rank, -1, x, topk, None, None, L, R, T, H, 1, True)
+    assert type(hook) is ext.RecvHook and rank.held_counts() == (7, 0)
+    assert repr(hook) == f"<ep_dispatch receive hook of dispatch {hid}, due>"
+    with pytest.raises(TypeError, match="no arguments"):
+        hook(0)
+    assert rank.recv_counts() == (0, 0)
+    assert hook() is None
+    assert rank.recv_counts() == (1, 0) and rank.held_counts() == (0, 0)
+    hook()
+    assert rank.recv_counts() == (1, 0) and repr(hook).endswith("called>")
+    y, w = torch.zeros(L, RT, H, dtype=torch.bfloat16), torch.rand(5, K)
+    _, chook = ext.combine(rank, -1, hid, y, topk, w, None, None, 5, H, 1, None)
+    assert rank.held_counts() == (0, 4)
+    chook()
+    chook()
+    assert rank.recv_counts() == (1, 1) and rank.held_counts() == (0, 0)
+    # A hook called after a later call enqueued its receive half: nothing more goes out.
+    *_, late = ext.dispatch(rank, -1, x, topk, None, None, L, R, T, H, 1, True)
+    ext.dispatch(rank, -1, x, topk, None, None, L, R, T, H, 1, False)
+    late()
+    assert rank.recv_counts() == (1, 1)
+
+
+class Recorder:
+    """A stand-in's target that takes the checked calls and records what reaches it."""
+
+    def __init__(self, fail=None):
+        self.calls, self.fail, self.next = [], fail, 0
+
+    def dispatch_checked(self, stream, send_only, addrs):
+        self.next += 1
+        self.calls.append(("dispatch", stream, send_only))
+        return self.next
+
+    def dispatched_tokens(self, handle):
+        return 5
+
+    def combine_checked(self, stream, handle, send_only, addrs, use_logfmt):
+        self.next += 1
+        self.calls.append(("combine", stream, send_only))
+        return self.next
+
+    def dispatch_recv(self, stream, hid):
+        self.calls.append(("dispatch_recv", stream, hid))
+        if self.fail is not None:
+            raise self.fail
+        return True
+
+    def combine_recv(self, stream, cid):
+        self.calls.append(("combine_recv", stream, cid))
+        return True
+
+
+def test_a_failed_receive_half_raises_its_typed_error_once(ext):
+    """A hook whose receive half fails (the group recorded an error: the GPU rank raises it
+    typed) raises that error; a second call does nothing, as the Python path's hook."""
+    target = Recorder(fail=ep.TimeoutError("rank 0 waited for peer 1 (dispatch recv, call 1)"))
+    rank = native._StandInRank(native.CallSpec(R, E, T, H, K, True, False, False, -1, dtypes()),
+                               target)
+    x, topk = inputs()
+    *_, hid, _, hook = ext.dispatch(rank, -1, x, topk, None, None, L, R, T, H, 1, True)
+    with pytest.raises(ep.TimeoutError, match="waited for peer 1"):
+        hook()
+    hook()
+    assert [c for c in target.calls if c[0] == "dispatch_recv"] == [("dispatch_recv", 0, hid)]
+
+
+def test_the_stream_is_the_current_one_at_each_call_and_hook(ext):
+    """On a CUDA device the extension asks the bound stream function for the current stream at
+    the call and again when the hook runs (DeepEP's hooks run on the then-current stream); the
+    host (device -1) has stream 0. (Checked here with a stand-in stream function: a combine into
+    a given `out` allocates nothing on the device.)"""
+    current = {"stream": 1234}
+    asked = []
+
+    def stream_of(device):
+        asked.append(device)
+        return current["stream"] + device
+
+    target = Recorder()
+    rank = native._StandInRank(native.CallSpec(R, E, T, H, K, True, False, False, -1, dtypes()),
+                               target)
+    x, topk = inputs()
+    y, w, out = (torch.zeros(L, RT, H, dtype=torch.bfloat16), torch.rand(5, K),
+                 torch.empty(5, H, dtype=torch.bfloat16))
+    ext.bind(native._c_api, stream_of)
+    try:
+        ext.dispatch(rank, -1, x, topk, None, None, L, R, T, H, 1, False)
+        assert asked == [] and target.calls[-1] == ("dispatch", 0, False)
+        _, hook = ext.combine(rank, 3, 1, y, topk, w, out, None, 5, H, 1, None)
+        assert asked == [3] and target.calls[-1] == ("combine", 1237, True)
+        current["stream"] = 5000
+        hook()
+        assert asked == [3, 3] and target.calls[-1] == ("combine_recv", 5003, 2)
+        current["stream"] = None  # a stream function that fails: its error, nothing enqueued
+        with pytest.raises(TypeError):
+            ext.combine(rank, 3, 1, y, topk, w, out, None, 5, H, 0, None)
+        assert target.calls[-1] == ("combine_recv", 5003, 2)
+    finally:
+        ext.bind(native._c_api, _torch_ext.raw_stream_fn(torch))
+    with pytest.raises(TypeError, match="callable"):
+        ext.bind(native._c_api, 5)
 
 
 def test_a_foreign_rank_is_refused(ext):
     x, topk = inputs()
     with pytest.raises(ep.ArgumentError) as e:
-        ext.dispatch(object(), 0, -1, x, topk, None, None, L, R, T, H, 1, False)
+        ext.dispatch(object(), -1, x, topk, None, None, L, R, T, H, 1, False)
     assert e.value.argument == "rank"
 
 
@@ -187,6 +297,29 @@ class Null:
         return True
 
 
+def test_hooks_through_the_buffer_are_native_and_enqueue_once(ext, monkeypatch):
+    """The Buffer's hooks on the extension path are the extension's RecvHooks: per pair with
+    hooks, each hook called twice, one receive half each of dispatch and combine goes out."""
+    b = buffer(monkeypatch)
+    assert b.call_path == "extension"
+    x, topk = inputs()
+    y, w = torch.zeros(L, RT, H, dtype=torch.bfloat16), torch.rand(5, K)
+    for i in range(1, 4):
+        _, _, handle, _, hook = b.low_latency_dispatch(x, topk, T, E, return_recv_hook=True)
+        assert type(hook) is ext.RecvHook
+        hook()
+        hook()
+        _, _, chook = b.low_latency_combine(y, topk, w, handle, return_recv_hook=True)
+        assert type(chook) is ext.RecvHook
+        chook()
+        chook()
+        rank = b._ranks[handle._key]
+        assert rank.recv_counts() == (i, i) and rank.held_counts() == (0, 0)
+    _, _, handle, _, hook = b.low_latency_dispatch(x, topk, T, E)
+    assert hook is None
+    assert b.low_latency_combine(y, topk, w, handle)[2] is None
+
+
 def test_the_python_path_when_forced(monkeypatch):
     monkeypatch.setenv(_torch_ext.ENV, "0")
     assert _torch_ext.load(torch) is None
@@ -203,7 +336,7 @@ def test_the_build_without_ninja_makes_the_same_extension(ext, tmp_path):
     name = "ep_dispatch_torch_ext_direct_test"
     m = _torch_ext._build_direct(torch, name, tmp_path / name)
     assert (tmp_path / name / f"{name}.so").exists()
-    m.bind(native._c_api)
+    m.bind(native._c_api, None)
     assert m._descriptor_size() == ext._descriptor_size()
     x = torch.arange(12, dtype=torch.float32).reshape(3, 4)[:, 1:]
     assert m._echo(x, None) == ext._echo(x, None)

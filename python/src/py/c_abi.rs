@@ -1,6 +1,7 @@
 //! The C ABI through which the C++ torch extension (`ep_dispatch/csrc/torch_ext.cpp`) calls a
-//! native rank: one entry per call (`dispatch`, `combine`, each whole or its send half), handed
-//! over once as a table of function pointers in the capsule `_ep_dispatch._c_api`, so the two
+//! native rank: one entry per call (`dispatch`, `combine`, each whole or its send half, and
+//! `recv`, a send half's receive half, which the extension's receive hooks call), handed over
+//! once as a table of function pointers in the capsule `_ep_dispatch._c_api`, so the two
 //! libraries never link against each other.
 //!
 //! The extension allocates a call's outputs with torch's allocator and describes every tensor
@@ -16,7 +17,7 @@
 //! naming its tensor.
 
 use super::exceptions::to_py;
-use super::rank::{format_of, Enqueue, GpuRank, Held};
+use super::rank::{format_of, Enqueue, GpuRank, Held, Op};
 use super::reader::{COMBINE_TENSORS, DISPATCH_TENSORS};
 #[cfg(feature = "testing")]
 use super::stand_in::StandInRank;
@@ -29,8 +30,8 @@ use std::ffi::CStr;
 use std::os::raw::{c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-/// The version of this ABI; the extension refuses a table of another.
-pub const ABI_VERSION: u32 = 1;
+/// The version of this ABI; the extension refuses a table of another. 2: the `recv` entry.
+pub const ABI_VERSION: u32 = 2;
 
 /// The capsule's name (what `PyCapsule_GetPointer` must be given).
 const CAPSULE_NAME: &CStr = c"ep_dispatch._ep_dispatch._c_api";
@@ -107,6 +108,12 @@ pub type CombineFn = unsafe extern "C" fn(
     *mut u64,
 ) -> c_int;
 
+/// `recv(rank, stream, op, id, enqueued)`: the receive half of the send half `id` of `op` (0
+/// dispatch, 1 combine) on `stream`, as the native `GpuRank.dispatch_recv` / `combine_recv`
+/// (`Enqueue::enqueue_recv`). 0 on success, `*enqueued` 1 where it was enqueued, 0 where a later
+/// call had enqueued it already; -1 with the exception set.
+pub type RecvFn = unsafe extern "C" fn(*mut ffi::PyObject, u64, u32, u64, *mut u32) -> c_int;
+
 /// `echo(tensors, count, out)` (feature `testing`): `*out` becomes a new list with, per
 /// descriptor, None (absent) or `(ptr, dtype name, shape, strides, device, element size)` as
 /// the entries parse it.
@@ -120,6 +127,7 @@ pub struct Api {
     pub descriptor_size: u32,
     pub dispatch: DispatchFn,
     pub combine: CombineFn,
+    pub recv: RecvFn,
     /// None where the module was built without the feature `testing`.
     pub echo: Option<EchoFn>,
 }
@@ -129,6 +137,7 @@ static API: Api = Api {
     descriptor_size: std::mem::size_of::<TensorDesc>() as u32,
     dispatch: c_dispatch,
     combine: c_combine,
+    recv: c_recv,
     #[cfg(feature = "testing")]
     echo: Some(c_echo),
     #[cfg(not(feature = "testing"))]
@@ -390,6 +399,28 @@ unsafe extern "C" fn c_combine(
             let cid = r.enqueue_combine(py, stream, handle, &p, format, send)?;
             // SAFETY: `id` is non-null and aligned (checked), the caller's result slot.
             unsafe { id.write(cid) };
+            Ok(())
+        })
+    })
+}
+
+unsafe extern "C" fn c_recv(
+    rank: *mut ffi::PyObject,
+    stream: u64,
+    op: u32,
+    id: u64,
+    enqueued: *mut u32,
+) -> c_int {
+    entry(|py| {
+        if enqueued.is_null() || !enqueued.is_aligned() {
+            return Err(bad("enqueued", "a null or misaligned result pointer"));
+        }
+        let op = Op::from_code(op)
+            .ok_or_else(|| bad("op", format!("{op}, expected 0 (dispatch) or 1 (combine)")))?;
+        with_rank(py, rank, |r| {
+            let done = r.enqueue_recv(py, stream, op, id)?;
+            // SAFETY: `enqueued` is non-null and aligned (checked), the caller's result slot.
+            unsafe { enqueued.write(u32::from(done)) };
             Ok(())
         })
     })

@@ -364,6 +364,32 @@ fn hold(ts: &[&Bound<'_, PyAny>], opt: &[Option<&Bound<'_, PyAny>>]) -> Held {
         .collect()
 }
 
+/// Which operation a receive half completes (the C ABI's `recv` entry: 0 dispatch, 1 combine).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Op {
+    Dispatch,
+    Combine,
+}
+
+impl Op {
+    /// The C ABI's code of the operation, or None for a code that names none.
+    pub(super) fn from_code(code: u32) -> Option<Op> {
+        match code {
+            0 => Some(Op::Dispatch),
+            1 => Some(Op::Combine),
+            _ => None,
+        }
+    }
+
+    /// "dispatch" or "combine", as the errors name the operation.
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Op::Dispatch => "dispatch",
+            Op::Combine => "combine",
+        }
+    }
+}
+
 /// What a rank does with a call's checked addresses: the native methods below and the C ABI's
 /// entries (`c_abi`) both check the tensors with the rank's [`CallSpec`] and then call these, so
 /// the two ways in share one path. `send`: `Some(tensors to hold)` for a send half (held until
@@ -392,6 +418,12 @@ pub(super) trait Enqueue {
         format: CombineFormat,
         send: Option<Held>,
     ) -> PyResult<u64>;
+
+    /// Enqueues the receive half of the `op` call `id` (a send half's id) on `stream` and frees
+    /// the tensors its send half held: true; false where a later call of that operation
+    /// enqueued it already (then nothing is enqueued); the `ArgumentError` of argument `hook`
+    /// for an id this rank never gave; the group's recorded error (typed) where it failed.
+    fn enqueue_recv(&mut self, py: Python<'_>, stream: u64, op: Op, id: u64) -> PyResult<bool>;
 }
 
 /// One rank of a process-mode GPU group (see `gpu::RankGroup`). Not shared between threads.
@@ -462,6 +494,16 @@ impl Enqueue for GpuRank {
         if r.is_ok() && send.is_some() {
             self.held_combine = send;
         }
+        r
+    }
+
+    fn enqueue_recv(&mut self, _py: Python<'_>, stream: u64, op: Op, id: u64) -> PyResult<bool> {
+        let r = match op {
+            Op::Dispatch => self.inner.dispatch_recv(stream, id),
+            Op::Combine => self.inner.combine_recv(stream, id),
+        }
+        .py_err();
+        self.release();
         r
     }
 }
@@ -646,10 +688,8 @@ impl GpuRank {
 
     /// Enqueues the receive half of dispatch `id` on `stream`: True; False where a later call
     /// enqueued it already.
-    fn dispatch_recv(&mut self, stream: u64, id: u64) -> PyResult<bool> {
-        let r = self.inner.dispatch_recv(stream, id).py_err();
-        self.release();
-        r
+    fn dispatch_recv(&mut self, py: Python<'_>, stream: u64, id: u64) -> PyResult<bool> {
+        self.enqueue_recv(py, stream, Op::Dispatch, id)
     }
 
     /// Enqueues a whole combine on `stream` after the dispatch `handle` (a due receive half
@@ -707,9 +747,7 @@ impl GpuRank {
     }
 
     /// Enqueues the receive half of combine `id` (as `dispatch_recv`).
-    fn combine_recv(&mut self, stream: u64, id: u64) -> PyResult<bool> {
-        let r = self.inner.combine_recv(stream, id).py_err();
-        self.release();
-        r
+    fn combine_recv(&mut self, py: Python<'_>, stream: u64, id: u64) -> PyResult<bool> {
+        self.enqueue_recv(py, stream, Op::Combine, id)
     }
 }
