@@ -18,15 +18,18 @@ pub(crate) const MAX_LOCAL: usize = 32;
 
 /// Which build of the kernels a device loads: the defines common.cuh reads (`EP_MASK_WORDS`,
 /// `EP_MAX_LOCAL`, `EP_MIN_BLOCKS`, `EP_PLAIN`), and for the batched family the stage its
-/// module holds (`EP_STAGE`). A group of at most [`NARROW_RANKS`] ranks with
-/// no more ranks on a GPU than it has SMs, shrink mode, or a peer through NCCL loads the narrow
-/// build: the source as it is, no define.
+/// module holds (`EP_STAGE`). A group of at most [`NARROW_RANKS`] ranks with 2 to [`MAX_LOCAL`]
+/// of them on each GPU, shrink mode on or a peer through NCCL, loads the narrow build: the
+/// source as it is, no define.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Variant {
     /// R > 32: peer sets of [`MASK_WORDS`] words, per-slot batch positions.
     pub wide: bool,
     /// More than 32 ranks on this GPU: an IoTable of [`MAX_RANKS`] entries.
     pub wide_io: bool,
+    /// Exactly one rank on this GPU (one rank per process, as engines run, or a one-rank group):
+    /// an IoTable of one entry, so that every launch passes 288 parameter bytes, not 3512.
+    pub one_io: bool,
     /// More ranks on this GPU than it has SMs: two blocks per SM (`__launch_bounds__`).
     pub two_blocks: bool,
     /// No peer of this GPU's ranks through NCCL and shrink mode off (`EP_PLAIN`): the NCCL
@@ -46,6 +49,7 @@ impl Variant {
         Variant {
             wide: ranks > NARROW_RANKS,
             wide_io: ranks_here > MAX_LOCAL,
+            one_io: ranks_here == 1,
             two_blocks: ranks_here > sms.max(1),
             plain,
             stage: 0,
@@ -77,6 +81,9 @@ impl Variant {
         if self.wide_io {
             d += &format!("#define EP_MAX_LOCAL {MAX_RANKS}\n");
         }
+        if self.one_io {
+            d += "#define EP_MAX_LOCAL 1\n";
+        }
         if self.two_blocks {
             d += "#define EP_MIN_BLOCKS 2\n";
         }
@@ -93,6 +100,8 @@ impl Variant {
     pub fn io_capacity(&self) -> usize {
         if self.wide_io {
             MAX_RANKS
+        } else if self.one_io {
+            1
         } else {
             MAX_LOCAL
         }
@@ -100,23 +109,28 @@ impl Variant {
 
     /// Every build the runtime may load, at stage 0 (the compile check builds them all, and the
     /// batched family of each at every stage): each size build, general and plain.
-    pub fn all() -> [Variant; 8] {
-        let v = |wide, wide_io, two_blocks, plain| Variant {
+    pub fn all() -> [Variant; 12] {
+        let v = |wide, wide_io, one_io, two_blocks, plain| Variant {
             wide,
             wide_io,
+            one_io,
             two_blocks,
             plain,
             stage: 0,
         };
         [
-            v(false, false, false, false),
-            v(true, false, false, false),
-            v(true, true, false, false),
-            v(true, true, true, false),
-            v(false, false, false, true),
-            v(true, false, false, true),
-            v(true, true, false, true),
-            v(true, true, true, true),
+            v(false, false, false, false, false),
+            v(false, false, true, false, false),
+            v(true, false, false, false, false),
+            v(true, false, true, false, false),
+            v(true, true, false, false, false),
+            v(true, true, false, true, false),
+            v(false, false, false, false, true),
+            v(false, false, true, false, true),
+            v(true, false, false, false, true),
+            v(true, false, true, false, true),
+            v(true, true, false, false, true),
+            v(true, true, false, true, true),
         ]
     }
 }

@@ -15,7 +15,8 @@ typedef long long i64;
 // the source for groups past 32 ranks; a group of at most 32 ranks compiles this file as it is.
 //   EP_MASK_WORDS: u32 words of a set of peers (the call's masked peers, the NCCL peers): 1 for
 //     R <= 32 (one word in a register), MAX_RANKS / 32 past that (shared-memory words).
-//   EP_MAX_LOCAL: entries of the IoTable (ranks of one launch): 32, or MAX_RANKS past 32 ranks on
+//   EP_MAX_LOCAL: entries of the IoTable (ranks of one launch): 32; 1 where a GPU runs one rank
+//     (one rank per process: 288 parameter bytes a launch, not 3512); MAX_RANKS past 32 ranks on
 //     one GPU (a kernel parameter of 22.5 KB: CUDA 12.1+ takes up to 32764 bytes).
 //   EP_MIN_BLOCKS: __launch_bounds__' minimum blocks per SM: 2 when a GPU runs more ranks than it
 //     has SMs (every block of a launch must be resident at once), else 1.

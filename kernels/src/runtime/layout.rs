@@ -648,6 +648,7 @@ mod tests {
         let wide = Variant::for_group(256, 256, 132, true);
         assert_eq!(narrow, Variant::default());
         assert!(kp + narrow.io_capacity() * entry <= 4096);
+        assert_eq!(kp + Variant::for_group(1, 1, 132, false).io_capacity() * entry, 288);
         assert!(wide.wide && wide.wide_io && wide.two_blocks);
         assert!(kp + wide.io_capacity() * entry <= 32764);
         assert_eq!(IoTable::new(wide.io_capacity()).r.len(), MAX_RANKS);
@@ -656,12 +657,20 @@ mod tests {
     #[test]
     fn variants_follow_the_ranks_and_the_narrow_one_defines_nothing() {
         assert_eq!(Variant::for_group(8, 8, 132, false).defines(), "");
-        assert_eq!(Variant::for_group(32, 1, 132, false), Variant::default());
-        // Process mode past 32 ranks: wide peer sets, one rank here (narrow IoTable).
+        assert_eq!(Variant::for_group(32, 2, 132, false), Variant::default());
+        // One rank on the GPU (process mode, a one-rank group): a one-entry IoTable.
+        let one = Variant::for_group(32, 1, 132, false);
+        assert_eq!((one.wide, one.wide_io, one.one_io), (false, false, true));
+        assert_eq!(one.defines(), "#define EP_MAX_LOCAL 1\n");
+        assert_eq!(one.io_capacity(), 1);
+        assert_eq!(IoTable::new(one.io_capacity()).r.len(), 1);
+        // Process mode past 32 ranks: wide peer sets, one rank here (one-entry IoTable).
         let p = Variant::for_group(256, 1, 132, false);
-        assert_eq!((p.wide, p.wide_io, p.two_blocks), (true, false, false));
-        assert_eq!(p.defines(), "#define EP_MASK_WORDS 8\n");
-        assert_eq!(p.io_capacity(), MAX_LOCAL);
+        assert_eq!((p.wide, p.wide_io, p.one_io, p.two_blocks), (true, false, true, false));
+        assert_eq!(p.defines(), "#define EP_MASK_WORDS 8\n#define EP_MAX_LOCAL 1\n");
+        assert_eq!(p.io_capacity(), 1);
+        // Two ranks here: the 32-entry table.
+        assert_eq!(Variant::for_group(256, 2, 132, false).io_capacity(), MAX_LOCAL);
         let v = Variant::for_group(64, 64, 132, false);
         assert_eq!((v.wide, v.wide_io, v.two_blocks), (true, true, false));
         assert!(v.defines().contains("EP_MAX_LOCAL 256"));
@@ -674,7 +683,7 @@ mod tests {
         assert_eq!(q.io_capacity(), MAX_LOCAL);
         let w = Variant::for_group(64, 64, 132, true);
         assert_eq!(w.defines(), format!("{}#define EP_PLAIN 1\n", v.defines()));
-        for v in [p, v, q, w] {
+        for v in [one, p, v, q, w, Variant::for_group(8, 1, 132, true)] {
             assert!(Variant::all().contains(&v));
         }
     }

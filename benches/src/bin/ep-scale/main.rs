@@ -95,7 +95,9 @@ fn mib(b: usize) -> String {
 
 fn build(v: Variant) -> &'static str {
     match (v.wide, v.wide_io, v.two_blocks) {
+        (false, false, false) if v.one_io => "narrow + 1-entry IoTable",
         (false, false, false) => "narrow",
+        (true, false, false) if v.one_io => "wide + 1-entry IoTable",
         (true, false, false) => "wide",
         (true, true, false) => "wide + 256-entry IoTable",
         (true, true, true) => "wide + IoTable + 2 blocks/SM",
