@@ -648,7 +648,10 @@ mod tests {
         let wide = Variant::for_group(256, 256, 132, true);
         assert_eq!(narrow, Variant::default());
         assert!(kp + narrow.io_capacity() * entry <= 4096);
-        assert_eq!(kp + Variant::for_group(1, 1, 132, false).io_capacity() * entry, 288);
+        assert_eq!(
+            kp + Variant::for_group(1, 1, 132, false).io_capacity() * entry,
+            288
+        );
         assert!(wide.wide && wide.wide_io && wide.two_blocks);
         assert!(kp + wide.io_capacity() * entry <= 32764);
         assert_eq!(IoTable::new(wide.io_capacity()).r.len(), MAX_RANKS);
@@ -666,11 +669,20 @@ mod tests {
         assert_eq!(IoTable::new(one.io_capacity()).r.len(), 1);
         // Process mode past 32 ranks: wide peer sets, one rank here (one-entry IoTable).
         let p = Variant::for_group(256, 1, 132, false);
-        assert_eq!((p.wide, p.wide_io, p.one_io, p.two_blocks), (true, false, true, false));
-        assert_eq!(p.defines(), "#define EP_MASK_WORDS 8\n#define EP_MAX_LOCAL 1\n");
+        assert_eq!(
+            (p.wide, p.wide_io, p.one_io, p.two_blocks),
+            (true, false, true, false)
+        );
+        assert_eq!(
+            p.defines(),
+            "#define EP_MASK_WORDS 8\n#define EP_MAX_LOCAL 1\n"
+        );
         assert_eq!(p.io_capacity(), 1);
         // Two ranks here: the 32-entry table.
-        assert_eq!(Variant::for_group(256, 2, 132, false).io_capacity(), MAX_LOCAL);
+        assert_eq!(
+            Variant::for_group(256, 2, 132, false).io_capacity(),
+            MAX_LOCAL
+        );
         let v = Variant::for_group(64, 64, 132, false);
         assert_eq!((v.wide, v.wide_io, v.two_blocks), (true, true, false));
         assert!(v.defines().contains("EP_MAX_LOCAL 256"));
