@@ -61,7 +61,8 @@ fn every_kernel_compiles() {
     }
     println!("compiled {} modules for sm_90", FAMILIES.len());
     // The other builds (runtime::Variant): past 32 ranks wide peer sets, a 256-entry IoTable (a
-    // 22.7 KB kernel parameter), two blocks per SM; and each of those and the narrow one plain
+    // 22.7 KB kernel parameter), two blocks per SM, a one-entry IoTable (one rank on the GPU);
+    // and each of those and the narrow one plain
     // (no NCCL or shrink-mode code). Each must compile, its kernels must take no stack frame (a
     // copied parameter or a local array would show there), and only the two-blocks build (64
     // registers a thread) may spill: its spills are printed. The plain narrow build's code sizes
