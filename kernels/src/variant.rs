@@ -18,7 +18,7 @@ pub(crate) const MAX_LOCAL: usize = 32;
 
 /// Which build of the kernels a device loads: the defines common.cuh reads (`EP_MASK_WORDS`,
 /// `EP_MAX_LOCAL`, `EP_MIN_BLOCKS`, `EP_PLAIN`), and for the batched family the stage its
-/// module holds (`EP_STAGE`). A group of at most [`NARROW_RANKS`] ranks with 2 to [`MAX_LOCAL`]
+/// module holds (`EP_STAGE`). A group of at most [`NARROW_RANKS`] ranks with 2 to 32
 /// of them on each GPU, shrink mode on or a peer through NCCL, loads the narrow build: the
 /// source as it is, no define.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
