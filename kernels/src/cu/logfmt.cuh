@@ -60,11 +60,12 @@ __device__ __forceinline__ float lf_log2_bf16(u32 bits) {
 // is a conversion-unit instruction. The product p * 2^n is exact (the result is normal), so it is
 // formed by adding n to p's exponent bits: t << 23 keeps n's low 9 bits. Bit-identical to the
 // reference's floor and multiplication by pow2i(n) (reference/tests/logfmt_gpu_mirror.rs checks
-// every code of many grids).
-__device__ __forceinline__ float lf_exp2(float y) {
+// every code of many grids). `a6`: a6 as a float (the decoder passes it from a register, which
+// ptxas would otherwise rebuild for every use).
+__device__ __forceinline__ float lf_exp2(float y, float a6 = __uint_as_float(LF_EXP2_A6)) {
     const float t = __fadd_rd(y, 12582912.0f);
     const float f = __fsub_rn(y, __fsub_rn(t, 12582912.0f));
-    float q = __uint_as_float(LF_EXP2_A6);
+    float q = a6;
     q = __fmaf_rn(q, f, __uint_as_float(LF_EXP2_A5));
     q = __fmaf_rn(q, f, __uint_as_float(LF_EXP2_A4));
     q = __fmaf_rn(q, f, __uint_as_float(LF_EXP2_A3));
