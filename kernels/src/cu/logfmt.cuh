@@ -409,6 +409,8 @@ __device__ const u32 LF_NEG_ZERO[LF_RAW_BYTES / 4] = {
     LF_NZ8, LF_NZ8, LF_NZ8, LF_NZ8, LF_NZ8, LF_NZ8, LF_NZ8, LF_NZ8,
 #undef LF_NZ8
 };
+// A packed body's flag in its address (above every device address).
+#define LF_PACKED_BIT (1ull << 63)
 // A lane's inputs of a batch, loaded while the batch before is decoded.
 struct LfFetch {
     int t, g;   // the lane's pair
@@ -418,7 +420,7 @@ struct LfFetch {
 };
 // A lane's record of a batch: what every lane takes of it by shuffles.
 struct LfRec {
-    u64 body;   // the body's address, | 1 for a packed body; LF_NEG_ZERO for a slot not valid
+    u64 body;   // the body's address, | LF_PACKED_BIT for a packed body; LF_NEG_ZERO for a slot not valid
     float la;   // packed: log2(amax), negated (so > 0) where a code 0 is possible; else 0
     float st;   // packed: the step (> 0); else 0
     float w;    // the weight; +0 for a slot not valid
@@ -488,7 +490,7 @@ __device__ __forceinline__ LfRec lf_record(const LfFetch& f, const int* sk, u64 
         c.st = gr.step;
     }
     const u32 at = (u32)G * LF_META_BYTES + np * LF_PACKED_BYTES + ((u32)f.g - np) * LF_RAW_BYTES;
-    c.body = valid ? (cbuf + ((u64)f.t * K + k) * crow + at) | (pk ? 1ull : 0ull) : (u64)LF_NEG_ZERO;
+    c.body = valid ? (cbuf + ((u64)f.t * K + k) * crow + at) | (pk ? LF_PACKED_BIT : 0ull) : (u64)LF_NEG_ZERO;
     return c;
 }
 // Slots a step of lf_reduce_run, and those whose loads are in flight a lane: a step's 4 (16
@@ -524,10 +526,8 @@ __device__ __forceinline__ void lf_reduce_run(u64 cbuf, u64 crow, const int* sk,
     }
     LfFetch fn = lf_fetch(cbuf, crow, wts, K, G, ks, rs, tn, gn, min(B, left - nb));
     // Lane j's bytes of a packed body: 10j .. 10j + 9, read as the four words from 10j rounded
-    // down (less the body address's flag; past the body's end the row goes on); of a raw body:
-    // 16j .. 16j + 15.
-    const u64 poff = (u64)((10 * j) & ~3) - 1ull, roff = (u64)(16 * j);
-    const u32 psh = (u32)(8 * ((10 * j) & 3));
+    // down (past the body's end the row goes on); of a raw body: 16j .. 16j + 15.
+    const u32 poff = (u32)((10 * j) & ~3), roff = (u32)(16 * j), psh = (u32)(8 * ((10 * j) & 3));
     // Constants of the decode that ptxas would otherwise rebuild for every slot.
     const u32 k4b = __reduce_or_sync(0xffffffffu, 0x4B000000u);
     const float a6 = __uint_as_float(__reduce_or_sync(0xffffffffu, LF_EXP2_A6));
@@ -537,7 +537,7 @@ __device__ __forceinline__ void lf_reduce_run(u64 cbuf, u64 crow, const int* sk,
     // Issues a slot into d[i]: the body address at lane `sl` of `src` (a batch's records).
     auto load = [&](u64 src, int sl, int i) {
         const u64 b = __shfl_sync(0xffffffffu, src, sl);
-        const u32* a = (const u32*)(b + ((b & 1ull) ? poff : roff));
+        const u32* a = (const u32*)((b & ~LF_PACKED_BIT) + ((b & LF_PACKED_BIT) ? poff : roff));
 #pragma unroll
         for (int e = 0; e < 4; e++) d[i][e] = __ldcg(a + e);
     };
@@ -561,10 +561,15 @@ __device__ __forceinline__ void lf_reduce_run(u64 cbuf, u64 crow, const int* sk,
             un = u;
             sn = s;
         }
-        LfRec recn = rec;
-        const u32 carry = __shfl_sync(0xffffffffu, rec.np1, ks * B + nb - 1);
-        if (cross) recn = lf_record(fn, sk, cbuf, crow, K, G, ks, rs, B, tn, gn > 0 ? carry : 0u);
-        const u64 src = cross ? recn.body : rec.body;
+        LfRec recn;
+        u64 src = rec.body;
+        if (cross) {
+            // The packed groups before the next batch's first group: its token's, as far as this
+            // batch's last pair.
+            const u32 carry = __shfl_sync(0xffffffffu, rec.np1, ks * B + nb - 1);
+            recn = lf_record(fn, sk, cbuf, crow, K, G, ks, rs, B, tn, gn > 0 ? carry : 0u);
+            src = recn.body;
+        }
         const int rn = (cross ? 0 : 2 * un) + h2, rc = 2 * u + h2;
 #pragma unroll
         for (int q = 0; q < LF_STEP; q++) {
