@@ -60,12 +60,11 @@ __device__ __forceinline__ float lf_log2_bf16(u32 bits) {
 // is a conversion-unit instruction. The product p * 2^n is exact (the result is normal), so it is
 // formed by adding n to p's exponent bits: t << 23 keeps n's low 9 bits. Bit-identical to the
 // reference's floor and multiplication by pow2i(n) (reference/tests/logfmt_gpu_mirror.rs checks
-// every code of many grids). `a6`: a6 as a float (the decoder passes it from a register, which
-// ptxas would otherwise rebuild for every use).
-__device__ __forceinline__ float lf_exp2(float y, float a6 = __uint_as_float(LF_EXP2_A6)) {
+// every code of many grids).
+__device__ __forceinline__ float lf_exp2(float y) {
     const float t = __fadd_rd(y, 12582912.0f);
     const float f = __fsub_rn(y, __fsub_rn(t, 12582912.0f));
-    float q = a6;
+    float q = __uint_as_float(LF_EXP2_A6);
     q = __fmaf_rn(q, f, __uint_as_float(LF_EXP2_A5));
     q = __fmaf_rn(q, f, __uint_as_float(LF_EXP2_A4));
     q = __fmaf_rn(q, f, __uint_as_float(LF_EXP2_A3));
@@ -160,6 +159,10 @@ __device__ __noinline__ u32 lf_search(u32 meta, u32 a, u32 c) {
 #define LF_ROWS 32
 // Sets of 4 units (one a warp) whose loads the meta pass has in flight per warp.
 #define LF_DEPTH 4
+// The reduction's slot flags, above the body address.
+#define LF_SLOT_PACKED (1ull << 61)
+#define LF_SLOT_ZERO (1ull << 62)
+#define LF_SLOT_VALID (1ull << 63)
 // The encoder's shared memory, per round: each packed unit's estimate constants {1/s, bc, 1/2 -
 // margin, threshold(1)'s bound} (lf_consts), its meta word, the packed flags (bit u of the unit
 // u = j G + g of row j), the table T' (log2 table less m/128), each warp's staged bodies (4
@@ -386,279 +389,143 @@ __device__ __noinline__ void lf_encode_rows(int nr, int H, u64 prof) {
     __syncthreads();
 }
 
-// ---- The decoder: the combine reduction of docs/contract.md over LogFMT rows (H a multiple of
-// 128): for each token t and channel h, acc = 0; for k ascending over valid slots (sk[t*K+k] >=
-// 0): acc = fma(w[t][k], value(row(t, k), h), acc); out = bf16_rne(acc), the value a packed
-// field's magnitude with its sign (lf_magnitude) or a raw group's bf16. Row (t, k) is the encoded
-// row at cbuf + (t*K + k) * crow, where its owner put it (both paths; LogFMT never reads in place
-// nor through NCCL). The (token, group) pairs are split into runs, one per warp of the rank's
-// blocks (lf_reduce_at). A warp takes its run in batches of B = 32 / KS pairs (KS = 8 for K <= 8,
-// else 16): lane k B + r finds slot k of the batch's pair r (lf_fetch, lf_record: its meta word,
-// weight, grid and body address), so a batch's grids and body offsets cost one pass of the warp,
-// and the next batch's meta words and weights load while this one is decoded. The batch is
-// decoded two pairs at a time (lf_reduce_run), one a half-warp, lane j of a half holding
-// channels 8j..8j+7 (so that a slot's shuffles, address and branch serve 8 values), in steps of
-// LF_STEP slots, each slot's record shuffled to the lanes that decode it; a slot's body loads are
-// issued LF_RING slots ahead, into the registers of the slot just decoded.
-//
-// A slot that is not valid (sk < 0, or k >= K) decodes as a raw group of -0 (LF_NEG_ZERO) with
-// weight +0: fma(+0, -0, acc) is acc for every acc (-0 included), so it adds nothing, with no
-// branch.
-__device__ const u32 LF_NEG_ZERO[LF_RAW_BYTES / 4] = {
-#define LF_NZ8 0x80008000u, 0x80008000u, 0x80008000u, 0x80008000u, 0x80008000u, 0x80008000u, 0x80008000u, 0x80008000u
-    LF_NZ8, LF_NZ8, LF_NZ8, LF_NZ8, LF_NZ8, LF_NZ8, LF_NZ8, LF_NZ8,
-#undef LF_NZ8
-};
-// A packed body's flag in its address (above every device address).
-#define LF_PACKED_BIT (1ull << 63)
-// A lane's inputs of a batch, loaded while the batch before is decoded.
-struct LfFetch {
-    int t, g;   // the lane's pair
-    bool on;    // the lane has a slot (k < K) and a pair (r below the batch's pairs)
-    u32 meta;   // the pair's meta word in slot k's row
-    float w;    // slot k's weight
-};
-// A lane's record of a batch: what every lane takes of it by shuffles.
-struct LfRec {
-    u64 body;   // the body's address, | LF_PACKED_BIT for a packed body; LF_NEG_ZERO for a slot not valid
-    float la;   // packed: log2(amax), negated (so > 0) where a code 0 is possible; else 0
-    float st;   // packed: the step (> 0); else 0
-    float w;    // the weight; +0 for a slot not valid
-    u32 np1;    // packed groups of the row up to and with the pair's group
-};
-// Lane (k, r)'s pair of the batch of nb pairs from (tb, gb), its meta word and weight.
-__device__ __forceinline__ LfFetch lf_fetch(u64 cbuf, u64 crow, const float* wts, int K, int G, int k, int r, int tb, int gb,
-                                            int nb) {
-    LfFetch f;
-    f.t = tb;
-    f.g = gb + r;
-    while (f.g >= G) {  // at most once where G >= B
-        f.g -= G;
-        f.t++;
-    }
-    f.on = k < K && r < nb;
-    const u64 i = (u64)f.t * K + k;
-    f.meta = f.on ? __ldcg((const u32*)((const u8*)cbuf + i * crow + (u64)f.g * LF_META_BYTES)) : 0u;
-    f.w = f.on ? wts[i] : 0.0f;
-    return f;
-}
-// Slot k's packed groups before group g of token t, for every lane of slot k: each round loads
-// 64 meta words of 8 slots (lane j: words j and j + 32), counted by ballots.
-__device__ __forceinline__ u32 lf_packed_before(u64 cbuf, u64 crow, int K, int t, int g, int k) {
-    const int lane = threadIdx.x & 31;
-    u32 np = 0u;
-    for (int j0 = 0; j0 < g; j0 += 64) {
-        for (int k0 = 0; k0 < K; k0 += 8) {
-            u32 m[8][2];
-#pragma unroll
-            for (int q = 0; q < 8; q++) {
-                const u32* row = (const u32*)((const u8*)cbuf + ((u64)t * K + k0 + q) * crow);
-#pragma unroll
-                for (int c = 0; c < 2; c++) {
-                    const int j = j0 + 32 * c + lane;
-                    m[q][c] = k0 + q < K && j < g ? __ldcg(row + j) : 0u;
-                }
-            }
-#pragma unroll
-            for (int q = 0; q < 8; q++) {
-                const u32 c = __popc(__ballot_sync(0xffffffffu, lf_packed(m[q][0]))) + __popc(__ballot_sync(0xffffffffu, lf_packed(m[q][1])));
-                if (k == k0 + q) np += c;
-            }
-        }
-    }
-    return np;
-}
-// Lane (k, r)'s record from its fetch, B pairs a batch from token tb; `carry`: slot k's packed
-// groups of token tb before the batch's first group. Lanes k B .. k B + B - 1 hold slot k: the
-// packed groups between are counted from their ballot, over the batch's earlier pairs of the
-// lane's token.
-__device__ __forceinline__ LfRec lf_record(const LfFetch& f, const int* sk, u64 cbuf, u64 crow, int K, int G, int k, int r, int B,
-                                           int tb, u32 carry) {
-    const bool valid = f.on && sk[f.t * K + k] >= 0;
-    const bool pk = valid && lf_packed(f.meta);
-    const u32 pm = __ballot_sync(0xffffffffu, pk);
-    const int r0 = max(0, r - f.g);  // the batch's first pair of token f.t
-    const u32 np = (f.t == tb ? carry : 0u) + __popc((pm >> (k * B + r0)) & ((1u << (r - r0)) - 1u));
-    LfRec c;
-    c.la = 0.0f;
-    c.st = 0.0f;
-    c.w = valid ? f.w : 0.0f;
-    c.np1 = np + (pk ? 1u : 0u);
-    if (pk) {
-        const LfGrid gr = lf_grid(f.meta);
-        c.la = (f.meta >> 16) < lf_zero_bound(gr) ? -gr.la : gr.la;
-        c.st = gr.step;
-    }
-    const u32 at = (u32)G * LF_META_BYTES + np * LF_PACKED_BYTES + ((u32)f.g - np) * LF_RAW_BYTES;
-    c.body = valid ? (cbuf + ((u64)f.t * K + k) * crow + at) | (pk ? LF_PACKED_BIT : 0ull) : (u64)LF_NEG_ZERO;
-    return c;
-}
-// Slots a step of lf_reduce_run, and those whose loads are in flight a lane: a step's 4 (16
-// registers) where a block has 128 registers a thread; 2 in the two-blocks build (64 registers,
-// twice the warps).
-#define LF_STEP 4
-#if EP_MIN_BLOCKS > 1
-#define LF_RING 2
-#else
-#define LF_RING 4
-#endif
-// The reduction of the warp's run [p0, p1) (an even count but at the rank's last pair), KS
-// slots a pair (8 for K <= 8, else 16; those from K on are not valid): a unit is two pairs,
-// half-warp h2 the unit's pair h2, lane j of it channels 8j..8j+7, decoded LF_STEP slots a step
-// (slots 4s..4s+3 of step s, KS / 4 steps a unit). Stamps p14 when warp 0's first batch is set
-// up.
-__device__ __forceinline__ void lf_reduce_run(u64 cbuf, u64 crow, const int* sk, int G, int K, int p0, int p1, const float* wts,
-                                              u16* out, u64 prof) {
-    const int KS = K <= 8 ? 8 : 16, B = 32 / KS, NS = KS / LF_STEP;  // slots, pairs a batch, steps a unit
+// The combine reduction of docs/contract.md over LogFMT rows (H a multiple of 128): for each
+// token t and channel h, acc = 0; for k ascending over valid slots (sk[t*K+k] >= 0): acc =
+// fma(w[t][k], value(row(t, k), h), acc); out = bf16_rne(acc), the value a packed field's
+// magnitude with its sign (lf_magnitude) or a raw group's bf16. Row (t, k) is the encoded row
+// at cbuf + (t*K + k) * crow, where its owner put it (both paths; LogFMT never reads in place
+// nor through NCCL). The (token, group) pairs are split into equal runs, one per warp of the
+// rank's blocks. Lane k < K keeps slot k's row, weight, meta word and the offset of its body
+// (at the start of a run, the packed groups before it counted by the whole warp, 32 meta words
+// a load and a ballot; then advanced group by group), and hands the grid and the body address
+// to every lane by shuffles, the address's top bits flagging a packed group and one whose amin
+// is below threshold(1) (the only groups with a code 0: lf_zero_bound); lane j decodes channels
+// 4j..4j+3, the loads of up to 8 slots issued before any is used. Stamps p14 when warp 0's run
+// is set up. Out of line (scalar arguments): one copy per module.
+__device__ __noinline__ void lf_reduce_at(u64 cbuf, u64 crow, const int* sk, int n, int H, int K, int bid, int blocks_per_rank,
+                                          u64 weights, u64 outp, u64 prof) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int ks = lane / B, rs = lane % B;   // the lane's record: slot ks of the batch's pair rs
-    const int h2 = lane >> 4, j = lane & 15;  // the lane's decode: the unit's pair h2, channels 8j..8j+7
-    // The unit's first pair (tc, gc), the pairs left from it, the batch's pairs.
-    int tc = p0 / G, gc = p0 - tc * G, left = p1 - p0, nb = min(B, left);
-    const LfFetch f0 = lf_fetch(cbuf, crow, wts, K, G, ks, rs, tc, gc, nb);
-    LfRec rec = lf_record(f0, sk, cbuf, crow, K, G, ks, rs, B, tc, lf_packed_before(cbuf, crow, K, tc, gc, ks));
-    if (warp == 0) lf_stamp(prof, 14);
-    // The next batch (from pair (tn, gn)), fetched while this one is decoded.
-    int tn = tc, gn = gc + nb;
-    while (gn >= G) {
-        gn -= G;
-        tn++;
-    }
-    LfFetch fn = lf_fetch(cbuf, crow, wts, K, G, ks, rs, tn, gn, min(B, left - nb));
-    // Lane j's bytes of a packed body: 10j .. 10j + 9, read as the four words from 10j rounded
-    // down (past the body's end the row goes on); of a raw body: 16j .. 16j + 15.
-    const u32 poff = (u32)((10 * j) & ~3), roff = (u32)(16 * j), psh = (u32)(8 * ((10 * j) & 3));
-    // Constants of the decode that ptxas would otherwise rebuild for every slot.
-    const u32 k4b = __reduce_or_sync(0xffffffffu, 0x4B000000u);
-    const float a6 = __uint_as_float(__reduce_or_sync(0xffffffffu, LF_EXP2_A6));
-    // The four words of the next LF_RING slots in flight: slot z of the run's sequence of steps
-    // (LF_STEP a step) in d[z % LF_RING], loaded when slot z - LF_RING is decoded.
-    u32 d[LF_RING][4];
-    // Issues a slot into d[i]: the body address at lane `sl` of `src` (a batch's records).
-    auto load = [&](u64 src, int sl, int i) {
-        const u64 b = __shfl_sync(0xffffffffu, src, sl);
-        const u32* a = (const u32*)((b & ~LF_PACKED_BIT) + ((b & LF_PACKED_BIT) ? poff : roff));
-#pragma unroll
-        for (int e = 0; e < 4; e++) d[i][e] = __ldcg(a + e);
-    };
-#pragma unroll
-    for (int q = 0; q < LF_RING; q++) load(rec.body, q * B + h2, q);
-    int u = 0, s = 0;  // the step decoded: the batch's pairs 2u, 2u + 1, slots 4s..4s+3
-    float acc[8];
-#pragma unroll
-    for (int i = 0; i < 8; i++) acc[i] = 0.0f;
-    for (;;) {
-        // The next step (un, sn): of the next batch where its pairs are past the batch (`cross`),
-        // whose records are made now from its fetch. After the run's last step it is that step
-        // again.
-        int un = u, sn = s + 1;
-        if (sn == NS) {
-            sn = 0;
-            un++;
-        }
-        const bool more = sn != 0 || left > 2, cross = more && 2 * un >= nb;
-        if (!more) {
-            un = u;
-            sn = s;
-        }
-        LfRec recn;
-        u64 src = rec.body;
-        if (cross) {
-            // The packed groups before the next batch's first group: its token's, as far as this
-            // batch's last pair.
-            const u32 carry = __shfl_sync(0xffffffffu, rec.np1, ks * B + nb - 1);
-            recn = lf_record(fn, sk, cbuf, crow, K, G, ks, rs, B, tn, gn > 0 ? carry : 0u);
-            src = recn.body;
-        }
-        const int rn = (cross ? 0 : 2 * un) + h2, rc = 2 * u + h2;
-#pragma unroll
-        for (int q = 0; q < LF_STEP; q++) {
-            const int sl = (LF_STEP * s + q) * B + rc;
-            const float lz = __shfl_sync(0xffffffffu, rec.la, sl);  // > 0 where a code 0 is possible
-            const float st = __shfl_sync(0xffffffffu, rec.st, sl);  // 0: a raw body
-            const float w = __shfl_sync(0xffffffffu, rec.w, sl);
-            // Fields at bits 10i of the lane's 80 (lo: 0..31, mi: 32..63, hi: 64..79), their sign
-            // bits shifted to 31.
-            u32* const dq = d[q % LF_RING];
-            const u32 lo = __funnelshift_r(dq[0], dq[1], psh), mi = __funnelshift_r(dq[1], dq[2], psh);
-            const u32 hi = __funnelshift_r(dq[2], dq[3], psh);
-            const u32 x[8] = {lo, lo >> 10, lo >> 20, __funnelshift_r(lo, mi, 30), mi >> 8, mi >> 18, __funnelshift_r(mi, hi, 28), hi >> 6};
-            const u32 sg[8] = {lo << 22, lo << 12, lo << 2, mi << 24, mi << 14, mi << 4, hi << 26, hi << 16};
-            const float la = -fabsf(lz);
-            float v[8];
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                const float cm = __fsub_rn(__uint_as_float(k4b | (x[i] & LF_TOP_CODE)), 8389119.0f);
-                const float m = lf_exp2(__fmaf_rn(cm, st, la), a6);
-                v[i] = __uint_as_float(__float_as_uint(m) | (sg[i] & 0x80000000u));
-            }
-            // Rare: a raw body (its bf16 values; a slot not valid reads LF_NEG_ZERO's), or a
-            // group where a code 0 is possible (zero).
-            if (__any_sync(0xffffffffu, !(st > 0.0f) || lz > 0.0f)) {
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    if (!(st > 0.0f)) v[i] = __uint_as_float((i & 1) ? dq[i >> 1] & 0xFFFF0000u : dq[i >> 1] << 16);
-                    else if (lz > 0.0f && (x[i] << 23) == 0u) v[i] = 0.0f;  // code 0: zero
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < 8; i++) acc[i] = __fmaf_rn(w, v[i], acc[i]);
-            // Slot q + LF_RING: of this step, or the next step's slot q + LF_RING - LF_STEP.
-            if (q + LF_RING < LF_STEP) load(rec.body, (LF_STEP * s + q + LF_RING) * B + rc, (q + LF_RING) % LF_RING);
-            else load(src, (LF_STEP * sn + q + LF_RING - LF_STEP) * B + rn, (q + LF_RING) % LF_RING);
-        }
-        if (s == NS - 1) {
-            // The half's pair (tc, gc) + h2, where there is one.
-            if (h2 < left) {
-                const int gp = gc + h2 == G ? 0 : gc + h2, tp = gc + h2 == G ? tc + 1 : tc;
-                uint4 o;
-                o.x = (u32)f32_to_bf16_rne(acc[0]) | ((u32)f32_to_bf16_rne(acc[1]) << 16);
-                o.y = (u32)f32_to_bf16_rne(acc[2]) | ((u32)f32_to_bf16_rne(acc[3]) << 16);
-                o.z = (u32)f32_to_bf16_rne(acc[4]) | ((u32)f32_to_bf16_rne(acc[5]) << 16);
-                o.w = (u32)f32_to_bf16_rne(acc[6]) | ((u32)f32_to_bf16_rne(acc[7]) << 16);
-                *(uint4*)(out + ((u64)tp * G + gp) * LF_GROUP + 8 * j) = o;
-            }
-#pragma unroll
-            for (int i = 0; i < 8; i++) acc[i] = 0.0f;
-        }
-        if (!more) break;
-        if (sn == 0) {
-            left -= 2;
-            gc += 2;
-            while (gc >= G) {
-                gc -= G;
-                tc++;
-            }
-        }
-        if (cross) {
-            rec = recn;
-            nb = min(B, left);
-            tn = tc;
-            gn = gc + nb;
-            while (gn >= G) {
-                gn -= G;
-                tn++;
-            }
-            fn = lf_fetch(cbuf, crow, wts, K, G, ks, rs, tn, gn, min(B, left - nb));
-        }
-        u = cross ? 0 : un;
-        s = sn;
-    }
-}
-// The warp's run of pairs: the pairs in twos split evenly over the rank's warps, a block's runs
-// in the order of its warps' schedulers (warp % 4), so that the four warps of one scheduler have
-// consecutive runs and the schedulers' shares differ by one unit at most. And lf_grid's table (4
-// lines) into L1 while the first batch's meta words load.
-__device__ __forceinline__ void lf_reduce_at(u64 cbuf, u64 crow, const int* sk, int n, int H, int K, int bid, int blocks_per_rank,
-                                             u64 weights, u64 outp, u64 prof) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int G = H / LF_GROUP, P = n * G;
-    const u64 D = (u64)(P + 1) / 2, nw = (u64)blocks_per_rank * NWARPS;
-    const u64 wi = (u64)bid * NWARPS + (warp & 3) * (NWARPS / 4) + (warp >> 2);
-    const int p0 = 2 * (int)(wi * D / nw), p1 = min(P, 2 * (int)((wi + 1) * D / nw));
+    const int G = H / LF_GROUP;
+    const u64 P = (u64)n * (u64)G;
+    const u64 nw = (u64)blocks_per_rank * NWARPS, wi = (u64)bid * NWARPS + warp;
+    const u64 p0 = wi * P / nw, p1 = (wi + 1) * P / nw;
     if (p0 >= p1) return;
-    if (lane < 4) asm volatile("prefetch.global.L1 [%0];" ::"l"(LF_LOG2_MANTISSA + 32 * lane));
-    lf_reduce_run(cbuf, crow, sk, G, K, p0, p1, (const float*)weights, (u16*)outp, prof);
+    const float* wts = (const float*)weights;
+    u16* out = (u16*)outp;
+    int t = (int)(p0 / (u64)G), g = (int)(p0 - (u64)t * G);
+    bool mine = false;
+    const u8* row = 0;
+    float my_w = 0.0f;
+    u32 my_at = 0u, meta = 0u;
+    // Slot `lane` of token t at group g: its row, weight, body offset and meta word.
+    auto token = [&]() {
+        mine = lane < K && sk[t * K + lane] >= 0;
+        row = mine ? (const u8*)cbuf + ((u64)t * K + lane) * crow : (const u8*)0;
+        my_w = mine ? wts[t * K + lane] : 0.0f;
+        meta = mine ? __ldcg((const u32*)(row + (u64)g * LF_META_BYTES)) : 0u;
+        u32 np = 0u;
+        // Packed groups before g of each slot: 32 meta words a load (lane j: word j0 + j) of 8
+        // slots at once, counted by a ballot.
+        for (int k0 = 0; k0 < K; k0 += 8) {
+            for (int j0 = 0; j0 < g; j0 += 32) {
+                const int j = j0 + lane;
+                u32 m[8];
+#pragma unroll
+                for (int q = 0; q < 8; q++) {
+                    const int k = k0 + q;
+                    const bool on = k < K && j < g && sk[t * K + k] >= 0;
+                    m[q] = on ? __ldcg((const u32*)((const u8*)cbuf + ((u64)t * K + k) * crow + (u64)j * LF_META_BYTES)) : 0u;
+                }
+#pragma unroll
+                for (int q = 0; q < 8; q++) {
+                    const u32 cnt = __popc(__ballot_sync(0xffffffffu, lf_packed(m[q])));
+                    if (lane == k0 + q) np += cnt;
+                }
+            }
+        }
+        my_at = (u32)G * LF_META_BYTES + np * LF_PACKED_BYTES + ((u32)g - np) * LF_RAW_BYTES;
+    };
+    token();
+    if (warp == 0) lf_stamp(prof, 14);
+    // Lane j's bytes of a packed body: 5j .. 5j + 4, read as the two words from 5j rounded down.
+    const u32 poff = (u32)((5 * lane) & ~3), psh = (u32)(8 * ((5 * lane) & 3));
+    for (u64 pp = p0; pp < p1; pp++) {
+        const bool pk = lf_packed(meta);
+        LfGrid gr;
+        gr.la = 0.0f;
+        gr.step = 0.0f;
+        // Slot lane's body address, flags in bits 61..63 (above every device address): 63 a
+        // valid slot, 61 packed, 62 a code 0 possible. A lane without a slot has cbuf, which
+        // the others read and ignore (no predicated load).
+        u64 body = mine ? ((u64)row + my_at) | LF_SLOT_VALID : cbuf;
+        if (pk) {
+            gr = lf_grid(meta);
+            body |= (meta >> 16) < lf_zero_bound(gr) ? LF_SLOT_PACKED | LF_SLOT_ZERO : LF_SLOT_PACKED;
+        }
+        // The next pair's meta word, in flight during this one (same token only).
+        const bool same = g + 1 < G && pp + 1 < p1;
+        const u32 meta_next = same && mine ? __ldcg((const u32*)(row + (u64)(g + 1) * LF_META_BYTES)) : 0u;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int k0 = 0; k0 < K; k0 += 8) {
+            // fl: the slot's flags (bit 0 packed, 1 a code 0 possible, 2 valid; 0: no slot).
+            u32 d0[8], d1[8], fl[8];
+#pragma unroll
+            for (int q = 0; q < 8; q++) {
+                const int k = k0 + q;
+                const u64 b = __shfl_sync(0xffffffffu, body, k & 31);
+                fl[q] = k < K ? (u32)(b >> 61) : 0u;
+                const u32* w = (const u32*)((b & (LF_SLOT_PACKED - 1ull)) + ((fl[q] & 1u) ? poff : (u32)(8 * lane)));
+                d0[q] = __ldcg(w);
+                d1[q] = __ldcg(w + 1);
+            }
+#pragma unroll
+            for (int q = 0; q < 8; q++) {
+                const int k = k0 + q;
+                const float la = __shfl_sync(0xffffffffu, gr.la, k & 31);
+                const float st = __shfl_sync(0xffffffffu, gr.step, k & 31);
+                const float w = __shfl_sync(0xffffffffu, my_w, k & 31);
+                if (!fl[q]) continue;
+                float v[4];
+                if (fl[q] & 1u) {
+                    // Fields at bits 0, 10, 20, 30 of the lane's 40 (lo: 0..31, hi: 32..39).
+                    const u32 lo = __funnelshift_r(d0[q], d1[q], psh), hi = d1[q] >> psh;
+                    const u32 x[4] = {lo, lo >> 10, lo >> 20, __funnelshift_r(lo, hi, 30)};
+                    const u32 sg[4] = {lo << 22, lo << 12, lo << 2, hi << 24};  // sign bits at 31
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const float cm = __fsub_rn(__uint_as_float(0x4B000000u | (x[i] & LF_TOP_CODE)), 8389119.0f);
+                        const float m = lf_exp2(__fmaf_rn(cm, st, la));
+                        v[i] = __uint_as_float(__float_as_uint(m) | (sg[i] & 0x80000000u));
+                    }
+                    if (fl[q] & 2u) {
+#pragma unroll
+                        for (int i = 0; i < 4; i++)
+                            if ((x[i] << 23) == 0u) v[i] = 0.0f;  // code 0: zero (its sign adds nothing)
+                    }
+                } else {
+                    v[0] = __uint_as_float(d0[q] << 16);
+                    v[1] = __uint_as_float(d0[q] & 0xFFFF0000u);
+                    v[2] = __uint_as_float(d1[q] << 16);
+                    v[3] = __uint_as_float(d1[q] & 0xFFFF0000u);
+                }
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[i] = __fmaf_rn(w, v[i], acc[i]);
+            }
+        }
+        uint2 o;
+        o.x = (u32)f32_to_bf16_rne(acc[0]) | ((u32)f32_to_bf16_rne(acc[1]) << 16);
+        o.y = (u32)f32_to_bf16_rne(acc[2]) | ((u32)f32_to_bf16_rne(acc[3]) << 16);
+        *(uint2*)(out + (u64)t * H + (u64)g * LF_GROUP + 4 * lane) = o;
+        if (mine) my_at += pk ? LF_PACKED_BYTES : LF_RAW_BYTES;
+        if (same) {
+            g++;
+            meta = meta_next;
+        } else if (pp + 1 < p1) {
+            g = 0;
+            t++;
+            token();
+        }
+    }
 }
 __device__ __forceinline__ void lf_reduce_tokens(const KParams& p, const IoPtrs& io, const RankPtrs& me, int n, const int* sk, int bid) {
     lf_reduce_at(me.cmb_buf, (u64)p.cmb_row, sk, n, p.H, p.K, bid, p.blocks_per_rank, io.weights, io.out, p.prof);
