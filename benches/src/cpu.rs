@@ -463,6 +463,7 @@ mod tests {
             graph: None,
             nccl: None,
             combine: CombineFormat::Bf16,
+            scales_column_major: false,
         }
     }
 

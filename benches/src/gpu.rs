@@ -39,6 +39,7 @@ pub fn run(
             ep_kernels::Transport::Auto
         },
         nccl_sizes: spec.nccl.unwrap_or_default(),
+        scales_column_major: spec.scales_column_major,
         ..Default::default()
     };
     let report = crate::timing::run_with(
@@ -213,6 +214,7 @@ pub fn phase_profile(spec: &BenchSpec, blocks: bool) -> Result<String, BenchErro
         &cfg,
         GpuOptions {
             num_gpus: spec.gpus,
+            scales_column_major: spec.scales_column_major,
             ..Default::default()
         },
     )

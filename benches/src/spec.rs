@@ -29,6 +29,9 @@ pub struct BenchSpec {
     pub nccl: Option<ep_kernels::NcclSizes>,
     /// The combine's format (`--logfmt`: LogFMT-10).
     pub combine: ep_reference::CombineFormat,
+    /// GPU backend: recv_scales in DeepEP's column-major layout
+    /// (`GpuOptions::scales_column_major`; `--scales-column-major`), else row-major.
+    pub scales_column_major: bool,
 }
 
 /// The most timed iterations of one point (`--iters`). Each keeps one latency per rank, path

@@ -396,6 +396,41 @@ fn flags_that_do_not_apply_are_refused() {
 }
 
 #[test]
+fn scales_column_major_is_refused_where_it_does_not_apply() {
+    // The CPU backend lays the scales out row-major only (the flag would be read by nothing).
+    let mut a = TINY.to_vec();
+    a.push("--scales-column-major");
+    refused(
+        &a,
+        2,
+        &[
+            "--scales-column-major applies to the GPU backend",
+            "uses the CPU backend",
+        ],
+    );
+    // A BF16 dispatch has no scales, on either backend (checked before the backend is chosen).
+    for backend in ["cpu", "gpu"] {
+        refused(
+            &[
+                "--backend",
+                backend,
+                "--dispatch",
+                "bf16",
+                "--scales-column-major",
+            ],
+            2,
+            &["--scales-column-major with --dispatch bf16", "no scales"],
+        );
+    }
+    // Multi-process mode takes the single-process flags' refusal.
+    refused(
+        &["--nprocs", "2", "--scales-column-major"],
+        2,
+        &["--scales-column-major does not apply in multi-process mode"],
+    );
+}
+
+#[test]
 fn nodes_is_refused_where_it_does_not_apply() {
     // One process: nothing to spread over nodes.
     let mut a = TINY.to_vec();

@@ -52,6 +52,7 @@ pub(crate) fn refuse_in_multiproc(
         "profile_blocks",
         "timing",
         "logfmt",
+        "scales_column_major",
     ]) {
         let why = if f == "--ranks" {
             "R is the number of processes"
@@ -90,6 +91,17 @@ pub(crate) fn refuse_logfmt_over_nccl(cli: &Cli, given: &Given<'_>) -> Result<()
             "--logfmt with --transport {}: the NCCL transport carries bf16 rows only (LogFMT runs over NVLink): drop one of them",
             cli.transport.name()
         ));
+    }
+    Ok(())
+}
+
+/// `--scales-column-major` lays out the FP8 scales: a BF16 dispatch has none.
+pub(crate) fn refuse_scales_layout(mode: Mode, given: &Given<'_>) -> Result<(), String> {
+    if given.has("scales_column_major") && mode == Mode::Bf16 {
+        return Err(
+            "--scales-column-major with --dispatch bf16: a BF16 dispatch has no scales to lay out: drop --scales-column-major, or use --dispatch fp8"
+                .into(),
+        );
     }
     Ok(())
 }
@@ -145,6 +157,7 @@ pub(crate) fn refuse_on_backend(given: &Given<'_>, backend: &Backend) -> Result<
                 "timing",
                 "transport",
                 "nccl_sizes",
+                "scales_column_major",
             ]) {
                 return Err(format!(
                     "{f} applies to the GPU backend, and this run uses the CPU backend: drop {f}"

@@ -112,6 +112,10 @@ pub(crate) struct Cli {
     /// FP8: round scales up to powers of two.
     #[arg(long)]
     pub(crate) round_scale: bool,
+    /// GPU backend, FP8, one process: recv_scales in DeepEP's column-major layout (word strides
+    /// R*T*G, 1, R*T), as the Python Buffer and DeepGEMM take them; the default is row-major.
+    #[arg(long)]
+    pub(crate) scales_column_major: bool,
     /// FP8: pack scales as UE8M0 exponent bytes (requires --round-scale).
     #[arg(long)]
     pub(crate) ue8m0: bool,

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use crate::checks::{
     check_memory, multiproc_config, refuse_in_multiproc, refuse_in_single, refuse_logfmt_over_nccl,
-    refuse_nccl_sizes, refuse_on_backend,
+    refuse_nccl_sizes, refuse_on_backend, refuse_scales_layout,
 };
 use crate::cli::{BackendArg, Cli, Given, TimingArg, MAX_TIMEOUT_SECS};
 use clap::{CommandFactory, FromArgMatches};
@@ -105,6 +105,9 @@ fn main() -> ExitCode {
         return fail(e, 2);
     }
     if let Err(e) = refuse_logfmt_over_nccl(&cli, &given) {
+        return fail(e, 2);
+    }
+    if let Err(e) = refuse_scales_layout(mode, &given) {
         return fail(e, 2);
     }
     let launched = ep_launch::is_launched_externally();
@@ -215,6 +218,7 @@ fn main() -> ExitCode {
                 TimingArg::Stream => Some(false),
             },
             nccl: (cli.transport == Transport::Nccl).then(|| cli.nccl_sizes.unwrap_or_default()),
+            scales_column_major: cli.scales_column_major,
         });
     }
     let choice = match cli.backend {
