@@ -158,6 +158,14 @@ fn bad(name: &str, what: impl Into<String>) -> PyErr {
     to_py(BindError::argument(name, what))
 }
 
+/// An entry's result pointer `name`: non-null and aligned, else the entry's ArgumentError.
+fn result_slot<T>(p: *mut T, name: &str) -> PyResult<()> {
+    if p.is_null() || !p.is_aligned() {
+        return Err(bad(name, "a null or misaligned result pointer"));
+    }
+    Ok(())
+}
+
 /// Runs an entry's body: 0 on success, else -1 with its error (or a panic, as `PanicException`)
 /// set as the Python exception.
 fn entry(body: impl FnOnce(Python<'_>) -> PyResult<()>) -> c_int {
@@ -339,9 +347,7 @@ unsafe extern "C" fn c_dispatch(
     out: *mut DispatchOut,
 ) -> c_int {
     entry(|py| {
-        if out.is_null() || !out.is_aligned() {
-            return Err(bad("out", "a null or misaligned result pointer"));
-        }
+        result_slot(out, "out")?;
         if send_only > 1 {
             return Err(bad("send_only", format!("{send_only}, expected 0 or 1")));
         }
@@ -379,9 +385,7 @@ unsafe extern "C" fn c_combine(
     id: *mut u64,
 ) -> c_int {
     entry(|py| {
-        if id.is_null() || !id.is_aligned() {
-            return Err(bad("id", "a null or misaligned result pointer"));
-        }
+        result_slot(id, "id")?;
         if flags & !(COMBINE_SEND_ONLY | COMBINE_LOGFMT) != 0 {
             return Err(bad(
                 "flags",
@@ -412,9 +416,7 @@ unsafe extern "C" fn c_recv(
     enqueued: *mut u32,
 ) -> c_int {
     entry(|py| {
-        if enqueued.is_null() || !enqueued.is_aligned() {
-            return Err(bad("enqueued", "a null or misaligned result pointer"));
-        }
+        result_slot(enqueued, "enqueued")?;
         let op = Op::from_code(op)
             .ok_or_else(|| bad("op", format!("{op}, expected 0 (dispatch) or 1 (combine)")))?;
         with_rank(py, rank, |r| {
@@ -434,9 +436,7 @@ unsafe extern "C" fn c_echo(
 ) -> c_int {
     use pyo3::types::PyList;
     entry(|py| {
-        if out.is_null() || !out.is_aligned() {
-            return Err(bad("out", "a null or misaligned result pointer"));
-        }
+        result_slot(out, "out")?;
         // SAFETY: as in `c_dispatch` (any count).
         let descs = unsafe { descriptors(tensors, count, None) }?;
         let list = PyList::empty(py);
