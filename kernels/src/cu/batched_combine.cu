@@ -72,7 +72,7 @@ __device__ __forceinline__ CombinePre combine_preload(const KParams& p, const Ca
     pre.pv1 = tid + NTHREADS < TKi ? topk[tid + NTHREADS] : -1;
     pre.pp1 = tid + NTHREADS < TKi ? cpos[tid + NTHREADS] : -1;
     pre.slot = SlotLoad{-1, 0};
-    const int t0 = (c.bid * NWARPS + (tid >> 5)) / slot_chunks(p), lane = tid & 31;
+    const int t0 = spread_warp(p, c.bid) / slot_chunks(p), lane = tid & 31;
     if (STAGE != 1 && !table && lane < p.K && t0 < p.T) pre.slot = slot_load(p, c, t0 * p.K + lane);
     return pre;
 }
@@ -244,17 +244,18 @@ __device__ __forceinline__ void combine_send(const KParams& p, const Call& c, bo
 // its weight, and the warp takes both by shuffles. `g`: the owners masked or lost in this call.
 template <int NC, int KM>
 __device__ __forceinline__ void reduce_slots(const KParams& p, const Call& c, SlotLoad sl, PeerSet g, const u64* ys) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     const int H = p.H, K = p.K;
     const float* wts = (const float*)c.io.weights;
     u16* out = (u16*)c.io.out;
     const int span = NC * 256;
     const int chunks = (H + span - 1) / span;  // slot_chunks(p)
     const int units = c.n * chunks, nw = p.blocks_per_rank * NWARPS;
-    for (int u = c.bid * NWARPS + warp; u < units; u += nw) {
+    const int u_first = spread_warp(p, c.bid);
+    for (int u = u_first; u < units; u += nw) {
         const int t = u / chunks;
         const int i = t * K + lane;
-        if (lane < K && u != c.bid * NWARPS + warp) sl = slot_load(p, c, i);
+        if (lane < K && u != u_first) sl = slot_load(p, c, i);
         const u64 row = lane < K ? slot_row(p, c, sl, i, g, ys) : 0;
         const float wl = lane < K ? wts[i] : 0.0f;
         const u32 valid = __ballot_sync(0xffffffffu, row != 0);

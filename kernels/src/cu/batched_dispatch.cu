@@ -622,7 +622,7 @@ __device__ __forceinline__ void receive_batches(const KParams& p, Call& c, const
     // Units u0 + q*nw (q < 4, so that every warp gets work). The first four units' loads go out
     // now, ahead of the row counts they need.
     XUnit xq[4];
-    int u0 = c.bid * NWARPS + (threadIdx.x >> 5);
+    int u0 = spread_warp(p, c.bid);
 #pragma unroll
     for (int q = 0; q < 4; q++)
         if (u0 + q * nw < units) load_unit(p, c, u0 + q * nw, Cx, rcx, xq[q]);
@@ -638,7 +638,7 @@ __device__ __forceinline__ void receive_batches(const KParams& p, Call& c, const
             if (u0 + q * nw < units) load_unit(p, c, u0 + q * nw, Cx, rcx, xq[q]);
     }
     // The tails: unit units + j is entry j's, on the warp that unit index falls to.
-    int ut = c.bid * NWARPS + (threadIdx.x >> 5);
+    int ut = spread_warp(p, c.bid);
     if (ut < units) ut += (units - ut + nw - 1) / nw * nw;
     for (; ut < units + entries; ut += nw) store_tail(p, c, ut - units);
 }
@@ -653,7 +653,7 @@ __device__ __forceinline__ void dispatch_call(const KParams& p, Call& c, const D
     // This warp's first send unit (token, 512-channel segment): its x loads are issued now and
     // stay in flight through the routing set-up (reads only: nothing is written before the checks).
     const int segs = (p.H + 511) / 512;
-    const int u_first = c.bid * NWARPS + (tid >> 5);
+    const int u_first = spread_warp(p, c.bid);
     // One rank, whole call, no NCCL: the rank is its only destination and source, and its rows
     // go straight to the canonical layout (direct_rows).
 #if WIDE

@@ -647,6 +647,13 @@ __device__ __forceinline__ void sum_span(const uint4 (&yv)[NC][KM], const float 
         *(uint4*)(out_row + c) = o;
     }
 }
+// This warp's index among the rank's warps for spreading work units: numbered across the blocks
+// first (warp w of block b is w * blocks + b), so that fewer units than warps land on every block
+// (SM) alike rather than filling the first blocks and leaving the last idle: the per-SM store
+// and load traffic of a phase is then even, and no few SMs do all of a phase's last units.
+__device__ __forceinline__ int spread_warp(const KParams& p, int bid) {
+    return (int)(threadIdx.x >> 5) * p.blocks_per_rank + bid;
+}
 // The combine reduction of docs/contract.md for the tokens of one rank: for each token t and channel h,
 // acc = 0; for k ascending over valid slots: acc = fmaf(w[t][k], float(y_row(t,k)[h]), acc);
 // out = bf16_rne(acc). `rowbase[k]` is computed by the caller's functor ROW(t, k) -> row pointer.
