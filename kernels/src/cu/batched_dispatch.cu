@@ -525,31 +525,37 @@ __device__ __forceinline__ void load_unit(const KParams& p, const Call& c, int u
     const int off = ch * 512 + lane * 16;
     if (off < p.xrow) x.v = *(const uint4*)(h + HDR_BYTES + off);
 }
+// Slot `lane`'s place (lanes < K whose slot is bound here, lx != NO_LOCAL): the row within local
+// expert lx's region (r) and the row of the whole receive area (l * R * T + r). Every slot lane
+// computes its own at once, so that the stores below take them by shuffles and no store waits
+// on a chain of shared-memory loads (the per-slot chain cost about 0.12 us a slot at T = 1).
+__device__ __forceinline__ u64 place_of(const KParams& p, const Call& c, u32 lx, u32 ix, int s, int& r) {
+    r = 0;
+    if (lx == NO_LOCAL) return 0;
+    r = c.sm.beg[lx * p.R + s] + (int)ix;
+    return (u64)lx * ((u64)p.R * p.T) + (u64)r;
+}
 // A loaded unit's stores: its payload bytes into the row of every slot it is bound for.
 __device__ __forceinline__ void store_unit(const KParams& p, const Call& c, const XUnit& x) {
     const int lane = threadIdx.x & 31;
-    const u64 RT = (u64)p.R * p.T;
-    const int s = x.s;
-    const u32 lx = checked_slot(p, c, x.lx, x.ix, s);
+    const u32 lx = checked_slot(p, c, x.lx, x.ix, x.s);
+    int r;
+    const u64 rk = place_of(p, c, lx, x.ix, x.s, r);
     const int off = x.c * 512 + lane * 16;
     const u32 slots = __ballot_sync(0xffffffffu, lx != NO_LOCAL);
+    u8* base = (u8*)c.io.recv_x + off;
     for (u32 m = slots; m != 0u; m &= m - 1u) {
-        const int k = __ffs(m) - 1;
-        const int l = __shfl_sync(0xffffffffu, (int)lx, k);
-        const int i = __shfl_sync(0xffffffffu, (int)x.ix, k);
-        const u64 row = (u64)l * RT + c.sm.beg[l * p.R + s] + i;
-        if (off < p.xrow) *(uint4*)((u8*)c.io.recv_x + row * p.xrow + off) = x.v;
+        const u64 row = __shfl_sync(0xffffffffu, rk, __ffs(m) - 1);
+        if (off < p.xrow) *(uint4*)(base + row * p.xrow) = x.v;
     }
 }
 // The tail of entry j: the scales (loaded once, up to 128 words: 4 per lane, and stored to every
 // slot's row; wider rows copy them word by word), the row itself when rows are not 16-byte
-// multiples, and the places combine reads back.
+// multiples, and the places combine reads back (lane k stores slot k's).
 __device__ __forceinline__ void store_tail(const KParams& p, const Call& c, int j) {
-    const Smem& sm = c.sm;
     const RankPtrs& me = c.me;
     const IoPtrs& io = c.io;
-    const int R = p.R, K = p.K, T = p.T, rank = c.rank, lane = threadIdx.x & 31;
-    const u64 RT = (u64)R * T;
+    const int K = p.K, T = p.T, rank = c.rank, lane = threadIdx.x & 31;
     const int TK = T * K;
     const bool vec = (p.xrow & 15) == 0;
     int s;
@@ -577,28 +583,32 @@ __device__ __forceinline__ void store_tail(const KParams& p, const Call& c, int 
         if (lane == 0) report_error(p, ERR_PEER_DATA, rank, s, PF_HDR_TOKEN, (u32)t, 0u, (u32)(T - 1));
         return;
     }
-    for (u32 m = slots; m != 0u; m &= m - 1u) {
-        const int k = __ffs(m) - 1;
-        const int l = __shfl_sync(0xffffffffu, (int)lx, k);
-        const int r = sm.beg[l * R + s] + __shfl_sync(0xffffffffu, (int)ix, k);
-        const u64 row = (u64)l * RT + r;
-        if (!vec) warp_copy((u8*)io.recv_x + row * p.xrow, h + HDR_BYTES, p.xrow);
-        if (p.spr) {
-            const ScaleRow dst = scale_row(p, (void*)io.recv_scales, (u64)l, (u64)r);
-            if (sreg) {
+    int r;
+    const u64 rk = place_of(p, c, lx, ix, s, r);
+    if (lx != NO_LOCAL) {
+        ((int*)io.src_info)[rk] = t;
+        ((int*)me.row_tk)[rk] = t * K + lane;
+        ((int*)me.comb_map)[(u64)s * TK + sel + __popc(slots & ((1u << lane) - 1u))] = (int)rk;
+    }
+    if (!vec)
+        for (u32 m = slots; m != 0u; m &= m - 1u)
+            warp_copy((u8*)io.recv_x + __shfl_sync(0xffffffffu, rk, __ffs(m) - 1) * p.xrow, h + HDR_BYTES, p.xrow);
+    if (!p.spr) return;
+    // Slot `lane`'s scale row; the warp stores each slot's in turn.
+    const ScaleRow mine = scale_row(p, (void*)io.recv_scales, lx == NO_LOCAL ? 0 : (u64)lx, (u64)r);
+    if (sreg) {
+        for (u32 m = slots; m != 0u; m &= m - 1u) {
+            u32* dst = (u32*)__shfl_sync(0xffffffffu, (u64)mine.p, __ffs(m) - 1);
 #pragma unroll
-                for (int z = 0; z < 4; z++) {
-                    const int w = z * 32 + lane;
-                    if (w < p.spr) dst.p[w * dst.step] = sv[z];
-                }
-            } else {
-                for (int z = lane; z < p.spr; z += 32) dst.p[z * dst.step] = src[z];
+            for (int z = 0; z < 4; z++) {
+                const int w = z * 32 + lane;
+                if (w < p.spr) dst[w * mine.step] = sv[z];
             }
         }
-        if (lane == 0) {
-            ((int*)io.src_info)[row] = t;
-            ((int*)me.row_tk)[row] = t * K + k;
-            ((int*)me.comb_map)[(u64)s * TK + sel + __popc(slots & ((1u << k) - 1u))] = (int)row;
+    } else {
+        for (u32 m = slots; m != 0u; m &= m - 1u) {
+            u32* dst = (u32*)__shfl_sync(0xffffffffu, (u64)mine.p, __ffs(m) - 1);
+            for (int z = lane; z < p.spr; z += 32) dst[z * mine.step] = src[z];
         }
     }
 }
