@@ -20,8 +20,10 @@ use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-/// Shared types, signals, bounded waits, bf16 rounding, the combine reduction.
+/// Shared types, signals, bounded waits, bf16 rounding, block helpers, the shared-memory carve-up.
 pub const COMMON_CUH: &str = include_str!("cu/common.cuh");
+/// The combine reduction of docs/contract.md (4): the weighted sums over a token's slots.
+pub const REDUCE_CUH: &str = include_str!("cu/reduce.cuh");
 /// Shrink mode: the rank mask, the blocks' agreement on a lost peer, the lost-peer set.
 pub const SHRINK_CUH: &str = include_str!("cu/shrink.cuh");
 /// What a rank whose group failed stores instead of its signals (the poison of a call).
@@ -37,8 +39,8 @@ pub const LOGFMT_CUH: &str = include_str!("cu/logfmt.cuh");
 /// the acknowledgement wait, the last block out's epoch and acknowledgements.
 pub const FRAME_CUH: &str = include_str!("cu/frame.cuh");
 /// The shared headers, in the order every family is compiled with them.
-pub const HEADERS: [&str; 7] = [
-    COMMON_CUH, SHRINK_CUH, POISON_CUH, FP8_CUH, STATS_CUH, LOGFMT_CUH, FRAME_CUH,
+pub const HEADERS: [&str; 8] = [
+    COMMON_CUH, REDUCE_CUH, SHRINK_CUH, POISON_CUH, FP8_CUH, STATS_CUH, LOGFMT_CUH, FRAME_CUH,
 ];
 
 /// One module: a `.cu` file and the kernels it defines.
