@@ -91,10 +91,15 @@ pub const PER_EXPERT: Family = Family {
 };
 pub const BATCHED: Family = Family {
     name: "batched.cu",
-    // One module of three files: the overview and declarations, then each operation's body.
+    // One module of seven files: the overview and declarations, then each operation's set-up
+    // and send, its receive, and the call that runs them (pplx-garden's split by phase).
     source: concat!(
         include_str!("cu/batched.cu"),
+        include_str!("cu/batched_dispatch_send.cu"),
+        include_str!("cu/batched_dispatch_recv.cu"),
         include_str!("cu/batched_dispatch.cu"),
+        include_str!("cu/batched_combine_send.cu"),
+        include_str!("cu/batched_combine_recv.cu"),
         include_str!("cu/batched_combine.cu")
     ),
     kernels: &[

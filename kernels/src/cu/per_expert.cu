@@ -35,10 +35,10 @@ __global__ void __launch_bounds__(NTHREADS, EP_MIN_BLOCKS) combine(KParams p, Io
 // (a failed group, bad input, or a failed wait).
 __device__ __forceinline__ bool pe_dispatch_checked(const KParams& p, Call& c) {
     // Bad routing (or token count) is caught here, before anything is written (see
-    // batched_dispatch.cu).
+    // batched_dispatch_send.cu).
     const int in_bad = __syncthreads_or(load_topk<true>(p, (const i64*)c.io.topk, c.n, c.sm.sk, c.rank, false, PlaceOwner{c.sm.sdl, p.L})) | s_bad<KIND>;
     // A failed group, or this call's bad input, sends nothing valid: the poison instead of
-    // this call's signals (see batched_dispatch.cu). loom: gpu_protocol::poison_signals, model
+    // this call's signals (see batched_dispatch_send.cu). loom: gpu_protocol::poison_signals, model
     // per_expert_failed_rank_poisons_enqueued_calls.
     if (s_fail<KIND> || in_bad) {
         poison_peers(p, c.tab, KIND, c.rank, c.gone0, c.epoch);
