@@ -1,15 +1,17 @@
 """Runs DeepEP's own low-latency test, unmodified, on ep_dispatch (and on DeepEP beside it).
 
     python python/deepep_compat/run.py DEEPEP_CHECKOUT [--impl ours|deepep|both] [--log-dir D]
-                                       [-- test_low_latency.py's arguments]
+                                       [--host-timing] [-- test_low_latency.py's arguments]
 
 DEEPEP_CHECKOUT is a DeepEP source tree (v1, e.g. commit 567632d); nothing of it is copied here.
 `--impl ours` runs DEEPEP_CHECKOUT/tests/test_low_latency.py with `import deep_ep` resolved to
 ep_dispatch (the shim package beside this script, first on PYTHONPATH); `--impl deepep` runs it
 on DeepEP's own build (`python setup.py build_ext --inplace` in the checkout); `both` runs one
 after the other and prints the lines the test prints per rank (the round trip by CUDA events,
-the kernel times and the hook split from the profiler) side by side. Exit status: 0 when every
-run exited 0.
+the kernel times and the hook split from the profiler) side by side. `--host-timing` also times, inside the test's own processes, the host
+time of every `low_latency_dispatch` / `low_latency_combine` call and of each receive hook
+(host_timing/sitecustomize.py, the same wrapper for both implementations) and adds their
+medians to the table. Exit status: 0 when every run exited 0.
 """
 
 import argparse
@@ -33,11 +35,16 @@ FIGURES = [
 ]
 
 
-def env_for(impl, checkout):
+# `--host-timing`'s lines (host_timing/sitecustomize.py): per rank, method and hooks flag.
+HOST = r"\[host-timing\] rank \S+ (.+?) hooks=(\w+): calls \d+, median ([\d.]+) us"
+
+
+def env_for(impl, checkout, host_timing=False):
     env = dict(os.environ)
     first = str(HERE) if impl == "ours" else str(checkout)
+    timing = str(HERE / "host_timing") if host_timing else ""
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (first, str(checkout / "tests"), env.get("PYTHONPATH", "")) if p)
+        p for p in (timing, first, str(checkout / "tests"), env.get("PYTHONPATH", "")) if p)
     return env
 
 
@@ -51,7 +58,7 @@ def resolved(impl, checkout):
     return out.stdout.strip()
 
 
-def run(impl, checkout, test_args, log_dir):
+def run(impl, checkout, test_args, log_dir, host_timing=False):
     where = resolved(impl, checkout)
     want = str(HERE) if impl == "ours" else str(checkout)
     if not where.startswith(want):
@@ -61,7 +68,7 @@ def run(impl, checkout, test_args, log_dir):
           flush=True)
     log = log_dir / f"test_low_latency-{impl}.log" if log_dir else None
     lines = []
-    with subprocess.Popen(cmd, cwd=checkout / "tests", env=env_for(impl, checkout),
+    with subprocess.Popen(cmd, cwd=checkout / "tests", env=env_for(impl, checkout, host_timing),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
         for line in p.stdout:
             sys.stdout.write(f"[{impl}] {line}")
@@ -78,6 +85,12 @@ def figures(lines):
     for name, pat in FIGURES:
         vals = [float(m.group(1)) for line in lines if (m := re.search(pat, line))]
         out[name] = sum(vals) / len(vals) if vals else None
+    host = {}
+    for line in lines:
+        if m := re.search(HOST, line):
+            host.setdefault(f"host: {m.group(1)}{' (hooks)' if m.group(2) == 'True' else ''}",
+                            []).append(float(m.group(3)))
+    out.update({name: sum(v) / len(v) for name, v in sorted(host.items())})
     return out
 
 
@@ -86,6 +99,8 @@ def main(argv=None):
     ap.add_argument("checkout", type=Path, help="a DeepEP source tree (v1)")
     ap.add_argument("--impl", choices=["ours", "deepep", "both"], default="ours")
     ap.add_argument("--log-dir", type=Path, help="write each run's whole output here")
+    ap.add_argument("--host-timing", action="store_true",
+                    help="also time each Buffer call's host time inside the test's processes")
     argv = list(sys.argv[1:] if argv is None else argv)
     test_args = argv[argv.index("--") + 1:] if "--" in argv else []
     a = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -96,12 +111,14 @@ def main(argv=None):
     if a.log_dir:
         a.log_dir.mkdir(parents=True, exist_ok=True)
     impls = ["ours", "deepep"] if a.impl == "both" else [a.impl]
-    results = {impl: run(impl, checkout, a.test_args, a.log_dir) for impl in impls}
+    results = {impl: run(impl, checkout, a.test_args, a.log_dir, a.host_timing) for impl in impls}
     table = {impl: figures(lines) for impl, (_, lines) in results.items()}
     print(f"\n== test_low_latency.py {' '.join(a.test_args)}: mean over ranks, us")
     print(f"{'':34}" + "".join(f"{impl:>12}" for impl in impls))
-    for name, _ in FIGURES:
-        cells = [table[i][name] for i in impls]
+    extra = {n for t in table.values() for n in t} - {n for n, _ in FIGURES}
+    names = [n for n, _ in FIGURES] + sorted(extra)
+    for name in names:
+        cells = [table[i].get(name) for i in impls]
         print(f"{name:34}" + "".join(f"{'-' if c is None else f'{c:.2f}':>12}" for c in cells))
     for impl, (rc, _) in results.items():
         print(f"{impl}: exit {rc}")
