@@ -10,7 +10,8 @@
 #   bash scripts/gpu/beside-deepep.sh BIN_DIR DEEPEP_SRC        (BIN_DIR from pack.sh with a wheel)
 #
 # BESIDE_STEPS="test bench strides" picks steps; BESIDE_TEST_VARIANTS="plain logfmt" the test's
-# runs; BESIDE_TEST_ARGS / BESIDE_BENCH_ARGS add arguments. Logs and a summary go to $OUT (at most 8 files come back).
+# runs ("host": the plain test with run.py --host-timing, each Buffer call's host time inside the
+# test's processes; a run of its own, since the timing wrapper adds a frame to every call); BESIDE_TEST_ARGS / BESIDE_BENCH_ARGS add arguments. Logs and a summary go to $OUT (at most 8 files come back).
 set -u
 BIN=$(cd "${1:?usage: beside-deepep.sh BIN_DIR DEEPEP_SRC}" && pwd)
 SRC=$(cd "${2:?usage: beside-deepep.sh BIN_DIR DEEPEP_SRC}" && pwd)
@@ -43,9 +44,10 @@ fi
 if [[ " $STEPS " == *" test "* ]]; then
   for variant in ${BESIDE_TEST_VARIANTS:-plain logfmt}; do
     extra=""; [ "$variant" = logfmt ] && extra="--use-logfmt"
-    name=test${extra:+-logfmt}
-    say "[$(el) s] DeepEP's test_low_latency.py $extra on ours and on DeepEP"
-    timeout 240 "$PY" "$BIN/python/deepep_compat/run.py" "$SRC" --impl both \
+    timing=""; [ "$variant" = host ] && timing="--host-timing"
+    name=test${extra:+-logfmt}${timing:+-host}
+    say "[$(el) s] DeepEP's test_low_latency.py $extra $timing on ours and on DeepEP"
+    timeout 240 "$PY" "$BIN/python/deepep_compat/run.py" "$SRC" --impl both $timing \
       --log-dir "$OUT/$name" -- --num-processes 1 --num-experts 256 $extra ${BESIDE_TEST_ARGS:-} \
       > "$OUT/$name.log" 2>&1
     say "  rc=$?"
