@@ -17,13 +17,14 @@
 //! naming its tensor.
 
 use super::exceptions::to_py;
-use super::rank::{format_of, Enqueue, GpuRank, Held, Op};
+use super::rank::{format_of, Enqueue, GpuRank, Held};
 use super::reader::{COMBINE_TENSORS, DISPATCH_TENSORS};
 #[cfg(feature = "testing")]
 use super::stand_in::StandInRank;
 use super::tensors::{dtype_text, not_a_tensor};
 use crate::error::BindError;
 use crate::tensor::{Dtype, Meta};
+use ep_reference::Op;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use std::ffi::CStr;
@@ -417,8 +418,16 @@ unsafe extern "C" fn c_recv(
 ) -> c_int {
     entry(|py| {
         result_slot(enqueued, "enqueued")?;
-        let op = Op::from_code(op)
-            .ok_or_else(|| bad("op", format!("{op}, expected 0 (dispatch) or 1 (combine)")))?;
+        let op = match op {
+            0 => Op::Dispatch,
+            1 => Op::Combine,
+            _ => {
+                return Err(bad(
+                    "op",
+                    format!("{op}, expected 0 (dispatch) or 1 (combine)"),
+                ))
+            }
+        };
         with_rank(py, rank, |r| {
             let done = r.enqueue_recv(py, stream, op, id)?;
             // SAFETY: `enqueued` is non-null and aligned (checked), the caller's result slot.

@@ -19,7 +19,7 @@ use crate::keywords;
 use crate::spec::{CombineMetas, CombinePtrs, DispatchMetas, DispatchPtrs};
 use crate::tensor::Meta;
 use crate::tensor::{check, Dtype, Layout, Want};
-use ep_reference::{CombineFormat, Config};
+use ep_reference::{CombineFormat, Config, Op};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 use std::time::Duration;
@@ -362,32 +362,6 @@ fn hold(ts: &[&Bound<'_, PyAny>], opt: &[Option<&Bound<'_, PyAny>>]) -> Held {
         .map(|t| Bound::clone(t).unbind())
         .chain(opt.iter().flatten().map(|t| Bound::clone(t).unbind()))
         .collect()
-}
-
-/// Which operation a receive half completes (the C ABI's `recv` entry: 0 dispatch, 1 combine).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Op {
-    Dispatch,
-    Combine,
-}
-
-impl Op {
-    /// The C ABI's code of the operation, or None for a code that names none.
-    pub(super) fn from_code(code: u32) -> Option<Op> {
-        match code {
-            0 => Some(Op::Dispatch),
-            1 => Some(Op::Combine),
-            _ => None,
-        }
-    }
-
-    /// "dispatch" or "combine", as the errors name the operation.
-    pub(super) fn name(self) -> &'static str {
-        match self {
-            Op::Dispatch => "dispatch",
-            Op::Combine => "combine",
-        }
-    }
 }
 
 /// What a rank does with a call's checked addresses: the native methods below and the C ABI's

@@ -19,11 +19,11 @@
 //! `dispatch_recv` / `combine_recv` are the same receive halves as `GpuRank`'s methods; every
 //! other attribute (`poll`, ...) is the target's.
 
-use super::rank::{combine_addrs, dispatch_addrs, CallSpec, Enqueue, Held, Op};
+use super::rank::{combine_addrs, dispatch_addrs, CallSpec, Enqueue, Held};
 use crate::error::BindError;
 use crate::spec::{CombinePtrs, DispatchPtrs};
 use ep_kernels::GpuError;
-use ep_reference::CombineFormat;
+use ep_reference::{CombineFormat, Op};
 use pyo3::intern;
 use pyo3::prelude::*;
 use std::collections::VecDeque;
@@ -208,7 +208,7 @@ impl Enqueue for StandInRank {
         if due || (id >= 1 && id < next) {
             return Ok(due);
         }
-        let m = format!("{} {id} was never sent by this rank", op.name());
+        let m = format!("{op} {id} was never sent by this rank");
         Err(to_py(BindError::argument("hook", m)))
     }
 }
