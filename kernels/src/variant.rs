@@ -110,27 +110,25 @@ impl Variant {
     /// Every build the runtime may load, at stage 0 (the compile check builds them all, and the
     /// batched family of each at every stage): each size build, general and plain.
     pub fn all() -> [Variant; 12] {
-        let v = |wide, wide_io, one_io, two_blocks, plain| Variant {
-            wide,
-            wide_io,
-            one_io,
-            two_blocks,
-            plain,
-            stage: 0,
-        };
-        [
-            v(false, false, false, false, false),
-            v(false, false, true, false, false),
-            v(true, false, false, false, false),
-            v(true, false, true, false, false),
-            v(true, true, false, false, false),
-            v(true, true, false, true, false),
-            v(false, false, false, false, true),
-            v(false, false, true, false, true),
-            v(true, false, false, false, true),
-            v(true, false, true, false, true),
-            v(true, true, false, false, true),
-            v(true, true, false, true, true),
-        ]
+        // (wide, wide_io, one_io, two_blocks) of each size build: the six general, then the six plain.
+        const SIZES: [(bool, bool, bool, bool); 6] = [
+            (false, false, false, false),
+            (false, false, true, false),
+            (true, false, false, false),
+            (true, false, true, false),
+            (true, true, false, false),
+            (true, true, false, true),
+        ];
+        std::array::from_fn(|i| {
+            let (wide, wide_io, one_io, two_blocks) = SIZES[i % SIZES.len()];
+            Variant {
+                wide,
+                wide_io,
+                one_io,
+                two_blocks,
+                plain: i >= SIZES.len(),
+                stage: 0,
+            }
+        })
     }
 }
