@@ -233,8 +233,10 @@ struct RecvHook {
 
 PyTypeObject kRecvHookType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
-// A new hook of send half `id` of `op` on `rank`; null with the exception set.
-PyObject* new_hook(PyObject* rank, int64_t device, uint64_t id, uint32_t op) {
+// What a call returns as its hook: for a send half (`send`) a new hook of send half `id` of `op`
+// on `rank`, else None; a new reference, or null with the exception set.
+PyObject* hook_of(bool send, PyObject* rank, int64_t device, uint64_t id, uint32_t op) {
+  if (!send) Py_RETURN_NONE;
   RecvHook* h = PyObject_New(RecvHook, &kRecvHookType);
   if (h == nullptr) return nullptr;
   Py_INCREF(rank);
@@ -365,14 +367,8 @@ PyObject* ep_dispatch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Ref id(PyLong_FromUnsignedLongLong(res.id));
   Ref n(PyLong_FromUnsignedLongLong(res.num_tokens));
   if (!id.p || !n.p) return nullptr;
-  Ref hook;
-  if (send_only) {
-    hook = Ref(new_hook(args[0], device, res.id, kOpDispatch));
-    if (!hook.p) return nullptr;
-  } else {
-    Py_INCREF(Py_None);
-    hook = Ref(Py_None);
-  }
+  Ref hook(hook_of(send_only != 0, args[0], device, res.id, kOpDispatch));
+  if (!hook.p) return nullptr;
   Ref out;
   if (fp8) {
     out = Ref(PyTuple_New(2));
@@ -432,14 +428,8 @@ PyObject* ep_combine(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   uint64_t id = 0;
   if (g_api->combine(args[0], stream, handle, static_cast<uint32_t>(flags), d, 5, keep, &id) != 0)
     return nullptr;
-  Ref hook;
-  if (flags & 1u) {
-    hook = Ref(new_hook(args[0], device, id, kOpCombine));
-    if (!hook.p) return nullptr;
-  } else {
-    Py_INCREF(Py_None);
-    hook = Ref(Py_None);
-  }
+  Ref hook(hook_of((flags & 1u) != 0, args[0], device, id, kOpCombine));
+  if (!hook.p) return nullptr;
   PyObject* t = PyTuple_New(2);
   if (!t) return nullptr;
   PyTuple_SET_ITEM(t, 0, out.take());
