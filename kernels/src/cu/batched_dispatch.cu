@@ -22,7 +22,7 @@ __device__ __forceinline__ void dispatch_call(const KParams& p, Call& c, const D
     const bool direct = p.R == 1 && STAGE == 0 && p.nccl_mask[0] == 0u;
 #endif
     Seg x0 = {};
-    if (STAGE != 2 && u_first < n * segs) x0 = seg_fetch(p, (const u16*)io.x + (u64)(u_first / segs) * p.H, (u_first % segs) * 512);
+    if (STAGE != 2 && u_first < n * segs) x0 = unit_fetch(p, io, u_first, segs);
     // The receive half (stage 2) skips the routing set-up: it reads only the counts and the
     // batches its sources sent (a failed group: nothing; poison_peers sends nothing in stage 2).
     if (STAGE == 2) {

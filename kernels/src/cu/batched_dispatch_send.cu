@@ -185,6 +185,13 @@ __device__ __forceinline__ bool dispatch_checked(const KParams& p, Call& c, cons
     return !__syncthreads_or(wait_acks<KIND>(p, c, PH_DISPATCH_SEND, pre.ack));
 }
 
+// The x segment of send unit u (token u / segs, 512-channel segment u % segs; segs per row),
+// fetched (seg_fetch: its loads stay in flight): the unit loops below fetch the next unit's while
+// they store this one's, and dispatch_call fetches a warp's first at the start.
+__device__ __forceinline__ Seg unit_fetch(const KParams& p, const IoPtrs& io, int u, int segs) {
+    return seg_fetch(p, (const u16*)io.x + (u64)(u / segs) * p.H, (u % segs) * 512);
+}
+
 // One rank, whole call, no NCCL: the rank is its only destination and source, and its rows go
 // straight from x to the canonical layout (begin(l, 0) = 0: the row of (t, k) is its index within
 // its expert); no batch, no signal, no expansion. `nxt`: this warp's first unit's x segment,
@@ -204,7 +211,7 @@ __device__ __forceinline__ void direct_rows(const KParams& p, const Call& c, Seg
         // This unit's x segment was fetched one step ahead; the next one's loads go out now,
         // before this unit's stores.
         Seg sg = nxt;
-        if (u + stride < n * segs) nxt = seg_fetch(p, (const u16*)io.x + (u64)((u + stride) / segs) * p.H, ((u + stride) % segs) * 512);
+        if (u + stride < n * segs) nxt = unit_fetch(p, io, u + stride, segs);
         // this lane's slot (lanes < K): local expert and row, or -1
         int my_row = -1, my_l = 0;
         if (lane < K) {
@@ -273,7 +280,7 @@ __device__ __forceinline__ void send_batches(const KParams& p, const Call& c, Se
         // This unit's x segment was fetched one step ahead; the next one's loads go out now,
         // before this unit's stores.
         Seg sg = nxt;
-        if (u + stride < n * segs) nxt = seg_fetch(p, (const u16*)io.x + (u64)((u + stride) / segs) * p.H, ((u + stride) % segs) * 512);
+        if (u + stride < n * segs) nxt = unit_fetch(p, io, u + stride, segs);
 #if WIDE
         // The token's destinations, from its K slots (each at its first slot, below).
         bool any = false;
